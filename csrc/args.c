@@ -1,0 +1,147 @@
+/* args.c: argument checks shared by the entry points. They read only the
+ * structs the caller passed, never the data behind them. */
+#include <inttypes.h>
+#include <stdio.h>
+
+#include "imoe_internal.h"
+
+imoe_status imoe_check_exec(const imoe_exec *exec, imoe_error *err) {
+  if (exec == NULL || exec->device == IMOE_DEVICE_CPU) return IMOE_OK;
+  if (exec->device == IMOE_DEVICE_CUDA) {
+#ifdef IMOE_WITH_CUDA
+    return IMOE_OK;
+#else
+    return imoe_fail(err, IMOE_ERR_UNSUPPORTED,
+                     "exec: this build of idempotent_moe has no CUDA support");
+#endif
+  }
+  return imoe_fail(err, IMOE_ERR_ARGUMENT, "exec: device %d is not an imoe_device_type",
+                   (int)exec->device);
+}
+
+imoe_status imoe_check_mode(imoe_mode mode, imoe_error *err) {
+  if (mode == IMOE_MODE_SWAP || mode == IMOE_MODE_MOVE) return IMOE_OK;
+  return imoe_fail(err, IMOE_ERR_ARGUMENT, "mode: %d is not an imoe_mode", (int)mode);
+}
+
+imoe_status imoe_check_buffers(const imoe_view *buffers, int32_t num_buffers, imoe_error *err) {
+  if (buffers == NULL) return imoe_fail(err, IMOE_ERR_ARGUMENT, "buffers is NULL");
+  if (num_buffers < 1 || num_buffers > IMOE_MAX_BUFFERS) {
+    return imoe_fail(err, IMOE_ERR_ARGUMENT, "num_buffers %d is outside [1, %d]", (int)num_buffers,
+                     IMOE_MAX_BUFFERS);
+  }
+  for (int32_t b = 0; b < num_buffers; b++) {
+    const imoe_view *v = &buffers[b];
+    char name[32];
+    snprintf(name, sizeof name, "buffers[%d]", (int)b);
+    imoe_status st = imoe_check_view(v, name, err);
+    if (st == IMOE_OK) st = imoe_check_writable(v, name, err);
+    if (st == IMOE_OK && b > 0) st = imoe_check_same_lead(v, name, &buffers[0], "buffers[0]", err);
+    if (st != IMOE_OK) return st;
+    if (v->n != buffers[0].n) {
+      return imoe_fail(err, IMOE_ERR_ARGUMENT,
+                       "%s: n = %" PRId64 " differs from buffers[0] n = %" PRId64, name, v->n,
+                       buffers[0].n);
+    }
+  }
+  return IMOE_OK;
+}
+
+static imoe_status check_options(const imoe_selection *sel, imoe_error *err) {
+  const int64_t c = sel->capacity, p = sel->protected_prefix, w = sel->recent_window;
+  if (c < 0) {
+    return imoe_fail(err, IMOE_ERR_ARGUMENT, "capacity is negative (%" PRId64 ")", c);
+  }
+  if (p < 0) {
+    return imoe_fail(err, IMOE_ERR_ARGUMENT, "protected_prefix is negative (%" PRId64 ")", p);
+  }
+  if (w < 0) {
+    return imoe_fail(err, IMOE_ERR_ARGUMENT, "recent_window is negative (%" PRId64 ")", w);
+  }
+  if (p > c || w > c - p) {
+    return imoe_fail(err, IMOE_ERR_ARGUMENT,
+                     "protected_prefix %" PRId64 " + recent_window %" PRId64
+                     " exceeds capacity %" PRId64,
+                     p, w, c);
+  }
+  if (sel->nan_policy != IMOE_NAN_ERROR && sel->nan_policy != IMOE_NAN_LOWEST) {
+    return imoe_fail(err, IMOE_ERR_ARGUMENT, "nan_policy %d is not an imoe_nan_policy",
+                     (int)sel->nan_policy);
+  }
+  return IMOE_OK;
+}
+
+static imoe_status check_scores(const imoe_view *scores, const imoe_view *ref, const char *ref_name,
+                                int64_t n, imoe_error *err) {
+  imoe_status st = imoe_check_view(scores, "scores", err);
+  if (st == IMOE_OK) st = imoe_check_typed(scores, "scores", IMOE_SCORE_DTYPES, err);
+  if (st == IMOE_OK) st = imoe_check_same_lead(scores, "scores", ref, ref_name, err);
+  if (st == IMOE_OK && scores->n != n) {
+    st = imoe_fail(err, IMOE_ERR_ARGUMENT, "scores: n = %" PRId64 " differs from N = %" PRId64,
+                   scores->n, n);
+  }
+  return st;
+}
+
+static imoe_status check_active(const imoe_selection *sel, const imoe_view *ref,
+                                const char *ref_name, imoe_error *err) {
+  const imoe_view *active = sel->active;
+  imoe_status st = imoe_check_view(active, "active", err);
+  if (st == IMOE_OK) st = imoe_check_typed(active, "active", IMOE_INDEX_DTYPES, err);
+  /* lead_ndim 0 is the shared [K] form, valid for any lead shape. */
+  if (st == IMOE_OK && active->lead_ndim != 0) {
+    st = imoe_check_same_lead(active, "active", ref, ref_name, err);
+  }
+  if (st != IMOE_OK) return st;
+  if (active->n != sel->capacity) {
+    return imoe_fail(err, IMOE_ERR_ARGUMENT, "active: K = %" PRId64 " must equal capacity %" PRId64,
+                     active->n, sel->capacity);
+  }
+  if (sel->protected_prefix != 0 || sel->recent_window != 0) {
+    return imoe_fail(err, IMOE_ERR_ARGUMENT,
+                     "active: protected_prefix and recent_window must be 0 with active indices");
+  }
+  return IMOE_OK;
+}
+
+imoe_status imoe_check_selection(const imoe_selection *sel, const imoe_view *ref,
+                                 const char *ref_name, int64_t n, int64_t *kept, imoe_error *err) {
+  if (sel == NULL) return imoe_fail(err, IMOE_ERR_ARGUMENT, "sel is NULL");
+  if ((sel->scores == NULL) == (sel->active == NULL)) {
+    return imoe_fail(err, IMOE_ERR_ARGUMENT, "sel: exactly one of scores and active must be set");
+  }
+  imoe_status st = check_options(sel, err);
+  if (st != IMOE_OK) return st;
+  st = sel->scores ? check_scores(sel->scores, ref, ref_name, n, err)
+                   : check_active(sel, ref, ref_name, err);
+  if (st != IMOE_OK) return st;
+  *kept = sel->capacity < n ? sel->capacity : n;
+  return IMOE_OK;
+}
+
+static imoe_status check_output(const imoe_view *v, const char *name, unsigned dtypes,
+                                const imoe_view *ref, const char *ref_name, int64_t n,
+                                imoe_error *err) {
+  imoe_status st = imoe_check_view(v, name, err);
+  if (st == IMOE_OK) st = imoe_check_typed(v, name, dtypes, err);
+  if (st == IMOE_OK) st = imoe_check_writable(v, name, err);
+  if (st == IMOE_OK) st = imoe_check_same_lead(v, name, ref, ref_name, err);
+  if (st == IMOE_OK && v->n != n) {
+    st = imoe_fail(err, IMOE_ERR_ARGUMENT, "%s: n = %" PRId64 " must be %" PRId64, name, v->n, n);
+  }
+  return st;
+}
+
+imoe_status imoe_check_map_outputs(const imoe_view *indices, const imoe_view *target_map,
+                                   const imoe_view *ref, const char *ref_name, int64_t n,
+                                   int64_t kept, imoe_error *err) {
+  imoe_status st = IMOE_OK;
+  if (indices != NULL) {
+    st = check_output(indices, "out_indices", IMOE_INDEX_DTYPES, ref, ref_name, kept, err);
+  }
+  if (st == IMOE_OK && target_map != NULL) {
+    st = check_output(target_map, "out_target_map", IMOE_DTYPE_BIT(IMOE_DTYPE_I32), ref, ref_name,
+                      n, err);
+  }
+  return st;
+}

@@ -1,0 +1,124 @@
+/* build.c: imoe_build_map and imoe_compact, the entry points that select. */
+#include "imoe_internal.h"
+
+#ifdef IMOE_WITH_CUDA
+#include "imoe_cuda.h"
+#endif
+
+typedef struct select_ctx {
+  const imoe_selection *sel;
+  int64_t n;    /* slots per row */
+  int64_t kept; /* C' */
+  const imoe_view *indices;
+  const imoe_view *target_map;
+} select_ctx;
+
+static imoe_status check_row(const void *vctx, int64_t row, unsigned char *mem, imoe_error *err) {
+  const select_ctx *ctx = vctx;
+  if (ctx->sel->scores != NULL) return imoe_check_scores_row(ctx->sel->scores, row, err);
+  const imoe_row_workspace ws = imoe_row_workspace_at(mem, ctx->n, 1);
+  return imoe_check_active_row(ctx->sel->active, row, ctx->n, ws.flags, err);
+}
+
+static imoe_status select_row(const void *vctx, int64_t row, unsigned char *mem, imoe_error *err) {
+  const select_ctx *ctx = vctx;
+  const imoe_row_workspace ws = imoe_row_workspace_at(mem, ctx->n, 1);
+  (void)err;
+  if (ctx->sel->scores != NULL) {
+    imoe_select_scores_row(ctx->sel, row, ctx->n, ws);
+  } else {
+    imoe_select_active_row(ctx->sel->active, row, ctx->n, ws.flags);
+  }
+  imoe_write_map_row(ws.flags, ctx->n, ctx->kept, ws.list, ctx->indices, ctx->target_map, row);
+  return IMOE_OK;
+}
+
+/* Rows whose data must be checked before anything is written: NaN scores
+ * (only under IMOE_NAN_ERROR), or active indices, once when shared. */
+static int64_t rows_to_check(const imoe_selection *sel, int64_t rows) {
+  if (sel->scores != NULL) return sel->nan_policy == IMOE_NAN_ERROR ? rows : 0;
+  return sel->active->lead_ndim == 0 ? 1 : rows;
+}
+
+imoe_status imoe_build_map(const imoe_selection *sel, const imoe_view *out_indices,
+                           const imoe_view *out_target_map, const imoe_exec *exec,
+                           imoe_error *err) {
+  if (sel == NULL) return imoe_fail(err, IMOE_ERR_ARGUMENT, "sel is NULL");
+  if ((sel->scores == NULL) == (sel->active == NULL)) {
+    return imoe_fail(err, IMOE_ERR_ARGUMENT, "sel: exactly one of scores and active must be set");
+  }
+  if (out_indices == NULL && out_target_map == NULL) {
+    return imoe_fail(err, IMOE_ERR_ARGUMENT,
+                     "out_indices and out_target_map are both NULL: give at least one");
+  }
+  if (sel->active != NULL && out_target_map == NULL) {
+    /* Only scores or the target map carry N, which active indices need for
+     * their range check. */
+    return imoe_fail(err, IMOE_ERR_ARGUMENT,
+                     "out_target_map is NULL: with active indices it is required (it gives N)");
+  }
+  const imoe_view *ref = out_indices ? out_indices : out_target_map;
+  const char *ref_name = out_indices ? "out_indices" : "out_target_map";
+  imoe_status st = imoe_check_view(ref, ref_name, err);
+  if (st != IMOE_OK) return st;
+
+  select_ctx ctx = {sel, sel->scores ? sel->scores->n : out_target_map->n, 0, out_indices,
+                    out_target_map};
+  st = imoe_check_selection(sel, ref, ref_name, ctx.n, &ctx.kept, err);
+  if (st == IMOE_OK) {
+    st = imoe_check_map_outputs(out_indices, out_target_map, ref, ref_name, ctx.n, ctx.kept, err);
+  }
+  if (st == IMOE_OK) st = imoe_check_exec(exec, err);
+  if (st != IMOE_OK) return st;
+#ifdef IMOE_WITH_CUDA
+  if (imoe_on_cuda(exec)) return imoe_cuda_build_map(sel, out_indices, out_target_map, exec, err);
+#endif
+
+  const int64_t rows = imoe_view_rows(ref);
+  const imoe_stage stages[] = {
+      {check_row, &ctx, rows_to_check(sel, rows)},
+      {select_row, &ctx, rows},
+  };
+  const int64_t elements = rows * ctx.n; /* fits: checked with the output views */
+  const int threads =
+      imoe_thread_count(exec, elements > INT64_MAX / 8 ? INT64_MAX : elements * 8, rows);
+  return imoe_run_stages(stages, 2, imoe_row_workspace_bytes(ctx.n, 1), threads, err);
+}
+
+imoe_status imoe_compact(const imoe_view *buffers, int32_t num_buffers, const imoe_selection *sel,
+                         const imoe_view *out_indices, const imoe_view *out_target_map,
+                         imoe_mode mode, const imoe_exec *exec, imoe_error *err) {
+  imoe_status st = imoe_check_buffers(buffers, num_buffers, err);
+  if (st != IMOE_OK) return st;
+  select_ctx ctx = {sel, buffers[0].n, 0, out_indices, out_target_map};
+  st = imoe_check_selection(sel, &buffers[0], "buffers[0]", ctx.n, &ctx.kept, err);
+  if (st == IMOE_OK && out_indices == NULL) {
+    st = imoe_fail(err, IMOE_ERR_ARGUMENT, "out_indices is NULL: imoe_compact requires it");
+  }
+  if (st == IMOE_OK) {
+    st = imoe_check_map_outputs(out_indices, out_target_map, &buffers[0], "buffers[0]", ctx.n,
+                                ctx.kept, err);
+  }
+  if (st == IMOE_OK) st = imoe_check_mode(mode, err);
+  if (st == IMOE_OK) st = imoe_check_exec(exec, err);
+  if (st != IMOE_OK) return st;
+#ifdef IMOE_WITH_CUDA
+  if (imoe_on_cuda(exec)) {
+    return imoe_cuda_compact(buffers, num_buffers, sel, out_indices, out_target_map, mode, exec,
+                             err);
+  }
+#endif
+
+  const int64_t rows = imoe_view_rows(&buffers[0]);
+  const int threads = imoe_thread_count(exec, imoe_buffers_bytes(buffers, num_buffers),
+                                        rows * (ctx.kept > 1 ? ctx.kept : 1));
+  /* The apply stage reads back the indices the select stage wrote. */
+  imoe_apply_plan plan;
+  imoe_apply_plan_init(&plan, buffers, num_buffers, out_indices, mode, threads);
+  const imoe_stage stages[] = {
+      {check_row, &ctx, rows_to_check(sel, rows)},
+      {select_row, &ctx, rows},
+      {imoe_apply_indices_item, &plan, imoe_apply_plan_items(&plan)},
+  };
+  return imoe_run_stages(stages, 3, imoe_row_workspace_bytes(ctx.n, 1), threads, err);
+}

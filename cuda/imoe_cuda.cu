@@ -1,0 +1,637 @@
+// imoe_cuda.cu: the extern "C" launchers of cuda/imoe_cuda.h.
+//
+// Host side of the CUDA path: turn the validated views into kernel
+// parameters (lead axes merged where contiguous, vector widths picked per
+// buffer), choose the launch shapes, and enqueue the kernels on the caller's
+// stream. No allocation, no synchronisation (except read_device_status).
+// Design, measurements and limits: cuda/NOTES.md.
+#include <cuda_runtime.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <string.h>
+
+#include <algorithm>
+#include <atomic>
+#include <mutex>
+#include <vector>
+
+#include "imoe_cuda.h"
+#include "imoe_kernels.cuh"
+
+using namespace imoe_cu;
+
+namespace {
+
+constexpr int kMaxDevices = 64;
+constexpr size_t kStaticSmemSelect = 4096;  // upper bound of k_select's static shared memory
+
+struct DevInfo {
+  bool init;
+  int sms;
+  int smem_optin;  // per block, opt-in
+  int smem_sm;     // per multiprocessor
+  int cc_major;
+  size_t occ_smem[3];
+  int occ_val[3];
+};
+
+std::mutex g_mu;
+DevInfo g_dev[kMaxDevices];
+std::atomic<uint32_t> g_token{0};
+
+imoe_status fail(imoe_error *err, imoe_status st, const char *fmt, ...) {
+  if (err) {
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(err->message, sizeof err->message, fmt, ap);
+    va_end(ap);
+  }
+  return st;
+}
+
+imoe_status cuda_fail(imoe_error *err, const char *fn, const char *what, cudaError_t e) {
+  (void)cudaGetLastError();  // a failed launch must not linger as the "last error"
+  return fail(err, IMOE_ERR_DEVICE, "%s: %s failed: %s (%s)", fn, what, cudaGetErrorString(e),
+              cudaGetErrorName(e));
+}
+
+uint32_t next_token() {
+  uint32_t t;
+  do {
+    t = g_token.fetch_add(1u) + 1u;
+  } while (t == 0u);
+  return t;
+}
+
+// Makes exec->device_id current for the call and restores the caller's.
+struct DeviceGuard {
+  int prev = -1;
+  bool switched = false;
+  ~DeviceGuard() {
+    if (switched) cudaSetDevice(prev);
+  }
+};
+
+template <class K>
+cudaError_t raise_smem(K kernel, int bytes) {
+  return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+}
+
+imoe_status enter(const imoe_exec *exec, const char *fn, imoe_error *err, DeviceGuard *g,
+                  DevInfo **out) {
+  int cur = 0;
+  cudaError_t e = cudaGetDevice(&cur);
+  if (e != cudaSuccess) return cuda_fail(err, fn, "cudaGetDevice", e);
+  const int dev = exec->device_id;
+  if (dev < 0 || dev >= kMaxDevices) return fail(err, IMOE_ERR_ARGUMENT, "%s: exec->device_id %d out of range", fn, dev);
+  if (cur != dev) {
+    e = cudaSetDevice(dev);
+    if (e != cudaSuccess) return cuda_fail(err, fn, "cudaSetDevice", e);
+    g->prev = cur;
+    g->switched = true;
+  }
+  DevInfo *di = &g_dev[dev];
+  std::lock_guard<std::mutex> lock(g_mu);
+  if (!di->init) {
+    int v[4];
+    const cudaDeviceAttr attrs[4] = {cudaDevAttrMultiProcessorCount, cudaDevAttrMaxSharedMemoryPerBlockOptin,
+                                     cudaDevAttrMaxSharedMemoryPerMultiprocessor,
+                                     cudaDevAttrComputeCapabilityMajor};
+    for (int i = 0; i < 4; ++i) {
+      e = cudaDeviceGetAttribute(&v[i], attrs[i], dev);
+      if (e != cudaSuccess) return cuda_fail(err, fn, "cudaDeviceGetAttribute", e);
+    }
+    di->sms = v[0];
+    di->smem_optin = v[1];
+    di->smem_sm = v[2];
+    di->cc_major = v[3];
+    // One shared-memory carveout for every kernel: a kernel launched early
+    // (PDL) can then share a multiprocessor with the one before it.
+    const int carve = cudaSharedmemCarveoutMaxShared;
+    if ((e = cudaFuncSetAttribute(k_select<0>, cudaFuncAttributePreferredSharedMemoryCarveout, carve)) != cudaSuccess ||
+        (e = cudaFuncSetAttribute(k_select<1>, cudaFuncAttributePreferredSharedMemoryCarveout, carve)) != cudaSuccess ||
+        (e = cudaFuncSetAttribute(k_select<2>, cudaFuncAttributePreferredSharedMemoryCarveout, carve)) != cudaSuccess ||
+        (e = cudaFuncSetAttribute(k_check_rows, cudaFuncAttributePreferredSharedMemoryCarveout, carve)) != cudaSuccess ||
+        (e = cudaFuncSetAttribute(k_check_nan, cudaFuncAttributePreferredSharedMemoryCarveout, carve)) != cudaSuccess ||
+        (e = cudaFuncSetAttribute(k_check_tm, cudaFuncAttributePreferredSharedMemoryCarveout, carve)) != cudaSuccess ||
+        (e = cudaFuncSetAttribute(k_apply, cudaFuncAttributePreferredSharedMemoryCarveout, carve)) != cudaSuccess)
+      return cuda_fail(err, fn, "cudaFuncSetAttribute", e);
+    const int dyn = di->smem_optin - (int)kStaticSmemSelect;
+    if ((e = raise_smem(k_select<0>, dyn)) != cudaSuccess || (e = raise_smem(k_select<1>, dyn)) != cudaSuccess ||
+        (e = raise_smem(k_select<2>, dyn)) != cudaSuccess ||
+        (e = raise_smem(k_check_rows, di->smem_optin - 1024)) != cudaSuccess)
+      return cuda_fail(err, fn, "cudaFuncSetAttribute", e);
+    for (int i = 0; i < 3; ++i) di->occ_smem[i] = (size_t)-1;
+    di->init = true;
+  }
+  *out = di;
+  return IMOE_OK;
+}
+
+int occupancy(DevInfo *di, int src, size_t smem) {
+  std::lock_guard<std::mutex> lock(g_mu);
+  if (di->occ_smem[src] == smem) return di->occ_val[src];
+  int nb = 1;
+  cudaError_t e;
+  if (src == 0) e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&nb, k_select<0>, kSelThreads, smem);
+  else if (src == 1) e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&nb, k_select<1>, kSelThreads, smem);
+  else e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&nb, k_select<2>, kSelThreads, smem);
+  if (e != cudaSuccess || nb < 1) {
+    (void)cudaGetLastError();
+    nb = 1;
+  }
+  di->occ_smem[src] = smem;
+  di->occ_val[src] = nb;
+  return nb;
+}
+
+template <class P>
+cudaError_t launch(void (*kernel)(P), unsigned grid, unsigned block, size_t smem, cudaStream_t st, bool pdl,
+                   const P &params) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(grid, 1, 1);
+  cfg.blockDim = dim3(block, 1, 1);
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = st;
+  cudaLaunchAttribute attr[1];
+  if (pdl) {
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+  }
+  return cudaLaunchKernelEx(&cfg, kernel, params);
+}
+
+cudaError_t launch0(void (*kernel)(), cudaStream_t st) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(1, 1, 1);
+  cfg.blockDim = dim3(1, 1, 1);
+  cfg.stream = st;
+  return cudaLaunchKernelEx(&cfg, kernel);
+}
+
+// ------------------------------------------------------------ views
+int64_t dtype_size(int dt) {
+  switch (dt) {
+    case IMOE_DTYPE_F32: return 4;
+    case IMOE_DTYPE_F16: return 2;
+    case IMOE_DTYPE_BF16: return 2;
+    case IMOE_DTYPE_I32: return 4;
+    case IMOE_DTYPE_I64: return 8;
+    default: return 1;
+  }
+}
+
+// The lead axes of every view of a call, merged where all views are
+// contiguous across them and with size-1 axes dropped. A view with
+// lead_ndim 0 (shared active indices) is broadcast (stride 0).
+struct Plan {
+  Lead lead;
+  uint64_t R;
+  std::vector<Strides> st;  // one per view, in the order given
+};
+
+bool make_plan(const imoe_view *ref, const std::vector<const imoe_view *> &views, Plan *pl) {
+  const int nd = ref ? ref->lead_ndim : 0;
+  const size_t nv = views.size();
+  int64_t shape[kMaxDims];
+  std::vector<Strides> src(nv);
+  uint64_t R = 1;
+  for (int d = 0; d < nd; ++d) {
+    shape[d] = ref->lead_shape[d];
+    R *= (uint64_t)shape[d];
+    for (size_t i = 0; i < nv; ++i)
+      src[i].s[d] = (views[i] && views[i]->lead_ndim > 0) ? views[i]->lead_stride[d] : 0;
+  }
+  pl->R = R;
+  pl->st.assign(nv, Strides());
+  for (size_t i = 0; i < nv; ++i) memset(&pl->st[i], 0, sizeof(Strides));
+  memset(&pl->lead, 0, sizeof(Lead));
+  if (R == 0) return true;
+  if (R > 0xFFFFFFFFull) return false;
+  int m = 0;
+  uint64_t mshape[kMaxDims];
+  for (int d = 0; d < nd; ++d) {
+    if (shape[d] == 1) continue;
+    bool merge = m > 0;
+    for (size_t i = 0; merge && i < nv; ++i)
+      if (pl->st[i].s[m - 1] != src[i].s[d] * shape[d]) merge = false;
+    if (merge) {
+      mshape[m - 1] *= (uint64_t)shape[d];
+      for (size_t i = 0; i < nv; ++i) pl->st[i].s[m - 1] = src[i].s[d];
+    } else {
+      mshape[m] = (uint64_t)shape[d];
+      for (size_t i = 0; i < nv; ++i) pl->st[i].s[m] = src[i].s[d];
+      ++m;
+    }
+  }
+  pl->lead.nd = m;
+  for (int d = 0; d < m; ++d) pl->lead.shape[d] = (uint32_t)mshape[d];
+  return true;
+}
+
+bool multiple_of(int64_t v, int64_t a) { return v % a == 0; }
+
+InView in_view(const imoe_view *v, const Strides &st, int nd) {
+  InView o;
+  memset(&o, 0, sizeof o);
+  if (!v) return o;
+  o.data = static_cast<const char *>(v->data);
+  o.lead = st;
+  o.n_stride = v->n_stride;
+  o.dtype = v->dtype;
+  const int64_t es = dtype_size(v->dtype);
+  bool al = multiple_of((int64_t)(uintptr_t)v->data, es) && multiple_of(v->n_stride, es);
+  for (int d = 0; d < nd; ++d) al = al && multiple_of(st.s[d], es);
+  o.aligned = al ? 1 : 0;
+  return o;
+}
+
+OutView out_view(const imoe_view *v, const Strides &st, int nd) {
+  const InView i = in_view(v, st, nd);
+  OutView o;
+  o.data = const_cast<char *>(i.data);
+  o.lead = i.lead;
+  o.n_stride = i.n_stride;
+  o.dtype = i.dtype;
+  o.aligned = i.aligned;
+  return o;
+}
+
+BufDesc buf_desc(const imoe_view *v, const Strides &st, int nd) {
+  BufDesc b;
+  memset(&b, 0, sizeof b);
+  b.data = static_cast<char *>(v->data);
+  b.lead = st;
+  b.n_stride = v->n_stride;
+  int vw = 16;
+  while (vw > 1) {
+    bool ok = multiple_of(v->n_stride, vw);
+    for (int d = 0; d < nd; ++d) ok = ok && multiple_of(st.s[d], vw);
+    if (ok) break;
+    vw >>= 1;
+  }
+  const int64_t rb = v->row_bytes;
+  const int64_t mis = (int64_t)((uintptr_t)v->data % (uintptr_t)vw);
+  int64_t head = mis ? vw - mis : 0;
+  if (head > rb) head = rb;
+  const int64_t body = (rb - head) / vw;
+  b.vw = vw;
+  b.head = (int32_t)head;
+  b.body = (uint32_t)body;
+  b.tail = (int32_t)(rb - head - body * vw);
+  return b;
+}
+
+// Byte range [lo, hi) a view touches.
+void extent(const imoe_view *v, const Plan &pl, const Strides &st, int64_t n, int64_t row_bytes, uintptr_t *lo,
+            uintptr_t *hi) {
+  int64_t a = 0, b = 0;
+  for (int d = 0; d < pl.lead.nd; ++d) {
+    const int64_t span = (int64_t)(pl.lead.shape[d] - 1) * st.s[d];
+    if (span < 0) a += span;
+    else b += span;
+  }
+  if (n > 0) {
+    const int64_t span = (n - 1) * v->n_stride;
+    if (span < 0) a += span;
+    else b += span;
+  }
+  *lo = (uintptr_t)v->data + (intptr_t)a;
+  *hi = (uintptr_t)v->data + (intptr_t)b + (uintptr_t)row_bytes;
+}
+
+bool overlaps(uintptr_t alo, uintptr_t ahi, uintptr_t blo, uintptr_t bhi) { return alo < bhi && blo < ahi; }
+
+// Apply kernels for buffer groups [first, num_buffers), each of kMaxBuf.
+imoe_status launch_apply_groups(const char *fn, const imoe_view *buffers, int first, int num_buffers,
+                                const Plan &pl, size_t buf_st0, const InView &map, int kind, int64_t M,
+                                bool swap, uint32_t token, bool pdl_first, bool last_is_ours, DevInfo *di,
+                                cudaStream_t st, imoe_error *err) {
+  if (first >= num_buffers || M <= 0) return IMOE_OK;
+  ApplyParams ap;
+  memset(&ap, 0, sizeof ap);
+  ap.lead = pl.lead;
+  ap.M = M;
+  ap.kind = kind;
+  ap.swap = swap ? 1 : 0;
+  ap.token = token;
+  ap.map = map;
+  const uint64_t work = pl.R * (uint64_t)M;
+  const uint64_t target = (uint64_t)di->sms * 8u;
+  uint64_t seg = 32;
+  while (seg < 4096 && seg * target < work) seg <<= 1;
+  ap.seg = (uint32_t)seg;
+  ap.nseg = (uint32_t)((M + (int64_t)seg - 1) / (int64_t)seg);
+  const uint64_t grid = pl.R * ap.nseg;
+  if (grid > 0x7FFFFFFFull) return fail(err, IMOE_ERR_ARGUMENT, "%s: too many rows for one launch", fn);
+  bool pdl = pdl_first;
+  for (int g = first; g < num_buffers; g += kMaxBuf) {
+    const int nb = std::min(kMaxBuf, num_buffers - g);
+    ap.nbuf = nb;
+    for (int b = 0; b < nb; ++b) ap.buf[b] = buf_desc(&buffers[g + b], pl.st[buf_st0 + g + b], pl.lead.nd);
+    ap.is_last = (last_is_ours && g + kMaxBuf >= num_buffers) ? 1 : 0;
+    ap.pdl = pdl ? 1 : 0;
+    const cudaError_t e = launch(k_apply, (unsigned)grid, kApplyThreads, (size_t)seg * sizeof(int2), st, pdl, ap);
+    if (e != cudaSuccess) return cuda_fail(err, fn, "launch of k_apply", e);
+    pdl = false;
+  }
+  return IMOE_OK;
+}
+
+// build_map (num_buffers == 0, do_move false) and compact.
+imoe_status select_and_move(const char *fn, const imoe_view *buffers, int32_t num_buffers,
+                            const imoe_selection *sel, const imoe_view *oi, const imoe_view *otm, bool do_move,
+                            imoe_mode mode, const imoe_exec *exec, imoe_error *err) {
+  DeviceGuard guard;
+  DevInfo *di = nullptr;
+  imoe_status s = enter(exec, fn, err, &guard, &di);
+  if (s != IMOE_OK) return s;
+  cudaStream_t st = static_cast<cudaStream_t>(exec->stream);
+  const imoe_view *scores = sel->scores;
+  const imoe_view *active = scores ? nullptr : sel->active;
+  if (!do_move) num_buffers = 0;
+
+  int64_t N = -1;
+  if (scores) N = scores->n;
+  else if (otm) N = otm->n;
+  else if (num_buffers > 0) N = buffers[0].n;
+  const int64_t K = active ? active->n : 0;
+  int64_t Cp;
+  if (oi) Cp = oi->n;
+  else if (active) Cp = K;
+  else Cp = std::min<int64_t>(sel->capacity, N);
+  if (N >= 0x7FFFFFFFLL || Cp >= 0x7FFFFFFFLL)
+    return fail(err, IMOE_ERR_ARGUMENT, "%s: N = %lld slots: the CUDA path takes N < 2^31", fn, (long long)N);
+
+  // views: 0 selection, 1 indices, 2 target_map, 3.. buffers
+  std::vector<const imoe_view *> views;
+  views.push_back(scores ? scores : active);
+  views.push_back(oi);
+  views.push_back(otm);
+  for (int b = 0; b < num_buffers; ++b) views.push_back(&buffers[b]);
+  const imoe_view *ref = oi ? oi : (otm ? otm : (num_buffers ? &buffers[0] : scores));
+  Plan pl;
+  if (!make_plan(ref, views, &pl)) return fail(err, IMOE_ERR_ARGUMENT, "%s: more than 2^32 - 1 rows", fn);
+  if (pl.R == 0 || N == 0) return IMOE_OK;
+  const int nd = pl.lead.nd;
+
+  const bool validate = scores ? sel->nan_policy == IMOE_NAN_ERROR : true;
+  const uint32_t token = validate ? next_token() : 0u;
+  const bool pdl_ok = di->cc_major >= 9;
+  bool pdl = false;
+
+  // ---- validation (read-only)
+  if (validate && scores) {
+    NanParams np;
+    memset(&np, 0, sizeof np);
+    np.lead = pl.lead;
+    np.N = N;
+    np.scores = in_view(scores, pl.st[0], nd);
+    np.per = 2048;
+    np.bpr = (uint32_t)((N + np.per - 1) / np.per);
+    np.token = token;
+    const uint64_t grid = pl.R * np.bpr;
+    if (grid > 0x7FFFFFFFull) return fail(err, IMOE_ERR_ARGUMENT, "%s: too many rows for one launch", fn);
+    const cudaError_t e = launch(k_check_nan, (unsigned)grid, 256, 0, st, false, np);
+    if (e != cudaSuccess) return cuda_fail(err, fn, "launch of k_check_nan", e);
+    pdl = pdl_ok;
+  } else if (validate) {
+    RowsParams rp;
+    memset(&rp, 0, sizeof rp);
+    const bool shared = active->lead_ndim == 0;
+    rp.lead = shared ? Lead() : pl.lead;
+    if (shared) memset(&rp.lead, 0, sizeof rp.lead);
+    rp.N = N;
+    rp.M = K;
+    rp.kind = 1;
+    rp.v = in_view(active, pl.st[0], nd);
+    rp.token = token;
+    const int64_t avail_bits = ((int64_t)(di->smem_optin - 1024) * 8) & ~(int64_t)(kTile - 1);
+    const int64_t want = N >= 0 ? ((N + 31) & ~(int64_t)31) : avail_bits;
+    rp.win_bits = (int32_t)std::max<int64_t>(32, std::min(want, avail_bits));
+    const unsigned grid = shared ? 1u : (unsigned)pl.R;
+    const cudaError_t e = launch(k_check_rows, grid, kCheckThreads, (size_t)rp.win_bits / 8, st, false, rp);
+    if (e != cudaSuccess) return cuda_fail(err, fn, "launch of k_check_rows", e);
+    pdl = pdl_ok;
+  }
+
+  // ---- select + map (+ moves when fused)
+  SelParams sp;
+  memset(&sp, 0, sizeof sp);
+  sp.lead = pl.lead;
+  sp.N = N;
+  sp.Cp = Cp;
+  sp.P = scores ? sel->protected_prefix : 0;
+  sp.W = scores ? sel->recent_window : 0;
+  sp.K = K;
+  sp.scores = in_view(scores, pl.st[0], nd);
+  sp.active = in_view(active, pl.st[0], nd);
+  sp.has_idx = oi ? 1 : 0;
+  sp.has_tm = otm ? 1 : 0;
+  if (oi) sp.idx = out_view(oi, pl.st[1], nd);
+  if (otm) sp.tm = out_view(otm, pl.st[2], nd);
+  sp.swap = mode == IMOE_MODE_SWAP ? 1 : 0;
+  sp.token = token;
+  sp.cap = (int32_t)std::max<int64_t>(1, std::min<int64_t>(Cp, kListL + kTile));
+  const size_t ring_bytes = (size_t)sp.cap * 8u;
+  const size_t dyn_max = (size_t)di->smem_optin - kStaticSmemSelect;
+
+  int src;
+  size_t smem;
+  if (scores) {
+    const int64_t nk = (N + kTile - 1) / kTile * kTile;
+    if (N <= 65536 && (size_t)nk * 4u + ring_bytes <= dyn_max) {
+      src = 0;
+      sp.nk = (int32_t)nk;
+      smem = (size_t)nk * 4u + ring_bytes;
+    } else {
+      src = 1;
+      smem = ring_bytes;
+    }
+  } else {
+    src = 2;
+    const int64_t avail_words = (int64_t)(dyn_max - ring_bytes) / 4;
+    if (N >= 0 && (N + 31) / 32 <= avail_words) {
+      sp.two_win = 0;
+      sp.win_bits = (int32_t)((N + 31) / 32 * 32);
+    } else {
+      sp.two_win = 1;
+      sp.win_bits = (int32_t)(((avail_words / 2) * 32) & ~(int64_t)(kTile - 1));
+    }
+    smem = (size_t)(sp.win_bits / 32) * 4u * (sp.two_win ? 2u : 1u) + ring_bytes;
+  }
+
+  // Fused moves need every buffer disjoint from what the selection reads and
+  // the map writes (a buffer may be the scores themselves: then the moves run
+  // in a second kernel, after every block has read its scores).
+  // C' == 0 or C' >= N: the map is the identity and nothing moves
+  const bool trivial = N >= 0 && (Cp <= 0 || Cp >= N);
+  if (trivial) num_buffers = 0;
+  bool fused = do_move && num_buffers > 0;
+  if (fused) {
+    uintptr_t slo, shi;
+    std::vector<std::pair<uintptr_t, uintptr_t>> ro;
+    const imoe_view *selv = scores ? scores : active;
+    const int64_t sel_n = scores ? N : K;
+    extent(selv, pl, pl.st[0], sel_n, dtype_size(selv->dtype), &slo, &shi);
+    ro.push_back({slo, shi});
+    if (oi) {
+      extent(oi, pl, pl.st[1], oi->n, dtype_size(oi->dtype), &slo, &shi);
+      ro.push_back({slo, shi});
+    }
+    if (otm) {
+      extent(otm, pl, pl.st[2], otm->n, dtype_size(otm->dtype), &slo, &shi);
+      ro.push_back({slo, shi});
+    }
+    for (int b = 0; b < num_buffers && fused; ++b) {
+      uintptr_t blo, bhi;
+      extent(&buffers[b], pl, pl.st[3 + b], buffers[b].n, buffers[b].row_bytes, &blo, &bhi);
+      for (auto &x : ro)
+        if (overlaps(blo, bhi, x.first, x.second)) fused = false;
+    }
+    if (src != 0 && pl.R < 2u * (uint64_t)di->sms) fused = false;
+  }
+
+  int64_t nblk = 1;
+  if (fused) {
+    sp.do_move = 1;
+    sp.nbuf = std::min(num_buffers, kMaxBuf);
+    for (int b = 0; b < sp.nbuf; ++b) sp.buf[b] = buf_desc(&buffers[b], pl.st[3 + b], nd);
+    if (src == 0 && N > 0) {
+      // Several blocks per row, each recomputing the row's selection and
+      // moving its share of the pairs: the GPU fills even for few rows.
+      const int occ = occupancy(di, 0, smem);
+      const int64_t target = (int64_t)di->sms * occ;
+      const int64_t hest = std::max<int64_t>(1, Cp * (N - Cp) / N);
+      int64_t pair_bytes = 0;
+      for (int b = 0; b < num_buffers; ++b) pair_bytes += buffers[b].row_bytes * (sp.swap ? 4 : 2);
+      nblk = std::max<int64_t>(1, target / (int64_t)pl.R);
+      nblk = std::min<int64_t>(nblk, std::max<int64_t>(1, hest * pair_bytes / 32768));
+      nblk = std::min<int64_t>(nblk, 256);
+    }
+  }
+  sp.nblk = (int32_t)nblk;
+  const bool select_last = fused ? num_buffers <= kMaxBuf : (num_buffers == 0 || !do_move);
+  sp.is_last = select_last ? 1 : 0;
+  sp.pdl = pdl ? 1 : 0;
+  const uint64_t grid = pl.R * (uint64_t)nblk;
+  if (grid > 0x7FFFFFFFull) return fail(err, IMOE_ERR_ARGUMENT, "%s: too many rows for one launch", fn);
+  cudaError_t e;
+  if (src == 0) e = launch(k_select<0>, (unsigned)grid, kSelThreads, smem, st, pdl, sp);
+  else if (src == 1) e = launch(k_select<1>, (unsigned)grid, kSelThreads, smem, st, pdl, sp);
+  else e = launch(k_select<2>, (unsigned)grid, kSelThreads, smem, st, pdl, sp);
+  if (e != cudaSuccess) return cuda_fail(err, fn, "launch of k_select", e);
+
+  // ---- remaining buffers (or all, unfused): apply the indices just written
+  if (do_move && num_buffers > 0) {
+    const InView map = in_view(oi, pl.st[1], nd);
+    return launch_apply_groups(fn, buffers, fused ? kMaxBuf : 0, num_buffers, pl, 3, map, 0, Cp,
+                               mode == IMOE_MODE_SWAP, token, false, true, di, st, err);
+  }
+  return IMOE_OK;
+}
+
+imoe_status apply_map(const char *fn, const imoe_view *buffers, int32_t num_buffers, const imoe_view *map,
+                      int kind, imoe_mode mode, const imoe_exec *exec, imoe_error *err) {
+  DeviceGuard guard;
+  DevInfo *di = nullptr;
+  imoe_status s = enter(exec, fn, err, &guard, &di);
+  if (s != IMOE_OK) return s;
+  if (num_buffers <= 0) return IMOE_OK;
+  cudaStream_t st = static_cast<cudaStream_t>(exec->stream);
+  const int64_t N = buffers[0].n;
+  const int64_t M = map->n;
+  if (N >= 0x7FFFFFFFLL)
+    return fail(err, IMOE_ERR_ARGUMENT, "%s: N = %lld slots: the CUDA path takes N < 2^31", fn, (long long)N);
+  std::vector<const imoe_view *> views;
+  views.push_back(map);
+  for (int b = 0; b < num_buffers; ++b) views.push_back(&buffers[b]);
+  Plan pl;
+  if (!make_plan(map, views, &pl)) return fail(err, IMOE_ERR_ARGUMENT, "%s: more than 2^32 - 1 rows", fn);
+  if (pl.R == 0 || N == 0 || M == 0) return IMOE_OK;
+  const int nd = pl.lead.nd;
+  const uint32_t token = next_token();
+  const InView mv = in_view(map, pl.st[0], nd);
+  cudaError_t e;
+  if (kind == 0) {
+    RowsParams rp;
+    memset(&rp, 0, sizeof rp);
+    rp.lead = pl.lead;
+    rp.N = N;
+    rp.M = M;
+    rp.kind = 2;
+    rp.v = mv;
+    rp.token = token;
+    const int64_t avail_bits = ((int64_t)(di->smem_optin - 1024) * 8) & ~(int64_t)(kTile - 1);
+    const int64_t want = (N - M + 31) & ~(int64_t)31;
+    rp.win_bits = (int32_t)std::max<int64_t>(32, std::min(want, avail_bits));
+    if (pl.R > 0x7FFFFFFFull) return fail(err, IMOE_ERR_ARGUMENT, "%s: too many rows for one launch", fn);
+    e = launch(k_check_rows, (unsigned)pl.R, kCheckThreads, (size_t)rp.win_bits / 8, st, false, rp);
+    if (e != cudaSuccess) return cuda_fail(err, fn, "launch of k_check_rows", e);
+  } else {
+    TmParams tp;
+    memset(&tp, 0, sizeof tp);
+    tp.lead = pl.lead;
+    tp.N = M;
+    tp.tm = mv;
+    tp.per = 4096;
+    tp.bpr = (uint32_t)((M + tp.per - 1) / tp.per);
+    tp.token = token;
+    const uint64_t grid = pl.R * tp.bpr;
+    if (grid > 0x7FFFFFFFull) return fail(err, IMOE_ERR_ARGUMENT, "%s: too many rows for one launch", fn);
+    e = launch(k_check_tm, (unsigned)grid, 256, 0, st, false, tp);
+    if (e != cudaSuccess) return cuda_fail(err, fn, "launch of k_check_tm", e);
+  }
+  return launch_apply_groups(fn, buffers, 0, num_buffers, pl, 1, mv, kind, M, mode == IMOE_MODE_SWAP, token,
+                             di->cc_major >= 9, true, di, st, err);
+}
+
+}  // namespace
+
+extern "C" {
+
+imoe_status imoe_cuda_build_map(const imoe_selection *sel, const imoe_view *out_indices,
+                                const imoe_view *out_target_map, const imoe_exec *exec, imoe_error *err) {
+  return select_and_move("imoe_cuda_build_map", nullptr, 0, sel, out_indices, out_target_map, false,
+                         IMOE_MODE_SWAP, exec, err);
+}
+
+imoe_status imoe_cuda_compact(const imoe_view *buffers, int32_t num_buffers, const imoe_selection *sel,
+                              const imoe_view *out_indices, const imoe_view *out_target_map, imoe_mode mode,
+                              const imoe_exec *exec, imoe_error *err) {
+  return select_and_move("imoe_cuda_compact", buffers, num_buffers, sel, out_indices, out_target_map, true, mode,
+                         exec, err);
+}
+
+imoe_status imoe_cuda_apply_indices(const imoe_view *buffers, int32_t num_buffers, const imoe_view *indices,
+                                    imoe_mode mode, const imoe_exec *exec, imoe_error *err) {
+  return apply_map("imoe_cuda_apply_indices", buffers, num_buffers, indices, 0, mode, exec, err);
+}
+
+imoe_status imoe_cuda_apply_target_map(const imoe_view *buffers, int32_t num_buffers,
+                                       const imoe_view *target_map, imoe_mode mode, const imoe_exec *exec,
+                                       imoe_error *err) {
+  return apply_map("imoe_cuda_apply_target_map", buffers, num_buffers, target_map, 1, mode, exec, err);
+}
+
+imoe_status imoe_cuda_read_device_status(const imoe_exec *exec, int32_t *status_out) {
+  DeviceGuard guard;
+  DevInfo *di = nullptr;
+  imoe_error err;
+  imoe_status s = enter(exec, "imoe_cuda_read_device_status", &err, &guard, &di);
+  if (s != IMOE_OK) return s;
+  cudaStream_t st = static_cast<cudaStream_t>(exec->stream);
+  cudaError_t e = launch0(k_take_status, st);
+  if (e != cudaSuccess) return IMOE_ERR_DEVICE;
+  int v = 0;
+  e = cudaMemcpyFromSymbolAsync(&v, g_status_taken, sizeof(int), 0, cudaMemcpyDeviceToHost, st);
+  if (e != cudaSuccess) return IMOE_ERR_DEVICE;
+  e = cudaStreamSynchronize(st);
+  if (e != cudaSuccess) return IMOE_ERR_DEVICE;
+  if (status_out) *status_out = v;
+  return IMOE_OK;
+}
+
+}  // extern "C"

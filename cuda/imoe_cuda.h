@@ -1,0 +1,67 @@
+/*
+ * imoe_cuda.h: the CUDA launchers of idempotent-moe.
+ *
+ * The C API (csrc/) calls these when exec->device == IMOE_DEVICE_CUDA, after
+ * it has validated every shape, stride, dtype and option on the host. The
+ * semantics are those of the matching imoe_* function in idempotent_moe.h,
+ * bit for bit. This header needs no CUDA header: exec->stream is a
+ * cudaStream_t passed as void *.
+ *
+ * Rules every launcher keeps
+ *   - All work is enqueued on exec->stream (NULL: the legacy default stream)
+ *     of device exec->device_id. Nothing is allocated, and nothing
+ *     synchronises the host, so every call can be captured in a CUDA graph.
+ *     Scratch lives in registers and shared memory.
+ *   - Data-dependent errors (a NaN score under IMOE_NAN_ERROR, active indices
+ *     out of range or repeated, an invalid caller-given map) cannot be
+ *     reported synchronously. A read-only kernel checks them before anything
+ *     is written; on an error it records the imoe_status code in a device-side
+ *     status word (the first error wins) and every later kernel of the same
+ *     call writes nothing: buffers and outputs keep their contents. The call
+ *     itself returns IMOE_OK. imoe_cuda_read_device_status() returns the word.
+ *   - A launch failure returns IMOE_ERR_DEVICE with the CUDA error string in
+ *     err->message.
+ *
+ * Limits (documented in cuda/NOTES.md): at most 2^32 - 1 rows; N < 2^31.
+ */
+#ifndef IMOE_CUDA_H
+#define IMOE_CUDA_H
+
+#include "idempotent_moe.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* imoe_build_map on the device: writes out_indices and/or out_target_map. */
+imoe_status imoe_cuda_build_map(const imoe_selection *sel, const imoe_view *out_indices,
+                                const imoe_view *out_target_map, const imoe_exec *exec,
+                                imoe_error *err);
+
+/* imoe_compact on the device: select, build the map and apply it to every
+ * buffer. out_indices is required, out_target_map optional (NULL). */
+imoe_status imoe_cuda_compact(const imoe_view *buffers, int32_t num_buffers,
+                              const imoe_selection *sel, const imoe_view *out_indices,
+                              const imoe_view *out_target_map, imoe_mode mode,
+                              const imoe_exec *exec, imoe_error *err);
+
+/* imoe_apply_indices on the device (swap twice restores: imoe_restore). */
+imoe_status imoe_cuda_apply_indices(const imoe_view *buffers, int32_t num_buffers,
+                                    const imoe_view *indices, imoe_mode mode,
+                                    const imoe_exec *exec, imoe_error *err);
+
+/* imoe_apply_target_map on the device. */
+imoe_status imoe_cuda_apply_target_map(const imoe_view *buffers, int32_t num_buffers,
+                                       const imoe_view *target_map, imoe_mode mode,
+                                       const imoe_exec *exec, imoe_error *err);
+
+/* Synchronises exec->stream, then stores into *status_out the device-side
+ * status word (IMOE_OK, or the first data error recorded since the last read)
+ * and clears it. Returns IMOE_ERR_DEVICE when the runtime fails. */
+imoe_status imoe_cuda_read_device_status(const imoe_exec *exec, int32_t *status_out);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* IMOE_CUDA_H */

@@ -1,0 +1,332 @@
+// imoe_device.cuh: device-side building blocks of the CUDA launchers
+// (parameter structs, score keys, block scans, byte moves). Included by
+// imoe_cuda.cu only: every kernel and the device status words live in that
+// one translation unit, so no relocatable device code is needed.
+#pragma once
+
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#include "idempotent_moe.h"
+
+namespace imoe_cu {
+
+constexpr int kMaxDims = IMOE_MAX_LEAD_DIMS;
+constexpr int kMaxBuf = 16;             // buffers moved by one launch
+constexpr int kSelThreads = 1024;       // select kernel block
+constexpr int kItems = 4;               // consecutive slots per thread in a tile
+constexpr int kTile = kSelThreads * kItems;
+constexpr int kListL = 4096;            // ring refill threshold
+constexpr int kApplyThreads = 256;      // apply kernel block
+constexpr int kCheckThreads = 512;      // validation kernels
+constexpr unsigned kSlots = 64;         // per-call abort slots
+
+// Row-major lead shape after the host merged contiguous axes and dropped 1s.
+struct Lead {
+  int32_t nd;
+  uint32_t shape[kMaxDims];
+};
+struct Strides {
+  int64_t s[kMaxDims];
+};
+
+// A typed view (scores, active indices, maps) seen from one row.
+struct InView {
+  const char *data;
+  Strides lead;
+  int64_t n_stride;
+  int32_t dtype;
+  int32_t aligned;  // data and strides are multiples of the element size
+};
+struct OutView {
+  char *data;
+  Strides lead;
+  int64_t n_stride;
+  int32_t dtype;
+  int32_t aligned;
+};
+// A buffer: every slot start is congruent to `data` modulo vw, so each row
+// is moved as `head` bytes, `body` vw-byte vectors, `tail` bytes.
+struct BufDesc {
+  char *data;
+  Strides lead;
+  int64_t n_stride;
+  int32_t vw;
+  int32_t head;
+  int32_t tail;
+  uint32_t body;
+};
+
+// ---------------------------------------------------------------- rows
+__device__ __forceinline__ void row_coords(const Lead &L, uint32_t r, uint32_t (&c)[kMaxDims]) {
+#pragma unroll
+  for (int d = kMaxDims - 1; d >= 0; --d) {
+    if (d < L.nd) {
+      const uint32_t s = L.shape[d];
+      const uint32_t q = r / s;
+      c[d] = r - q * s;
+      r = q;
+    } else {
+      c[d] = 0;
+    }
+  }
+}
+
+__device__ __forceinline__ int64_t row_offset(const Lead &L, const uint32_t (&c)[kMaxDims],
+                                              const Strides &st) {
+  int64_t o = 0;
+#pragma unroll
+  for (int d = 0; d < kMaxDims; ++d)
+    if (d < L.nd) o += (int64_t)c[d] * st.s[d];
+  return o;
+}
+
+// ---------------------------------------------------------------- scalars
+__device__ __forceinline__ uint32_t load_u16(const char *p, bool aligned) {
+  if (aligned) return *reinterpret_cast<const unsigned short *>(p);
+  const unsigned char *b = reinterpret_cast<const unsigned char *>(p);
+  return (uint32_t)b[0] | ((uint32_t)b[1] << 8);
+}
+__device__ __forceinline__ uint32_t load_u32(const char *p, bool aligned) {
+  if (aligned) return *reinterpret_cast<const uint32_t *>(p);
+  const unsigned char *b = reinterpret_cast<const unsigned char *>(p);
+  return (uint32_t)b[0] | ((uint32_t)b[1] << 8) | ((uint32_t)b[2] << 16) | ((uint32_t)b[3] << 24);
+}
+__device__ __forceinline__ uint64_t load_u64(const char *p, bool aligned) {
+  if (aligned) return *reinterpret_cast<const unsigned long long *>(p);
+  return (uint64_t)load_u32(p, false) | ((uint64_t)load_u32(p + 4, false) << 32);
+}
+
+// Raw element bits through the read-only path (inputs the kernel never writes).
+__device__ __forceinline__ uint32_t ldg_raw(const char *p, int dtype, bool aligned) {
+  if (dtype == IMOE_DTYPE_F32 || dtype == IMOE_DTYPE_I32) {
+    if (aligned) return __ldg(reinterpret_cast<const unsigned int *>(p));
+    return load_u32(p, false);
+  }
+  if (aligned) return __ldg(reinterpret_cast<const unsigned short *>(p));
+  return load_u16(p, false);
+}
+// Order-preserving unsigned key: larger key = higher score. NaN ranks below
+// -inf (key 0; -inf maps to 0x007FFFFF), and -0.0 ties +0.0.
+__device__ __forceinline__ uint32_t key_of_bits(uint32_t b) {
+  if ((b & 0x7FFFFFFFu) > 0x7F800000u) return 0u;
+  if (b == 0x80000000u) b = 0u;
+  return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+}
+__device__ __forceinline__ uint32_t key_of_raw(uint32_t raw, int dtype) {
+  if (dtype == IMOE_DTYPE_F32) return key_of_bits(raw);
+  if (dtype == IMOE_DTYPE_F16) return key_of_bits(__float_as_uint(__half2float(__ushort_as_half((unsigned short)raw))));
+  return key_of_bits(raw << 16);
+}
+__device__ __forceinline__ uint32_t load_key(const char *p, int dtype, bool aligned) {
+  return key_of_raw(ldg_raw(p, dtype, aligned), dtype);
+}
+
+__device__ __forceinline__ int64_t load_index(const char *p, int dtype, bool aligned) {
+  if (dtype == IMOE_DTYPE_I64) return (int64_t)load_u64(p, aligned);
+  return (int64_t)(int32_t)load_u32(p, aligned);
+}
+__device__ __forceinline__ void store_index(char *p, int dtype, bool aligned, int64_t v) {
+  if (dtype == IMOE_DTYPE_I64) {
+    if (aligned) {
+      *reinterpret_cast<long long *>(p) = (long long)v;
+    } else {
+      for (int i = 0; i < 8; ++i) p[i] = (char)((uint64_t)v >> (8 * i));
+    }
+  } else {
+    if (aligned) {
+      *reinterpret_cast<int32_t *>(p) = (int32_t)v;
+    } else {
+      for (int i = 0; i < 4; ++i) p[i] = (char)((uint32_t)v >> (8 * i));
+    }
+  }
+}
+
+// ---------------------------------------------------------------- PDL
+// Programmatic dependent launch (sm_90): the host sets the launch attribute
+// only when the previous kernel in the stream is this call's read-only
+// validation kernel, so the secondary may read its inputs before the wait.
+__device__ __forceinline__ void griddep_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void griddep_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+// ---------------------------------------------------------------- scans
+__device__ __forceinline__ int warp_incl_scan(int v) {
+  const int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const int n = __shfl_up_sync(0xFFFFFFFFu, v, o);
+    if (lane >= o) v += n;
+  }
+  return v;
+}
+
+// Block-wide exclusive scan; `tmp` holds >= 32 ints. Ends with a barrier, so
+// `tmp` may be reused at once.
+__device__ __forceinline__ int block_excl_scan(int v, int *total, int *tmp) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+  const int inc = warp_incl_scan(v);
+  if (lane == 31) tmp[warp] = inc;
+  __syncthreads();
+  if (warp == 0) {
+    int t = lane < nw ? tmp[lane] : 0;
+    t = warp_incl_scan(t);
+    if (lane < nw) tmp[lane] = t;
+  }
+  __syncthreads();
+  const int base = warp ? tmp[warp - 1] : 0;
+  *total = tmp[nw - 1];
+  __syncthreads();
+  return base + inc - v;
+}
+
+// ---------------------------------------------------------------- moves
+template <int VW>
+struct VecOf;
+template <>
+struct VecOf<16> {
+  typedef uint4 T;
+};
+template <>
+struct VecOf<8> {
+  typedef uint2 T;
+};
+template <>
+struct VecOf<4> {
+  typedef uint32_t T;
+};
+template <>
+struct VecOf<2> {
+  typedef unsigned short T;
+};
+template <>
+struct VecOf<1> {
+  typedef unsigned char T;
+};
+
+// Moves (or swaps) np rows inside one buffer row: get(q) = {dst slot, src
+// slot}. Flat (pair, vector) work spread over the block; four independent
+// loads in flight per thread before the stores.
+template <int VW, bool SWAP, class G>
+__device__ __forceinline__ void move_body(char *base, int64_t ns, int64_t off0, uint32_t U,
+                                          uint32_t np, const G &get) {
+  typedef typename VecOf<VW>::T V;
+  constexpr int UNR = SWAP ? 2 : 4;
+  if (U == 0 || np == 0) return;
+  const uint32_t nt = blockDim.x;
+  const uint32_t maxp = max(1u, 0x40000000u / U);
+  for (uint32_t p0 = 0; p0 < np; p0 += maxp) {
+    const uint32_t pb = min(maxp, np - p0);
+    const uint32_t total = pb * U;
+    // unit u = q * U + w; advance (q, w) by nt per step without dividing
+    const uint32_t dq = nt / U, dw = nt - dq * U;
+    uint32_t q = threadIdx.x / U, w = threadIdx.x - q * U;
+    for (uint32_t u0 = threadIdx.x; u0 < total; u0 += UNR * nt) {
+      V a[UNR], b[UNR];
+      char *pd[UNR];
+      char *ps[UNR];  // swap only: the move keeps just the destination
+#pragma unroll
+      for (int k = 0; k < UNR; ++k) {
+        pd[k] = nullptr;
+        if (q < pb) {
+          const int2 pr = get(p0 + q);
+          const int64_t o = off0 + (int64_t)w * VW;
+          pd[k] = base + (int64_t)pr.x * ns + o;
+          const char *src = base + (int64_t)pr.y * ns + o;
+          a[k] = *reinterpret_cast<const V *>(src);
+          if (SWAP) {
+            ps[k] = const_cast<char *>(src);
+            b[k] = *reinterpret_cast<const V *>(pd[k]);
+          }
+        }
+        q += dq;
+        w += dw;
+        if (w >= U) {
+          w -= U;
+          ++q;
+        }
+      }
+#pragma unroll
+      for (int k = 0; k < UNR; ++k) {
+        if (pd[k] != nullptr) {
+          *reinterpret_cast<V *>(pd[k]) = a[k];
+          if (SWAP) *reinterpret_cast<V *>(ps[k]) = b[k];
+        }
+      }
+    }
+  }
+}
+
+template <bool SWAP, class G>
+__device__ __forceinline__ void move_edges(char *base, const BufDesc &B, uint32_t np, const G &get) {
+  const uint32_t E = (uint32_t)(B.head + B.tail);
+  if (E == 0 || np == 0) return;
+  const uint32_t total = np * E;
+  const int64_t tail0 = (int64_t)B.head + (int64_t)B.body * B.vw;
+  for (uint32_t u = threadIdx.x; u < total; u += blockDim.x) {
+    const uint32_t q = u / E;
+    const uint32_t k = u - q * E;
+    const int64_t o = k < (uint32_t)B.head ? (int64_t)k : tail0 + (k - B.head);
+    const int2 pr = get(q);
+    char *pd = base + (int64_t)pr.x * B.n_stride + o;
+    char *ps = base + (int64_t)pr.y * B.n_stride + o;
+    const char a = *ps;
+    if (SWAP) {
+      const char b = *pd;
+      *ps = b;
+    }
+    *pd = a;
+  }
+}
+
+// Pairs read from shared memory: pair q is (D[wrap(a0 + q)], S[wrap(b0 + q)]),
+// where wrap folds indices of a ring of `cap` entries (a0, b0 < cap, q < cap).
+struct RingPairs {
+  const int32_t *D;  // S = D + s_off (both rings in one shared-memory block)
+  int s_off, a0, b0, cap;
+  __device__ __forceinline__ int2 operator()(uint32_t q) const {
+    int a = a0 + (int)q, b = b0 + (int)q;
+    if (a >= cap) a -= cap;
+    if (b >= cap) b -= cap;
+    return make_int2(D[a], D[s_off + b]);
+  }
+};
+
+template <bool SWAP>
+__device__ __forceinline__ void move_pairs_t(char *base, const BufDesc &B, uint32_t np, const RingPairs &get) {
+  switch (B.vw) {
+    case 16: move_body<16, SWAP>(base, B.n_stride, B.head, B.body, np, get); break;
+    case 8: move_body<8, SWAP>(base, B.n_stride, B.head, B.body, np, get); break;
+    case 4: move_body<4, SWAP>(base, B.n_stride, B.head, B.body, np, get); break;
+    case 2: move_body<2, SWAP>(base, B.n_stride, B.head, B.body, np, get); break;
+    default: move_body<1, SWAP>(base, B.n_stride, B.head, B.body, np, get); break;
+  }
+  move_edges<SWAP>(base, B, np, get);
+}
+
+__device__ __forceinline__ void move_pairs_inline(char *base, const BufDesc &B, uint32_t np, int swap,
+                                                  const RingPairs &get) {
+  if (swap)
+    move_pairs_t<true>(base, B, np, get);
+  else
+    move_pairs_t<false>(base, B, np, get);
+}
+
+// Not inlined on purpose: the movers get their own register budget, and the
+// caller's live state is saved once per call instead of spilling in the loop.
+__device__ __noinline__ void move_pairs(char *base, const BufDesc *B, uint32_t np, int swap, RingPairs get) {
+  if (swap)
+    move_pairs_t<true>(base, *B, np, get);
+  else
+    move_pairs_t<false>(base, *B, np, get);
+}
+
+}  // namespace imoe_cu

@@ -1,0 +1,660 @@
+// imoe_kernels.cuh: the kernels. Included once, by imoe_cuda.cu.
+//
+//   k_check_nan / k_check_rows / k_check_tm   read-only validation; an error
+//       is recorded in g_status and marks the call's abort slot.
+//   k_select<SRC>   per row: top-C selection (radix select on order-preserving
+//       keys) or active indices, then the idempotent map (j-th hole <-> j-th
+//       kept tail slot) streamed through two shared-memory rings; writes the
+//       outputs and, fused, moves the buffers. Several blocks may work on one
+//       row: each recomputes the (deterministic) selection and owns a share
+//       of the output tiles and of the pairs.
+//   k_apply        moves the pairs of a map (indices or target_map) over all
+//       rows; many blocks per row.
+#pragma once
+
+#include "imoe_device.cuh"
+
+namespace imoe_cu {
+
+__device__ int g_status;        // first data error since the last read
+__device__ int g_status_taken;  // staging for imoe_cuda_read_device_status
+__device__ unsigned g_abort[kSlots];  // g_abort[t % kSlots] == t: call t failed validation
+__device__ unsigned g_done[kSlots];   // blocks of the call's last kernel that finished
+
+__device__ __forceinline__ void record_error(int code, uint32_t token) {
+  atomicCAS(&g_status, 0, code);
+  if (token) atomicExch(&g_abort[token % kSlots], token);
+}
+
+// Uniform over the block. Only kernels after a validation kernel have a token.
+__device__ __forceinline__ bool call_aborted(uint32_t token, int *s_flag) {
+  if (!token) return false;
+  __syncthreads();
+  if (threadIdx.x == 0) *s_flag = (*(volatile unsigned *)&g_abort[token % kSlots] == token) ? 1 : 0;
+  __syncthreads();
+  return *s_flag != 0;
+}
+
+// The last block of the call's last kernel clears the call's abort slot, so
+// that a CUDA graph replaying the call starts clean. Every block has read the
+// slot before it counts itself here.
+__device__ __forceinline__ void call_epilogue(uint32_t token, int is_last) {
+  if (!token || !is_last) return;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    const unsigned slot = token % kSlots;
+    const unsigned total = gridDim.x * gridDim.y * gridDim.z;
+    const unsigned prev = atomicAdd(&g_done[slot], 1u);
+    if (prev == total - 1) {
+      atomicExch(&g_done[slot], 0u);
+      atomicCAS(&g_abort[slot], token, 0u);
+    }
+  }
+}
+
+__global__ void k_take_status() { g_status_taken = atomicExch(&g_status, 0); }
+
+// ------------------------------------------------------------ validation
+struct NanParams {
+  Lead lead;
+  int64_t N;
+  InView scores;
+  uint32_t bpr;  // blocks per row
+  int64_t per;   // slots per block
+  uint32_t token;
+};
+
+__global__ void __launch_bounds__(256) k_check_nan(const __grid_constant__ NanParams p) {
+  griddep_launch_dependents();
+  const uint32_t r = blockIdx.x / p.bpr, s = blockIdx.x - r * p.bpr;
+  uint32_t c[kMaxDims];
+  row_coords(p.lead, r, c);
+  const char *row = p.scores.data + row_offset(p.lead, c, p.scores.lead);
+  const int64_t x0 = (int64_t)s * p.per, x1 = min(x0 + p.per, p.N);
+  bool bad = false;
+  const bool al = p.scores.aligned != 0;
+  const int dt = p.scores.dtype;
+  for (int64_t xb = x0 + threadIdx.x; xb < x1; xb += 8 * (int64_t)blockDim.x) {
+    uint32_t raw[8];  // eight independent loads in flight
+#pragma unroll
+    for (int u = 0; u < 8; ++u) {
+      const int64_t x = xb + (int64_t)u * blockDim.x;
+      raw[u] = x < x1 ? ldg_raw(row + x * p.scores.n_stride, dt, al) : 0u;
+    }
+#pragma unroll
+    for (int u = 0; u < 8; ++u) {
+      if (dt == IMOE_DTYPE_F32) bad |= (raw[u] & 0x7FFFFFFFu) > 0x7F800000u;
+      else if (dt == IMOE_DTYPE_F16) bad |= (raw[u] & 0x7FFFu) > 0x7C00u;
+      else bad |= (raw[u] & 0x7FFFu) > 0x7F80u;
+    }
+  }
+  if (__syncthreads_or(bad) && threadIdx.x == 0) record_error(IMOE_ERR_NAN, p.token);
+}
+
+// Per row: active indices (kind 1: in [0, N), distinct) or caller-given
+// indices (kind 2: entry i is i, or in [M, N) and distinct). Duplicates are
+// found with a shared-memory bitmap over windows of win_bits slots.
+struct RowsParams {
+  Lead lead;
+  int64_t N;  // < 0 (kind 1 only): unknown, then no upper bound
+  int64_t M;  // entries per row
+  int32_t kind;
+  int32_t win_bits;
+  InView v;
+  uint32_t token;
+};
+
+__global__ void __launch_bounds__(kCheckThreads) k_check_rows(const __grid_constant__ RowsParams p) {
+  extern __shared__ __align__(16) unsigned char dsm[];
+  uint32_t *bits = reinterpret_cast<uint32_t *>(dsm);
+  __shared__ unsigned long long s_max;
+  __shared__ int s_code;
+  griddep_launch_dependents();
+  const int tid = threadIdx.x, nt = blockDim.x;
+  uint32_t c[kMaxDims];
+  row_coords(p.lead, blockIdx.x, c);
+  const char *row = p.v.data + row_offset(p.lead, c, p.v.lead);
+  const bool al = p.v.aligned != 0;
+  const int64_t lo = p.kind == 1 ? 0 : p.M;
+  if (tid == 0) {
+    s_max = (unsigned long long)max(p.M, (int64_t)0);
+    s_code = 0;
+  }
+  __syncthreads();
+  int code = 0;
+  unsigned long long mx = 0;
+  for (int64_t k = tid; k < p.M; k += nt) {
+    const int64_t v = load_index(row + k * p.v.n_stride, p.v.dtype, al);
+    if (p.kind == 1) {
+      if (v < 0 || (p.N >= 0 && v >= p.N) || v >= 0x7FFFFFFFLL) code = IMOE_ERR_INDEX_RANGE;
+      else if ((unsigned long long)v + 1 > mx) mx = (unsigned long long)v + 1;
+    } else if (v != k) {
+      if (v < 0 || v >= p.N) code = IMOE_ERR_INDEX_RANGE;
+      else if (v < p.M) code = IMOE_ERR_BAD_MAP;
+    }
+  }
+  if (code) atomicCAS(&s_code, 0, code);
+  if (mx) atomicMax(&s_max, mx);
+  __syncthreads();
+  const int64_t N = p.N >= 0 ? p.N : (int64_t)s_max;
+  const int dup_code = p.kind == 1 ? IMOE_ERR_INDEX_DUPLICATE : IMOE_ERR_BAD_MAP;
+  const int wwords = p.win_bits >> 5;
+  for (int64_t w0 = lo; w0 < N && s_code == 0; w0 += p.win_bits) {
+    for (int i = tid; i < wwords; i += nt) bits[i] = 0u;
+    __syncthreads();
+    for (int64_t k = tid; k < p.M; k += nt) {
+      const int64_t v = load_index(row + k * p.v.n_stride, p.v.dtype, al);
+      if (p.kind == 2 && v == k) continue;
+      const int64_t d = v - w0;
+      if (d >= 0 && d < p.win_bits) {
+        const uint32_t b = 1u << (d & 31);
+        if (atomicOr(&bits[d >> 5], b) & b) atomicCAS(&s_code, 0, dup_code);
+      }
+    }
+    __syncthreads();
+  }
+  if (tid == 0 && s_code) record_error(s_code, p.token);
+}
+
+// target_map: every entry in [0, N) and tm[tm[x]] == x.
+struct TmParams {
+  Lead lead;
+  int64_t N;
+  InView tm;
+  uint32_t bpr;
+  int64_t per;
+  uint32_t token;
+};
+
+__global__ void __launch_bounds__(256) k_check_tm(const __grid_constant__ TmParams p) {
+  griddep_launch_dependents();
+  const uint32_t r = blockIdx.x / p.bpr, s = blockIdx.x - r * p.bpr;
+  uint32_t c[kMaxDims];
+  row_coords(p.lead, r, c);
+  const char *row = p.tm.data + row_offset(p.lead, c, p.tm.lead);
+  const bool al = p.tm.aligned != 0;
+  const int64_t x0 = (int64_t)s * p.per, x1 = min(x0 + p.per, p.N);
+  int code = 0;
+  for (int64_t x = x0 + threadIdx.x; x < x1; x += blockDim.x) {
+    const int64_t v = load_index(row + x * p.tm.n_stride, p.tm.dtype, al);
+    if (v < 0 || v >= p.N) {
+      code = IMOE_ERR_INDEX_RANGE;
+    } else {
+      // a partner that is itself out of range is that slot's range error
+      // (the CPU core reports ranges before involution failures)
+      const int64_t back = load_index(row + v * p.tm.n_stride, p.tm.dtype, al);
+      if (back < 0 || back >= p.N) code = IMOE_ERR_INDEX_RANGE;
+      else if (back != x) code = IMOE_ERR_BAD_MAP;
+    }
+  }
+  if (code) record_error(code, p.token);
+}
+
+// ------------------------------------------------------------ select + map
+struct SelParams {
+  Lead lead;
+  int64_t N;  // < 0 (active only): unknown, taken as max(C', max index + 1)
+  int64_t Cp, P, W, K;
+  int32_t nblk;      // blocks per row
+  int32_t cap;       // ring capacity (entries)
+  int32_t nk;        // SRC 0: keys held in shared memory (multiple of kTile)
+  int32_t win_bits;  // SRC 2: bits per window
+  int32_t two_win;   // SRC 2: one window per phase, rebuilt as it advances
+  int32_t has_idx, has_tm;
+  int32_t do_move, swap, nbuf;
+  int32_t is_last, pdl;
+  uint32_t token;
+  InView scores, active;
+  OutView idx, tm;
+  BufDesc buf[kMaxBuf];
+};
+
+// SRC 0: scores, keys cached in shared memory. SRC 1: scores, keys re-read
+// from global memory on every pass (long rows). SRC 2: active indices.
+template <int SRC>
+__global__ void __launch_bounds__(kSelThreads, 1) k_select(const __grid_constant__ SelParams p) {
+  extern __shared__ __align__(16) unsigned char dsm[];
+  __shared__ int s_hist[256];
+  __shared__ int s_hist_lo[256];
+  __shared__ int s_tmp[32];
+  __shared__ long long s_b[2];
+  __shared__ unsigned long long s_max;
+  __shared__ int s_flag;
+
+  const int tid = threadIdx.x, nt = blockDim.x;
+  const uint32_t r = blockIdx.x / (uint32_t)p.nblk;
+  const uint32_t bsub = blockIdx.x - r * (uint32_t)p.nblk;
+  const char *srow;
+  const char *arow;
+  char *irow;
+  char *trow;
+  {
+    uint32_t c[kMaxDims];
+    row_coords(p.lead, r, c);
+    srow = SRC < 2 ? p.scores.data + row_offset(p.lead, c, p.scores.lead) : nullptr;
+    arow = SRC == 2 ? p.active.data + row_offset(p.lead, c, p.active.lead) : nullptr;
+    irow = p.has_idx ? p.idx.data + row_offset(p.lead, c, p.idx.lead) : nullptr;
+    trow = p.has_tm ? p.tm.data + row_offset(p.lead, c, p.tm.lead) : nullptr;
+  }
+  // parameters are read at their uses (constant bank) rather than held in registers
+#define sdt p.scores.dtype
+#define sal (p.scores.aligned != 0)
+#define sns p.scores.n_stride
+#define adt p.active.dtype
+#define aal (p.active.aligned != 0)
+#define ans p.active.n_stride
+#define idt p.idx.dtype
+#define tdt p.tm.dtype
+#define ial (p.idx.aligned != 0)
+#define tal (p.tm.aligned != 0)
+#define ins p.idx.n_stride
+#define tns p.tm.n_stride
+  const int64_t Cp = p.Cp;
+  const int cap = p.cap;
+
+  int64_t N = p.N;
+  if (SRC == 2 && N < 0) {
+    if (tid == 0) s_max = (unsigned long long)Cp;
+    __syncthreads();
+    unsigned long long mx = 0;
+    for (int64_t k = tid; k < p.K; k += nt) {
+      const int64_t v = load_index(arow + k * ans, adt, aal);
+      if (v >= 0 && (unsigned long long)v + 1 > mx) mx = (unsigned long long)v + 1;
+    }
+    if (mx) atomicMax(&s_max, mx);
+    __syncthreads();
+    N = (int64_t)s_max;
+  }
+  const bool trivial = Cp <= 0 || Cp >= N;
+
+  uint32_t *keys = reinterpret_cast<uint32_t *>(dsm);
+  uint32_t *win = reinterpret_cast<uint32_t *>(dsm);
+  const int wwords = p.win_bits >> 5;
+  size_t ring_off = 0;
+  if (SRC == 0) ring_off = (size_t)p.nk * 4u;
+  if (SRC == 2) ring_off = (size_t)wwords * 4u * (p.two_win ? 2u : 1u);
+  int32_t *H = reinterpret_cast<int32_t *>(dsm + ring_off);
+  int32_t *T = H + cap;
+
+  const int64_t clo = p.P, chi = N - p.W;
+  uint32_t thr = 0xFFFFFFFFu;  // kept candidate: key > thr, or key == thr and
+  bool take_eq = false;        //   (take_eq, or tie rank < Q when needs_rank)
+  bool needs_rank = false;
+  int64_t Q = 0, ties_lo = 0;
+  int64_t wstart0 = 0, wstart1 = 0;
+  bool wvalid0 = false, wvalid1 = false;
+
+  auto build_window = [&](uint32_t *w, int64_t ws) {
+    __syncthreads();
+    for (int i = tid; i < wwords; i += nt) w[i] = 0u;
+    __syncthreads();
+    for (int64_t k = tid; k < p.K; k += nt) {
+      const int64_t d = (adt == IMOE_DTYPE_I64 ? load_index(arow + k * ans, adt, aal)
+                                               : (int64_t)(int32_t)ldg_raw(arow + k * ans, adt, aal)) - ws;
+      if (d >= 0 && d < p.win_bits) atomicOr(&w[d >> 5], 1u << (d & 31));
+    }
+    __syncthreads();
+  };
+
+  // ---- read-only part: may overlap the validation kernel (PDL)
+  if (!trivial) {
+    if (SRC == 0) {  // eight independent loads in flight per thread
+      for (int64_t x0 = tid; x0 < p.nk; x0 += 8 * (int64_t)nt) {
+        uint32_t raw[8];
+#pragma unroll
+        for (int u = 0; u < 8; ++u) {
+          const int64_t x = x0 + (int64_t)u * nt;
+          raw[u] = x < N ? ldg_raw(srow + x * sns, sdt, sal) : 0u;
+        }
+#pragma unroll
+        for (int u = 0; u < 8; ++u) {
+          // non-candidates (protected slots, padding) hold key 0; the radix
+          // passes take their count back out of bin 0
+          const int64_t x = x0 + (int64_t)u * nt;
+          if (x < p.nk) keys[x] = (x >= clo && x < chi) ? key_of_raw(raw[u], sdt) : 0u;
+        }
+      }
+      __syncthreads();
+    }
+    if (SRC < 2) {
+      const int64_t Kp = Cp - p.P - p.W;
+      if (Kp > 0) {
+        int need = (int)Kp;
+        uint32_t prefix = 0;
+        for (int pass = 0; pass < 4; ++pass) {
+          const int shift = 24 - 8 * pass;
+          const uint32_t hmask = pass == 0 ? 0u : (0xFFFFFFFFu << (shift + 8));
+          const bool last = pass == 3;
+          for (int i = tid; i < 256; i += nt) {
+            s_hist[i] = 0;
+            s_hist_lo[i] = 0;
+          }
+          __syncthreads();
+          if (SRC == 0) {
+            // four keys per 16-byte shared load, 32-bit indices
+            const uint32_t nk = (uint32_t)p.nk, cp = (uint32_t)Cp;
+            for (uint32_t i = (uint32_t)tid * 4u; i < nk; i += (uint32_t)nt * 4u) {
+              const uint4 q = *reinterpret_cast<const uint4 *>(keys + i);
+              const uint32_t kq[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+              for (int j = 0; j < 4; ++j) {
+                if ((kq[j] & hmask) == prefix) {
+                  const uint32_t d = (kq[j] >> shift) & 255u;
+                  atomicAdd(&s_hist[d], 1);
+                  if (last && i + j < cp) atomicAdd(&s_hist_lo[d], 1);
+                }
+              }
+            }
+            __syncthreads();
+            if (tid == 0 && prefix == 0u) {  // the non-candidates all sit in bin 0
+              s_hist[0] -= (int)((int64_t)p.nk - (chi - clo));
+              if (last) s_hist_lo[0] -= (int)(clo + max((int64_t)0, Cp - chi));
+            }
+          } else {
+            for (int64_t x = clo + tid; x < chi; x += nt) {
+              const uint32_t k = load_key(srow + x * sns, sdt, sal);
+              if ((k & hmask) == prefix) {
+                const int d = (k >> shift) & 255;
+                atomicAdd(&s_hist[d], 1);
+                if (last && x < Cp) atomicAdd(&s_hist_lo[d], 1);
+              }
+            }
+          }
+          __syncthreads();
+          if (tid < 32) {
+            int s = 0;
+#pragma unroll
+            for (int j = 0; j < 8; ++j) s += s_hist[tid * 8 + j];
+            int suf = s;
+#pragma unroll
+            for (int o = 1; o < 32; o <<= 1) {
+              const int n = __shfl_down_sync(0xFFFFFFFFu, suf, o);
+              if (tid + o < 32) suf += n;
+            }
+            const int above = suf - s;
+            if (above < need && need <= suf) {
+              int acc = above;
+              for (int j = 7; j >= 0; --j) {
+                const int h = s_hist[tid * 8 + j];
+                if (acc + h >= need) {
+                  s_b[0] = tid * 8 + j;
+                  s_b[1] = acc;
+                  break;
+                }
+                acc += h;
+              }
+            }
+          }
+          __syncthreads();
+          const int d = (int)s_b[0];
+          need -= (int)s_b[1];
+          prefix |= (uint32_t)d << shift;
+          const int E = s_hist[d];
+          const int lo_cnt = s_hist_lo[d];
+          __syncthreads();
+          if (E == need) {  // the whole bin is kept: keep every key >= prefix
+            if (prefix) {
+              thr = prefix - 1u;
+              take_eq = false;
+            } else {
+              thr = 0u;
+              take_eq = true;
+            }
+            break;
+          }
+          if (last) {  // exact threshold; `need` of its ties, lowest index first
+            thr = prefix;
+            Q = need;
+            needs_rank = true;
+            ties_lo = lo_cnt;
+          }
+        }
+      }
+    } else if (!p.two_win) {
+      build_window(win, 0);
+      wvalid0 = wvalid1 = true;
+    }
+  }
+
+  // ---- from here on the call writes: wait for the validation kernel
+  if (p.pdl) griddep_wait();
+  const bool aborted = call_aborted(p.token, &s_flag);
+
+  if (!aborted && trivial) {
+    const int64_t step = (int64_t)p.nblk * kTile;
+    for (int64_t t0 = (int64_t)bsub * kTile; t0 < N; t0 += step) {
+      const int64_t t1 = min(t0 + kTile, N);
+      for (int64_t x = t0 + tid; x < t1; x += nt) {
+        if (irow && x < Cp) store_index(irow + x * ins, idt, ial, x);
+        if (trow) store_index(trow + x * tns, tdt, tal, x);
+      }
+    }
+  } else if (!aborted) {
+    int hh = 0, nh = 0, th = 0, ntl = 0;
+    int64_t hcur = 0, tcur = (Cp / kTile) * kTile;
+    int64_t tie0 = 0, tie1 = ties_lo;
+
+    // One tile of kTile slots: phase 0 collects holes in [0, C'), phase 1
+    // kept tail slots in [C', N), in ascending order, into the rings.
+    auto tile = [&](int ph, int64_t t0) {
+      const int64_t lo = ph ? Cp : 0, hi = ph ? N : Cp;
+      if (SRC == 2 && p.two_win) {
+        const int64_t need_hi = min(t0 + kTile, hi);
+        const int64_t ws = ph ? wstart1 : wstart0;
+        const bool ok = ph ? wvalid1 : wvalid0;
+        if (!ok || t0 < ws || need_hi > ws + p.win_bits) {
+          build_window(win + (ph ? wwords : 0), t0);
+          if (ph) {
+            wstart1 = t0;
+            wvalid1 = true;
+          } else {
+            wstart0 = t0;
+            wvalid0 = true;
+          }
+        }
+      }
+      const int64_t x0 = t0 + (int64_t)tid * kItems;
+      bool v[kItems], kept[kItems], eq[kItems];
+      uint32_t kk[kItems];
+      if (SRC == 0) {
+        const uint4 q = *reinterpret_cast<const uint4 *>(keys + x0);
+        kk[0] = q.x;
+        kk[1] = q.y;
+        kk[2] = q.z;
+        kk[3] = q.w;
+      }
+      int ce = 0;
+#pragma unroll
+      for (int i = 0; i < kItems; ++i) {
+        const int64_t x = x0 + i;
+        v[i] = x >= lo && x < hi;
+        eq[i] = false;
+        if (SRC == 2) {
+          const uint32_t *w = win + ((p.two_win && ph) ? wwords : 0);
+          const int64_t d = x - (p.two_win ? (ph ? wstart1 : wstart0) : 0);
+          kept[i] = v[i] && ((w[d >> 5] >> (d & 31)) & 1u);
+        } else {
+          const bool cand = x >= clo && x < chi;
+          uint32_t k = 0u;
+          if (SRC == 0) k = kk[i];
+          else if (v[i] && cand) k = load_key(srow + x * sns, sdt, sal);
+          eq[i] = v[i] && cand && k == thr;
+          kept[i] = !cand || k > thr || (eq[i] && take_eq);
+          ce += eq[i] ? 1 : 0;
+        }
+      }
+      if (needs_rank) {
+        int tot;
+        const int ex = block_excl_scan(ce, &tot, s_tmp);
+        int64_t rk = (ph ? tie1 : tie0) + ex;
+#pragma unroll
+        for (int i = 0; i < kItems; ++i) {
+          if (eq[i]) {
+            kept[i] = rk < Q;
+            ++rk;
+          }
+        }
+        if (ph) tie1 += tot;
+        else tie0 += tot;
+      }
+      bool sel[kItems];
+      int cs = 0;
+#pragma unroll
+      for (int i = 0; i < kItems; ++i) {
+        sel[i] = v[i] && (ph ? kept[i] : !kept[i]);
+        cs += sel[i] ? 1 : 0;
+      }
+      int tot2;
+      const int ex2 = block_excl_scan(cs, &tot2, s_tmp);
+      int32_t *ring = ph ? T : H;
+      int pos = (ph ? th + ntl : hh + nh) + ex2;
+      while (pos >= cap) pos -= cap;
+#pragma unroll
+      for (int i = 0; i < kItems; ++i) {
+        if (sel[i]) {
+          ring[pos] = (int32_t)(x0 + i);
+          if (++pos == cap) pos = 0;
+        }
+      }
+      if (ph) ntl += tot2;
+      else nh += tot2;
+      if (((uint32_t)(t0 / kTile)) % (uint32_t)p.nblk == bsub) {
+#pragma unroll
+        for (int i = 0; i < kItems; ++i) {
+          const int64_t x = x0 + i;
+          if (!v[i]) continue;
+          if (ph == 0 && kept[i]) {  // kept below C': fixed point
+            if (irow) store_index(irow + x * ins, idt, ial, x);
+            if (trow) store_index(trow + x * tns, tdt, tal, x);
+          } else if (ph == 1 && !kept[i]) {  // dropped at or beyond C': fixed point
+            if (trow) store_index(trow + x * tns, tdt, tal, x);
+          }
+        }
+      }
+    };
+
+    for (;;) {
+      while (nh < kListL && hcur < Cp) {
+        tile(0, hcur);
+        hcur += kTile;
+      }
+      while (ntl < kListL && tcur < N) {
+        tile(1, tcur);
+        tcur += kTile;
+      }
+      __syncthreads();
+      const int m = min(nh, ntl);
+      if (m == 0) break;
+      // this round's m pairs are split evenly over the row's blocks
+      {
+        const uint32_t B = (uint32_t)p.nblk;
+        const int qa = (int)((uint32_t)m * bsub / B), qb = (int)((uint32_t)m * (bsub + 1) / B);
+        const int q0 = qa;
+        const uint32_t np = (uint32_t)(qb - qa);
+        int hb = hh + q0, tb = th + q0;
+        if (hb >= cap) hb -= cap;
+        if (tb >= cap) tb -= cap;
+        RingPairs get;
+        get.D = H;
+        get.s_off = cap;
+        get.a0 = hb;
+        get.b0 = tb;
+        get.cap = cap;
+        if (irow || trow) {
+          for (uint32_t q = tid; q < np; q += nt) {
+            const int2 pr = get(q);
+            if (irow) store_index(irow + (int64_t)pr.x * ins, idt, ial, pr.y);
+            if (trow) {
+              store_index(trow + (int64_t)pr.x * tns, tdt, tal, pr.y);
+              store_index(trow + (int64_t)pr.y * tns, tdt, tal, pr.x);
+            }
+          }
+        }
+        if (p.do_move) {
+          uint32_t c[kMaxDims];
+          row_coords(p.lead, r, c);
+          for (int b = 0; b < p.nbuf; ++b) {
+            const BufDesc &bd = p.buf[b];
+            move_pairs(bd.data + row_offset(p.lead, c, bd.lead), &bd, np, p.swap, get);
+          }
+        }
+      }
+      __syncthreads();
+      hh += m;
+      if (hh >= cap) hh -= cap;
+      th += m;
+      if (th >= cap) th -= cap;
+      nh -= m;
+      ntl -= m;
+    }
+  }
+  call_epilogue(p.token, p.is_last);
+#undef sdt
+#undef sal
+#undef sns
+#undef adt
+#undef aal
+#undef ans
+#undef idt
+#undef tdt
+#undef ial
+#undef tal
+#undef ins
+#undef tns
+}
+
+// ------------------------------------------------------------ apply a map
+struct ApplyParams {
+  Lead lead;
+  int64_t M;     // map entries per row
+  int32_t kind;  // 0: indices [C'] (i <-> idx[i] when different); 1: target_map (x <-> tm[x] when tm[x] > x)
+  int32_t swap, nbuf, is_last, pdl;
+  uint32_t seg, nseg;
+  uint32_t token;
+  InView map;
+  BufDesc buf[kMaxBuf];
+};
+
+__global__ void __launch_bounds__(kApplyThreads, 4) k_apply(const __grid_constant__ ApplyParams p) {
+  extern __shared__ __align__(16) unsigned char dsm[];
+  int32_t *s_dst = reinterpret_cast<int32_t *>(dsm);
+  int32_t *s_src = s_dst + p.seg;
+  __shared__ int s_n;
+  __shared__ int s_flag;
+  const uint32_t r = blockIdx.x / p.nseg, sg = blockIdx.x - r * p.nseg;
+  const int64_t i0 = (int64_t)sg * p.seg, i1 = min(i0 + (int64_t)p.seg, p.M);
+  uint32_t c[kMaxDims];
+  row_coords(p.lead, r, c);
+  const char *mrow = p.map.data + row_offset(p.lead, c, p.map.lead);
+  const bool al = p.map.aligned != 0;
+  if (threadIdx.x == 0) s_n = 0;
+  __syncthreads();
+  for (int64_t i = i0 + threadIdx.x; i < i1; i += blockDim.x) {
+    const int64_t v = load_index(mrow + i * p.map.n_stride, p.map.dtype, al);
+    if (p.kind == 0 ? v != i : v > i) {
+      const int s = atomicAdd(&s_n, 1);
+      s_dst[s] = (int32_t)i;
+      s_src[s] = (int32_t)v;
+    }
+  }
+  if (p.pdl) griddep_wait();
+  const bool aborted = call_aborted(p.token, &s_flag);
+  __syncthreads();
+  const int n = s_n;
+  if (!aborted && n > 0) {
+    RingPairs get;
+    get.D = s_dst;
+    get.s_off = (int)p.seg;
+    get.a0 = 0;
+    get.b0 = 0;
+    get.cap = 0x7FFFFFFF;
+    for (int b = 0; b < p.nbuf; ++b) {
+      const BufDesc &bd = p.buf[b];
+      move_pairs_inline(bd.data + row_offset(p.lead, c, bd.lead), bd, (uint32_t)n, p.swap, get);
+    }
+  }
+  call_epilogue(p.token, p.is_last);
+}
+
+}  // namespace imoe_cu

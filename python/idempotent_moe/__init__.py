@@ -1,0 +1,39 @@
+"""idempotent-moe: in-place MoE token dropping and KV-cache eviction.
+
+Buffers are compacted where they are, with an idempotent map: kept tokens
+below the capacity stay, each kept token beyond it is paired with a dropped
+slot below it, and all pairs move at once, bit-exact, with no scratch buffer.
+Takes torch tensors, NumPy arrays and any DLPack producer; `import
+idempotent_moe` needs neither torch nor transformers.
+"""
+
+from .functional import (
+    Compacted,
+    apply_map_,
+    compact_,
+    cuda_available,
+    get_num_threads,
+    idempotent_map,
+    restore_,
+    set_num_threads,
+)
+from .kv import InplaceKVCompactor, compact_kv_cache_inplace
+from .moe import InplaceMoERouter, compact_moe_tokens_inplace, generate_idempotent_moe_map
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Compacted",
+    "InplaceKVCompactor",
+    "InplaceMoERouter",
+    "apply_map_",
+    "compact_",
+    "compact_kv_cache_inplace",
+    "compact_moe_tokens_inplace",
+    "cuda_available",
+    "generate_idempotent_moe_map",
+    "get_num_threads",
+    "idempotent_map",
+    "restore_",
+    "set_num_threads",
+]

@@ -1,0 +1,109 @@
+"""Framework-neutral helpers: shapes, views and small allocations for torch
+tensors, NumPy arrays, CuPy arrays and other DLPack producers, without
+importing any framework that the caller has not imported already."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+INDEX_DTYPES = ("int32", "int64")
+
+
+def _torch():
+    return sys.modules.get("torch")
+
+
+def is_torch(x: Any) -> bool:
+    torch = _torch()
+    return torch is not None and isinstance(x, torch.Tensor)
+
+
+def is_capsule(x: Any) -> bool:
+    return type(x).__name__ == "PyCapsule"
+
+
+def check_array(x: Any, name: str) -> None:
+    """TypeError unless `x` is an array the binding can take and whose shape
+    this layer can read (DLPack capsules are taken by the binding alone)."""
+    if is_capsule(x):
+        raise TypeError(
+            f"{name}: a raw DLPack capsule has no shape to slice a view from; pass the array "
+            "object itself (torch, NumPy, CuPy), or the capsule to idempotent_moe._C directly"
+        )
+    if not (isinstance(x, np.ndarray) or hasattr(x, "__dlpack__")) or not hasattr(x, "shape"):
+        raise TypeError(
+            f"{name} must be an array with __dlpack__ (torch, NumPy, CuPy), "
+            f"got {type(x).__name__}"
+        )
+    if is_torch(x) and x.requires_grad:
+        raise TypeError(
+            f"{name} requires grad: in-place compaction is not differentiable; "
+            f"pass {name}.detach() (or run under torch.no_grad())"
+        )
+
+
+def shape_of(x: Any) -> tuple:
+    return tuple(int(s) for s in x.shape)
+
+
+def normalize_dim(dim: int, ndim: int, name: str) -> int:
+    if isinstance(dim, bool) or not isinstance(dim, (int, np.integer)):
+        raise TypeError(f"dim must be an int, got {type(dim).__name__}")
+    d = int(dim) + ndim if dim < 0 else int(dim)
+    if not 0 <= d < ndim:
+        raise ValueError(f"dim {dim} is out of range for {name} with {ndim} dimensions")
+    return d
+
+
+def check_int(value: Any, name: str, minimum: int | None = 0) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    value = int(value)
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
+def narrow(x: Any, dim: int, length: int) -> Any:
+    """A view of the first `length` slots of axis `dim`."""
+    if is_torch(x):
+        return x.narrow(dim, 0, length)
+    return x[(slice(None),) * dim + (slice(0, length),)]
+
+
+def empty_index(like: Any, shape: Sequence[int], dtype: str) -> Any:
+    """An uninitialised integer array in the framework and on the device of `like`."""
+    if dtype not in INDEX_DTYPES:
+        raise ValueError(f"index_dtype must be one of {INDEX_DTYPES}, got {dtype!r}")
+    shape = tuple(int(s) for s in shape)
+    if is_torch(like):
+        torch = _torch()
+        return torch.empty(shape, dtype=getattr(torch, dtype), device=like.device)
+    if isinstance(like, np.ndarray) or like is None:
+        return np.empty(shape, dtype=dtype)
+    namespace = getattr(like, "__array_namespace__", None)
+    if namespace is not None:
+        xp = namespace()
+        return xp.empty(shape, dtype=getattr(xp, dtype), device=like.device)
+    return np.empty(shape, dtype=dtype)
+
+
+def as_index_array(values: Any, like: Any, name: str) -> Any:
+    """Lists and tuples of ints become an int64 array beside `like`."""
+    if isinstance(values, (list, tuple, range)):
+        arr = np.asarray(values, dtype=np.int64)
+        if is_torch(like):
+            return _torch().from_numpy(arr).to(like.device)
+        return arr
+    check_array(values, name)
+    return values
+
+
+def dtype_name(x: Any) -> str:
+    """'int32', 'float16', ... for torch, NumPy and array-API dtypes."""
+    name = str(x.dtype)
+    return name.rsplit(".", 1)[-1]

@@ -1,0 +1,108 @@
+/*
+ * binding.h: what the files of the CPython binding share.
+ *
+ *   import.c  array objects (NumPy, __dlpack__, DLPack capsules) in, and
+ *             released again exactly once
+ *   views.c   imoe_view from an import, and the checks that need only views
+ *   errors.c  imoe_status and export failures to Python exceptions
+ *   module.c  the module, its argument parsing and the calls into the C API
+ *
+ * Every function that can fail returns -1 (or NULL) with a Python exception
+ * set, and 0 (or a pointer) on success. Every one runs with the GIL held.
+ */
+#ifndef IMOE_BINDING_H
+#define IMOE_BINDING_H
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <stdint.h>
+
+#include "dlpack_abi.h"
+#include "idempotent_moe.h"
+
+/* Most buffers one call takes, and most imports: the buffers plus a selection
+ * view and up to two outputs. */
+#define IMOE_MAX_BUFFERS 64
+#define IMOE_MAX_IMPORTS (IMOE_MAX_BUFFERS + 4)
+
+/* Most axes an imported array may have: IMOE_MAX_LEAD_DIMS lead axes, the slot
+ * axis, and room for a row split over many axes. */
+#define IMOE_MAX_NDIM 32
+
+/* One imported array, normalised: byte strides, byte offset applied. */
+typedef struct imoe_import {
+  char name[32];       /* the Python argument: "scores", "buffers[1]" */
+  char dtype_name[32]; /* for messages: "float32", "uint8", "bfloat16" */
+  char *data;
+  int32_t ndim;
+  int64_t shape[IMOE_MAX_NDIM];
+  int64_t strides[IMOE_MAX_NDIM]; /* bytes */
+  int64_t itemsize;               /* bytes */
+  imoe_dtype dtype;               /* a typed dtype, or BYTES for any other */
+  DLDevice device;                /* NumPy arrays are kDLCPU */
+
+  /* What release gives back; at most one is set. */
+  PyObject *ndarray;                   /* a reference to a NumPy array */
+  DLManagedTensor *legacy;             /* owned: its deleter runs once */
+  DLManagedTensorVersioned *versioned; /* owned: its deleter runs once */
+} imoe_import;
+
+/* The imports of one call; zero it before the first import. */
+typedef struct imoe_imports {
+  int count;
+  imoe_import item[IMOE_MAX_IMPORTS];
+} imoe_imports;
+
+/* ---- import.c ---- */
+
+/*
+ * Imports obj as set's next record, named `name`. `written`: the call writes
+ * the array, so read-only and copied exports are refused (BufferError). On
+ * failure the record may already own something: imoe_py_release_imports frees it.
+ */
+imoe_import *imoe_py_import_array(imoe_imports *set, PyObject *obj, const char *name, int written);
+
+/* Releases every import of set exactly once; keeps any pending exception. */
+void imoe_py_release_imports(imoe_imports *set);
+
+/* ---- views.c ---- */
+
+/* [lead..., n, row] of a buffer: slot axis `dim`, the last `row_ndim` axes the
+ * row. dim and row_ndim are in range (module.c checks them). */
+int imoe_py_buffer_view(const imoe_import *im, int64_t dim, int64_t row_ndim, imoe_view *view);
+
+/* [lead..., n] of a typed array: the last axis is the slot axis. `accepted`
+ * is a mask of IMOE_DTYPE_BIT(...), `accepted_names` says it in words. */
+#define IMOE_DTYPE_BIT(d) (1u << (d))
+int imoe_py_typed_view(const imoe_import *im, unsigned accepted, const char *accepted_names,
+                       imoe_view *view);
+
+/* ValueError unless writing im's elements touches each byte once. */
+int imoe_py_check_no_self_overlap(const imoe_import *im);
+
+/* ValueError unless the written imports start at distinct addresses. */
+int imoe_py_check_distinct_outputs(const imoe_import *const *written, int count);
+
+/* ValueError unless v has shape like's lead shape + (n,); `rule` says why. */
+int imoe_py_expect_shape(const imoe_view *v, const char *name, const imoe_view *like, int64_t n,
+                         const char *rule);
+
+/* ValueError unless buffer v has the lead shape and N of buffer ref. */
+int imoe_py_expect_same_rows(const imoe_view *v, const char *name, const imoe_view *ref,
+                             const char *ref_name);
+
+/* Fills exec with the one device of every import (ValueError for mixed
+ * devices, an unknown device, or CUDA in a build without it). */
+int imoe_py_exec_for(const imoe_imports *set, int32_t num_threads, imoe_exec *exec);
+
+/* ---- errors.c ---- */
+
+/* Raises the exception for a failing status; returns NULL. */
+PyObject *imoe_py_raise_status(imoe_status status, const imoe_error *err);
+
+/* Replaces the pending exception by `type` with "<name> <what>: <message>",
+ * keeping the original as __cause__. Returns NULL. */
+PyObject *imoe_py_reraise_as(PyObject *type, const char *name, const char *what);
+
+#endif /* IMOE_BINDING_H */

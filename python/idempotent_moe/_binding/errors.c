@@ -1,0 +1,64 @@
+/*
+ * errors.c: failures to Python exceptions.
+ */
+#include "binding.h"
+
+#include <string.h>
+
+PyObject *imoe_py_raise_status(imoe_status status, const imoe_error *err) {
+  PyObject *type;
+  switch (status) {
+    case IMOE_ERR_DTYPE: type = PyExc_TypeError; break;
+    case IMOE_ERR_NO_MEMORY: type = PyExc_MemoryError; break;
+    case IMOE_ERR_DEVICE: type = PyExc_RuntimeError; break;
+    default: type = PyExc_ValueError; break; /* UNSUPPORTED and every bad value */
+  }
+  char message[sizeof err->message];
+  memcpy(message, err->message, sizeof message);
+  message[sizeof message - 1] = '\0';
+  if (message[0] == '\0') {
+    const char *fallback = imoe_status_string(status);
+    PyErr_SetString(type, fallback ? fallback : "idempotent_moe: unknown error");
+  } else {
+    PyErr_SetString(type, message);
+  }
+  return NULL;
+}
+
+PyObject *imoe_py_reraise_as(PyObject *type, const char *name, const char *what) {
+#if PY_VERSION_HEX >= 0x030C0000
+  PyObject *cause = PyErr_GetRaisedException();
+#else
+  PyObject *cause_type, *cause, *cause_traceback;
+  PyErr_Fetch(&cause_type, &cause, &cause_traceback);
+  PyErr_NormalizeException(&cause_type, &cause, &cause_traceback);
+  if (cause != NULL && cause_traceback != NULL) PyException_SetTraceback(cause, cause_traceback);
+  Py_XDECREF(cause_type);
+  Py_XDECREF(cause_traceback);
+#endif
+  if (cause == NULL) {
+    PyErr_Format(type, "%s %s", name, what);
+    return NULL;
+  }
+  PyObject *text = PyObject_Str(cause);
+  if (text == NULL) {
+    PyErr_Clear();
+    PyErr_Format(type, "%s %s", name, what);
+  } else {
+    PyErr_Format(type, "%s %s: %U", name, what, text);
+    Py_DECREF(text);
+  }
+
+#if PY_VERSION_HEX >= 0x030C0000
+  PyObject *raised = PyErr_GetRaisedException();
+  PyException_SetCause(raised, cause); /* steals cause */
+  PyErr_SetRaisedException(raised);
+#else
+  PyObject *raised_type, *raised, *raised_traceback;
+  PyErr_Fetch(&raised_type, &raised, &raised_traceback);
+  PyErr_NormalizeException(&raised_type, &raised, &raised_traceback);
+  PyException_SetCause(raised, cause); /* steals cause */
+  PyErr_Restore(raised_type, raised, raised_traceback);
+#endif
+  return NULL;
+}

@@ -1,0 +1,337 @@
+/*
+ * import.c: array objects in, released exactly once.
+ *
+ * Three kinds of object are taken:
+ *   1. a NumPy array, read through the NumPy C API (a reference is held);
+ *   2. a DLPack capsule, consumed (renamed to used_*) and freed by calling its
+ *      deleter once, when the call is done;
+ *   3. an object with __dlpack__, asked for a capsule that is then taken as 2.
+ * Whatever is imported is normalised into an imoe_import: byte strides (NULL
+ * DLPack strides become compact row-major), byte_offset added to data.
+ */
+#include "binding.h"
+
+#define PY_ARRAY_UNIQUE_SYMBOL IMOE_ARRAY_API
+#define NO_IMPORT_ARRAY
+#include <numpy/arrayobject.h>
+
+#include <stdio.h>
+#include <string.h>
+
+/* The typed dtype of (DLPack code, bits), or BYTES. */
+static imoe_dtype typed_dtype(int code, int64_t bits) {
+  if (code == kDLFloat && bits == 32) return IMOE_DTYPE_F32;
+  if (code == kDLFloat && bits == 16) return IMOE_DTYPE_F16;
+  if (code == kDLBfloat && bits == 16) return IMOE_DTYPE_BF16;
+  if (code == kDLInt && bits == 32) return IMOE_DTYPE_I32;
+  if (code == kDLInt && bits == 64) return IMOE_DTYPE_I64;
+  return IMOE_DTYPE_BYTES;
+}
+
+static void name_dtype(imoe_import *im, int code, int64_t bits) {
+  static const char *const names[] = {"int",           "uint",
+                                      "float",         "opaque",
+                                      "bfloat",        "complex",
+                                      "bool",          "float8_e3m4",
+                                      "float8_e4m3",   "float8_e4m3b11fnuz",
+                                      "float8_e4m3fn", "float8_e4m3fnuz",
+                                      "float8_e5m2",   "float8_e5m2fnuz",
+                                      "float8_e8m0fnu"};
+  size_t size = sizeof im->dtype_name;
+  if (code >= kDLFloat8_e3m4 && code <= kDLFloat8_e8m0fnu)
+    snprintf(im->dtype_name, size, "%s", names[code]);
+  else if (code >= 0 && code < (int)(sizeof names / sizeof names[0]))
+    snprintf(im->dtype_name, size, "%s%lld", names[code], (long long)bits);
+  else
+    snprintf(im->dtype_name, size, "DLPack code %d (%lld bits)", code, (long long)bits);
+}
+
+/* ---- NumPy ---- */
+
+static int numpy_code(char kind) {
+  switch (kind) {
+    case 'i': return kDLInt;
+    case 'u': return kDLUInt;
+    case 'f': return kDLFloat;
+    case 'c': return kDLComplex;
+    case 'b': return kDLBool;
+    default: return kDLOpaqueHandle;
+  }
+}
+
+static int import_ndarray(imoe_import *im, PyArrayObject *arr, int written) {
+  Py_INCREF(arr);
+  im->ndarray = (PyObject *)arr;
+
+  PyArray_Descr *descr = PyArray_DESCR(arr);
+  if (PyDataType_REFCHK(descr)) {
+    PyErr_Format(PyExc_TypeError,
+                 "%s has a dtype holding Python objects, which cannot be moved as bytes", im->name);
+    return -1;
+  }
+  if (written && !PyArray_ISWRITEABLE(arr)) {
+    PyErr_Format(PyExc_BufferError, "%s is read-only", im->name);
+    return -1;
+  }
+  int ndim = PyArray_NDIM(arr);
+  if (ndim > IMOE_MAX_NDIM) {
+    PyErr_Format(PyExc_ValueError, "%s has %d axes; at most %d are supported", im->name, ndim,
+                 IMOE_MAX_NDIM);
+    return -1;
+  }
+  im->itemsize = (int64_t)PyArray_ITEMSIZE(arr);
+  if (im->itemsize <= 0) {
+    PyErr_Format(PyExc_TypeError, "%s has a dtype of itemsize 0", im->name);
+    return -1;
+  }
+  int code = numpy_code(descr->kind);
+  name_dtype(im, code, 8 * im->itemsize);
+  if (PyArray_ISBYTESWAPPED(arr)) {
+    /* Typed data must be in native byte order; swapped data is only bytes. */
+    size_t len = strlen(im->dtype_name);
+    snprintf(im->dtype_name + len, sizeof im->dtype_name - len, " (byte-swapped)");
+    im->dtype = IMOE_DTYPE_BYTES;
+  } else {
+    im->dtype = typed_dtype(code, 8 * im->itemsize);
+  }
+  im->data = PyArray_BYTES(arr);
+  im->ndim = ndim;
+  for (int i = 0; i < ndim; ++i) {
+    im->shape[i] = (int64_t)PyArray_DIM(arr, i);
+    im->strides[i] = (int64_t)PyArray_STRIDE(arr, i);
+  }
+  im->device.device_type = kDLCPU;
+  im->device.device_id = 0;
+  return 0;
+}
+
+/* ---- DLPack ---- */
+
+static int read_dltensor(imoe_import *im, const DLTensor *t) {
+  if (t->ndim > IMOE_MAX_NDIM || t->ndim < 0) {
+    PyErr_Format(PyExc_ValueError, "%s has %d axes; at most %d are supported", im->name,
+                 (int)t->ndim, IMOE_MAX_NDIM);
+    return -1;
+  }
+  if (t->ndim > 0 && t->shape == NULL) {
+    PyErr_Format(PyExc_ValueError, "%s is a malformed DLPack tensor (no shape)", im->name);
+    return -1;
+  }
+  if (t->dtype.lanes != 1) {
+    PyErr_Format(PyExc_TypeError, "%s has a vector dtype (%d lanes); only 1 lane is supported",
+                 im->name, (int)t->dtype.lanes);
+    return -1;
+  }
+  if (t->dtype.bits == 0 || t->dtype.bits % 8 != 0) {
+    PyErr_Format(PyExc_TypeError,
+                 "%s has a dtype of %d bits; only whole bytes per element are supported", im->name,
+                 (int)t->dtype.bits);
+    return -1;
+  }
+  im->itemsize = t->dtype.bits / 8;
+  im->dtype = typed_dtype(t->dtype.code, t->dtype.bits);
+  name_dtype(im, t->dtype.code, t->dtype.bits);
+  im->ndim = t->ndim;
+  int empty = 0;
+  for (int i = 0; i < t->ndim; ++i) {
+    if (t->shape[i] < 0) {
+      PyErr_Format(PyExc_ValueError, "%s has a negative extent on axis %d", im->name, i);
+      return -1;
+    }
+    im->shape[i] = t->shape[i];
+    empty |= t->shape[i] == 0;
+  }
+  /* DLPack strides count elements; NULL means compact row-major. */
+  int64_t compact = im->itemsize;
+  for (int i = t->ndim - 1; i >= 0; --i) {
+    if (t->strides == NULL) {
+      im->strides[i] = compact;
+      compact *= im->shape[i];
+    } else if (t->strides[i] > INT64_MAX / im->itemsize ||
+               t->strides[i] < -INT64_MAX / im->itemsize) {
+      PyErr_Format(PyExc_ValueError, "%s has a stride too large for 64 bits on axis %d", im->name,
+                   i);
+      return -1;
+    } else {
+      im->strides[i] = t->strides[i] * im->itemsize;
+    }
+  }
+  if (t->data == NULL && !empty) {
+    PyErr_Format(PyExc_ValueError, "%s is a malformed DLPack tensor (no data)", im->name);
+    return -1;
+  }
+  im->data = t->data == NULL ? NULL : (char *)t->data + t->byte_offset;
+  im->device = t->device;
+  return 0;
+}
+
+/*
+ * Takes ownership of a DLPack capsule: its tensor is stored in im (so release
+ * frees it) and the capsule is renamed, so that its own destructor frees
+ * nothing. Then checks the version, the flags and the tensor.
+ */
+static int consume_capsule(imoe_import *im, PyObject *capsule, int written) {
+  const char *cname = PyCapsule_GetName(capsule);
+  if (cname == NULL && PyErr_Occurred()) return -1;
+  if (cname != NULL && strcmp(cname, IMOE_DLPACK_VERSIONED_CAPSULE) == 0) {
+    DLManagedTensorVersioned *mt = PyCapsule_GetPointer(capsule, cname);
+    if (mt == NULL) return -1;
+    if (PyCapsule_SetName(capsule, IMOE_DLPACK_VERSIONED_CAPSULE_USED) < 0) return -1;
+    im->versioned = mt;
+    /* Only version and deleter are readable before the version is known. */
+    if (mt->version.major != IMOE_DLPACK_MAJOR) {
+      PyErr_Format(PyExc_BufferError,
+                   "%s is a DLPack %u.%u tensor; idempotent_moe supports DLPack %d.x", im->name,
+                   (unsigned)mt->version.major, (unsigned)mt->version.minor, IMOE_DLPACK_MAJOR);
+      return -1;
+    }
+    if (written && (mt->flags & IMOE_DLPACK_FLAG_READ_ONLY)) {
+      PyErr_Format(PyExc_BufferError, "%s is read-only", im->name);
+      return -1;
+    }
+    if (written && (mt->flags & IMOE_DLPACK_FLAG_IS_COPIED)) {
+      PyErr_Format(PyExc_BufferError,
+                   "%s is a copy made by its producer; writing it in place would change nothing",
+                   im->name);
+      return -1;
+    }
+    return read_dltensor(im, &mt->dl_tensor);
+  }
+  if (cname != NULL && strcmp(cname, IMOE_DLPACK_CAPSULE) == 0) {
+    DLManagedTensor *mt = PyCapsule_GetPointer(capsule, cname);
+    if (mt == NULL) return -1;
+    if (PyCapsule_SetName(capsule, IMOE_DLPACK_CAPSULE_USED) < 0) return -1;
+    im->legacy = mt;
+    return read_dltensor(im, &mt->dl_tensor);
+  }
+  if (cname != NULL && (strcmp(cname, IMOE_DLPACK_VERSIONED_CAPSULE_USED) == 0 ||
+                        strcmp(cname, IMOE_DLPACK_CAPSULE_USED) == 0)) {
+    PyErr_Format(PyExc_BufferError, "%s: capsule was already consumed", im->name);
+    return -1;
+  }
+  PyErr_Format(PyExc_TypeError, "%s is a capsule named %s%s%s, not a DLPack capsule", im->name,
+               cname ? "'" : "", cname ? cname : "NULL", cname ? "'" : "");
+  return -1;
+}
+
+/* Calls one __dlpack__ signature; kwargs may be NULL. */
+static PyObject *call_dlpack(PyObject *method, PyObject *kwargs) {
+  PyObject *args = PyTuple_New(0);
+  if (args == NULL) return NULL;
+  PyObject *capsule = PyObject_Call(method, args, kwargs);
+  Py_DECREF(args);
+  return capsule;
+}
+
+/*
+ * obj.__dlpack__(stream=None, max_version=(1, 1), copy=False); on TypeError
+ * (an older producer) obj.__dlpack__(stream=None), then obj.__dlpack__().
+ * A refusal to export (RuntimeError, BufferError: torch for a tensor that
+ * requires grad) becomes a BufferError naming the argument.
+ */
+static PyObject *export_capsule(const imoe_import *im, PyObject *method) {
+  PyObject *full = Py_BuildValue("{s:O,s:(ii),s:O}", "stream", Py_None, "max_version",
+                                 IMOE_DLPACK_MAJOR, IMOE_DLPACK_MINOR, "copy", Py_False);
+  PyObject *stream_only = Py_BuildValue("{s:O}", "stream", Py_None);
+  PyObject *capsule = NULL;
+  if (full == NULL || stream_only == NULL) goto cleanup;
+
+  capsule = call_dlpack(method, full);
+  if (capsule == NULL && PyErr_ExceptionMatches(PyExc_TypeError)) {
+    PyErr_Clear();
+    capsule = call_dlpack(method, stream_only);
+  }
+  if (capsule == NULL && PyErr_ExceptionMatches(PyExc_TypeError)) {
+    PyErr_Clear();
+    capsule = call_dlpack(method, NULL);
+  }
+  if (capsule == NULL &&
+      (PyErr_ExceptionMatches(PyExc_RuntimeError) || PyErr_ExceptionMatches(PyExc_BufferError)))
+    imoe_py_reraise_as(PyExc_BufferError, im->name, "cannot be exported through DLPack");
+
+cleanup:
+  Py_XDECREF(full);
+  Py_XDECREF(stream_only);
+  return capsule;
+}
+
+static int import_dlpack_object(imoe_import *im, PyObject *method, int written) {
+  PyObject *capsule = export_capsule(im, method);
+  if (capsule == NULL) return -1;
+  int rc;
+  if (PyCapsule_CheckExact(capsule)) {
+    rc = consume_capsule(im, capsule, written);
+  } else {
+    PyErr_Format(PyExc_TypeError, "%s.__dlpack__() returned %.200s, not a DLPack capsule", im->name,
+                 Py_TYPE(capsule)->tp_name);
+    rc = -1;
+  }
+  Py_DECREF(capsule);
+  return rc;
+}
+
+imoe_import *imoe_py_import_array(imoe_imports *set, PyObject *obj, const char *name, int written) {
+  if (set->count >= IMOE_MAX_IMPORTS) {
+    PyErr_SetString(PyExc_RuntimeError, "idempotent_moe: too many arrays in one call");
+    return NULL;
+  }
+  /* Counted before anything is owned, so release sees every record. */
+  imoe_import *im = &set->item[set->count++];
+  memset(im, 0, sizeof *im);
+  snprintf(im->name, sizeof im->name, "%s", name);
+
+  int rc;
+  PyObject *method = NULL;
+  if (PyArray_Check(obj)) {
+    rc = import_ndarray(im, (PyArrayObject *)obj, written);
+  } else if (PyCapsule_CheckExact(obj)) {
+    rc = consume_capsule(im, obj, written);
+  } else if ((method = PyObject_GetAttrString(obj, "__dlpack__")) != NULL) {
+    rc = import_dlpack_object(im, method, written);
+    Py_DECREF(method);
+  } else if (PyErr_ExceptionMatches(PyExc_AttributeError)) {
+    PyErr_Clear();
+    PyErr_Format(PyExc_TypeError,
+                 "%s must be an array with __dlpack__ (torch, NumPy, CuPy) or a DLPack capsule, "
+                 "got %.200s",
+                 name, Py_TYPE(obj)->tp_name);
+    rc = -1;
+  } else {
+    rc = -1;
+  }
+  if (rc == 0 && im->ndim == 0) {
+    PyErr_Format(PyExc_ValueError, "%s is 0-dimensional; it needs at least one axis", name);
+    rc = -1;
+  }
+  return rc == 0 ? im : NULL;
+}
+
+/* Frees what one record owns; idempotent. */
+static void release_one(imoe_import *im) {
+  DLManagedTensorVersioned *versioned = im->versioned;
+  DLManagedTensor *legacy = im->legacy;
+  PyObject *ndarray = im->ndarray;
+  im->versioned = NULL;
+  im->legacy = NULL;
+  im->ndarray = NULL;
+  if (versioned != NULL && versioned->deleter != NULL) versioned->deleter(versioned);
+  if (legacy != NULL && legacy->deleter != NULL) legacy->deleter(legacy);
+  Py_XDECREF(ndarray);
+}
+
+void imoe_py_release_imports(imoe_imports *set) {
+  /* Deleters and __del__ may run Python code: not with an exception pending. */
+#if PY_VERSION_HEX >= 0x030C0000
+  PyObject *pending = PyErr_GetRaisedException();
+#else
+  PyObject *type, *value, *traceback;
+  PyErr_Fetch(&type, &value, &traceback);
+#endif
+  for (int i = set->count - 1; i >= 0; --i) release_one(&set->item[i]);
+  set->count = 0;
+#if PY_VERSION_HEX >= 0x030C0000
+  PyErr_SetRaisedException(pending);
+#else
+  PyErr_Restore(type, value, traceback);
+#endif
+}

@@ -1,0 +1,532 @@
+/*
+ * module.c: the extension module idempotent_moe._C.
+ *
+ * Each function parses its positional arguments, imports every array,
+ * builds and checks the views (messages name the Python argument), then calls
+ * the C API with the GIL released. Every import is released on every path by
+ * call_free.
+ */
+#include "binding.h"
+
+#define PY_ARRAY_UNIQUE_SYMBOL IMOE_ARRAY_API
+#include <numpy/arrayobject.h>
+
+#include <stdio.h>
+#include <string.h>
+
+#define FLOAT_DTYPES                                                 \
+  (IMOE_DTYPE_BIT(IMOE_DTYPE_F32) | IMOE_DTYPE_BIT(IMOE_DTYPE_F16) | \
+   IMOE_DTYPE_BIT(IMOE_DTYPE_BF16))
+#define FLOAT_NAMES "float32, float16 or bfloat16"
+#define INDEX_DTYPES (IMOE_DTYPE_BIT(IMOE_DTYPE_I32) | IMOE_DTYPE_BIT(IMOE_DTYPE_I64))
+#define INDEX_NAMES "int32 or int64"
+
+/* Everything one call imports and builds; large, so on the heap. */
+typedef struct call {
+  imoe_imports imports;
+  imoe_view buffers[IMOE_MAX_BUFFERS];
+  int32_t num_buffers;
+  const imoe_import *written[IMOE_MAX_IMPORTS];
+  int num_written;
+  /* Tuples made from the buffers, dims and row_ndims lists: __dlpack__ runs
+   * Python code, which must not be able to free an item under us. */
+  PyObject *sequences[3];
+} call;
+
+static call *call_new(void) {
+  call *c = PyMem_Malloc(sizeof *c);
+  if (c == NULL) return (call *)PyErr_NoMemory();
+  /* Records are zeroed one by one as they are used: most calls use a few. */
+  c->imports.count = 0;
+  c->num_buffers = 0;
+  c->num_written = 0;
+  for (int i = 0; i < 3; ++i) c->sequences[i] = NULL;
+  return c;
+}
+
+/* The one cleanup: every import released once, whatever happened. */
+static void call_free(call *c) {
+  if (c == NULL) return;
+  imoe_py_release_imports(&c->imports);
+  for (int i = 0; i < 3; ++i) Py_XDECREF(c->sequences[i]);
+  PyMem_Free(c);
+}
+
+/* ---- scalar arguments ---- */
+
+static int check_mode(int mode) {
+  if (mode == IMOE_MODE_SWAP || mode == IMOE_MODE_MOVE) return 0;
+  PyErr_Format(PyExc_ValueError, "mode must be 0 (swap) or 1 (move), got %d", mode);
+  return -1;
+}
+
+static int check_threads(long long num_threads, int32_t *out) {
+  if (num_threads > INT32_MAX) {
+    PyErr_Format(PyExc_ValueError, "num_threads must be at most %d, got %lld", INT32_MAX,
+                 num_threads);
+    return -1;
+  }
+  *out = num_threads < 0 ? 0 : (int32_t)num_threads; /* <= 0: the OpenMP default */
+  return 0;
+}
+
+typedef struct selection_args {
+  PyObject *scores, *active;
+  long long capacity, prefix, window;
+  int nan_lowest;
+} selection_args;
+
+/* The checks that need no array: done before any capsule is consumed. */
+static int check_selection_args(const selection_args *a) {
+  if ((a->scores == Py_None) == (a->active == Py_None)) {
+    PyErr_SetString(PyExc_ValueError, "exactly one of scores and active_indices must be given");
+    return -1;
+  }
+  if (a->capacity < 0) {
+    PyErr_Format(PyExc_ValueError, "capacity must be >= 0, got %lld", a->capacity);
+    return -1;
+  }
+  if (a->prefix < 0 || a->window < 0) {
+    PyErr_Format(PyExc_ValueError, "%s must be >= 0, got %lld",
+                 a->prefix < 0 ? "protected_prefix" : "recent_window",
+                 a->prefix < 0 ? a->prefix : a->window);
+    return -1;
+  }
+  if (a->scores != Py_None && a->prefix > a->capacity - a->window) {
+    PyErr_Format(PyExc_ValueError,
+                 "protected_prefix (%lld) + recent_window (%lld) must not exceed capacity (%lld)",
+                 a->prefix, a->window, a->capacity);
+    return -1;
+  }
+  if (a->active != Py_None && (a->prefix != 0 || a->window != 0)) {
+    PyErr_Format(PyExc_ValueError,
+                 "protected_prefix and recent_window must be 0 with active_indices, got %lld "
+                 "and %lld",
+                 a->prefix, a->window);
+    return -1;
+  }
+  return 0;
+}
+
+/* ---- arrays ---- */
+
+static imoe_import *import_one(call *c, PyObject *obj, const char *name, int written) {
+  imoe_import *im = imoe_py_import_array(&c->imports, obj, name, written);
+  if (im == NULL) return NULL;
+  if (written) {
+    if (imoe_py_check_no_self_overlap(im) < 0) return NULL;
+    c->written[c->num_written++] = im;
+  }
+  return im;
+}
+
+static int import_typed(call *c, PyObject *obj, const char *name, int written, unsigned accepted,
+                        const char *accepted_names, imoe_view *view) {
+  imoe_import *im = import_one(c, obj, name, written);
+  if (im == NULL) return -1;
+  return imoe_py_typed_view(im, accepted, accepted_names, view);
+}
+
+/* A list or tuple argument, held by c as a tuple. */
+static PyObject *hold_sequence(call *c, int slot, PyObject *obj, const char *name, const char *of) {
+  if (!PyList_Check(obj) && !PyTuple_Check(obj)) {
+    PyErr_Format(PyExc_TypeError, "%s must be a list or tuple of %s, got %.200s", name, of,
+                 Py_TYPE(obj)->tp_name);
+    return NULL;
+  }
+  c->sequences[slot] = PySequence_Tuple(obj);
+  return c->sequences[slot];
+}
+
+static int int_item(PyObject *tuple, Py_ssize_t i, const char *name, int64_t *out) {
+  PyObject *item = PyTuple_GET_ITEM(tuple, i);
+  if (!PyIndex_Check(item)) {
+    PyErr_Format(PyExc_TypeError, "%s[%zd] must be an int, got %.200s", name, i,
+                 Py_TYPE(item)->tp_name);
+    return -1;
+  }
+  Py_ssize_t value = PyNumber_AsSsize_t(item, PyExc_OverflowError);
+  if (value == -1 && PyErr_Occurred()) return -1;
+  *out = (int64_t)value;
+  return 0;
+}
+
+/* buffers[b] as [lead..., N, row_b] views: one lead shape and N for all. */
+static int import_buffers(call *c, PyObject *buffers, PyObject *dims, PyObject *row_ndims) {
+  PyObject *bufs = hold_sequence(c, 0, buffers, "buffers", "arrays");
+  if (bufs == NULL) return -1;
+  PyObject *dim_tuple = hold_sequence(c, 1, dims, "dims", "ints");
+  if (dim_tuple == NULL) return -1;
+  PyObject *row_tuple = hold_sequence(c, 2, row_ndims, "row_ndims", "ints");
+  if (row_tuple == NULL) return -1;
+
+  Py_ssize_t count = PyTuple_GET_SIZE(bufs);
+  if (count < 1 || count > IMOE_MAX_BUFFERS) {
+    PyErr_Format(PyExc_ValueError, "buffers must hold 1 to %d arrays, got %zd", IMOE_MAX_BUFFERS,
+                 count);
+    return -1;
+  }
+  if (PyTuple_GET_SIZE(dim_tuple) != count || PyTuple_GET_SIZE(row_tuple) != count) {
+    PyErr_Format(PyExc_ValueError,
+                 "dims and row_ndims must have one entry per buffer (%zd), got %zd and %zd", count,
+                 PyTuple_GET_SIZE(dim_tuple), PyTuple_GET_SIZE(row_tuple));
+    return -1;
+  }
+  int64_t dim[IMOE_MAX_BUFFERS], rows[IMOE_MAX_BUFFERS];
+  for (Py_ssize_t b = 0; b < count; ++b) {
+    if (int_item(dim_tuple, b, "dims", &dim[b]) < 0) return -1;
+    if (int_item(row_tuple, b, "row_ndims", &rows[b]) < 0) return -1;
+    if (rows[b] < 0) {
+      PyErr_Format(PyExc_ValueError, "row_ndims[%zd] must be >= 0, got %lld", b,
+                   (long long)rows[b]);
+      return -1;
+    }
+  }
+
+  for (Py_ssize_t b = 0; b < count; ++b) {
+    char name[32];
+    snprintf(name, sizeof name, "buffers[%zd]", b);
+    imoe_import *im = import_one(c, PyTuple_GET_ITEM(bufs, b), name, 1);
+    if (im == NULL) return -1;
+    if (dim[b] < 0 || dim[b] >= im->ndim) {
+      PyErr_Format(PyExc_ValueError, "dims[%zd] = %lld is out of range for %s with %d axes", b,
+                   (long long)dim[b], name, (int)im->ndim);
+      return -1;
+    }
+    if (dim[b] + rows[b] >= im->ndim) {
+      PyErr_Format(PyExc_ValueError,
+                   "%s: the slot axis dims[%zd] = %lld must come before its row axes, the last "
+                   "row_ndims[%zd] = %lld of its %d axes",
+                   name, b, (long long)dim[b], b, (long long)rows[b], (int)im->ndim);
+      return -1;
+    }
+    if (imoe_py_buffer_view(im, dim[b], rows[b], &c->buffers[b]) < 0) return -1;
+    if (b > 0 && imoe_py_expect_same_rows(&c->buffers[b], name, &c->buffers[0], "buffers[0]") < 0)
+      return -1;
+  }
+  c->num_buffers = (int32_t)count;
+  return 0;
+}
+
+/* scores or active_indices into sel (view holds the imoe_view it points to). */
+static int import_selection(call *c, const selection_args *a, imoe_view *view,
+                            imoe_selection *sel) {
+  memset(sel, 0, sizeof *sel);
+  sel->capacity = a->capacity;
+  sel->protected_prefix = a->prefix;
+  sel->recent_window = a->window;
+  sel->nan_policy = a->nan_lowest ? IMOE_NAN_LOWEST : IMOE_NAN_ERROR;
+  if (a->scores != Py_None) {
+    sel->scores = view;
+    return import_typed(c, a->scores, "scores", 0, FLOAT_DTYPES, FLOAT_NAMES, view);
+  }
+  sel->active = view;
+  if (import_typed(c, a->active, "active_indices", 0, INDEX_DTYPES, INDEX_NAMES, view) < 0)
+    return -1;
+  if (view->n != a->capacity) {
+    PyErr_Format(PyExc_ValueError,
+                 "capacity (%lld) must equal the number of active_indices per row (%lld)",
+                 a->capacity, (long long)view->n);
+    return -1;
+  }
+  return 0;
+}
+
+/* The selection against rows (the reference lead shape) and N (< 0: unknown). */
+static int check_selection_rows(const imoe_selection *sel, const imoe_view *rows, int64_t n,
+                                const char *rows_name) {
+  char rule[128];
+  if (sel->scores != NULL) {
+    snprintf(rule, sizeof rule, "the lead shape of %s + (N,)", rows_name);
+    return imoe_py_expect_shape(sel->scores, "scores", rows, n, rule);
+  }
+  const imoe_view *active = sel->active;
+  snprintf(rule, sizeof rule, "(K,) shared by all rows, or the lead shape of %s + (K,)", rows_name);
+  if (active->lead_ndim > 0 &&
+      imoe_py_expect_shape(active, "active_indices", rows, active->n, rule) < 0)
+    return -1;
+  if (n >= 0 && active->n > n) {
+    PyErr_Format(PyExc_ValueError, "active_indices has %lld entries per row, more than N = %lld",
+                 (long long)active->n, (long long)n);
+    return -1;
+  }
+  return 0;
+}
+
+/* The checks that span all arrays, then the one device they share. */
+static int finish_checks(call *c, int32_t num_threads, imoe_exec *exec) {
+  if (imoe_py_check_distinct_outputs(c->written, c->num_written) < 0) return -1;
+  return imoe_py_exec_for(&c->imports, num_threads, exec);
+}
+
+static int64_t min64(int64_t a, int64_t b) {
+  return a < b ? a : b;
+}
+
+static PyObject *done_with(imoe_status status, const imoe_error *err) {
+  if (status != IMOE_OK) return imoe_py_raise_status(status, err);
+  Py_RETURN_NONE;
+}
+
+/* ---- the functions ---- */
+
+static PyObject *py_compact(PyObject *self, PyObject *args) {
+  (void)self;
+  selection_args sa;
+  PyObject *buffers, *dims, *row_ndims, *out_indices, *out_target_map;
+  int mode;
+  long long num_threads;
+  if (!PyArg_ParseTuple(args, "OOOOOOOLLLpiL:compact", &buffers, &dims, &row_ndims, &sa.scores,
+                        &sa.active, &out_indices, &out_target_map, &sa.capacity, &sa.prefix,
+                        &sa.window, &sa.nan_lowest, &mode, &num_threads))
+    return NULL;
+  PyObject *result = NULL;
+  call *c = call_new();
+  if (c == NULL) return NULL;
+  imoe_view sel_view, idx, map;
+  imoe_selection sel;
+  imoe_exec exec;
+  int32_t threads;
+  int has_map = out_target_map != Py_None;
+  if (check_mode(mode) < 0 || check_threads(num_threads, &threads) < 0 ||
+      check_selection_args(&sa) < 0)
+    goto done;
+  if (import_buffers(c, buffers, dims, row_ndims) < 0 ||
+      import_selection(c, &sa, &sel_view, &sel) < 0 ||
+      import_typed(c, out_indices, "out_indices", 1, INDEX_DTYPES, INDEX_NAMES, &idx) < 0 ||
+      (has_map && import_typed(c, out_target_map, "out_target_map", 1,
+                               IMOE_DTYPE_BIT(IMOE_DTYPE_I32), "int32", &map) < 0))
+    goto done;
+  if (finish_checks(c, threads, &exec) < 0) goto done;
+
+  const imoe_view *rows = &c->buffers[0];
+  if (check_selection_rows(&sel, rows, rows->n, "the buffers") < 0 ||
+      imoe_py_expect_shape(&idx, "out_indices", rows, min64(sa.capacity, rows->n),
+                           "the lead shape of the buffers + (min(capacity, N),)") < 0 ||
+      (has_map && imoe_py_expect_shape(&map, "out_target_map", rows, rows->n,
+                                       "the lead shape of the buffers + (N,)") < 0))
+    goto done;
+
+  imoe_error err = {{0}};
+  imoe_status status;
+  Py_BEGIN_ALLOW_THREADS
+  status = imoe_compact(c->buffers, c->num_buffers, &sel, &idx, has_map ? &map : NULL,
+                        (imoe_mode)mode, &exec, &err);
+  Py_END_ALLOW_THREADS
+  result = done_with(status, &err);
+done:
+  call_free(c);
+  return result;
+}
+
+static PyObject *py_build_map(PyObject *self, PyObject *args) {
+  (void)self;
+  selection_args sa;
+  PyObject *out_indices, *out_target_map;
+  long long num_threads;
+  if (!PyArg_ParseTuple(args, "OOOOLLLpL:build_map", &sa.scores, &sa.active, &out_indices,
+                        &out_target_map, &sa.capacity, &sa.prefix, &sa.window, &sa.nan_lowest,
+                        &num_threads))
+    return NULL;
+  PyObject *result = NULL;
+  call *c = call_new();
+  if (c == NULL) return NULL;
+  imoe_view sel_view, idx, map;
+  imoe_selection sel;
+  imoe_exec exec;
+  int32_t threads;
+  int has_idx = out_indices != Py_None, has_map = out_target_map != Py_None;
+  if (check_threads(num_threads, &threads) < 0 || check_selection_args(&sa) < 0) goto done;
+  if (!has_idx && !has_map) {
+    PyErr_SetString(PyExc_ValueError, "out_indices, out_target_map or both must be given");
+    goto done;
+  }
+  if (import_selection(c, &sa, &sel_view, &sel) < 0 ||
+      (has_idx &&
+       import_typed(c, out_indices, "out_indices", 1, INDEX_DTYPES, INDEX_NAMES, &idx) < 0) ||
+      (has_map && import_typed(c, out_target_map, "out_target_map", 1,
+                               IMOE_DTYPE_BIT(IMOE_DTYPE_I32), "int32", &map) < 0))
+    goto done;
+  if (finish_checks(c, threads, &exec) < 0) goto done;
+
+  /* The lead shape comes from the selection, or from the outputs when
+   * active_indices is one [K] shared by all rows; N from scores or the map. */
+  const imoe_view *rows;
+  const char *rows_name;
+  int64_t n = -1;
+  if (sel.scores != NULL || sel.active->lead_ndim > 0) {
+    rows = &sel_view;
+    rows_name = sel.scores != NULL ? "scores" : "active_indices";
+  } else {
+    rows = has_idx ? &idx : &map;
+    rows_name = has_idx ? "out_indices" : "out_target_map";
+  }
+  if (sel.scores != NULL)
+    n = sel_view.n;
+  else if (has_map)
+    n = map.n;
+
+  char rule[128];
+  if (check_selection_rows(&sel, rows, n, rows_name) < 0) goto done;
+  if (has_idx) {
+    int64_t kept = sel.scores != NULL ? min64(sa.capacity, n) : sa.capacity;
+    snprintf(rule, sizeof rule, "the lead shape of %s + (%s,)", rows_name,
+             sel.scores != NULL ? "min(capacity, N)" : "capacity");
+    if (imoe_py_expect_shape(&idx, "out_indices", rows, kept, rule) < 0) goto done;
+  }
+  if (has_map) {
+    snprintf(rule, sizeof rule, "the lead shape of %s + (N,)", rows_name);
+    if (imoe_py_expect_shape(&map, "out_target_map", rows, n, rule) < 0) goto done;
+  }
+
+  imoe_error err = {{0}};
+  imoe_status status;
+  Py_BEGIN_ALLOW_THREADS
+  status = imoe_build_map(&sel, has_idx ? &idx : NULL, has_map ? &map : NULL, &exec, &err);
+  Py_END_ALLOW_THREADS
+  result = done_with(status, &err);
+done:
+  call_free(c);
+  return result;
+}
+
+enum apply_kind { APPLY_INDICES, APPLY_TARGET_MAP, RESTORE };
+
+/* apply_indices, apply_target_map and restore: buffers and one map. */
+static PyObject *apply(enum apply_kind kind, PyObject *buffers, PyObject *dims, PyObject *row_ndims,
+                       PyObject *map_obj, int mode, long long num_threads) {
+  PyObject *result = NULL;
+  call *c = call_new();
+  if (c == NULL) return NULL;
+  const char *map_name = kind == APPLY_TARGET_MAP ? "target_map" : "indices";
+  imoe_view map;
+  imoe_exec exec;
+  int32_t threads;
+  if (check_mode(mode) < 0 || check_threads(num_threads, &threads) < 0) goto done;
+  if (import_buffers(c, buffers, dims, row_ndims) < 0 ||
+      import_typed(c, map_obj, map_name, 0, INDEX_DTYPES, INDEX_NAMES, &map) < 0)
+    goto done;
+  if (finish_checks(c, threads, &exec) < 0) goto done;
+
+  const imoe_view *rows = &c->buffers[0];
+  if (kind == APPLY_TARGET_MAP) {
+    if (imoe_py_expect_shape(&map, map_name, rows, rows->n,
+                             "the lead shape of the buffers + (N,)") < 0)
+      goto done;
+  } else {
+    if (imoe_py_expect_shape(&map, map_name, rows, map.n, "the lead shape of the buffers + (C',)") <
+        0)
+      goto done;
+    if (map.n > rows->n) {
+      PyErr_Format(PyExc_ValueError,
+                   "indices has %lld entries per row, more than the N = %lld of the buffers",
+                   (long long)map.n, (long long)rows->n);
+      goto done;
+    }
+  }
+
+  imoe_error err = {{0}};
+  imoe_status status;
+  Py_BEGIN_ALLOW_THREADS
+  switch (kind) {
+    case APPLY_INDICES:
+      status = imoe_apply_indices(c->buffers, c->num_buffers, &map, (imoe_mode)mode, &exec, &err);
+      break;
+    case APPLY_TARGET_MAP:
+      status =
+          imoe_apply_target_map(c->buffers, c->num_buffers, &map, (imoe_mode)mode, &exec, &err);
+      break;
+    default: status = imoe_restore(c->buffers, c->num_buffers, &map, &exec, &err); break;
+  }
+  Py_END_ALLOW_THREADS
+  result = done_with(status, &err);
+done:
+  call_free(c);
+  return result;
+}
+
+static PyObject *py_apply_indices(PyObject *self, PyObject *args) {
+  (void)self;
+  PyObject *buffers, *dims, *row_ndims, *indices;
+  int mode;
+  long long num_threads;
+  if (!PyArg_ParseTuple(args, "OOOOiL:apply_indices", &buffers, &dims, &row_ndims, &indices, &mode,
+                        &num_threads))
+    return NULL;
+  return apply(APPLY_INDICES, buffers, dims, row_ndims, indices, mode, num_threads);
+}
+
+static PyObject *py_apply_target_map(PyObject *self, PyObject *args) {
+  (void)self;
+  PyObject *buffers, *dims, *row_ndims, *target_map;
+  int mode;
+  long long num_threads;
+  if (!PyArg_ParseTuple(args, "OOOOiL:apply_target_map", &buffers, &dims, &row_ndims, &target_map,
+                        &mode, &num_threads))
+    return NULL;
+  return apply(APPLY_TARGET_MAP, buffers, dims, row_ndims, target_map, mode, num_threads);
+}
+
+static PyObject *py_restore(PyObject *self, PyObject *args) {
+  (void)self;
+  PyObject *buffers, *dims, *row_ndims, *indices;
+  long long num_threads;
+  if (!PyArg_ParseTuple(args, "OOOOL:restore", &buffers, &dims, &row_ndims, &indices, &num_threads))
+    return NULL;
+  return apply(RESTORE, buffers, dims, row_ndims, indices, IMOE_MODE_SWAP, num_threads);
+}
+
+static PyObject *py_cuda_compiled(PyObject *self, PyObject *unused) {
+  (void)self;
+  (void)unused;
+  return PyBool_FromLong(imoe_cuda_compiled());
+}
+
+/* ---- the module ---- */
+
+static PyMethodDef methods[] = {
+    {"compact", py_compact, METH_VARARGS,
+     "compact(buffers, dims, row_ndims, scores, active, out_indices, out_target_map, capacity, "
+     "protected_prefix, recent_window, nan_lowest, mode, num_threads) -> None\n\n"
+     "Select, build the map into out_indices (and out_target_map) and apply it to every "
+     "buffer in place."},
+    {"build_map", py_build_map, METH_VARARGS,
+     "build_map(scores, active, out_indices, out_target_map, capacity, protected_prefix, "
+     "recent_window, nan_lowest, num_threads) -> None\n\n"
+     "Select and write the idempotent map; no buffer is touched."},
+    {"apply_indices", py_apply_indices, METH_VARARGS,
+     "apply_indices(buffers, dims, row_ndims, indices, mode, num_threads) -> None\n\n"
+     "Apply an [lead..., C'] index map to every buffer in place."},
+    {"apply_target_map", py_apply_target_map, METH_VARARGS,
+     "apply_target_map(buffers, dims, row_ndims, target_map, mode, num_threads) -> None\n\n"
+     "Apply an [lead..., N] involution to every buffer in place."},
+    {"restore", py_restore, METH_VARARGS,
+     "restore(buffers, dims, row_ndims, indices, num_threads) -> None\n\n"
+     "Undo a swap compaction in place."},
+    {"cuda_compiled", py_cuda_compiled, METH_NOARGS,
+     "cuda_compiled() -> bool\n\nWhether this build has the CUDA launchers."},
+    {NULL, NULL, 0, NULL}};
+
+static struct PyModuleDef module_def = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = "idempotent_moe._C",
+    .m_doc = "The CPython binding of idempotent-moe: DLPack and NumPy arrays in, the C API out.",
+    .m_size = -1,
+    .m_methods = methods,
+};
+
+#define IMOE_STR_(x) #x
+#define IMOE_STR(x) IMOE_STR_(x)
+#define IMOE_VERSION_STRING \
+  IMOE_STR(IMOE_VERSION_MAJOR) "." IMOE_STR(IMOE_VERSION_MINOR) "." IMOE_STR(IMOE_VERSION_PATCH)
+
+PyMODINIT_FUNC PyInit__C(void) {
+  import_array();
+  PyObject *module = PyModule_Create(&module_def);
+  if (module == NULL) return NULL;
+  if (PyModule_AddStringConstant(module, "__version__", IMOE_VERSION_STRING) < 0) {
+    Py_DECREF(module);
+    return NULL;
+  }
+  return module;
+}

@@ -1,0 +1,124 @@
+"""Results: speedups, the printed table, JSON, the plot, and the README table
+(always regenerated from the JSON)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+
+
+def add_speedups(rows: list) -> None:
+    """speedup = torch baseline median / this median, same workload and dtype."""
+    base = {(r["workload"], r["dtype"]): r["median_ms"]
+            for r in rows if r["impl"].startswith("torch")}
+    for r in rows:
+        r["speedup_vs_torch"] = base[(r["workload"], r["dtype"])] / r["median_ms"]
+        r["time_over_floor"] = r["median_ms"] / r["floor_ms"] if r["floor_ms"] else None
+
+
+def _mib(nbytes) -> str:
+    return "" if nbytes is None else f"{nbytes / 2**20:.2f}"
+
+
+def table(data: dict, markdown: bool = True) -> str:
+    rows = data["results"]
+    has_mem = any("peak_allocated_bytes" in r for r in rows)
+    head = ["workload", "dtype", "implementation", "median ms", "min ms", "vs torch",
+            "time / floor", "bit-exact"]
+    if has_mem:
+        head += ["peak alloc MiB", "reserved MiB before -> after"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        cells = [r["workload"], r["dtype"], r["impl"], f"{r['median_ms']:.3f}",
+                 f"{r['min_ms']:.3f}", f"{r['speedup_vs_torch']:.2f}x",
+                 f"{r['time_over_floor']:.2f}" if r["time_over_floor"] else "",
+                 "yes" if r["bit_exact"] else "NO"]
+        if has_mem:
+            cells += [_mib(r.get("peak_allocated_bytes")),
+                      f"{_mib(r.get('reserved_before_bytes'))} -> {_mib(r.get('reserved_after_bytes'))}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    m = data["machine"]
+    where = m.get("gpu") or m.get("cpu")
+    lines.append("")
+    lines.append(f"{where}; {m['threads']} threads; torch {m['torch']}; copy bandwidth "
+                 f"{m['copy_bandwidth_GBps']:.1f} GB/s (read + write); {m['date']}"
+                 + (" (quick sizes)" if data.get("quick") else ""))
+    return "\n".join(lines)
+
+
+def _stem(data: dict) -> str:
+    return f"main-{data['machine']['device']}" + ("-quick" if data.get("quick") else "")
+
+
+def write(data: dict, out_dir: str, plot: bool = True) -> list:
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, _stem(data) + ".json")
+    with open(path, "w") as f:
+        json.dump(data, f, indent=2)
+    paths = [path]
+    if plot:
+        paths.append(_plot(data, os.path.join(out_dir, _stem(data) + ".png")))
+    return paths
+
+
+def _series(row: dict) -> str:
+    """Baselines differ in name between workloads (W2 sorts): one bar series each."""
+    if row["kind"] == "baseline":
+        return row["impl"].split(" ")[0] + " baseline"
+    return row["impl"]
+
+
+def _plot(data: dict, path: str) -> str:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = data["results"]
+    groups = list(dict.fromkeys((r["workload"], r["dtype"]) for r in rows))
+    impls = list(dict.fromkeys(_series(r) for r in rows))
+    fig, ax = plt.subplots(figsize=(2.2 + 1.8 * len(groups), 4.2))
+    width = 0.8 / len(impls)
+    for i, impl in enumerate(impls):
+        xs, ys = [], []
+        for g, (w, d) in enumerate(groups):
+            for r in rows:
+                if (r["workload"], r["dtype"], _series(r)) == (w, d, impl):
+                    xs.append(g + i * width)
+                    ys.append(r["median_ms"])
+        ax.bar(xs, ys, width, label=impl)
+    floors = [min(r["floor_ms"] for r in rows if (r["workload"], r["dtype"]) == g) for g in groups]
+    ax.hlines(floors, [g - width / 2 for g in range(len(groups))],
+              [g + 0.8 - width / 2 for g in range(len(groups))], colors="black",
+              label="floor of move mode", zorder=3)
+    ax.set_xticks([g + 0.4 - width / 2 for g in range(len(groups))])
+    ax.set_xticklabels([f"{w} {d}" for w, d in groups])
+    ax.set_yscale("log")
+    ax.set_ylabel("median time, ms (log)")
+    m = data["machine"]
+    ax.set_title(f"end to end, scores to compacted buffer + indices: {m.get('gpu') or m['cpu']}",
+                 fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def update_readme(readme: str, data: dict) -> None:
+    """Replace the table between <!-- bench:DEVICE --> and <!-- /bench:DEVICE -->."""
+    device = data["machine"]["device"]
+    start, end = f"<!-- bench:{device} -->", f"<!-- /bench:{device} -->"
+    with open(readme) as f:
+        text = f.read()
+    if start not in text or end not in text:
+        raise SystemExit(f"{readme} has no {start} ... {end} section to update")
+    pattern = re.compile(re.escape(start) + ".*?" + re.escape(end), re.S)
+    with open(readme, "w") as f:
+        f.write(pattern.sub(lambda _: f"{start}\n{table(data)}\n{end}", text))
+
+
+def readme_from_json(readme: str, json_path: str) -> None:
+    with open(json_path) as f:
+        update_readme(readme, json.load(f))

@@ -1,0 +1,61 @@
+"""Timers: CUDA events on the GPU, perf_counter on the CPU. Every timed call
+gets freshly restored inputs from an untimed `reset`, so an in-place operation
+never sees its own output."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+
+@dataclass
+class Timing:
+    median_ms: float
+    min_ms: float
+    runs: int
+
+
+def time_calls(
+    fn: Callable[[], object],
+    reset: Callable[[], object],
+    *,
+    device: str,
+    runs: int,
+    warmup: int,
+) -> Timing:
+    """Median and min of `runs` timed calls of fn, each after an untimed reset."""
+    import torch
+
+    for _ in range(warmup):
+        reset()
+        fn()
+    samples = []
+    if device == "cuda":
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        for _ in range(runs):
+            reset()
+            start.record()
+            fn()
+            stop.record()
+            stop.synchronize()
+            samples.append(start.elapsed_time(stop))
+    else:
+        for _ in range(runs):
+            reset()
+            t0 = time.perf_counter()
+            fn()
+            samples.append((time.perf_counter() - t0) * 1e3)
+    return Timing(statistics.median(samples), min(samples), runs)
+
+
+def copy_bandwidth(device: str, nbytes: int, runs: int) -> float:
+    """Bytes read plus bytes written per second by a plain device copy of
+    `nbytes`: the bandwidth the floors are computed from."""
+    import torch
+
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device).random_()
+    dst = torch.empty_like(src)
+    timing = time_calls(lambda: dst.copy_(src), lambda: None, device=device, runs=runs, warmup=3)
+    return 2 * nbytes / (timing.median_ms * 1e-3)

@@ -1,0 +1,122 @@
+"""Build of idempotent_moe._C: the C core (csrc/), the CPython binding, and,
+where nvcc is present, the CUDA launchers (cuda/)."""
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from glob import glob
+
+from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+
+
+def _rel(pattern):
+    return sorted(os.path.relpath(p, ROOT) for p in glob(os.path.join(ROOT, pattern)))
+
+
+def _compiler_accepts(compiler, flag):
+    """True when the C compiler builds and links a tiny program with `flag`."""
+    with tempfile.TemporaryDirectory() as tmp:
+        src = os.path.join(tmp, "probe.c")
+        with open(src, "w") as f:
+            f.write("int main(void) { return 0; }\n")
+        try:
+            objs = compiler.compile([src], output_dir=tmp, extra_postargs=[flag])
+            compiler.link_executable(objs, os.path.join(tmp, "probe"), extra_postargs=[flag])
+        except Exception:
+            return False
+    return True
+
+
+def _find_nvcc():
+    if os.environ.get("IMOE_NO_CUDA", "0") not in ("", "0"):
+        return None
+    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    candidates = [os.path.join(home, "bin", "nvcc")] if home else []
+    candidates.append(shutil.which("nvcc"))
+    for nvcc in candidates:
+        if nvcc and os.path.exists(nvcc):
+            return nvcc
+    return None
+
+
+def _cuda_home(nvcc):
+    """The toolkit root, as nvcc itself reports it (nvcc may be a wrapper script)."""
+    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    if home:
+        return home
+    try:
+        out = subprocess.run([nvcc, "--dryrun", "-c", "-x", "cu", os.devnull, "-o", os.devnull],
+                             capture_output=True, text=True, timeout=60)
+        for line in (out.stdout + out.stderr).splitlines():
+            if "TOP=" in line:
+                return os.path.normpath(line.split("TOP=", 1)[1].strip().strip('"'))
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return os.path.dirname(os.path.dirname(os.path.realpath(nvcc)))
+
+
+class BuildExt(build_ext):
+    """Adds OpenMP where the compiler has it, and compiles cuda/*.cu with nvcc
+    (statically linked cudart) where nvcc is present."""
+
+    def build_extensions(self):
+        openmp = _compiler_accepts(self.compiler, "-fopenmp")
+        nvcc = _find_nvcc()
+        cu_sources = _rel("cuda/*.cu")
+        for ext in self.extensions:
+            if openmp:
+                ext.extra_compile_args.append("-fopenmp")
+                ext.extra_link_args.append("-fopenmp")
+            if nvcc and cu_sources:
+                self._add_cuda(ext, nvcc, cu_sources)
+        super().build_extensions()
+
+    def _add_cuda(self, ext, nvcc, cu_sources):
+        cuda_home = _cuda_home(nvcc)
+        archs = os.environ.get("IMOE_CUDA_ARCHS", "80;90").split(";")
+        gencode = []
+        for arch in archs:
+            gencode.append(f"-gencode=arch=compute_{arch},code=sm_{arch}")
+        gencode.append(f"-gencode=arch=compute_{archs[-1]},code=compute_{archs[-1]}")
+        obj_dir = os.path.join(self.build_temp, "cuda")
+        os.makedirs(obj_dir, exist_ok=True)
+        for src in cu_sources:
+            obj = os.path.join(obj_dir, os.path.basename(src) + ".o")
+            cmd = [nvcc, "-c", src, "-o", obj, "-O3", "-std=c++17", "-Xcompiler", "-fPIC",
+                   "--expt-relaxed-constexpr", "-Icsrc", "-Icuda", *gencode]
+            print(" ".join(cmd))
+            subprocess.check_call(cmd, cwd=ROOT)
+            ext.extra_objects.append(obj)
+        lib_dirs = [os.path.join(cuda_home, d) for d in ("lib64", "lib", "targets/x86_64-linux/lib")]
+        ext.library_dirs.extend(d for d in lib_dirs if os.path.isdir(d))
+        ext.libraries.extend(["cudart_static", "rt", "dl", "pthread", "stdc++"])
+        ext.define_macros.append(("IMOE_WITH_CUDA", "1"))
+        ext.include_dirs.append("cuda")
+
+
+def _numpy_include():
+    import numpy
+
+    return numpy.get_include()
+
+
+_debug = os.environ.get("IMOE_DEBUG", "0") not in ("", "0")
+ext = Extension(
+    "idempotent_moe._C",
+    sources=_rel("csrc/*.c") + _rel("python/idempotent_moe/_binding/*.c"),
+    include_dirs=["csrc", "python/idempotent_moe/_binding", _numpy_include()],
+    define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_22_API_VERSION")],
+    extra_compile_args=["-std=c11", "-O0" if _debug else "-O3", "-g" if _debug else "-g0",
+                        "-Wall", "-Wextra", "-Wno-unused-parameter", "-Wno-missing-field-initializers"],
+    depends=_rel("csrc/*.h") + _rel("python/idempotent_moe/_binding/*.h") + _rel("cuda/*.h"),
+)
+
+if sys.platform == "win32":
+    ext.extra_compile_args = ["/O2"]
+
+setup(ext_modules=[ext], cmdclass={"build_ext": BuildExt})

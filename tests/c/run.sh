@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# Builds and runs the C tests of the core under ASan and UBSan, once
+# without and once with OpenMP, then (where clang has libFuzzer) the fuzz
+# target for ${FUZZ_SECONDS:-30} seconds. Exits non-zero on any failure.
+#   CC            compiler for the unit tests (default gcc)
+#   BUILD_DIR     where binaries go (default: a temporary directory)
+#   FUZZ_SECONDS  fuzzing time; 0 skips the fuzzer
+set -euo pipefail
+
+here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+root=$(cd "$here/../.." && pwd)
+cc=${CC:-gcc}
+if [ -n "${BUILD_DIR:-}" ]; then
+  out=$BUILD_DIR
+  mkdir -p "$out"
+else
+  out=$(mktemp -d)
+  trap 'rm -rf "$out"' EXIT
+fi
+
+lib=("$root"/csrc/*.c)
+support=("$here/parity.c" "$here/ref.c" "$here/tensor.c")
+tests=("$here/test_core.c" "$here/test_status.c")
+flags=(-std=c11 -Wall -Wextra -Werror -O1 -g -fsanitize=address,undefined
+       -fno-sanitize-recover=all -fno-omit-frame-pointer -I"$root/csrc")
+export ASAN_OPTIONS=${ASAN_OPTIONS:-detect_leaks=1:abort_on_error=1}
+export UBSAN_OPTIONS=${UBSAN_OPTIONS:-print_stacktrace=1}
+
+run_tests() {
+  local name=$1
+  shift
+  echo "== $name: build"
+  "$cc" "${flags[@]}" "$@" "${lib[@]}" "${support[@]}" "${tests[@]}" -lm -o "$out/$name"
+  echo "== $name: run"
+  "$out/$name"
+}
+
+run_tests test_core_serial
+OMP_NUM_THREADS=4 run_tests test_core_openmp -fopenmp
+
+fuzz_seconds=${FUZZ_SECONDS:-30}
+if [ "$fuzz_seconds" = 0 ]; then
+  echo "== fuzz: skipped (FUZZ_SECONDS=0)"
+elif ! command -v clang >/dev/null 2>&1; then
+  echo "== fuzz: skipped (no clang on PATH)"
+else
+  echo "== fuzz: build"
+  clang -std=c11 -Wall -Wextra -Werror -O1 -g -fsanitize=fuzzer,address,undefined \
+    -fno-sanitize-recover=all -I"$root/csrc" "${lib[@]}" "${support[@]}" \
+    "$here/fuzz_compact.c" -lm -o "$out/fuzz_compact"
+  echo "== fuzz: run for ${fuzz_seconds}s"
+  mkdir -p "$out/corpus"
+  "$out/fuzz_compact" -max_total_time="$fuzz_seconds" -max_len=4096 -print_final_stats=1 \
+    "$out/corpus"
+fi
+echo "== all C tests passed"

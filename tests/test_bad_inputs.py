@@ -1,0 +1,681 @@
+"""Bad input: the right exception type, a message that names the argument at
+fault, and every buffer, score array and output exactly as it was.
+
+Each case is a builder `(framework, rng) -> (call, arrays)`: `call` must raise,
+`arrays` are snapshotted before and compared bit for bit after."""
+
+from __future__ import annotations
+
+import idempotent_moe as imoe
+import numpy as np
+import pytest
+from conftest import (
+    assert_unchanged,
+    make_data,
+    make_scores,
+    requires_torch,
+    snapshot,
+    to_framework,
+    torch,
+)
+
+N, C = 12, 5
+BUFFER = r"(\bx\b|buffer)"  # the Python API calls the buffers x, x[0], x[1], ...
+CASES = []
+
+
+def names(*words: str) -> str:
+    """A regex that needs every one of `words` (regexes) somewhere in the message."""
+    return "(?s)^" + "".join(f"(?=.*{w})" for w in words)
+
+
+def bad(exc, *words, frameworks=("numpy", "torch")):
+    """Register a builder as a bad-input case for each framework."""
+
+    def register(build):
+        for fw in frameworks:
+            marks = requires_torch if fw == "torch" else ()
+            CASES.append(pytest.param(build, fw, exc, names(*words), marks=marks,
+                                      id=f"{build.__name__}-{fw}"))
+        return build
+
+    return register
+
+
+def setup(fw, rng, *, n=N, c=C, lead=(3,), score_dtype="float32"):
+    x = make_data(lead + (n, 4), "float32", fw, rng)
+    s = make_scores(lead + (n,), score_dtype, fw, rng, ties=False)
+    out = to_framework(np.full(lead + (c,), -5, dtype=np.int64), fw)
+    return x, s, out
+
+
+def compact_call(x, s, out, capacity=C, **kwargs):
+    def call():
+        imoe.compact_(x, s, capacity, out_indices=out, **kwargs)
+
+    return call, [a for a in (x, s, out) if a is not None and not isinstance(a, (list, str))]
+
+
+# --------------------------------------------------------------------------- scores
+
+
+@bad(ValueError, "scores", "(?i:nan)")
+def nan_score(fw, rng):
+    x, s, out = setup(fw, rng)
+    s[0, 3] = float("nan")
+    return compact_call(x, s, out)
+
+
+@bad(ValueError, "scores", "(?i:nan)")
+def nan_score_in_last_row(fw, rng):
+    """Rows before it would already be compacted by a row-at-a-time check."""
+    x, s, out = setup(fw, rng)
+    s[-1, -1] = float("nan")
+    return compact_call(x, s, out)
+
+
+@bad(ValueError, "scores", "(?i:nan)", frameworks=("torch",))
+def nan_bf16_score_in_last_row(fw, rng):
+    x, s, out = setup(fw, rng, score_dtype="bfloat16")
+    s[-1, 7] = float("nan")
+    return compact_call(x, s, out)
+
+
+@bad(TypeError, "scores")
+def int_scores(fw, rng):
+    x, _, out = setup(fw, rng)
+    return compact_call(x, to_framework(np.arange(3 * N, dtype=np.int32).reshape(3, N), fw), out)
+
+
+@bad(TypeError, "scores")
+def float64_scores(fw, rng):
+    x, _, out = setup(fw, rng)
+    return compact_call(x, to_framework(np.ones((3, N)), fw), out)
+
+
+@bad(ValueError, "scores")
+def scores_with_wrong_n(fw, rng):
+    x, _, out = setup(fw, rng)
+    return compact_call(x, make_scores((3, N + 1), "float32", fw, rng), out, dim=1)
+
+
+@bad(ValueError, "scores")
+def scores_with_wrong_lead_shape(fw, rng):
+    x, _, out = setup(fw, rng)
+    return compact_call(x, make_scores((2, N), "float32", fw, rng), out)
+
+
+@bad(TypeError, "scores", "(?i:grad)", frameworks=("torch",))
+def scores_require_grad(fw, rng):
+    x, s, out = setup(fw, rng)
+    call, _ = compact_call(x, s.requires_grad_(), out)
+    return call, [x, s.detach(), out]
+
+
+@bad(TypeError, "scores", frameworks=("numpy",))
+def big_endian_scores(fw, rng):
+    """Read as native floats they would rank wrongly."""
+    x, s, out = setup(fw, rng)
+    return compact_call(x, s.astype(">f4"), out)
+
+
+@bad(ValueError, "scores", frameworks=("numpy",))
+def unaligned_scores(fw, rng):
+    x, s, out = setup(fw, rng)
+    raw = np.zeros(s.nbytes + 1, dtype=np.uint8)
+    unaligned = raw[1:].view(np.float32).reshape(s.shape)
+    unaligned[...] = s
+    return compact_call(x, unaligned, out)
+
+
+@bad(TypeError, "scores")
+def scores_not_an_array(fw, rng):
+    x, _, out = setup(fw, rng)
+    return compact_call(x, [[1.0] * N] * 3, out)
+
+
+# --------------------------------------------------------------------------- capacity and options
+
+
+@bad(ValueError, "capacity")
+def negative_capacity(fw, rng):
+    x, s, _ = setup(fw, rng)
+    return compact_call(x, s, None, capacity=-1)
+
+
+@bad(TypeError, "capacity")
+def float_capacity(fw, rng):
+    x, s, out = setup(fw, rng)
+    return compact_call(x, s, out, capacity=2.5)
+
+
+@bad(TypeError, "capacity")
+def bool_capacity(fw, rng):
+    x, s, out = setup(fw, rng)
+    return compact_call(x, s, out, capacity=True)
+
+
+@bad(TypeError, "capacity")
+def missing_capacity(fw, rng):
+    x, s, out = setup(fw, rng)
+    return compact_call(x, s, out, capacity=None)
+
+
+@bad(ValueError, "(protected_prefix|recent_window)")
+def prefix_plus_window_above_capacity(fw, rng):
+    x, s, out = setup(fw, rng)
+    return compact_call(x, s, out, protected_prefix=3, recent_window=3)
+
+
+@bad(ValueError, "protected_prefix")
+def negative_protected_prefix(fw, rng):
+    x, s, out = setup(fw, rng)
+    return compact_call(x, s, out, protected_prefix=-1)
+
+
+@bad(ValueError, "recent_window")
+def negative_recent_window(fw, rng):
+    x, s, out = setup(fw, rng)
+    return compact_call(x, s, out, recent_window=-2)
+
+
+@bad(ValueError, "mode")
+def unknown_mode(fw, rng):
+    x, s, out = setup(fw, rng)
+    return compact_call(x, s, out, mode="swop")
+
+
+@bad(ValueError, "order")
+def unknown_order(fw, rng):
+    x, s, out = setup(fw, rng)
+    return compact_call(x, s, out, order="random")
+
+
+@bad(ValueError, r"\bnan\b")
+def unknown_nan_policy(fw, rng):
+    x, s, out = setup(fw, rng)
+    return compact_call(x, s, out, nan="ignore")
+
+
+@bad(ValueError, r"\bdim\b")
+def dim_out_of_range(fw, rng):
+    x, s, out = setup(fw, rng)
+    return compact_call(x, s, out, dim=3)
+
+
+@bad(TypeError, r"\bdim\b")
+def float_dim(fw, rng):
+    x, s, out = setup(fw, rng)
+    return compact_call(x, s, out, dim=1.0)
+
+
+@bad(ValueError, "index_dtype")
+def unknown_index_dtype(fw, rng):
+    x, s, _ = setup(fw, rng)
+    return compact_call(x, s, None, index_dtype="int16")
+
+
+@bad(ValueError, "num_threads")
+def negative_num_threads(fw, rng):
+    x, s, out = setup(fw, rng)
+    return compact_call(x, s, out, num_threads=-1)
+
+
+# --------------------------------------------------------------------------- outputs
+
+
+@bad(ValueError, "out_indices")
+def out_indices_wrong_shape(fw, rng):
+    x, s, _ = setup(fw, rng)
+    return compact_call(x, s, to_framework(np.full((3, C + 1), -5, np.int64), fw))
+
+
+@bad(ValueError, "out_indices")
+def out_indices_wrong_lead_shape(fw, rng):
+    x, s, _ = setup(fw, rng)
+    return compact_call(x, s, to_framework(np.full((2, C), -5, np.int64), fw))
+
+
+@bad(TypeError, "out_indices")
+def out_indices_float(fw, rng):
+    x, s, _ = setup(fw, rng)
+    return compact_call(x, s, to_framework(np.full((3, C), -5, np.float32), fw))
+
+
+@bad(TypeError, "out_indices")
+def out_indices_int16(fw, rng):
+    x, s, _ = setup(fw, rng)
+    return compact_call(x, s, to_framework(np.full((3, C), -5, np.int16), fw))
+
+
+@bad(BufferError, "out_indices", frameworks=("numpy",))
+def out_indices_read_only(fw, rng):
+    x, s, out = setup(fw, rng)
+    out.flags.writeable = False
+    return compact_call(x, s, out)
+
+
+@bad(TypeError, "out_indices")
+def out_indices_a_list(fw, rng):
+    x, s, _ = setup(fw, rng)
+    return compact_call(x, s, [0] * C)
+
+
+@bad(ValueError, "out_target_map")
+def out_target_map_wrong_shape(fw, rng):
+    x, s, out = setup(fw, rng)
+    tm = to_framework(np.full((3, N - 1), -1, np.int32), fw)
+    call, arrays = compact_call(x, s, out, out_target_map=tm)
+    return call, arrays + [tm]
+
+
+@bad(TypeError, "out_target_map")
+def out_target_map_float(fw, rng):
+    x, s, out = setup(fw, rng)
+    tm = to_framework(np.full((3, N), -1, np.float32), fw)
+    call, arrays = compact_call(x, s, out, out_target_map=tm)
+    return call, arrays + [tm]
+
+
+@bad(TypeError, "out_target_map")
+def out_target_map_int64(fw, rng):
+    x, s, out = setup(fw, rng)
+    tm = to_framework(np.full((3, N), -1, np.int64), fw)
+    call, arrays = compact_call(x, s, out, out_target_map=tm)
+    return call, arrays + [tm]
+
+
+# --------------------------------------------------------------------------- active indices
+
+
+def active_call(x, active, capacity=None, **kwargs):
+    """compact_ with active indices and an index output of the shape a valid
+    call with this capacity would have, so that only `active` is at fault."""
+    k = capacity if capacity is not None else active.shape[-1]
+    out = to_framework(np.full(x.shape[:1] + (k,), -5, np.int64),
+                       "numpy" if isinstance(x, np.ndarray) else "torch")
+
+    def call():
+        imoe.compact_(x, active_indices=active, capacity=capacity, out_indices=out, **kwargs)
+
+    return call, [x, active, out]
+
+
+def _active(values, fw, dtype=np.int64):
+    return to_framework(np.asarray(values, dtype=dtype), fw)
+
+
+@bad(ValueError, "active")
+def active_index_out_of_range(fw, rng):
+    x, _, _ = setup(fw, rng)
+    return active_call(x, _active([0, 4, N], fw))
+
+
+@bad(ValueError, "active")
+def active_index_negative(fw, rng):
+    x, _, _ = setup(fw, rng)
+    return active_call(x, _active([0, -1, 4], fw))
+
+
+@bad(ValueError, "active", "(?i:duplicate|twice|repeat|distinct)")
+def active_index_duplicate(fw, rng):
+    x, _, _ = setup(fw, rng)
+    return active_call(x, _active([[0, 3, 5], [1, 2, 3], [7, 9, 7]], fw))
+
+
+@bad(TypeError, "active")
+def active_indices_float(fw, rng):
+    x, _, _ = setup(fw, rng)
+    return active_call(x, _active([0, 3, 5], fw, np.float32))
+
+
+@bad(TypeError, "active")
+def active_indices_int8(fw, rng):
+    x, _, _ = setup(fw, rng)
+    return active_call(x, _active([0, 3, 5], fw, np.int8))
+
+
+@bad(ValueError, "active")
+def active_indices_wrong_lead_shape(fw, rng):
+    x, _, _ = setup(fw, rng)
+    return active_call(x, _active([[0, 3, 5], [1, 2, 3]], fw), dim=1)
+
+
+@bad(ValueError, "capacity")
+def capacity_differs_from_active_count(fw, rng):
+    x, _, _ = setup(fw, rng)
+    return active_call(x, _active([0, 3, 5], fw), capacity=4)
+
+
+@bad(ValueError, "protected_prefix")
+def protected_prefix_with_active(fw, rng):
+    x, _, _ = setup(fw, rng)
+    return active_call(x, _active([0, 3, 5], fw), protected_prefix=1)
+
+
+@bad(ValueError, "scores", "active_indices")
+def both_scores_and_active(fw, rng):
+    x, s, out = setup(fw, rng)
+    return compact_call(x, s, out, active_indices=_active([0, 1, 2, 3, 4], fw))
+
+
+@bad(ValueError, "scores", "active_indices")
+def neither_scores_nor_active(fw, rng):
+    x, _, out = setup(fw, rng)
+    return compact_call(x, None, out)
+
+
+# --------------------------------------------------------------------------- buffers
+
+
+@bad(BufferError, BUFFER, "(?i:read-?only|writ)", frameworks=("numpy",))
+def read_only_buffer(fw, rng):
+    x, s, out = setup(fw, rng)
+    x.flags.writeable = False
+    return compact_call(x, s, out)
+
+
+@bad(BufferError, BUFFER, "(?i:read-?only|writ)", frameworks=("numpy",))
+def read_only_second_buffer(fw, rng):
+    x, s, out = setup(fw, rng)
+    v = make_data((3, N, 2), "int8", fw, rng)
+    v.flags.writeable = False
+    call, arrays = compact_call([x, v], s, out)
+    return call, arrays + [x, v]
+
+
+@bad(ValueError, BUFFER, "contiguous")
+def non_contiguous_row(fw, rng):
+    x, s, out = setup(fw, rng)
+    call, arrays = compact_call(x[:, :, ::2], s, out)
+    return call, arrays + [x]
+
+
+@bad(ValueError, BUFFER, frameworks=("numpy",))
+def stride_zero_slots_numpy(fw, rng):
+    x, s, out = setup(fw, rng)
+    view = np.lib.stride_tricks.as_strided(x, shape=(3, N, 4), strides=(x.strides[0], 0, 4),
+                                           writeable=True)
+    call, arrays = compact_call(view, s, out)
+    return call, arrays + [x]
+
+
+@bad(BufferError, BUFFER, frameworks=("numpy",))
+def broadcast_to_buffer_numpy(fw, rng):
+    """NumPy marks broadcast views read-only."""
+    x, s, out = setup(fw, rng)
+    call, arrays = compact_call(np.broadcast_to(x[:1], (3, N, 4)), s, out)
+    return call, arrays + [x]
+
+
+@bad(ValueError, BUFFER, frameworks=("torch",))
+def stride_zero_slots_torch(fw, rng):
+    x, s, out = setup(fw, rng)
+    base = x[:, :1]
+    call, arrays = compact_call(base.expand(3, N, 4), s, out)
+    return call, arrays + [x]
+
+
+@bad(ValueError, BUFFER, frameworks=("torch",))
+def stride_zero_rows_torch(fw, rng):
+    """Three rows over one row of memory: compacting them would race."""
+    x, s, out = setup(fw, rng)
+    call, arrays = compact_call(x[:1].expand(3, N, 4), s, out)
+    return call, arrays + [x]
+
+
+@bad(ValueError, BUFFER)
+def same_buffer_twice(fw, rng):
+    """Swapping the same memory twice would undo the compaction."""
+    x, s, out = setup(fw, rng)
+    call, arrays = compact_call([x, x], s, out)
+    return call, arrays
+
+
+@bad(ValueError, BUFFER)
+def overlapping_buffers(fw, rng):
+    """x[..., :2] and x[..., 1:3] share a column: it would be swapped twice."""
+    x, s, out = setup(fw, rng)
+    call, arrays = compact_call([x[..., :2], x[..., 1:3]], s, out)
+    return call, arrays + [x]
+
+
+@bad(ValueError, "out_indices", frameworks=("numpy",))
+def out_indices_aliases_the_buffer(fw, rng):
+    memory = np.zeros(3 * N * 4, dtype=np.int64)
+    x = memory.reshape(3, N, 4)
+    x[...] = rng.integers(0, 1000, size=(3, N, 4))
+    s = make_scores((3, N), "float32", fw, rng, ties=False)
+    return compact_call(x, s, memory[: 3 * C].reshape(3, C))
+
+
+@bad(TypeError, BUFFER, frameworks=("numpy",))
+def object_dtype_buffer(fw, rng):
+    _, s, out = setup(fw, rng)
+    x = np.empty((3, N, 2), dtype=object)
+    x[...] = 1
+    return (lambda: imoe.compact_(x, s, C, out_indices=out)), [s, out]
+
+
+@bad(ValueError, BUFFER)
+def buffers_with_different_n(fw, rng):
+    x, s, out = setup(fw, rng)
+    v = make_data((3, N + 1, 2), "float16", fw, rng)
+    call, arrays = compact_call([x, v], s, out, dim=1)
+    return call, arrays + [v]
+
+
+@bad(ValueError, BUFFER)
+def buffers_with_different_lead_shapes(fw, rng):
+    x, s, out = setup(fw, rng)
+    v = make_data((2, N, 2), "float16", fw, rng)
+    call, arrays = compact_call([x, v], s, out, dim=1)
+    return call, arrays + [v]
+
+
+@bad(ValueError, BUFFER)
+def empty_list_of_buffers(fw, rng):
+    _, s, out = setup(fw, rng)
+    return compact_call([], s, out)
+
+
+@bad(TypeError, BUFFER)
+def list_as_buffer(fw, rng):
+    _, s, out = setup(fw, rng)
+    return compact_call([[1.0] * 4] * N, s, out)
+
+
+@bad(TypeError, BUFFER)
+def string_as_buffer(fw, rng):
+    _, s, out = setup(fw, rng)
+    return compact_call("tokens", s, out)
+
+
+@bad(TypeError, BUFFER)
+def none_as_buffer(fw, rng):
+    _, s, out = setup(fw, rng)
+    return compact_call(None, s, out)
+
+
+@bad(TypeError, BUFFER, "(?i:grad)", frameworks=("torch",))
+def buffer_requires_grad(fw, rng):
+    x, s, out = setup(fw, rng)
+    x.requires_grad_()
+    call, _ = compact_call(x, s, out)
+    return call, [x.detach(), s, out]
+
+
+@bad(TypeError, BUFFER, "(?i:capsule)", frameworks=("torch",))
+def raw_capsule_as_buffer(fw, rng):
+    x, s, out = setup(fw, rng)
+    call, _ = compact_call(torch.utils.dlpack.to_dlpack(x), s, out)
+    return call, [x, s, out]
+
+
+# --------------------------------------------------------------------------- maps
+
+
+def _moe(fw, rng):
+    return make_data((2, 6, 3), "float16", fw, rng)
+
+
+def map_call(tokens, target_map):
+    def call():
+        imoe.compact_moe_tokens_inplace(tokens, target_map)
+
+    return call, [tokens, target_map]
+
+
+@bad(ValueError, "target_map", "(?i:involution|map)")
+def target_map_not_an_involution(fw, rng):
+    tm = np.tile(np.arange(6, dtype=np.int32), (2, 1))
+    tm[1, [0, 1, 2]] = [1, 2, 0]  # a 3-cycle
+    return map_call(_moe(fw, rng), to_framework(tm, fw))
+
+
+@bad(ValueError, "target_map")
+def target_map_out_of_range(fw, rng):
+    tm = np.tile(np.arange(6, dtype=np.int32), (2, 1))
+    tm[1, 5] = 6
+    return map_call(_moe(fw, rng), to_framework(tm, fw))
+
+
+@bad(ValueError, "target_map")
+def target_map_negative(fw, rng):
+    tm = np.tile(np.arange(6, dtype=np.int32), (2, 1))
+    tm[0, 0] = -1
+    return map_call(_moe(fw, rng), to_framework(tm, fw))
+
+
+@bad(ValueError, "target_map")
+def target_map_wrong_shape(fw, rng):
+    return map_call(_moe(fw, rng), to_framework(np.tile(np.arange(5, dtype=np.int32), (2, 1)), fw))
+
+
+@bad(TypeError, "target_map")
+def target_map_float(fw, rng):
+    return map_call(_moe(fw, rng), to_framework(np.tile(np.arange(6.0), (2, 1)), fw))
+
+
+def restore_call(fw, rng, indices):
+    x = make_data((2, 8, 3), "int8", fw, rng)
+    idx = to_framework(np.asarray(indices, dtype=np.int64), fw)
+
+    def call():
+        imoe.restore_(x, idx)
+
+    return call, [x, idx]
+
+
+@bad(ValueError, r"\bindices\b", "(?i:duplicate|twice|repeat|distinct)")
+def restore_duplicate_tail(fw, rng):
+    return restore_call(fw, rng, [[0, 1, 2], [5, 5, 2]])
+
+
+@bad(ValueError, r"\bindices\b")
+def restore_moved_entry_below_capacity(fw, rng):
+    return restore_call(fw, rng, [[0, 1, 2], [0, 2, 1]])
+
+
+@bad(ValueError, r"\bindices\b")
+def restore_index_out_of_range(fw, rng):
+    return restore_call(fw, rng, [[0, 8, 2], [0, 1, 2]])
+
+
+@bad(ValueError, r"\bindices\b")
+def restore_negative_index(fw, rng):
+    return restore_call(fw, rng, [[0, 1, 2], [-1, 1, 2]])
+
+
+@bad(TypeError, r"\bindices\b")
+def restore_float_indices(fw, rng):
+    x = make_data((2, 8, 3), "int8", fw, rng)
+    idx = to_framework(np.array([[0, 1, 2], [0, 1, 2]], dtype=np.float32), fw)
+    return (lambda: imoe.restore_(x, idx)), [x, idx]
+
+
+@bad(ValueError, r"\bindices\b")
+def apply_map_indices_wrong_lead_shape(fw, rng):
+    x = make_data((2, 8, 3), "int8", fw, rng)
+    idx = to_framework(np.array([[0, 1, 7]] * 3, dtype=np.int64), fw)
+    return (lambda: imoe.apply_map_(x, idx, dim=1)), [x, idx]
+
+
+@bad(ValueError, r"\bindices\b", "target_map")
+def apply_map_with_both_maps(fw, rng):
+    x = make_data((2, 8, 3), "int8", fw, rng)
+    idx = to_framework(np.array([[0, 1, 2]] * 2, dtype=np.int64), fw)
+    tm = to_framework(np.tile(np.arange(8, dtype=np.int32), (2, 1)), fw)
+    return (lambda: imoe.apply_map_(x, idx, target_map=tm)), [x, idx, tm]
+
+
+# --------------------------------------------------------------------------- seed API
+
+
+@bad(ValueError, "(tokens|hidden_dim)")
+def router_wrong_hidden_size(fw, rng):
+    tokens = make_data((4, 10, 6), "float32", fw, rng)
+    scores = make_scores((4, 10), "float32", fw, rng)
+    router = imoe.InplaceMoERouter(hidden_dim=8, num_experts=4)
+    return (lambda: router(tokens, scores, expert_capacity=3)), [tokens, scores]
+
+
+@bad(ValueError, "(tokens|num_experts)")
+def router_wrong_expert_count(fw, rng):
+    tokens = make_data((4, 10, 6), "float32", fw, rng)
+    scores = make_scores((4, 10), "float32", fw, rng)
+    router = imoe.InplaceMoERouter(hidden_dim=6, num_experts=3)
+    return (lambda: router(tokens, scores, expert_capacity=3)), [tokens, scores]
+
+
+@bad(ValueError, "hidden_dim", frameworks=("numpy",))
+def router_zero_hidden_dim(fw, rng):
+    return (lambda: imoe.InplaceMoERouter(hidden_dim=0, num_experts=3)), []
+
+
+@bad(ValueError, "value_cache")
+def kv_cache_shapes_differ(fw, rng):
+    k = make_data((1, 2, 16, 8), "float16", fw, rng)
+    v = make_data((1, 2, 15, 8), "float16", fw, rng)
+    s = make_scores((1, 2, 16), "float32", fw, rng)
+    return (lambda: imoe.compact_kv_cache_inplace(k, v, s, 8)), [k, v, s]
+
+
+@bad(ValueError, "key_cache")
+def kv_cache_not_4d(fw, rng):
+    k = make_data((2, 16, 8), "float16", fw, rng)
+    v = make_data((2, 16, 8), "float16", fw, rng)
+    s = make_scores((2, 16), "float32", fw, rng)
+    return (lambda: imoe.compact_kv_cache_inplace(k, v, s, 8)), [k, v, s]
+
+
+@bad(ValueError, "capacity")
+def kv_map_capacity_differs_from_active_count(fw, rng):
+    active = to_framework(np.array([0, 1, 5], dtype=np.int64), fw)
+    compactor = imoe.InplaceKVCompactor()
+    return (lambda: compactor.build_idempotent_map(1, 2, 16, active, capacity=4)), [active]
+
+
+@bad(ValueError, "(protected_prefix|recent_window)")
+def kv_sinks_above_capacity(fw, rng):
+    k = make_data((1, 2, 16, 8), "float16", fw, rng)
+    v = make_data((1, 2, 16, 8), "float16", fw, rng)
+    s = make_scores((1, 2, 16), "float32", fw, rng)
+    compactor = imoe.InplaceKVCompactor()
+    return (lambda: compactor.compact_from_scores(k, v, s, 3, protected_prefix_len=4)), [k, v, s]
+
+
+# --------------------------------------------------------------------------- the test
+
+
+def test_enough_distinct_cases():
+    assert len({p.values[0].__name__ for p in CASES}) >= 35
+
+
+@pytest.mark.parametrize("build,framework,exc,match", CASES)
+def test_bad_input(build, framework, exc, match, rng):
+    call, arrays = build(framework, rng)
+    snaps = snapshot(*arrays)
+    with pytest.raises(exc, match=match):
+        call()
+    assert_unchanged(arrays, snaps)

@@ -1,0 +1,61 @@
+"""The main job at smoke size: it runs, checks every row bit for bit, and
+writes JSON, a plot and a README table that reflect what it measured."""
+
+import json
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("matplotlib")
+
+from idempotent_moe.__main__ import main  # noqa: E402
+from idempotent_moe.bench import report  # noqa: E402
+
+
+def test_bench_quick_writes_json_plot_and_readme(tmp_path, capsys):
+    readme = tmp_path / "README.md"
+    readme.write_text("# t\n<!-- bench:cpu -->\nold\n<!-- /bench:cpu -->\ntail\n")
+    assert main(["bench", "--device", "cpu", "--quick", "--runs", "2", "--out", str(tmp_path),
+                 "--readme", str(readme)]) == 0
+    data = json.loads((tmp_path / "main-cpu-quick.json").read_text())
+    assert (tmp_path / "main-cpu-quick.png").stat().st_size > 1000
+    rows = data["results"]
+    impls = {r["impl"] for r in rows}
+    assert {"torch topk+gather", "torch topk+sort+gather", "numpy argpartition+take",
+            "idempotent_moe swap", "idempotent_moe move"} <= impls
+    assert {(r["workload"], r["dtype"]) for r in rows} == {
+        ("W1", "float16"), ("W1", "float32"), ("W2", "float16"), ("W2", "float32")}
+    assert all(r["bit_exact"] for r in rows)
+    assert all(r["median_ms"] > 0 and r["min_ms"] <= r["median_ms"] for r in rows)
+    for r in rows:
+        if r["impl"].startswith("torch"):
+            assert r["speedup_vs_torch"] == pytest.approx(1.0)
+        # move mode needs half of swap's traffic, and a floor is never negative
+        assert r["floor_ms"] > 0
+    text = readme.read_text()
+    assert "old" not in text and "idempotent_moe move" in text and text.endswith("tail\n")
+    assert "idempotent_moe swap" in capsys.readouterr().out
+
+
+def test_check_rejects_a_wrong_result():
+    import torch
+    from idempotent_moe.bench import workloads
+
+    p = workloads.Problem(workloads.QUICK["W1"], torch.float16, "cpu")
+    base = workloads.torch_baseline(p).run()
+    values, idx = base
+    assert workloads.check_against(p, base, base)
+    broken = [values[0].clone()]
+    broken[0][0, 0, 0] += 1
+    assert not workloads.check_against(p, (broken, idx), base)
+    wrong_idx = idx.clone()
+    wrong_idx[0, 0] = (wrong_idx[0, 0] + 1) % p.shape.n
+    assert not workloads.check_against(p, (values, wrong_idx), base)
+
+
+def test_readme_update_needs_markers(tmp_path):
+    readme = tmp_path / "README.md"
+    readme.write_text("no markers\n")
+    data = {"machine": {"device": "cpu"}, "results": []}
+    with pytest.raises(SystemExit):
+        report.update_readme(str(readme), data)

@@ -1,0 +1,161 @@
+"""CUDA tensors: bit-exact parity with the reference, validation before any
+write, the caller's stream, no allocation, and CUDA graph capture. Skipped
+(see conftest.py) unless torch sees a GPU and idempotent_moe has its CUDA build."""
+
+from __future__ import annotations
+
+import idempotent_moe as imoe
+import numpy as np
+import pytest
+from conftest import (
+    bits,
+    expected_after,
+    make_data,
+    make_scores,
+    reference_indices,
+    reference_kept,
+    to_numpy,
+    torch,
+)
+
+pytestmark = pytest.mark.gpu
+
+
+def cuda(x):
+    return x.cuda()
+
+
+@pytest.mark.parametrize("mode", ["swap", "move"])
+@pytest.mark.parametrize("data_dtype", ["float16", "bfloat16", "float32", "int8", "float64"])
+@pytest.mark.parametrize("score_dtype", ["float32", "float16", "bfloat16"])
+def test_cuda_parity(data_dtype, score_dtype, mode, rng):
+    x = cuda(make_data((8, 512, 64), data_dtype, "torch", rng))
+    scores = cuda(make_scores((8, 512), score_dtype, "torch", rng))
+    before = bits(x)
+    res = imoe.compact_(x, scores, 200, mode=mode, protected_prefix=3, recent_window=5)
+    ref = reference_indices(reference_kept(scores, 200, 3, 5), 512, 200)
+    assert res.indices.is_cuda and res.values.data_ptr() == x.data_ptr()
+    np.testing.assert_array_equal(to_numpy(res.indices), ref)
+    np.testing.assert_array_equal(bits(x), expected_after(before, 1, ref, mode))
+
+
+@pytest.mark.parametrize("n,capacity,row", [(1, 0, 2), (1000, 1000, 2), (4097, 1, 130),
+                                            (8192, 4096, 256), (300, 7, 65536)])
+def test_cuda_shapes(n, capacity, row, rng):
+    x = cuda(make_data((3, n, row), "uint8", "torch", rng))
+    scores = cuda(make_scores((3, n), "float32", "torch", rng))
+    before = bits(x)
+    res = imoe.compact_(x, scores, capacity)
+    ref = reference_indices(reference_kept(scores, capacity), n, capacity)
+    np.testing.assert_array_equal(to_numpy(res.indices), ref)
+    np.testing.assert_array_equal(bits(x), expected_after(before, 1, ref, "swap"))
+
+
+def test_cuda_kv_strided_and_active(rng):
+    base = cuda(make_data((2, 4, 300, 2 * 64), "float16", "torch", rng))
+    k = base[..., :64]  # the rows of K are contiguous, the slots strided
+    v = cuda(make_data((2, 4, 300, 32), "float32", "torch", rng))
+    k0, v0 = bits(k), bits(v)
+    chosen = np.stack([rng.choice(300, size=100, replace=False) for _ in range(8)]).reshape(
+        2, 4, 100)
+    active = cuda(torch.from_numpy(chosen))
+    kv, vv, idx = imoe.compact_kv_cache_inplace(k, v, active_indices=active, return_indices=True)
+    ref = reference_indices([np.sort(r) for r in chosen.reshape(8, 100)], 300, 100, (2, 4))
+    np.testing.assert_array_equal(to_numpy(idx), ref)
+    np.testing.assert_array_equal(bits(k), expected_after(k0, 2, ref, "swap"))
+    np.testing.assert_array_equal(bits(v), expected_after(v0, 2, ref, "swap"))
+
+
+def test_cuda_swap_then_restore(rng):
+    x = cuda(make_data((8, 4096, 128), "bfloat16", "torch", rng))
+    before = bits(x)
+    res = imoe.compact_(x, cuda(make_scores((8, 4096), "float32", "torch", rng, ties=False)), 2048)
+    imoe.restore_(x, res.indices)
+    np.testing.assert_array_equal(bits(x), before)
+
+
+def test_cuda_nan_in_last_row_changes_nothing(rng):
+    x = cuda(make_data((8, 1024, 32), "float16", "torch", rng))
+    scores = cuda(make_scores((8, 1024), "float32", "torch", rng))
+    scores[-1, -1] = float("nan")
+    out = torch.full((8, 100), -5, dtype=torch.int64, device="cuda")
+    snaps = [bits(x), bits(out)]
+    with pytest.raises(ValueError, match="scores"):
+        imoe.compact_(x, scores, 100, out_indices=out)
+    np.testing.assert_array_equal(bits(x), snaps[0])
+    np.testing.assert_array_equal(bits(out), snaps[1])
+
+
+def test_cuda_side_stream(rng):
+    """Work runs on the caller's current stream, ordered after earlier work on it."""
+    src = cuda(make_data((8, 4096, 256), "float16", "torch", rng))
+    scores = cuda(make_scores((8, 4096), "float32", "torch", rng, ties=False))
+    expected_src = bits(src)
+    stream = torch.cuda.Stream()
+    x = torch.empty_like(src)
+    torch.cuda.synchronize()
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(10_000_000)  # keep the stream busy so that a wrong stream shows
+        x.copy_(src)
+        res = imoe.compact_(x, scores, 1024)
+    stream.synchronize()
+    ref = reference_indices(reference_kept(scores, 1024), 4096, 1024)
+    np.testing.assert_array_equal(to_numpy(res.indices), ref)
+    np.testing.assert_array_equal(bits(x), expected_after(expected_src, 1, ref, "swap"))
+
+
+def test_cuda_work_is_ordered_before_later_work_on_the_stream(rng):
+    """The default stream is kept busy; on a side stream, work enqueued after
+    the compaction must see it done. It would not if the kernels ran on the
+    default stream (or any stream but the caller's)."""
+    x = cuda(make_data((8, 4096, 256), "float16", "torch", rng))
+    scores = cuda(make_scores((8, 4096), "float32", "torch", rng, ties=False))
+    before = bits(x)
+    side = torch.cuda.Stream()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(200_000_000)  # ~0.1 s of work on the default stream
+    with torch.cuda.stream(side):
+        res = imoe.compact_(x, scores, 1024)
+        seen = x.clone()
+    torch.cuda.synchronize()
+    ref = reference_indices(reference_kept(scores, 1024), 4096, 1024)
+    np.testing.assert_array_equal(to_numpy(res.indices), ref)
+    np.testing.assert_array_equal(bits(seen), expected_after(before, 1, ref, "swap"))
+
+
+def test_cuda_allocates_nothing_with_out_indices(rng):
+    x = cuda(make_data((8, 4096, 1024), "float16", "torch", rng))
+    scores = cuda(make_scores((8, 4096), "float32", "torch", rng))
+    out = torch.empty((8, 2048), dtype=torch.int32, device="cuda")
+    imoe.compact_(x, scores, 2048, out_indices=out)  # warm-up
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    allocated, reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
+    imoe.compact_(x, scores, 2048, out_indices=out)
+    torch.cuda.synchronize()
+    assert torch.cuda.max_memory_allocated() == allocated
+    assert torch.cuda.memory_reserved() == reserved
+
+
+def test_cuda_graph_capture(rng):
+    x = cuda(make_data((8, 2048, 64), "float16", "torch", rng))
+    scores = cuda(make_scores((8, 2048), "float32", "torch", rng, ties=False))
+    out = torch.empty((8, 512), dtype=torch.int64, device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up outside the capture
+        imoe.compact_(x, scores, 512, out_indices=out)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        imoe.compact_(x, scores, 512, out_indices=out)
+    for _ in range(2):
+        fresh = cuda(make_data((8, 2048, 64), "float16", "torch", rng))
+        x.copy_(fresh)
+        scores.copy_(cuda(make_scores((8, 2048), "float32", "torch", rng, ties=False)))
+        before = bits(fresh)
+        graph.replay()
+        torch.cuda.synchronize()
+        ref = reference_indices(reference_kept(scores, 512), 2048, 512)
+        np.testing.assert_array_equal(to_numpy(out), ref)
+        np.testing.assert_array_equal(bits(x), expected_after(before, 1, ref, "swap"))
