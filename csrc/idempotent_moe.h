@@ -201,6 +201,19 @@ imoe_status imoe_apply_target_map(const imoe_view *buffers, int32_t num_buffers,
 imoe_status imoe_restore(const imoe_view *buffers, int32_t num_buffers,
                          const imoe_view *indices, const imoe_exec *exec, imoe_error *err);
 
+/*
+ * Data errors found on a device. A CUDA call never synchronises the host, so
+ * a data error (a NaN score under IMOE_NAN_ERROR, active indices out of range
+ * or repeated, an invalid caller-given map) cannot fail the call itself: the
+ * call returns IMOE_OK, changes no byte of any buffer or output, and records
+ * the error's status on the device (the first one wins). This function
+ * synchronises exec->stream, stores that status into *recorded (IMOE_OK when
+ * none) and clears it. On the CPU, where such errors fail the call itself,
+ * *recorded is always IMOE_OK.
+ */
+imoe_status imoe_take_device_status(const imoe_exec *exec, imoe_status *recorded,
+                                    imoe_error *err);
+
 #ifdef __cplusplus
 }
 #endif

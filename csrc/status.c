@@ -1,6 +1,10 @@
 /* status.c: names of the status codes, and what this build contains. */
 #include "imoe_internal.h"
 
+#ifdef IMOE_WITH_CUDA
+#include "imoe_cuda.h"
+#endif
+
 const char *imoe_status_string(imoe_status status) {
   switch (status) {
     case IMOE_OK:
@@ -33,4 +37,19 @@ int imoe_cuda_compiled(void) {
 #else
   return 0;
 #endif
+}
+
+imoe_status imoe_take_device_status(const imoe_exec *exec, imoe_status *recorded,
+                                    imoe_error *err) {
+  if (recorded == NULL) return imoe_fail(err, IMOE_ERR_ARGUMENT, "recorded is NULL");
+  *recorded = IMOE_OK;
+  imoe_status status = imoe_check_exec(exec, err);
+  if (status != IMOE_OK || exec == NULL || !imoe_on_cuda(exec)) return status;
+#ifdef IMOE_WITH_CUDA
+  int32_t word = IMOE_OK;
+  status = imoe_cuda_read_device_status(exec, &word);
+  if (status != IMOE_OK) return imoe_fail(err, status, "reading the device status failed");
+  *recorded = (imoe_status)word;
+#endif
+  return IMOE_OK;
 }

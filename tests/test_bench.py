@@ -59,3 +59,13 @@ def test_readme_update_needs_markers(tmp_path):
     data = {"machine": {"device": "cpu"}, "results": []}
     with pytest.raises(SystemExit):
         report.update_readme(str(readme), data)
+
+
+def test_sweep_quick_writes_every_axis(tmp_path):
+    assert main(["sweep", "--device", "cpu", "--quick", "--runs", "1", "--out", str(tmp_path),
+                 "--no-plot"]) == 0
+    data = json.loads((tmp_path / "sweep-cpu-quick.json").read_text())
+    rows = data["results"]
+    assert {r["axis"] for r in rows} == {"N", "keep ratio", "row bytes"}
+    assert {r["n"] for r in rows if r["axis"] == "N"} == {256, 1024, 4096, 16384, 65536, 131072}
+    assert all(r["bit_exact"] and r["time_over_floor"] > 0 for r in rows)

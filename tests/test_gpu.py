@@ -75,15 +75,61 @@ def test_cuda_swap_then_restore(rng):
 
 
 def test_cuda_nan_in_last_row_changes_nothing(rng):
+    """A CUDA call does not synchronise: bad data makes it change nothing, and
+    check_errors() raises what it recorded (once)."""
     x = cuda(make_data((8, 1024, 32), "float16", "torch", rng))
     scores = cuda(make_scores((8, 1024), "float32", "torch", rng))
     scores[-1, -1] = float("nan")
     out = torch.full((8, 100), -5, dtype=torch.int64, device="cuda")
     snaps = [bits(x), bits(out)]
-    with pytest.raises(ValueError, match="scores"):
-        imoe.compact_(x, scores, 100, out_indices=out)
+    imoe.compact_(x, scores, 100, out_indices=out)
+    with pytest.raises(ValueError, match="NaN"):
+        imoe.check_errors(x)
+    imoe.check_errors(x)  # the error was taken: nothing left to raise
     np.testing.assert_array_equal(bits(x), snaps[0])
     np.testing.assert_array_equal(bits(out), snaps[1])
+    # the next good call works as usual
+    scores[-1, -1] = 0.5
+    res = imoe.compact_(x, scores, 100, out_indices=out)
+    imoe.check_errors(x)
+    ref = reference_indices(reference_kept(scores, 100), 1024, 100)
+    np.testing.assert_array_equal(to_numpy(res.indices), ref)
+
+
+@pytest.mark.parametrize("case", ["duplicate_active", "range_active", "bad_target_map"])
+def test_cuda_bad_indices_change_nothing(case, rng):
+    x = cuda(make_data((2, 64, 16), "float32", "torch", rng))
+    before = bits(x)
+    if case == "bad_target_map":
+        tm = torch.arange(64, dtype=torch.int32, device="cuda").repeat(2, 1)
+        tm[1, 3] = 5  # 3 -> 5 but 5 -> 5: not an involution
+        imoe.apply_map_(x, target_map=tm, dim=1)
+    else:
+        active = torch.arange(10, device="cuda").repeat(2, 1)
+        active[1, 9] = 3 if case == "duplicate_active" else 64
+        imoe.compact_(x, active_indices=active, dim=1)
+    with pytest.raises(ValueError):
+        imoe.check_errors(x)
+    np.testing.assert_array_equal(bits(x), before)
+
+
+def test_cuda_two_streams_at_once(rng):
+    """Two compactions in flight on two streams, each on its own buffers."""
+    xs = [cuda(make_data((8, 4096, 256), "float16", "torch", rng)) for _ in range(2)]
+    ss = [cuda(make_scores((8, 4096), "float32", "torch", rng, ties=False)) for _ in range(2)]
+    befores = [bits(x) for x in xs]
+    streams = [torch.cuda.Stream() for _ in range(2)]
+    torch.cuda.synchronize()
+    results = []
+    for x, s, stream in zip(xs, ss, streams):
+        with torch.cuda.stream(stream):
+            torch.cuda._sleep(5_000_000)
+            results.append(imoe.compact_(x, s, 1000))
+    torch.cuda.synchronize()
+    for x, s, before, res in zip(xs, ss, befores, results):
+        ref = reference_indices(reference_kept(s, 1000), 4096, 1000)
+        np.testing.assert_array_equal(to_numpy(res.indices), ref)
+        np.testing.assert_array_equal(bits(x), expected_after(before, 1, ref, "swap"))
 
 
 def test_cuda_side_stream(rng):

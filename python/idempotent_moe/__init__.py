@@ -10,6 +10,7 @@ idempotent_moe` needs neither torch nor transformers.
 from .functional import (
     Compacted,
     apply_map_,
+    check_errors,
     compact_,
     cuda_available,
     get_num_threads,
@@ -27,6 +28,7 @@ __all__ = [
     "InplaceKVCompactor",
     "InplaceMoERouter",
     "apply_map_",
+    "check_errors",
     "compact_",
     "compact_kv_cache_inplace",
     "compact_moe_tokens_inplace",

@@ -107,3 +107,32 @@ def dtype_name(x: Any) -> str:
     """'int32', 'float16', ... for torch, NumPy and array-API dtypes."""
     name = str(x.dtype)
     return name.rsplit(".", 1)[-1]
+
+
+_DL_CUDA, _DL_CUDA_MANAGED = 2, 13
+
+
+def cuda_device_of(x: Any) -> int | None:
+    """The CUDA device index of x, or None for host memory."""
+    if is_torch(x):
+        return x.device.index if x.device.type == "cuda" else None
+    device = getattr(x, "__dlpack_device__", None)
+    if device is None:
+        return None
+    kind, index = device()
+    return int(index) if int(kind) in (_DL_CUDA, _DL_CUDA_MANAGED) else None
+
+
+def dlpack_stream(x: Any) -> int | None:
+    """The DLPack stream value of the caller's current stream on x's device:
+    the library launches there, and producers order their work before it.
+    None for host memory. The default stream is 1 (DLPack's legacy default)."""
+    device = cuda_device_of(x)
+    if device is None:
+        return None
+    if is_torch(x):
+        handle = _torch().cuda.current_stream(device).cuda_stream
+    else:
+        cupy = sys.modules.get("cupy")
+        handle = cupy.cuda.get_current_stream().ptr if cupy is not None else 0
+    return int(handle) or 1

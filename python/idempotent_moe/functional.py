@@ -57,6 +57,34 @@ def cuda_available() -> bool:
         return False
 
 
+def check_errors(x: Any = None) -> None:
+    """Raise the data error that an earlier CUDA call found, if any.
+
+    CUDA calls never synchronise the host, so bad data (a NaN score with
+    nan="raise", active indices out of range or repeated, an invalid map)
+    cannot make the call itself raise: the call changes nothing at all (no
+    buffer, no output) and records the error on the device. This function
+    synchronises the current stream of x's device (torch's or CuPy's; with
+    x None, torch's current device) and raises ValueError for a recorded
+    error, clearing it. On the CPU, bad data raises in the call itself and
+    this function returns at once.
+    """
+    if x is None:
+        torch = _arrays._torch()
+        if torch is None or not torch.cuda.is_available() or not cuda_available():
+            return
+        x = torch.empty(0, device="cuda")
+    device = _arrays.cuda_device_of(x)
+    if device is None or not cuda_available():
+        return
+    code = native().take_device_status(device, _arrays.dlpack_stream(x))
+    if code:
+        raise ValueError(
+            f"an earlier idempotent_moe call on cuda:{device} found bad data and changed "
+            f"nothing: {native().status_message(code)}"
+        )
+
+
 def _threads(num_threads: int | None) -> int:
     if num_threads is None:
         return _num_threads
@@ -194,7 +222,7 @@ def compact_(
         bufs, dims, _row_ndims(bufs, dims), scores, active, out_indices, out_target_map,
         capacity, _arrays.check_int(protected_prefix, "protected_prefix"),
         _arrays.check_int(recent_window, "recent_window"), _nan_lowest(nan), _mode(mode),
-        _threads(num_threads),
+        _threads(num_threads), _arrays.dlpack_stream(bufs[0]),
     )
     views = tuple(_arrays.narrow(b, d, kept) for b, d in zip(bufs, dims))
     return Compacted(views if many else views[0], out_indices)
@@ -257,6 +285,7 @@ def idempotent_map(
         scores, active, out_indices, target_map, capacity,
         _arrays.check_int(protected_prefix, "protected_prefix"),
         _arrays.check_int(recent_window, "recent_window"), _nan_lowest(nan), _threads(num_threads),
+        _arrays.dlpack_stream(selector),
     )
     if form == "indices":
         return out_indices
@@ -287,12 +316,14 @@ def apply_map_(
     _arrays.check_array(the_map, "indices" if indices is not None else "target_map")
     dims = _dims(bufs, dim, the_map, False)
     rows = _row_ndims(bufs, dims)
+    stream = _arrays.dlpack_stream(bufs[0])
     if indices is not None:
-        native().apply_indices(bufs, dims, rows, indices, _mode(mode), _threads(num_threads))
+        native().apply_indices(bufs, dims, rows, indices, _mode(mode), _threads(num_threads), stream)
         kept = _arrays.shape_of(indices)[-1]
         views = tuple(_arrays.narrow(b, d, kept) for b, d in zip(bufs, dims))
         return views if many else views[0]
-    native().apply_target_map(bufs, dims, rows, target_map, _mode(mode), _threads(num_threads))
+    native().apply_target_map(bufs, dims, rows, target_map, _mode(mode), _threads(num_threads),
+                              stream)
     return x
 
 
@@ -302,5 +333,6 @@ def restore_(x: Any, indices: Any, *, dim: int | None = None, num_threads: int |
     bufs, _ = _buffers(x)
     _arrays.check_array(indices, "indices")
     dims = _dims(bufs, dim, indices, False)
-    native().restore(bufs, dims, _row_ndims(bufs, dims), indices, _threads(num_threads))
+    native().restore(bufs, dims, _row_ndims(bufs, dims), indices, _threads(num_threads),
+                     _arrays.dlpack_stream(bufs[0]))
     return x

@@ -51,6 +51,10 @@ typedef struct imoe_import {
 /* The imports of one call; zero it before the first import. */
 typedef struct imoe_imports {
   int count;
+  /* Borrowed: the consumer's stream, passed to every __dlpack__(stream=...):
+   * None for host memory, else the DLPack stream value of the stream the
+   * call is launched on (1: legacy default, 2: per-thread, > 2: a handle). */
+  PyObject *stream;
   imoe_import item[IMOE_MAX_IMPORTS];
 } imoe_imports;
 
@@ -95,6 +99,12 @@ int imoe_py_expect_same_rows(const imoe_view *v, const char *name, const imoe_vi
 /* Fills exec with the one device of every import (ValueError for mixed
  * devices, an unknown device, or CUDA in a build without it). */
 int imoe_py_exec_for(const imoe_imports *set, int32_t num_threads, imoe_exec *exec);
+
+/* ValueError unless obj is None or a DLPack stream value (-1, 1, 2 or > 2). */
+int imoe_py_check_stream(PyObject *obj);
+
+/* The cudaStream_t (as void *) that a DLPack stream value names. */
+void *imoe_py_stream_handle(PyObject *obj);
 
 /* ---- errors.c ---- */
 

@@ -224,15 +224,16 @@ static PyObject *call_dlpack(PyObject *method, PyObject *kwargs) {
 }
 
 /*
- * obj.__dlpack__(stream=None, max_version=(1, 1), copy=False); on TypeError
- * (an older producer) obj.__dlpack__(stream=None), then obj.__dlpack__().
+ * obj.__dlpack__(stream=S, max_version=(1, 1), copy=False); on TypeError
+ * (an older producer) obj.__dlpack__(stream=S), then obj.__dlpack__(). S is
+ * the stream the call runs on: the producer orders its pending work before it.
  * A refusal to export (RuntimeError, BufferError: torch for a tensor that
  * requires grad) becomes a BufferError naming the argument.
  */
-static PyObject *export_capsule(const imoe_import *im, PyObject *method) {
-  PyObject *full = Py_BuildValue("{s:O,s:(ii),s:O}", "stream", Py_None, "max_version",
+static PyObject *export_capsule(const imoe_import *im, PyObject *method, PyObject *stream) {
+  PyObject *full = Py_BuildValue("{s:O,s:(ii),s:O}", "stream", stream, "max_version",
                                  IMOE_DLPACK_MAJOR, IMOE_DLPACK_MINOR, "copy", Py_False);
-  PyObject *stream_only = Py_BuildValue("{s:O}", "stream", Py_None);
+  PyObject *stream_only = Py_BuildValue("{s:O}", "stream", stream);
   PyObject *capsule = NULL;
   if (full == NULL || stream_only == NULL) goto cleanup;
 
@@ -255,8 +256,9 @@ cleanup:
   return capsule;
 }
 
-static int import_dlpack_object(imoe_import *im, PyObject *method, int written) {
-  PyObject *capsule = export_capsule(im, method);
+static int import_dlpack_object(imoe_import *im, PyObject *method, PyObject *stream,
+                                int written) {
+  PyObject *capsule = export_capsule(im, method, stream);
   if (capsule == NULL) return -1;
   int rc;
   if (PyCapsule_CheckExact(capsule)) {
@@ -287,7 +289,7 @@ imoe_import *imoe_py_import_array(imoe_imports *set, PyObject *obj, const char *
   } else if (PyCapsule_CheckExact(obj)) {
     rc = consume_capsule(im, obj, written);
   } else if ((method = PyObject_GetAttrString(obj, "__dlpack__")) != NULL) {
-    rc = import_dlpack_object(im, method, written);
+    rc = import_dlpack_object(im, method, set->stream ? set->stream : Py_None, written);
     Py_DECREF(method);
   } else if (PyErr_ExceptionMatches(PyExc_AttributeError)) {
     PyErr_Clear();

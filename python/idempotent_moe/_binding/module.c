@@ -38,6 +38,7 @@ static call *call_new(void) {
   if (c == NULL) return (call *)PyErr_NoMemory();
   /* Records are zeroed one by one as they are used: most calls use a few. */
   c->imports.count = 0;
+  c->imports.stream = Py_None;
   c->num_buffers = 0;
   c->num_written = 0;
   for (int i = 0; i < 3; ++i) c->sequences[i] = NULL;
@@ -105,6 +106,13 @@ static int check_selection_args(const selection_args *a) {
                  a->prefix, a->window);
     return -1;
   }
+  return 0;
+}
+
+/* The stream every __dlpack__ is asked for and the call is launched on. */
+static int use_stream(call *c, PyObject *stream) {
+  if (imoe_py_check_stream(stream) < 0) return -1;
+  c->imports.stream = stream;
   return 0;
 }
 
@@ -276,9 +284,10 @@ static PyObject *py_compact(PyObject *self, PyObject *args) {
   PyObject *buffers, *dims, *row_ndims, *out_indices, *out_target_map;
   int mode;
   long long num_threads;
-  if (!PyArg_ParseTuple(args, "OOOOOOOLLLpiL:compact", &buffers, &dims, &row_ndims, &sa.scores,
+  PyObject *stream = Py_None;
+  if (!PyArg_ParseTuple(args, "OOOOOOOLLLpiL|O:compact", &buffers, &dims, &row_ndims, &sa.scores,
                         &sa.active, &out_indices, &out_target_map, &sa.capacity, &sa.prefix,
-                        &sa.window, &sa.nan_lowest, &mode, &num_threads))
+                        &sa.window, &sa.nan_lowest, &mode, &num_threads, &stream))
     return NULL;
   PyObject *result = NULL;
   call *c = call_new();
@@ -289,7 +298,7 @@ static PyObject *py_compact(PyObject *self, PyObject *args) {
   int32_t threads;
   int has_map = out_target_map != Py_None;
   if (check_mode(mode) < 0 || check_threads(num_threads, &threads) < 0 ||
-      check_selection_args(&sa) < 0)
+      check_selection_args(&sa) < 0 || use_stream(c, stream) < 0)
     goto done;
   if (import_buffers(c, buffers, dims, row_ndims) < 0 ||
       import_selection(c, &sa, &sel_view, &sel) < 0 ||
@@ -324,9 +333,10 @@ static PyObject *py_build_map(PyObject *self, PyObject *args) {
   selection_args sa;
   PyObject *out_indices, *out_target_map;
   long long num_threads;
-  if (!PyArg_ParseTuple(args, "OOOOLLLpL:build_map", &sa.scores, &sa.active, &out_indices,
+  PyObject *stream = Py_None;
+  if (!PyArg_ParseTuple(args, "OOOOLLLpL|O:build_map", &sa.scores, &sa.active, &out_indices,
                         &out_target_map, &sa.capacity, &sa.prefix, &sa.window, &sa.nan_lowest,
-                        &num_threads))
+                        &num_threads, &stream))
     return NULL;
   PyObject *result = NULL;
   call *c = call_new();
@@ -336,7 +346,9 @@ static PyObject *py_build_map(PyObject *self, PyObject *args) {
   imoe_exec exec;
   int32_t threads;
   int has_idx = out_indices != Py_None, has_map = out_target_map != Py_None;
-  if (check_threads(num_threads, &threads) < 0 || check_selection_args(&sa) < 0) goto done;
+  if (check_threads(num_threads, &threads) < 0 || check_selection_args(&sa) < 0 ||
+      use_stream(c, stream) < 0)
+    goto done;
   if (!has_idx && !has_map) {
     PyErr_SetString(PyExc_ValueError, "out_indices, out_target_map or both must be given");
     goto done;
@@ -394,7 +406,7 @@ enum apply_kind { APPLY_INDICES, APPLY_TARGET_MAP, RESTORE };
 
 /* apply_indices, apply_target_map and restore: buffers and one map. */
 static PyObject *apply(enum apply_kind kind, PyObject *buffers, PyObject *dims, PyObject *row_ndims,
-                       PyObject *map_obj, int mode, long long num_threads) {
+                       PyObject *map_obj, int mode, long long num_threads, PyObject *stream) {
   PyObject *result = NULL;
   call *c = call_new();
   if (c == NULL) return NULL;
@@ -402,7 +414,9 @@ static PyObject *apply(enum apply_kind kind, PyObject *buffers, PyObject *dims, 
   imoe_view map;
   imoe_exec exec;
   int32_t threads;
-  if (check_mode(mode) < 0 || check_threads(num_threads, &threads) < 0) goto done;
+  if (check_mode(mode) < 0 || check_threads(num_threads, &threads) < 0 ||
+      use_stream(c, stream) < 0)
+    goto done;
   if (import_buffers(c, buffers, dims, row_ndims) < 0 ||
       import_typed(c, map_obj, map_name, 0, INDEX_DTYPES, INDEX_NAMES, &map) < 0)
     goto done;
@@ -450,10 +464,11 @@ static PyObject *py_apply_indices(PyObject *self, PyObject *args) {
   PyObject *buffers, *dims, *row_ndims, *indices;
   int mode;
   long long num_threads;
-  if (!PyArg_ParseTuple(args, "OOOOiL:apply_indices", &buffers, &dims, &row_ndims, &indices, &mode,
-                        &num_threads))
+  PyObject *stream = Py_None;
+  if (!PyArg_ParseTuple(args, "OOOOiL|O:apply_indices", &buffers, &dims, &row_ndims, &indices,
+                        &mode, &num_threads, &stream))
     return NULL;
-  return apply(APPLY_INDICES, buffers, dims, row_ndims, indices, mode, num_threads);
+  return apply(APPLY_INDICES, buffers, dims, row_ndims, indices, mode, num_threads, stream);
 }
 
 static PyObject *py_apply_target_map(PyObject *self, PyObject *args) {
@@ -461,19 +476,47 @@ static PyObject *py_apply_target_map(PyObject *self, PyObject *args) {
   PyObject *buffers, *dims, *row_ndims, *target_map;
   int mode;
   long long num_threads;
-  if (!PyArg_ParseTuple(args, "OOOOiL:apply_target_map", &buffers, &dims, &row_ndims, &target_map,
-                        &mode, &num_threads))
+  PyObject *stream = Py_None;
+  if (!PyArg_ParseTuple(args, "OOOOiL|O:apply_target_map", &buffers, &dims, &row_ndims,
+                        &target_map, &mode, &num_threads, &stream))
     return NULL;
-  return apply(APPLY_TARGET_MAP, buffers, dims, row_ndims, target_map, mode, num_threads);
+  return apply(APPLY_TARGET_MAP, buffers, dims, row_ndims, target_map, mode, num_threads, stream);
 }
 
 static PyObject *py_restore(PyObject *self, PyObject *args) {
   (void)self;
   PyObject *buffers, *dims, *row_ndims, *indices;
   long long num_threads;
-  if (!PyArg_ParseTuple(args, "OOOOL:restore", &buffers, &dims, &row_ndims, &indices, &num_threads))
+  PyObject *stream = Py_None;
+  if (!PyArg_ParseTuple(args, "OOOOL|O:restore", &buffers, &dims, &row_ndims, &indices,
+                        &num_threads, &stream))
     return NULL;
-  return apply(RESTORE, buffers, dims, row_ndims, indices, IMOE_MODE_SWAP, num_threads);
+  return apply(RESTORE, buffers, dims, row_ndims, indices, IMOE_MODE_SWAP, num_threads, stream);
+}
+
+/* take_device_status(device_id, stream) -> int: the recorded imoe_status. */
+static PyObject *py_take_device_status(PyObject *self, PyObject *args) {
+  (void)self;
+  int device_id;
+  PyObject *stream = Py_None;
+  if (!PyArg_ParseTuple(args, "i|O:take_device_status", &device_id, &stream)) return NULL;
+  if (imoe_py_check_stream(stream) < 0) return NULL;
+  imoe_exec exec = {IMOE_DEVICE_CUDA, device_id, 0, imoe_py_stream_handle(stream)};
+  imoe_error err = {{0}};
+  imoe_status recorded = IMOE_OK, status;
+  Py_BEGIN_ALLOW_THREADS
+  status = imoe_take_device_status(&exec, &recorded, &err);
+  Py_END_ALLOW_THREADS
+  if (status != IMOE_OK) return imoe_py_raise_status(status, &err);
+  return PyLong_FromLong((long)recorded);
+}
+
+/* status_message(code) -> str: the library's description of a status code. */
+static PyObject *py_status_message(PyObject *self, PyObject *args) {
+  (void)self;
+  int code;
+  if (!PyArg_ParseTuple(args, "i:status_message", &code)) return NULL;
+  return PyUnicode_FromString(imoe_status_string((imoe_status)code));
 }
 
 static PyObject *py_cuda_compiled(PyObject *self, PyObject *unused) {
@@ -487,22 +530,28 @@ static PyObject *py_cuda_compiled(PyObject *self, PyObject *unused) {
 static PyMethodDef methods[] = {
     {"compact", py_compact, METH_VARARGS,
      "compact(buffers, dims, row_ndims, scores, active, out_indices, out_target_map, capacity, "
-     "protected_prefix, recent_window, nan_lowest, mode, num_threads) -> None\n\n"
+     "protected_prefix, recent_window, nan_lowest, mode, num_threads, stream=None) -> None\n\n"
      "Select, build the map into out_indices (and out_target_map) and apply it to every "
      "buffer in place."},
     {"build_map", py_build_map, METH_VARARGS,
      "build_map(scores, active, out_indices, out_target_map, capacity, protected_prefix, "
-     "recent_window, nan_lowest, num_threads) -> None\n\n"
+     "recent_window, nan_lowest, num_threads, stream=None) -> None\n\n"
      "Select and write the idempotent map; no buffer is touched."},
     {"apply_indices", py_apply_indices, METH_VARARGS,
-     "apply_indices(buffers, dims, row_ndims, indices, mode, num_threads) -> None\n\n"
+     "apply_indices(buffers, dims, row_ndims, indices, mode, num_threads, stream=None) -> None\n\n"
      "Apply an [lead..., C'] index map to every buffer in place."},
     {"apply_target_map", py_apply_target_map, METH_VARARGS,
-     "apply_target_map(buffers, dims, row_ndims, target_map, mode, num_threads) -> None\n\n"
+     "apply_target_map(buffers, dims, row_ndims, target_map, mode, num_threads, stream=None) -> None\n\n"
      "Apply an [lead..., N] involution to every buffer in place."},
     {"restore", py_restore, METH_VARARGS,
-     "restore(buffers, dims, row_ndims, indices, num_threads) -> None\n\n"
+     "restore(buffers, dims, row_ndims, indices, num_threads, stream=None) -> None\n\n"
      "Undo a swap compaction in place."},
+    {"take_device_status", py_take_device_status, METH_VARARGS,
+     "take_device_status(device_id, stream=None) -> int\n\n"
+     "Synchronise the stream and return (and clear) the status of a data error that an "
+     "earlier CUDA call recorded on the device (0: none)."},
+    {"status_message", py_status_message, METH_VARARGS,
+     "status_message(code) -> str\n\nThe description of an imoe_status code."},
     {"cuda_compiled", py_cuda_compiled, METH_NOARGS,
      "cuda_compiled() -> bool\n\nWhether this build has the CUDA launchers."},
     {NULL, NULL, 0, NULL}};

@@ -284,15 +284,42 @@ static int device_of(const imoe_import *im, imoe_exec *e) {
   }
 }
 
+int imoe_py_check_stream(PyObject *obj) {
+  if (obj == Py_None) return 0;
+  if (PyBool_Check(obj) || !PyLong_Check(obj)) {
+    PyErr_Format(PyExc_TypeError, "stream must be None or an int (a DLPack stream), got %.200s",
+                 Py_TYPE(obj)->tp_name);
+    return -1;
+  }
+  int overflow = 0;
+  long long value = PyLong_AsLongLongAndOverflow(obj, &overflow);
+  if (value == -1 && PyErr_Occurred()) return -1;
+  if (overflow > 0 || (overflow == 0 && (value == -1 || value >= 1))) return 0;
+  PyErr_Format(PyExc_ValueError,
+               "stream must be -1, 1 (legacy default), 2 (per-thread default) or a stream "
+               "handle; got %S (0 is not a DLPack stream: pass 1 for the default stream)",
+               obj);
+  return -1;
+}
+
+void *imoe_py_stream_handle(PyObject *obj) {
+  if (obj == NULL || obj == Py_None) return NULL;
+  unsigned long long value = PyLong_AsUnsignedLongLongMask(obj);
+  /* -1 asks for no ordering at all: the legacy default stream then runs it.
+   * 1 and 2 are also the values of cudaStreamLegacy and cudaStreamPerThread. */
+  if (value == (unsigned long long)-1) return NULL;
+  return (void *)(uintptr_t)value;
+}
+
 int imoe_py_exec_for(const imoe_imports *set, int32_t num_threads, imoe_exec *exec) {
   memset(exec, 0, sizeof *exec);
   exec->num_threads = num_threads;
-  exec->stream = NULL; /* stream=None was passed to every __dlpack__ */
   for (int i = 0; i < set->count; ++i) {
     imoe_exec e = *exec;
     if (device_of(&set->item[i], &e) < 0) return -1;
     if (i == 0) {
       *exec = e;
+      if (e.device == IMOE_DEVICE_CUDA) exec->stream = imoe_py_stream_handle(set->stream);
     } else if (e.device != exec->device || e.device_id != exec->device_id) {
       char here[32], there[32];
       format_device(here, sizeof here, &e);

@@ -15,6 +15,8 @@ import idempotent_moe as imoe
 from . import report, workloads
 from .timing import copy_bandwidth, time_calls
 
+FLUSH, QUICK_FLUSH = workloads.FLUSH_BYTES, 4 << 20
+
 
 @dataclass
 class Options:
@@ -140,23 +142,28 @@ def run(opts: Options) -> dict:
     torch.set_num_threads(threads)
     runs = opts.runs or (100 if device == "cuda" else 15)
     shapes = workloads.QUICK if opts.quick else workloads.FULL
-    dtype_names = opts.dtypes or (("float16",) if device == "cuda" else ("float16", "float32"))
-    dtypes = [getattr(torch, name) for name in dtype_names]
+
+    def dtypes_of(workload: str) -> list:
+        names = opts.dtypes or ((workloads.DTYPE[workload],) if device == "cuda"
+                                else (workloads.DTYPE[workload], "float32"))
+        return [getattr(torch, name) for name in names]
+
     bandwidth = copy_bandwidth(device, (1 << 30) if device == "cuda" else (1 << 28), runs=10)
 
     per_problem = 4 if device == "cpu" else 3
-    bar = _progress(len(opts.workloads) * len(dtypes) * per_problem)
+    bar = _progress(sum(len(dtypes_of(w)) for w in opts.workloads) * per_problem)
     rows = []
     for name in opts.workloads:
-        for dtype in dtypes:
-            problem = workloads.Problem(shapes[name], dtype, device)
+        for dtype in dtypes_of(name):
+            problem = workloads.Problem(shapes[name], dtype, device,
+                                        flush_bytes=QUICK_FLUSH if opts.quick else FLUSH)
             impls = [workloads.torch_baseline(problem)]
             if device == "cpu":
                 impls.append(workloads.numpy_baseline(problem))
             impls += [workloads.ours(problem, "swap", threads), workloads.ours(problem, "move", threads)]
             reference = None
             for impl in impls:
-                bar.set_description(f"{name} {dtype_names[dtypes.index(dtype)]} {impl.name}")
+                bar.set_description(f"{name} {str(dtype).replace('torch.', '')} {impl.name}")
                 timing = time_calls(impl.run, problem.reset, device=device, runs=runs, warmup=3)
                 problem.reset()
                 result = impl.run()

@@ -27,17 +27,22 @@ class Shape:
 FULL = {
     "W1": Shape("W1", (8,), 4096, 1024, 2048, 0, 1),
     "W2": Shape("W2", (1, 32), 8192, 128, 4096, 4, 2),
+    "W3": Shape("W3", (32,), 1024, 7168, 512, 0, 1),
 }
 QUICK = {
     "W1": Shape("W1", (8,), 512, 128, 256, 0, 1),
     "W2": Shape("W2", (1, 4), 1024, 64, 512, 4, 2),
+    "W3": Shape("W3", (4,), 256, 896, 128, 0, 1),
 }
+# The dtype each workload is defined with (on the CPU, C1 also runs float32).
+DTYPE = {"W1": "float16", "W2": "float16", "W3": "bfloat16"}
 
 FLUSH_BYTES = 256 << 20
 
 DESCRIPTION = {
     "W1": "MoE expert capacity: tokens [8, 4096, 1024], scores [8, 4096] fp32, C = 2048",
     "W2": "KV eviction: K, V [1, 32, 8192, 128], scores [1, 32, 8192], keep 4096, 4 sinks",
+    "W3": "DeepSeek-like capacity after expert-parallel receive: [32, 1024, 7168] bf16, C = 512",
 }
 
 
@@ -56,7 +61,8 @@ class Problem:
     """The inputs of one workload at one dtype: pristine copies, and the
     working buffers that in-place implementations modify."""
 
-    def __init__(self, shape: Shape, dtype, device: str, seed: int = 0):
+    def __init__(self, shape: Shape, dtype, device: str, seed: int = 0,
+                 flush_bytes: int = FLUSH_BYTES):
         import torch
 
         self.shape, self.dtype, self.device = shape, dtype, device
@@ -68,11 +74,15 @@ class Problem:
         ]
         self.scores = torch.rand(shape.lead + (shape.n,), generator=g).to(device)
         self.work = [p.clone() for p in self.pristine]
+        # Ours writes its indices into a buffer allocated once, as a captured
+        # inference step would: the call itself then allocates nothing.
+        self.out_indices = torch.empty(shape.lead + (min(shape.keep, shape.n),),
+                                       dtype=torch.int64, device=device)
         self.dim = len(shape.lead)
         # Larger than any last-level cache here (60 MB of L2 on an H200, tens
         # of MB of L3 on a server CPU): writing it after a reset sends every
         # implementation to a cold cache, as the floor from a large copy assumes.
-        self._flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device=device)
+        self._flush = torch.empty(flush_bytes, dtype=torch.uint8, device=device)
 
     def reset(self) -> None:
         """Restore the working buffers from the pristine copies, then evict
@@ -131,7 +141,8 @@ def ours(p: Problem, mode: str, threads: int) -> Impl:
     def run():
         bufs = p.work if len(p.work) > 1 else p.work[0]
         res = imoe.compact_(bufs, p.scores, s.keep, dim=p.dim, mode=mode,
-                            protected_prefix=s.sinks, num_threads=threads)
+                            protected_prefix=s.sinks, num_threads=threads,
+                            out_indices=p.out_indices)
         values = list(res.values) if len(p.work) > 1 else [res.values]
         return values, res.indices
 
