@@ -24,6 +24,8 @@ namespace {
 
 constexpr int kMaxDevices = 64;
 constexpr size_t kStaticSmemSelect = 4096;  // upper bound of k_select's static shared memory
+// k_select_small: H and T, min(C', N - C') <= N / 2 entries each
+constexpr int kSmallDynSmem = kSmallMaxN * 4 > 0 ? kSmallMaxN * 4 : 4;
 
 struct DevInfo {
   bool init;
@@ -31,8 +33,8 @@ struct DevInfo {
   int smem_optin;  // per block, opt-in
   int smem_sm;     // per multiprocessor
   int cc_major;
-  size_t occ_smem[3];
-  int occ_val[3];
+  size_t occ_smem[6];  // k_select<0..2>, k_select_small<4, 8, 16>
+  int occ_val[6];
 };
 
 std::mutex g_mu;
@@ -111,6 +113,9 @@ imoe_status enter(const imoe_exec *exec, const char *fn, imoe_error *err, Device
     if ((e = cudaFuncSetAttribute(k_select<0>, cudaFuncAttributePreferredSharedMemoryCarveout, carve)) != cudaSuccess ||
         (e = cudaFuncSetAttribute(k_select<1>, cudaFuncAttributePreferredSharedMemoryCarveout, carve)) != cudaSuccess ||
         (e = cudaFuncSetAttribute(k_select<2>, cudaFuncAttributePreferredSharedMemoryCarveout, carve)) != cudaSuccess ||
+        (e = cudaFuncSetAttribute(k_select_small<4>, cudaFuncAttributePreferredSharedMemoryCarveout, carve)) != cudaSuccess ||
+        (e = cudaFuncSetAttribute(k_select_small<8>, cudaFuncAttributePreferredSharedMemoryCarveout, carve)) != cudaSuccess ||
+        (e = cudaFuncSetAttribute(k_select_small<16>, cudaFuncAttributePreferredSharedMemoryCarveout, carve)) != cudaSuccess ||
         (e = cudaFuncSetAttribute(k_check_rows, cudaFuncAttributePreferredSharedMemoryCarveout, carve)) != cudaSuccess ||
         (e = cudaFuncSetAttribute(k_check_nan, cudaFuncAttributePreferredSharedMemoryCarveout, carve)) != cudaSuccess ||
         (e = cudaFuncSetAttribute(k_check_tm, cudaFuncAttributePreferredSharedMemoryCarveout, carve)) != cudaSuccess ||
@@ -119,9 +124,12 @@ imoe_status enter(const imoe_exec *exec, const char *fn, imoe_error *err, Device
     const int dyn = di->smem_optin - (int)kStaticSmemSelect;
     if ((e = raise_smem(k_select<0>, dyn)) != cudaSuccess || (e = raise_smem(k_select<1>, dyn)) != cudaSuccess ||
         (e = raise_smem(k_select<2>, dyn)) != cudaSuccess ||
+        (e = raise_smem(k_select_small<4>, kSmallDynSmem)) != cudaSuccess ||
+        (e = raise_smem(k_select_small<8>, kSmallDynSmem)) != cudaSuccess ||
+        (e = raise_smem(k_select_small<16>, kSmallDynSmem)) != cudaSuccess ||
         (e = raise_smem(k_check_rows, di->smem_optin - 1024)) != cudaSuccess)
       return cuda_fail(err, fn, "cudaFuncSetAttribute", e);
-    for (int i = 0; i < 3; ++i) di->occ_smem[i] = (size_t)-1;
+    for (int i = 0; i < 6; ++i) di->occ_smem[i] = (size_t)-1;
     di->init = true;
   }
   *out = di;
@@ -135,7 +143,10 @@ int occupancy(DevInfo *di, int src, size_t smem) {
   cudaError_t e;
   if (src == 0) e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&nb, k_select<0>, kSelThreads, smem);
   else if (src == 1) e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&nb, k_select<1>, kSelThreads, smem);
-  else e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&nb, k_select<2>, kSelThreads, smem);
+  else if (src == 2) e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&nb, k_select<2>, kSelThreads, smem);
+  else if (src == 3) e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&nb, k_select_small<4>, kSelThreads, smem);
+  else if (src == 4) e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&nb, k_select_small<8>, kSelThreads, smem);
+  else e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&nb, k_select_small<16>, kSelThreads, smem);
   if (e != cudaSuccess || nb < 1) {
     (void)cudaGetLastError();
     nb = 1;
@@ -307,7 +318,7 @@ bool overlaps(uintptr_t alo, uintptr_t ahi, uintptr_t blo, uintptr_t bhi) { retu
 // Apply kernels for buffer groups [first, num_buffers), each of kMaxBuf.
 imoe_status launch_apply_groups(const char *fn, const imoe_view *buffers, int first, int num_buffers,
                                 const Plan &pl, size_t buf_st0, const InView &map, int kind, int64_t M,
-                                bool swap, uint32_t token, bool pdl_first, bool last_is_ours, DevInfo *di,
+                                bool swap, uint32_t token, int nverdict, bool pdl_first, DevInfo *di,
                                 cudaStream_t st, imoe_error *err) {
   if (first >= num_buffers || M <= 0) return IMOE_OK;
   ApplyParams ap;
@@ -317,6 +328,7 @@ imoe_status launch_apply_groups(const char *fn, const imoe_view *buffers, int fi
   ap.kind = kind;
   ap.swap = swap ? 1 : 0;
   ap.token = token;
+  ap.nverdict = nverdict;
   ap.map = map;
   const uint64_t work = pl.R * (uint64_t)M;
   const uint64_t target = (uint64_t)di->sms * 8u;
@@ -331,7 +343,6 @@ imoe_status launch_apply_groups(const char *fn, const imoe_view *buffers, int fi
     const int nb = std::min(kMaxBuf, num_buffers - g);
     ap.nbuf = nb;
     for (int b = 0; b < nb; ++b) ap.buf[b] = buf_desc(&buffers[g + b], pl.st[buf_st0 + g + b], pl.lead.nd);
-    ap.is_last = (last_is_ours && g + kMaxBuf >= num_buffers) ? 1 : 0;
     ap.pdl = pdl ? 1 : 0;
     const cudaError_t e = launch(k_apply, (unsigned)grid, kApplyThreads, (size_t)seg * sizeof(int2), st, pdl, ap);
     if (e != cudaSuccess) return cuda_fail(err, fn, "launch of k_apply", e);
@@ -379,6 +390,7 @@ imoe_status select_and_move(const char *fn, const imoe_view *buffers, int32_t nu
 
   const bool validate = scores ? sel->nan_policy == IMOE_NAN_ERROR : true;
   const uint32_t token = validate ? next_token() : 0u;
+  int nverdict = 0;
   const bool pdl_ok = di->cc_major >= 9;
   bool pdl = false;
 
@@ -392,9 +404,11 @@ imoe_status select_and_move(const char *fn, const imoe_view *buffers, int32_t nu
     np.per = 2048;
     np.bpr = (uint32_t)((N + np.per - 1) / np.per);
     np.token = token;
-    const uint64_t grid = pl.R * np.bpr;
-    if (grid > 0x7FFFFFFFull) return fail(err, IMOE_ERR_ARGUMENT, "%s: too many rows for one launch", fn);
-    const cudaError_t e = launch(k_check_nan, (unsigned)grid, 256, 0, st, false, np);
+    const uint64_t items = pl.R * np.bpr;
+    if (items > 0x7FFFFFFFull) return fail(err, IMOE_ERR_ARGUMENT, "%s: too many rows for one launch", fn);
+    np.items = (uint32_t)items;
+    nverdict = (int)std::min<uint64_t>(items, kVerdicts);
+    const cudaError_t e = launch(k_check_nan, (unsigned)nverdict, 256, 0, st, false, np);
     if (e != cudaSuccess) return cuda_fail(err, fn, "launch of k_check_nan", e);
     pdl = pdl_ok;
   } else if (validate) {
@@ -411,8 +425,10 @@ imoe_status select_and_move(const char *fn, const imoe_view *buffers, int32_t nu
     const int64_t avail_bits = ((int64_t)(di->smem_optin - 1024) * 8) & ~(int64_t)(kTile - 1);
     const int64_t want = N >= 0 ? ((N + 31) & ~(int64_t)31) : avail_bits;
     rp.win_bits = (int32_t)std::max<int64_t>(32, std::min(want, avail_bits));
-    const unsigned grid = shared ? 1u : (unsigned)pl.R;
-    const cudaError_t e = launch(k_check_rows, grid, kCheckThreads, (size_t)rp.win_bits / 8, st, false, rp);
+    rp.rows = shared ? 1u : (uint32_t)pl.R;
+    nverdict = (int)std::min<uint32_t>(rp.rows, kVerdicts);
+    const cudaError_t e =
+        launch(k_check_rows, (unsigned)nverdict, kCheckThreads, (size_t)rp.win_bits / 8, st, false, rp);
     if (e != cudaSuccess) return cuda_fail(err, fn, "launch of k_check_rows", e);
     pdl = pdl_ok;
   }
@@ -434,13 +450,20 @@ imoe_status select_and_move(const char *fn, const imoe_view *buffers, int32_t nu
   if (otm) sp.tm = out_view(otm, pl.st[2], nd);
   sp.swap = mode == IMOE_MODE_SWAP ? 1 : 0;
   sp.token = token;
+  sp.nverdict = nverdict;
   sp.cap = (int32_t)std::max<int64_t>(1, std::min<int64_t>(Cp, kListL + kTile));
   const size_t ring_bytes = (size_t)sp.cap * 8u;
   const size_t dyn_max = (size_t)di->smem_optin - kStaticSmemSelect;
 
   int src;
   size_t smem;
-  if (scores) {
+  if (scores && N <= kSmallMaxN) {
+    // short rows: keys in registers, holes and tails in two arrays of
+    // min(C', N - C') entries (the number of pairs is at most that)
+    src = N <= 4 * kSelThreads ? 3 : (N <= 8 * kSelThreads ? 4 : 5);
+    sp.cap = (int32_t)std::max<int64_t>(1, std::min<int64_t>(Cp, N - Cp));
+    smem = (size_t)sp.cap * 8u;
+  } else if (scores) {
     const int64_t nk = (N + kTile - 1) / kTile * kTile;
     if (N <= 65536 && (size_t)nk * 4u + ring_bytes <= dyn_max) {
       src = 0;
@@ -491,7 +514,9 @@ imoe_status select_and_move(const char *fn, const imoe_view *buffers, int32_t nu
       for (auto &x : ro)
         if (overlaps(blo, bhi, x.first, x.second)) fused = false;
     }
-    if (src != 0 && pl.R < 2u * (uint64_t)di->sms) fused = false;
+    if (src == 1 || src == 2) {
+      if (pl.R < 2u * (uint64_t)di->sms) fused = false;
+    }
   }
 
   int64_t nblk = 1;
@@ -499,10 +524,10 @@ imoe_status select_and_move(const char *fn, const imoe_view *buffers, int32_t nu
     sp.do_move = 1;
     sp.nbuf = std::min(num_buffers, kMaxBuf);
     for (int b = 0; b < sp.nbuf; ++b) sp.buf[b] = buf_desc(&buffers[b], pl.st[3 + b], nd);
-    if (src == 0 && N > 0) {
+    if ((src == 0 || src >= 3) && N > 0) {
       // Several blocks per row, each recomputing the row's selection and
       // moving its share of the pairs: the GPU fills even for few rows.
-      const int occ = occupancy(di, 0, smem);
+      const int occ = occupancy(di, src, smem);
       const int64_t target = (int64_t)di->sms * occ;
       const int64_t hest = std::max<int64_t>(1, Cp * (N - Cp) / N);
       int64_t pair_bytes = 0;
@@ -513,22 +538,23 @@ imoe_status select_and_move(const char *fn, const imoe_view *buffers, int32_t nu
     }
   }
   sp.nblk = (int32_t)nblk;
-  const bool select_last = fused ? num_buffers <= kMaxBuf : (num_buffers == 0 || !do_move);
-  sp.is_last = select_last ? 1 : 0;
   sp.pdl = pdl ? 1 : 0;
   const uint64_t grid = pl.R * (uint64_t)nblk;
   if (grid > 0x7FFFFFFFull) return fail(err, IMOE_ERR_ARGUMENT, "%s: too many rows for one launch", fn);
   cudaError_t e;
   if (src == 0) e = launch(k_select<0>, (unsigned)grid, kSelThreads, smem, st, pdl, sp);
   else if (src == 1) e = launch(k_select<1>, (unsigned)grid, kSelThreads, smem, st, pdl, sp);
-  else e = launch(k_select<2>, (unsigned)grid, kSelThreads, smem, st, pdl, sp);
+  else if (src == 2) e = launch(k_select<2>, (unsigned)grid, kSelThreads, smem, st, pdl, sp);
+  else if (src == 3) e = launch(k_select_small<4>, (unsigned)grid, kSelThreads, smem, st, pdl, sp);
+  else if (src == 4) e = launch(k_select_small<8>, (unsigned)grid, kSelThreads, smem, st, pdl, sp);
+  else e = launch(k_select_small<16>, (unsigned)grid, kSelThreads, smem, st, pdl, sp);
   if (e != cudaSuccess) return cuda_fail(err, fn, "launch of k_select", e);
 
   // ---- remaining buffers (or all, unfused): apply the indices just written
   if (do_move && num_buffers > 0) {
     const InView map = in_view(oi, pl.st[1], nd);
     return launch_apply_groups(fn, buffers, fused ? kMaxBuf : 0, num_buffers, pl, 3, map, 0, Cp,
-                               mode == IMOE_MODE_SWAP, token, false, true, di, st, err);
+                               mode == IMOE_MODE_SWAP, token, nverdict, false, di, st, err);
   }
   return IMOE_OK;
 }
@@ -553,6 +579,7 @@ imoe_status apply_map(const char *fn, const imoe_view *buffers, int32_t num_buff
   if (pl.R == 0 || N == 0 || M == 0) return IMOE_OK;
   const int nd = pl.lead.nd;
   const uint32_t token = next_token();
+  int nverdict = 0;
   const InView mv = in_view(map, pl.st[0], nd);
   cudaError_t e;
   if (kind == 0) {
@@ -568,7 +595,9 @@ imoe_status apply_map(const char *fn, const imoe_view *buffers, int32_t num_buff
     const int64_t want = (N - M + 31) & ~(int64_t)31;
     rp.win_bits = (int32_t)std::max<int64_t>(32, std::min(want, avail_bits));
     if (pl.R > 0x7FFFFFFFull) return fail(err, IMOE_ERR_ARGUMENT, "%s: too many rows for one launch", fn);
-    e = launch(k_check_rows, (unsigned)pl.R, kCheckThreads, (size_t)rp.win_bits / 8, st, false, rp);
+    rp.rows = (uint32_t)pl.R;
+    nverdict = (int)std::min<uint32_t>(rp.rows, kVerdicts);
+    e = launch(k_check_rows, (unsigned)nverdict, kCheckThreads, (size_t)rp.win_bits / 8, st, false, rp);
     if (e != cudaSuccess) return cuda_fail(err, fn, "launch of k_check_rows", e);
   } else {
     TmParams tp;
@@ -579,13 +608,15 @@ imoe_status apply_map(const char *fn, const imoe_view *buffers, int32_t num_buff
     tp.per = 4096;
     tp.bpr = (uint32_t)((M + tp.per - 1) / tp.per);
     tp.token = token;
-    const uint64_t grid = pl.R * tp.bpr;
-    if (grid > 0x7FFFFFFFull) return fail(err, IMOE_ERR_ARGUMENT, "%s: too many rows for one launch", fn);
-    e = launch(k_check_tm, (unsigned)grid, 256, 0, st, false, tp);
+    const uint64_t items = pl.R * tp.bpr;
+    if (items > 0x7FFFFFFFull) return fail(err, IMOE_ERR_ARGUMENT, "%s: too many rows for one launch", fn);
+    tp.items = (uint32_t)items;
+    nverdict = (int)std::min<uint64_t>(items, kVerdicts);
+    e = launch(k_check_tm, (unsigned)nverdict, 256, 0, st, false, tp);
     if (e != cudaSuccess) return cuda_fail(err, fn, "launch of k_check_tm", e);
   }
-  return launch_apply_groups(fn, buffers, 0, num_buffers, pl, 1, mv, kind, M, mode == IMOE_MODE_SWAP, token,
-                             di->cc_major >= 9, true, di, st, err);
+  return launch_apply_groups(fn, buffers, 0, num_buffers, pl, 1, mv, kind, M, mode == IMOE_MODE_SWAP, token, nverdict,
+                             di->cc_major >= 9, di, st, err);
 }
 
 }  // namespace

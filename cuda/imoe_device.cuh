@@ -20,7 +20,14 @@ constexpr int kTile = kSelThreads * kItems;
 constexpr int kListL = 4096;            // ring refill threshold
 constexpr int kApplyThreads = 256;      // apply kernel block
 constexpr int kCheckThreads = 512;      // validation kernels
-constexpr unsigned kSlots = 64;         // per-call abort slots
+constexpr unsigned kSlots = 64;         // per-call verdict slots
+constexpr int kVerdicts = 256;          // most blocks of a validation kernel (one verdict word each)
+// Rows of at most this many slots select with k_select_small: every key in
+// registers, kSelThreads x IPT slots per block (IPT 4, 8 or 16).
+#ifndef IMOE_SMALL_MAX_N
+#define IMOE_SMALL_MAX_N 16384
+#endif
+constexpr int kSmallMaxN = IMOE_SMALL_MAX_N;
 
 // Row-major lead shape after the host merged contiguous axes and dropped 1s.
 struct Lead {
@@ -186,6 +193,20 @@ __device__ __forceinline__ int block_excl_scan(int v, int *total, int *tmp) {
   *total = tmp[nw - 1];
   __syncthreads();
   return base + inc - v;
+}
+
+// Block-wide exclusive scan with one barrier: every warp scans the warp
+// totals itself. `wsum` (>= 32 ints) must not be reused without a barrier.
+__device__ __forceinline__ int block_excl_scan_1sync(int v, int *total, int *wsum) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+  const int inc = warp_incl_scan(v);
+  if (lane == 31) wsum[warp] = inc;
+  __syncthreads();
+  int t = lane < nw ? wsum[lane] : 0;
+  t = warp_incl_scan(t);
+  const int base = __shfl_sync(0xFFFFFFFFu, t, (warp + 31) & 31);
+  *total = __shfl_sync(0xFFFFFFFFu, t, 31);
+  return (warp ? base : 0) + inc - v;
 }
 
 // ---------------------------------------------------------------- moves

@@ -1,7 +1,7 @@
 // imoe_kernels.cuh: the kernels. Included once, by imoe_cuda.cu.
 //
 //   k_check_nan / k_check_rows / k_check_tm   read-only validation; an error
-//       is recorded in g_status and marks the call's abort slot.
+//       is recorded in g_status, and every block writes its verdict word.
 //   k_select<SRC>   per row: top-C selection (radix select on order-preserving
 //       keys) or active indices, then the idempotent map (j-th hole <-> j-th
 //       kept tail slot) streamed through two shared-memory rings; writes the
@@ -18,39 +18,30 @@ namespace imoe_cu {
 
 __device__ int g_status;        // first data error since the last read
 __device__ int g_status_taken;  // staging for imoe_cuda_read_device_status
-__device__ unsigned g_abort[kSlots];  // g_abort[t % kSlots] == t: call t failed validation
-__device__ unsigned g_done[kSlots];   // blocks of the call's last kernel that finished
+// Verdicts of a call's validation kernel: block b of call t writes
+// g_verdict[t % kSlots][b] = (it found an error) ? t : 0, unconditionally, so
+// a replay of a captured call starts from its own verdicts (no clearing, no
+// counters). The validation grid has at most kVerdicts blocks (grid-stride).
+__device__ unsigned g_verdict[kSlots][kVerdicts];
 
-__device__ __forceinline__ void record_error(int code, uint32_t token) {
-  atomicCAS(&g_status, 0, code);
-  if (token) atomicExch(&g_abort[token % kSlots], token);
+__device__ __forceinline__ void record_status(int code) { atomicCAS(&g_status, 0, code); }
+
+// One thread per validation block, at its end.
+__device__ __forceinline__ void write_verdict(uint32_t token, bool bad) {
+  if (token) g_verdict[token % kSlots][blockIdx.x] = bad ? token : 0u;
 }
 
-// Uniform over the block. Only kernels after a validation kernel have a token.
-__device__ __forceinline__ bool call_aborted(uint32_t token, int *s_flag) {
+// Whether call `token` failed validation: the nv verdict words of its
+// validation kernel, read once that grid has completed (griddepcontrol.wait
+// or stream order), past L1. Every thread of the block must call it (one
+// barrier); the answer is uniform. Only kernels after a validation kernel
+// have a token.
+__device__ __forceinline__ bool call_aborted(uint32_t token, int nv) {
+  static_assert(kVerdicts <= kApplyThreads && kVerdicts <= kSelThreads, "one word per thread");
   if (!token) return false;
-  __syncthreads();
-  if (threadIdx.x == 0) *s_flag = (*(volatile unsigned *)&g_abort[token % kSlots] == token) ? 1 : 0;
-  __syncthreads();
-  return *s_flag != 0;
-}
-
-// The last block of the call's last kernel clears the call's abort slot, so
-// that a CUDA graph replaying the call starts clean. Every block has read the
-// slot before it counts itself here.
-__device__ __forceinline__ void call_epilogue(uint32_t token, int is_last) {
-  if (!token || !is_last) return;
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    __threadfence();
-    const unsigned slot = token % kSlots;
-    const unsigned total = gridDim.x * gridDim.y * gridDim.z;
-    const unsigned prev = atomicAdd(&g_done[slot], 1u);
-    if (prev == total - 1) {
-      atomicExch(&g_done[slot], 0u);
-      atomicCAS(&g_abort[slot], token, 0u);
-    }
-  }
+  const int t = threadIdx.x;
+  const bool bad = t < nv && __ldcg(&g_verdict[token % kSlots][t]) == token;
+  return __syncthreads_or(bad) != 0;
 }
 
 __global__ void k_take_status() { g_status_taken = atomicExch(&g_status, 0); }
@@ -60,21 +51,23 @@ struct NanParams {
   Lead lead;
   int64_t N;
   InView scores;
-  uint32_t bpr;  // blocks per row
-  int64_t per;   // slots per block
+  uint32_t bpr;    // pieces per row
+  uint32_t items;  // rows x bpr pieces, grid-strided
+  int64_t per;     // slots per piece
   uint32_t token;
 };
 
 __global__ void __launch_bounds__(256) k_check_nan(const __grid_constant__ NanParams p) {
   griddep_launch_dependents();
-  const uint32_t r = blockIdx.x / p.bpr, s = blockIdx.x - r * p.bpr;
+  bool bad = false;
+  const bool al = p.scores.aligned != 0;
+  const int dt = p.scores.dtype;
+  for (uint32_t it = blockIdx.x; it < p.items; it += gridDim.x) {
+  const uint32_t r = it / p.bpr, s = it - r * p.bpr;
   uint32_t c[kMaxDims];
   row_coords(p.lead, r, c);
   const char *row = p.scores.data + row_offset(p.lead, c, p.scores.lead);
   const int64_t x0 = (int64_t)s * p.per, x1 = min(x0 + p.per, p.N);
-  bool bad = false;
-  const bool al = p.scores.aligned != 0;
-  const int dt = p.scores.dtype;
   for (int64_t xb = x0 + threadIdx.x; xb < x1; xb += 8 * (int64_t)blockDim.x) {
     uint32_t raw[8];  // eight independent loads in flight
 #pragma unroll
@@ -89,7 +82,12 @@ __global__ void __launch_bounds__(256) k_check_nan(const __grid_constant__ NanPa
       else bad |= (raw[u] & 0x7FFFu) > 0x7F80u;
     }
   }
-  if (__syncthreads_or(bad) && threadIdx.x == 0) record_error(IMOE_ERR_NAN, p.token);
+  }
+  bad = __syncthreads_or(bad) != 0;
+  if (threadIdx.x == 0) {
+    if (bad) record_status(IMOE_ERR_NAN);
+    write_verdict(p.token, bad);
+  }
 }
 
 // Per row: active indices (kind 1: in [0, N), distinct) or caller-given
@@ -101,6 +99,7 @@ struct RowsParams {
   int64_t M;  // entries per row
   int32_t kind;
   int32_t win_bits;
+  uint32_t rows;  // grid-strided
   InView v;
   uint32_t token;
 };
@@ -112,11 +111,13 @@ __global__ void __launch_bounds__(kCheckThreads) k_check_rows(const __grid_const
   __shared__ int s_code;
   griddep_launch_dependents();
   const int tid = threadIdx.x, nt = blockDim.x;
-  uint32_t c[kMaxDims];
-  row_coords(p.lead, blockIdx.x, c);
-  const char *row = p.v.data + row_offset(p.lead, c, p.v.lead);
   const bool al = p.v.aligned != 0;
   const int64_t lo = p.kind == 1 ? 0 : p.M;
+  bool bad = false;  // thread 0
+  for (uint32_t r = blockIdx.x; r < p.rows; r += gridDim.x) {
+  uint32_t c[kMaxDims];
+  row_coords(p.lead, r, c);
+  const char *row = p.v.data + row_offset(p.lead, c, p.v.lead);
   if (tid == 0) {
     s_max = (unsigned long long)max(p.M, (int64_t)0);
     s_code = 0;
@@ -154,7 +155,13 @@ __global__ void __launch_bounds__(kCheckThreads) k_check_rows(const __grid_const
     }
     __syncthreads();
   }
-  if (tid == 0 && s_code) record_error(s_code, p.token);
+  if (tid == 0 && s_code) {
+    record_status(s_code);
+    bad = true;
+  }
+  __syncthreads();  // s_code and s_max are reset for the next row
+  }
+  if (tid == 0) write_verdict(p.token, bad);
 }
 
 // target_map: every entry in [0, N) and tm[tm[x]] == x.
@@ -163,19 +170,21 @@ struct TmParams {
   int64_t N;
   InView tm;
   uint32_t bpr;
+  uint32_t items;  // rows x bpr pieces, grid-strided
   int64_t per;
   uint32_t token;
 };
 
 __global__ void __launch_bounds__(256) k_check_tm(const __grid_constant__ TmParams p) {
   griddep_launch_dependents();
-  const uint32_t r = blockIdx.x / p.bpr, s = blockIdx.x - r * p.bpr;
+  const bool al = p.tm.aligned != 0;
+  int code = 0;
+  for (uint32_t it = blockIdx.x; it < p.items; it += gridDim.x) {
+  const uint32_t r = it / p.bpr, s = it - r * p.bpr;
   uint32_t c[kMaxDims];
   row_coords(p.lead, r, c);
   const char *row = p.tm.data + row_offset(p.lead, c, p.tm.lead);
-  const bool al = p.tm.aligned != 0;
   const int64_t x0 = (int64_t)s * p.per, x1 = min(x0 + p.per, p.N);
-  int code = 0;
   for (int64_t x = x0 + threadIdx.x; x < x1; x += blockDim.x) {
     const int64_t v = load_index(row + x * p.tm.n_stride, p.tm.dtype, al);
     if (v < 0 || v >= p.N) {
@@ -188,7 +197,10 @@ __global__ void __launch_bounds__(256) k_check_tm(const __grid_constant__ TmPara
       else if (back != x) code = IMOE_ERR_BAD_MAP;
     }
   }
-  if (code) record_error(code, p.token);
+  }
+  if (code) record_status(code);
+  const bool bad = __syncthreads_or(code != 0) != 0;
+  if (threadIdx.x == 0) write_verdict(p.token, bad);
 }
 
 // ------------------------------------------------------------ select + map
@@ -203,7 +215,8 @@ struct SelParams {
   int32_t two_win;   // SRC 2: one window per phase, rebuilt as it advances
   int32_t has_idx, has_tm;
   int32_t do_move, swap, nbuf;
-  int32_t is_last, pdl;
+  int32_t pdl;
+  int32_t nverdict;     // blocks of the validation kernel (verdict words)
   uint32_t token;
   InView scores, active;
   OutView idx, tm;
@@ -220,7 +233,6 @@ __global__ void __launch_bounds__(kSelThreads, 1) k_select(const __grid_constant
   __shared__ int s_tmp[32];
   __shared__ long long s_b[2];
   __shared__ unsigned long long s_max;
-  __shared__ int s_flag;
 
   const int tid = threadIdx.x, nt = blockDim.x;
   const uint32_t r = blockIdx.x / (uint32_t)p.nblk;
@@ -419,7 +431,13 @@ __global__ void __launch_bounds__(kSelThreads, 1) k_select(const __grid_constant
 
   // ---- from here on the call writes: wait for the validation kernel
   if (p.pdl) griddep_wait();
-  const bool aborted = call_aborted(p.token, &s_flag);
+  // through shared memory: a flag held in a register across the round loop
+  // below costs the movers their registers (more spills)
+  __shared__ int s_aborted;
+  if (tid == 0) s_aborted = 0;
+  if (call_aborted(p.token, p.nverdict) && tid == 0) s_aborted = 1;
+  __syncthreads();
+  const bool aborted = *(volatile int *)&s_aborted != 0;
 
   if (!aborted && trivial) {
     const int64_t step = (int64_t)p.nblk * kTile;
@@ -589,7 +607,6 @@ __global__ void __launch_bounds__(kSelThreads, 1) k_select(const __grid_constant
       ntl -= m;
     }
   }
-  call_epilogue(p.token, p.is_last);
 #undef sdt
 #undef sal
 #undef sns
@@ -604,12 +621,299 @@ __global__ void __launch_bounds__(kSelThreads, 1) k_select(const __grid_constant
 #undef tns
 }
 
+// ------------------------------------------------------------ select + map, short rows
+// N <= kSelThreads * IPT. Thread t holds slots [t*IPT, t*IPT + IPT) of the
+// row in registers, as keys, so a radix pass is IPT register compares and a
+// few shared atomics into that pass's own (pre-zeroed) histogram. Barriers:
+// one after zeroing the histograms; two per radix pass (histogram complete;
+// warp 0's digit published); one per block scan (a tie-rank scan only when
+// the threshold key is split); one when H and T are complete; one for the
+// verdict. The j-th hole and the j-th kept tail land at H[j] and T[j]
+// (shared memory) straight from one packed scan (holes | tails << 16).
+// Several blocks per row (nblk) each recompute the selection and take an
+// even share of the fixed-point slots and of the pairs, which they move at
+// once.
+template <int IPT>
+__device__ __forceinline__ void load_raw_row(const char *srow, int x0, int N, int dt, bool al, int64_t ns,
+                                             bool vec, uint32_t (&raw)[IPT]) {
+  if (vec && x0 + IPT <= N) {
+    if (dt == IMOE_DTYPE_F32) {
+      const uint4 *v = reinterpret_cast<const uint4 *>(srow) + (x0 >> 2);
+#pragma unroll
+      for (int g = 0; g < IPT / 4; ++g) {
+        const uint4 q = __ldg(v + g);
+        raw[4 * g] = q.x;
+        raw[4 * g + 1] = q.y;
+        raw[4 * g + 2] = q.z;
+        raw[4 * g + 3] = q.w;
+      }
+    } else if (IPT == 4) {
+      const uint2 q = __ldg(reinterpret_cast<const uint2 *>(srow) + (x0 >> 2));
+      raw[0] = q.x & 0xFFFFu;
+      raw[1] = q.x >> 16;
+      raw[2] = q.y & 0xFFFFu;
+      raw[3] = q.y >> 16;
+    } else {
+      const uint4 *v = reinterpret_cast<const uint4 *>(srow) + (x0 >> 3);
+#pragma unroll
+      for (int g = 0; g < IPT / 8; ++g) {
+        const uint4 q = __ldg(v + g);
+        const uint32_t w[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          raw[8 * g + 2 * j] = w[j] & 0xFFFFu;
+          raw[8 * g + 2 * j + 1] = w[j] >> 16;
+        }
+      }
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < IPT; ++i) {
+      const int x = x0 + i;
+      raw[i] = x < N ? ldg_raw(srow + (int64_t)x * ns, dt, al) : 0u;
+    }
+  }
+}
+
+template <int IPT>
+__global__ void __launch_bounds__(kSelThreads, 1) k_select_small(const __grid_constant__ SelParams p) {
+  extern __shared__ __align__(16) unsigned char dsm[];
+  __shared__ __align__(16) int s_hist[4][256];  // one per radix pass
+  __shared__ __align__(16) int s_res[4][4];     // per pass: digit, keys above it, keys in it
+  __shared__ int s_wsum[2][32];
+  static_assert(kSelThreads == 4 * 256, "one histogram word per thread to zero");
+
+  const int tid = threadIdx.x, lane = tid & 31;
+  const uint32_t r = blockIdx.x / (uint32_t)p.nblk;
+  const uint32_t bsub = blockIdx.x - r * (uint32_t)p.nblk;
+  const char *srow;
+  char *irow;
+  char *trow;
+  {
+    uint32_t c[kMaxDims];
+    row_coords(p.lead, r, c);
+    srow = p.scores.data + row_offset(p.lead, c, p.scores.lead);
+    irow = p.has_idx ? p.idx.data + row_offset(p.lead, c, p.idx.lead) : nullptr;
+    trow = p.has_tm ? p.tm.data + row_offset(p.lead, c, p.tm.lead) : nullptr;
+  }
+  const int N = (int)p.N, Cp = (int)p.Cp;
+  const int clo = (int)p.P, chi = N - (int)p.W;
+  const int x0 = tid * IPT;
+  const int dt = p.scores.dtype;
+
+  reinterpret_cast<int *>(s_hist)[tid] = 0;
+
+  // ---- read-only part: may overlap the validation kernel (PDL)
+  uint32_t key[IPT];  // non-candidates (protected, window, padding) hold 0
+  {
+    const int es = dt == IMOE_DTYPE_F32 ? 4 : 2;
+    const uintptr_t vb = (uintptr_t)min(16, es * IPT);
+    const bool vec = p.scores.aligned && p.scores.n_stride == es && ((uintptr_t)srow & (vb - 1)) == 0;
+    uint32_t raw[IPT];
+    load_raw_row<IPT>(srow, x0, N, dt, p.scores.aligned != 0, p.scores.n_stride, vec, raw);
+    // one uniform branch on the dtype, then straight-line conversions
+    if (dt == IMOE_DTYPE_F32) {
+#pragma unroll
+      for (int i = 0; i < IPT; ++i) key[i] = key_of_bits(raw[i]);
+    } else if (dt == IMOE_DTYPE_F16) {
+#pragma unroll
+      for (int i = 0; i < IPT; ++i)
+        key[i] = key_of_bits(__float_as_uint(__half2float(__ushort_as_half((unsigned short)raw[i]))));
+    } else {
+#pragma unroll
+      for (int i = 0; i < IPT; ++i) key[i] = key_of_bits(raw[i] << 16);
+    }
+#pragma unroll
+    for (int i = 0; i < IPT; ++i) {
+      const int x = x0 + i;
+      if (x < clo || x >= chi) key[i] = 0u;
+    }
+  }
+  const bool all_kept = Cp >= N;
+  const int Kp = Cp - clo - (int)p.W;  // candidates to keep
+  uint32_t thr = 0xFFFFFFFFu;  // kept candidate: key > thr, or key == thr and
+  bool take_eq = false;        //   (take_eq, or tie rank < Q when needs_rank)
+  bool needs_rank = false;
+  int Q = 0;
+  __syncthreads();
+  if (!all_kept && Kp > 0) {
+    const int noncand = kSelThreads * IPT - (chi - clo);
+    int need = Kp;
+    uint32_t prefix = 0;
+#pragma unroll 1
+    for (int pass = 0; pass < 4; ++pass) {
+      const int shift = 24 - 8 * pass;
+      const uint32_t hmask = pass == 0 ? 0u : (0xFFFFFFFFu << (shift + 8));
+      int *hist = s_hist[pass];
+#pragma unroll
+      for (int i = 0; i < IPT; ++i)
+        if ((key[i] & hmask) == prefix) atomicAdd(&hist[(key[i] >> shift) & 255u], 1);
+      __syncthreads();
+      if (tid < 32) {  // warp 0 finds the digit; lane l holds bins 8l .. 8l+7
+        const int4 qa = *reinterpret_cast<const int4 *>(hist + lane * 8);
+        const int4 qb = *reinterpret_cast<const int4 *>(hist + lane * 8 + 4);
+        int h[8] = {qa.x, qa.y, qa.z, qa.w, qb.x, qb.y, qb.z, qb.w};
+        if (lane == 0 && prefix == 0u) h[0] -= noncand;  // the non-candidates all sit in bin 0
+        int s = 0;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) s += h[j];
+        int suf = s;  // keys in bins >= 8 * lane
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+          const int n = __shfl_down_sync(0xFFFFFFFFu, suf, o);
+          if (lane + o < 32) suf += n;
+        }
+        const int above = suf - s;
+        if (above < need && need <= suf) {  // exactly one lane
+          // S_j = keys in bins >= 8 lane + j, non-increasing in j; the digit
+          // is the largest j with S_j >= need
+          int run = above, cnt = 0, below = above, at = 0x7FFFFFFF;
+#pragma unroll
+          for (int j = 7; j >= 0; --j) {
+            run += h[j];
+            const bool ge = run >= need;
+            cnt += ge ? 1 : 0;
+            below = ge ? below : max(below, run);
+            at = ge ? min(at, run) : at;
+          }
+          s_res[pass][0] = lane * 8 + cnt - 1;
+          s_res[pass][1] = below;       // keys in higher bins
+          s_res[pass][2] = at - below;  // keys in the digit's bin
+        }
+      }
+      __syncthreads();
+      const int4 res = *reinterpret_cast<const int4 *>(s_res[pass]);
+      need -= res.y;
+      prefix |= (uint32_t)res.x << shift;
+      if (res.z == need) {  // the whole bin is kept: keep every key >= prefix
+        if (prefix) {
+          thr = prefix - 1u;
+        } else {
+          thr = 0u;
+          take_eq = true;
+        }
+        break;
+      }
+      if (pass == 3) {  // exact threshold; `need` of its ties, lowest index first
+        thr = prefix;
+        Q = need;
+        needs_rank = true;
+      }
+    }
+  }
+
+  // ---- kept flags, then holes in [0, C') and kept tails in [C', N)
+  uint32_t keptm = 0u, eqm = 0u;
+#pragma unroll
+  for (int i = 0; i < IPT; ++i) {
+    const int x = x0 + i;
+    const bool cand = x >= clo && x < chi;
+    bool k;
+    if (all_kept) k = x < N;
+    else k = x < N && (!cand || key[i] > thr || (take_eq && key[i] == thr));
+    if (k) keptm |= 1u << i;
+    if (needs_rank && cand && key[i] == thr) eqm |= 1u << i;
+  }
+  if (needs_rank) {  // uniform
+    int tot;
+    int rk = block_excl_scan_1sync(__popc(eqm), &tot, s_wsum[0]);
+#pragma unroll
+    for (int i = 0; i < IPT; ++i) {
+      if ((eqm >> i) & 1u) {
+        if (rk < Q) keptm |= 1u << i;
+        ++rk;
+      }
+    }
+  }
+  uint32_t holem = 0u, tailm = 0u;
+#pragma unroll
+  for (int i = 0; i < IPT; ++i) {
+    const int x = x0 + i;
+    const bool k = (keptm >> i) & 1u;
+    if (x < N) {
+      if (x < Cp) {
+        if (!k) holem |= 1u << i;
+      } else if (k) {
+        tailm |= 1u << i;
+      }
+    }
+  }
+  int tot;
+  const int ex = block_excl_scan_1sync(__popc(holem) | (__popc(tailm) << 16), &tot, s_wsum[1]);
+  const int m = tot & 0xFFFF;  // holes == kept tails
+  int32_t *H = reinterpret_cast<int32_t *>(dsm);
+  int32_t *T = H + p.cap;
+  {
+    int hr = ex & 0xFFFF, tr = ex >> 16;
+#pragma unroll
+    for (int i = 0; i < IPT; ++i) {
+      if ((holem >> i) & 1u) H[hr++] = x0 + i;
+      if ((tailm >> i) & 1u) T[tr++] = x0 + i;
+    }
+  }
+  const uint32_t B = (uint32_t)p.nblk;
+  // this block's even share of the pairs
+  const int qa = (int)((uint32_t)m * bsub / B), qb = (int)((uint32_t)m * (bsub + 1u) / B);
+  __syncthreads();  // H and T complete
+
+  // ---- from here on the call writes: wait for the validation kernel
+  if (p.pdl) griddep_wait();
+  if (call_aborted(p.token, p.nverdict)) return;
+
+  {  // fixed points of this block's share of the slots
+    const int f0 = (int)((uint32_t)N * bsub / B), f1 = (int)((uint32_t)N * (bsub + 1u) / B);
+    if (x0 < f1 && x0 + IPT > f0) {
+#pragma unroll
+      for (int i = 0; i < IPT; ++i) {
+        const int x = x0 + i;
+        if (x < f0 || x >= f1) continue;
+        const bool k = (keptm >> i) & 1u;
+        if (x < Cp) {
+          if (k) {
+            if (irow) store_index(irow + (int64_t)x * p.idx.n_stride, p.idx.dtype, p.idx.aligned != 0, x);
+            if (trow) store_index(trow + (int64_t)x * p.tm.n_stride, p.tm.dtype, p.tm.aligned != 0, x);
+          }
+        } else if (!k) {
+          if (trow) store_index(trow + (int64_t)x * p.tm.n_stride, p.tm.dtype, p.tm.aligned != 0, x);
+        }
+      }
+    }
+  }
+  if (irow || trow) {
+    for (int q = qa + tid; q < qb; q += kSelThreads) {
+      const int hx = H[q], tx = T[q];
+      if (irow) store_index(irow + (int64_t)hx * p.idx.n_stride, p.idx.dtype, p.idx.aligned != 0, tx);
+      if (trow) {
+        store_index(trow + (int64_t)hx * p.tm.n_stride, p.tm.dtype, p.tm.aligned != 0, tx);
+        store_index(trow + (int64_t)tx * p.tm.n_stride, p.tm.dtype, p.tm.aligned != 0, hx);
+      }
+    }
+  }
+  if (p.do_move && qb > qa) {
+    RingPairs get;
+    get.D = H;
+    get.s_off = p.cap;
+    get.a0 = qa;
+    get.b0 = qa;
+    get.cap = 0x7FFFFFFF;
+    const uint32_t np = (uint32_t)(qb - qa);
+    uint32_t c[kMaxDims];
+    row_coords(p.lead, r, c);
+    for (int b = 0; b < p.nbuf; ++b) {
+      const BufDesc &bd = p.buf[b];
+      char *base = bd.data + row_offset(p.lead, c, bd.lead);
+      move_pairs(base, &bd, np, p.swap, get);
+    }
+  }
+}
+
 // ------------------------------------------------------------ apply a map
 struct ApplyParams {
   Lead lead;
   int64_t M;     // map entries per row
   int32_t kind;  // 0: indices [C'] (i <-> idx[i] when different); 1: target_map (x <-> tm[x] when tm[x] > x)
-  int32_t swap, nbuf, is_last, pdl;
+  int32_t swap, nbuf, pdl;
+  int32_t nverdict;
   uint32_t seg, nseg;
   uint32_t token;
   InView map;
@@ -621,7 +925,6 @@ __global__ void __launch_bounds__(kApplyThreads, 4) k_apply(const __grid_constan
   int32_t *s_dst = reinterpret_cast<int32_t *>(dsm);
   int32_t *s_src = s_dst + p.seg;
   __shared__ int s_n;
-  __shared__ int s_flag;
   const uint32_t r = blockIdx.x / p.nseg, sg = blockIdx.x - r * p.nseg;
   const int64_t i0 = (int64_t)sg * p.seg, i1 = min(i0 + (int64_t)p.seg, p.M);
   uint32_t c[kMaxDims];
@@ -639,7 +942,7 @@ __global__ void __launch_bounds__(kApplyThreads, 4) k_apply(const __grid_constan
     }
   }
   if (p.pdl) griddep_wait();
-  const bool aborted = call_aborted(p.token, &s_flag);
+  const bool aborted = call_aborted(p.token, p.nverdict);
   __syncthreads();
   const int n = s_n;
   if (!aborted && n > 0) {
@@ -654,7 +957,6 @@ __global__ void __launch_bounds__(kApplyThreads, 4) k_apply(const __grid_constan
       move_pairs_inline(bd.data + row_offset(p.lead, c, bd.lead), bd, (uint32_t)n, p.swap, get);
     }
   }
-  call_epilogue(p.token, p.is_last);
 }
 
 }  // namespace imoe_cu

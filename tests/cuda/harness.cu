@@ -823,7 +823,10 @@ __global__ void k_flush_read(const uint4 *p, size_t n, uint4 *sink) {
   }
   if ((acc.x & acc.y & acc.z & acc.w) == 0xFFFFFFFFu && threadIdx.x == 1023) *sink = acc;
 }
+__global__ void k_empty() {}
 static void flush_l2(void *flush, size_t bytes) {
+  static const bool off = getenv("IMOE_BENCH_NOFLUSH") != nullptr;  // diagnosis only: warm L2
+  if (off) return;
   k_flush_read<<<1056, 256, 0, g_stream>>>((const uint4 *)flush, bytes / 16, (uint4 *)flush);
   CK(cudaGetLastError());
 }
@@ -1045,7 +1048,9 @@ static void bench_workload(const char *wname, int nlead, const int64_t *lead, in
     CK(cudaGraphDestroy(graph));
   }
   // the two halves of a move compaction, timed alone (labelled as such):
-  // select + map only (build_map), and applying the map (check + moves)
+  // select + map only (build_map), and applying the map (check + moves);
+  // then build_map without the NaN check, and an empty kernel (what the
+  // method itself costs: events and a launch)
   {
     imoe_selection sel;
     memset(&sel, 0, sizeof sel);
@@ -1053,15 +1058,18 @@ static void bench_workload(const char *wname, int nlead, const int64_t *lead, in
     sel.capacity = C;
     sel.protected_prefix = P;
     sel.nan_policy = IMOE_NAN_ERROR;
-    for (int part = 0; part < 2; ++part) {
+    for (int part = 0; part < 4; ++part) {
+      sel.nan_policy = part == 2 ? IMOE_NAN_LOWEST : IMOE_NAN_ERROR;
       std::vector<float> t;
       for (int it = 0; it < iters + 10; ++it) {
         for (int b = 0; b < nbuf; ++b)
           CK(cudaMemcpyAsync(bufs[b], pristine[b], buf_bytes, cudaMemcpyDeviceToDevice, g_stream));
         flush_l2(flush, flush_bytes);
         CK(cudaEventRecord(e0, g_stream));
-        const imoe_status st = part == 0 ? imoe_cuda_build_map(&sel, &iv, nullptr, &ex, &err)
-                                         : imoe_cuda_apply_indices(bv.data(), nbuf, &iv, IMOE_MODE_MOVE, &ex, &err);
+        imoe_status st = IMOE_OK;
+        if (part == 0 || part == 2) st = imoe_cuda_build_map(&sel, &iv, nullptr, &ex, &err);
+        else if (part == 1) st = imoe_cuda_apply_indices(bv.data(), nbuf, &iv, IMOE_MODE_MOVE, &ex, &err);
+        else k_empty<<<1, 32, 0, g_stream>>>();
         CK(cudaEventRecord(e1, g_stream));
         if (st != IMOE_OK) {
           fprintf(stderr, "bench: part %d failed: %s\n", part, err.message);
@@ -1072,9 +1080,11 @@ static void bench_workload(const char *wname, int nlead, const int64_t *lead, in
         CK(cudaEventElapsedTime(&ms, e0, e1));
         if (it >= 10) t.push_back(ms * 1000.0f);
       }
-      const double bytes = part == 0 ? 0.0 : (double)pairs * (double)row_bytes * nbuf * 2.0;
+      const double bytes = part != 1 ? 0.0 : (double)pairs * (double)row_bytes * nbuf * 2.0;
       BenchRow br;
-      br.name = std::string(wname) + (part == 0 ? " [select+map only]" : " [apply move only]");
+      static const char *const labels[4] = {" [select+map only]", " [apply move only]",
+                                            " [select+map only, nan=lowest]", " [empty kernel]"};
+      br.name = std::string(wname) + labels[part];
       br.med_us = median_of(t);
       br.min_us = *std::min_element(t.begin(), t.end());
       br.bytes = bytes;
