@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU suite in one command: build, the GPU tests, compute-sanitizer
-# (memcheck and racecheck) over them, the main benchmark (W1, W2, W3) and the
-# W5 sweep. Results and one log go to OUT_DIR.
+# (memcheck and racecheck, each within SANITIZER_SECONDS) over them, the main
+# benchmark (W1, W2, W3) and the W5 sweep. Results and one log go to OUT_DIR.
 #   bash benchmarks/gpu_suite.sh OUT_DIR [--no-sanitizer] [--no-sweep]
 set -uo pipefail
 out=${1:?usage: gpu_suite.sh OUT_DIR [--no-sanitizer] [--no-sweep]}
@@ -29,15 +29,6 @@ step "GPU tests"
 python -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py 2>&1 | tail -25 | tee -a "$log" \
   || status=1
 
-if [ "$sanitizer" = 1 ]; then
-  for tool in memcheck racecheck; do
-    step "compute-sanitizer --tool $tool over the GPU tests"
-    PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool "$tool" --error-exitcode 99 \
-      python -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py \
-      -k "not allocates_nothing and not graph" 2>&1 | tail -8 | tee -a "$log" || status=1
-  done
-fi
-
 step "benchmark W1 W2 W3"
 python -m idempotent_moe bench --workloads W1,W2,W3 --out "$out" 2>>"$log" | tee -a "$log" \
   || status=1
@@ -46,5 +37,14 @@ if [ "$sweep" = 1 ]; then
   step "W5 sweep"
   python -m idempotent_moe sweep --out "$out" 2>>"$log" | tee -a "$log" || status=1
 fi
+if [ "$sanitizer" = 1 ]; then
+  for tool in memcheck racecheck; do
+    step "compute-sanitizer --tool $tool over the GPU tests"
+    PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout "${SANITIZER_SECONDS:-300}" compute-sanitizer --tool "$tool" --error-exitcode 99 \
+      python -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py \
+      -k "not allocates_nothing and not graph" 2>&1 | tail -8 | tee -a "$log" || status=1
+  done
+fi
+
 step "done (status $status)"
 exit $status
