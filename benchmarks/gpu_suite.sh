@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU suite in one command: build, the GPU tests, compute-sanitizer
-# (memcheck and racecheck, each within SANITIZER_SECONDS) over them, the main
+# (memcheck and racecheck, each within SANITIZER_SECONDS, over the tests that
+# SANITIZER_TESTS selects with pytest -k) over them, the main
 # benchmark (W1, W2, W3) and the W5 sweep. Results and one log go to OUT_DIR.
 #   bash benchmarks/gpu_suite.sh OUT_DIR [--no-sanitizer] [--no-sweep]
 set -uo pipefail
@@ -42,7 +43,7 @@ if [ "$sanitizer" = 1 ]; then
     step "compute-sanitizer --tool $tool over the GPU tests"
     PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout "${SANITIZER_SECONDS:-300}" compute-sanitizer --tool "$tool" --error-exitcode 99 \
       python -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py \
-      -k "not allocates_nothing and not graph" 2>&1 | tail -8 | tee -a "$log" || status=1
+      -k "${SANITIZER_TESTS:-not allocates_nothing and not graph}" 2>&1 | tail -8 | tee -a "$log" || status=1
   done
 fi
 
