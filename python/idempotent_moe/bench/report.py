@@ -27,7 +27,7 @@ def table(data: dict, markdown: bool = True) -> str:
     head = ["workload", "dtype", "implementation", "median ms", "min ms", "vs torch",
             "time / floor", "bit-exact"]
     if has_mem:
-        head += ["peak alloc MiB", "reserved MiB before -> after"]
+        head += ["host ms / call", "peak alloc MiB", "reserved MiB before -> after"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         cells = [r["workload"], r["dtype"], r["impl"], f"{r['median_ms']:.3f}",
@@ -35,7 +35,8 @@ def table(data: dict, markdown: bool = True) -> str:
                  f"{r['time_over_floor']:.2f}" if r["time_over_floor"] else "",
                  "yes" if r["bit_exact"] else "NO"]
         if has_mem:
-            cells += [_mib(r.get("peak_allocated_bytes")),
+            cells += [f"{r['host_ms']:.3f}" if "host_ms" in r else "",
+                      _mib(r.get("peak_allocated_bytes")),
                       f"{_mib(r.get('reserved_before_bytes'))} -> {_mib(r.get('reserved_after_bytes'))}"]
         lines.append("| " + " | ".join(cells) + " |")
     m = data["machine"]

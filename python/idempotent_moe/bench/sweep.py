@@ -61,7 +61,8 @@ def run(device: str = "auto", runs: int = 0, out: str = os.path.join("benchmarks
             rows.append({
                 "axis": axis, "n": n, "keep": keep, "keep_ratio": keep / n, "row_bytes": 2 * row,
                 "rows": lead, "impl": impl.name, "kind": impl.kind, "mode": impl.mode,
-                "median_ms": timing.median_ms, "min_ms": timing.min_ms, "floor_ms": floor_ms,
+                "median_ms": timing.median_ms, "min_ms": timing.min_ms, "host_ms": timing.host_ms,
+                "floor_ms": floor_ms,
                 "time_over_floor": timing.median_ms / floor_ms,
                 "bit_exact": bool(workloads.check_against(problem, result, reference)),
                 **runner._memory(device, impl, problem),
