@@ -1,4 +1,7 @@
 /* build.c: imoe_build_map and imoe_compact, the entry points that select. */
+#include <inttypes.h>
+#include <stdlib.h>
+
 #include "imoe_internal.h"
 
 #ifdef IMOE_WITH_CUDA
@@ -121,4 +124,154 @@ imoe_status imoe_compact(const imoe_view *buffers, int32_t num_buffers, const im
       {imoe_apply_indices_item, &plan, imoe_apply_plan_items(&plan)},
   };
   return imoe_run_stages(stages, 3, imoe_row_workspace_bytes(ctx.n, 1), threads, err);
+}
+
+/* ---- ordered compaction: kept slots in STABLE or SCORE order ------------- */
+
+typedef struct ordered_ctx {
+  select_ctx sel; /* first: check_row and select_row take it */
+  imoe_order order;
+  int32_t *plans; /* [rows, n]: P of every row, or NULL (map only) */
+} ordered_ctx;
+
+static imoe_status select_ordered_row(const void *vctx, int64_t row, unsigned char *mem,
+                                      imoe_error *err) {
+  const ordered_ctx *ctx = vctx;
+  const select_ctx *s = &ctx->sel;
+  const imoe_row_workspace ws = imoe_row_workspace_at(mem, s->n, 1);
+  (void)err;
+  if (s->sel->scores != NULL) {
+    imoe_select_scores_row(s->sel, row, s->n, ws);
+  } else {
+    imoe_select_active_row(s->sel->active, row, s->n, ws.flags);
+  }
+  /* The candidate list of the selection is free again: it takes the order. */
+  imoe_kept_in_order(s->sel, row, s->n, s->kept, ctx->order, ws,
+                     mem + imoe_row_workspace_bytes(s->n, 1), ws.list);
+  char *idx = imoe_row_base(s->indices, row);
+  const int64_t stride = s->indices->n_stride;
+  for (int64_t i = 0; i < s->kept; i++) {
+    imoe_store_index(idx + i * stride, s->indices->dtype, ws.list[i]);
+  }
+  if (ctx->plans != NULL) {
+    int32_t *plan = ctx->plans + row * s->n;
+    imoe_plan_from_kept(ws.list, s->kept, ws.flags, s->n, plan);
+    imoe_plan_encode(plan, s->n);
+  }
+  return IMOE_OK;
+}
+
+static imoe_status check_order(imoe_order order, const imoe_selection *sel, imoe_error *err) {
+  if (order != IMOE_ORDER_INPLACE && order != IMOE_ORDER_STABLE && order != IMOE_ORDER_SCORE) {
+    return imoe_fail(err, IMOE_ERR_ARGUMENT, "order: %d is not an imoe_order", (int)order);
+  }
+  if (order == IMOE_ORDER_SCORE && sel != NULL && sel->scores == NULL) {
+    return imoe_fail(err, IMOE_ERR_ARGUMENT,
+                     "order: SCORE needs scores; with active indices use STABLE or INPLACE");
+  }
+  return IMOE_OK;
+}
+
+static size_t ordered_workspace_bytes(int64_t n, imoe_order order) {
+  return imoe_row_workspace_bytes(n, 1) + imoe_order_extra_bytes(n, order);
+}
+
+imoe_status imoe_build_map_ordered(const imoe_selection *sel, imoe_order order, int64_t n,
+                                   const imoe_view *out_indices, const imoe_view *out_target_map,
+                                   const imoe_exec *exec, imoe_error *err) {
+  if (sel == NULL) return imoe_fail(err, IMOE_ERR_ARGUMENT, "sel is NULL");
+  imoe_status st = check_order(order, sel, err);
+  if (st != IMOE_OK) return st;
+  if (n < 0 || n > IMOE_MAX_SLOTS) {
+    return imoe_fail(err, IMOE_ERR_ARGUMENT, "n = %" PRId64 " is outside [0, %" PRId64 "]", n,
+                     (int64_t)IMOE_MAX_SLOTS);
+  }
+  if (order != IMOE_ORDER_INPLACE && out_target_map != NULL) {
+    return imoe_fail(err, IMOE_ERR_ARGUMENT,
+                     "out_target_map: only order INPLACE has a target-map form; pass NULL");
+  }
+  if (out_indices == NULL && out_target_map == NULL) {
+    return imoe_fail(err, IMOE_ERR_ARGUMENT, "out_indices is NULL");
+  }
+  const imoe_view *ref = out_indices ? out_indices : out_target_map;
+  const char *ref_name = out_indices ? "out_indices" : "out_target_map";
+  st = imoe_check_view(ref, ref_name, err);
+  if (st != IMOE_OK) return st;
+  /* imoe_check_selection holds scores to n. */
+  ordered_ctx ctx = {{sel, n, 0, out_indices, out_target_map}, order, NULL};
+  st = imoe_check_selection(sel, ref, ref_name, n, &ctx.sel.kept, err);
+  if (st == IMOE_OK) {
+    st = imoe_check_map_outputs(out_indices, out_target_map, ref, ref_name, n, ctx.sel.kept, err);
+  }
+  if (st == IMOE_OK) st = imoe_check_exec(exec, err);
+  if (st != IMOE_OK) return st;
+  if (imoe_on_cuda(exec)) {
+    if (order == IMOE_ORDER_INPLACE) {
+      return imoe_build_map(sel, out_indices, out_target_map, exec, err);
+    }
+    return imoe_fail(err, IMOE_ERR_UNSUPPORTED,
+                     "order 'stable' / 'score' on CUDA is not built yet (idempotent_map)");
+  }
+  const int64_t rows = imoe_view_rows(ref);
+  const imoe_stage stages[] = {
+      {check_row, &ctx.sel, rows_to_check(sel, rows)},
+      order == IMOE_ORDER_INPLACE ? (imoe_stage){select_row, &ctx.sel, rows}
+                                  : (imoe_stage){select_ordered_row, &ctx, rows},
+  };
+  const int64_t elements = rows * n; /* fits: checked with the output views */
+  const int threads =
+      imoe_thread_count(exec, elements > INT64_MAX / 8 ? INT64_MAX : elements * 8, rows);
+  return imoe_run_stages(stages, 2, ordered_workspace_bytes(n, order), threads, err);
+}
+
+imoe_status imoe_compact_ordered(const imoe_view *buffers, int32_t num_buffers,
+                                 const imoe_selection *sel, imoe_order order,
+                                 const imoe_view *out_indices, const imoe_view *out_target_map,
+                                 imoe_mode mode, int32_t *workspace, int64_t workspace_elems,
+                                 const imoe_exec *exec, imoe_error *err) {
+  imoe_status st = check_order(order, sel, err);
+  if (st != IMOE_OK) return st;
+  if (order == IMOE_ORDER_INPLACE) {
+    return imoe_compact(buffers, num_buffers, sel, out_indices, out_target_map, mode, exec, err);
+  }
+  st = imoe_check_buffers(buffers, num_buffers, err);
+  if (st != IMOE_OK) return st;
+  ordered_ctx ctx = {{sel, buffers[0].n, 0, out_indices, NULL}, order, NULL};
+  st = imoe_check_selection(sel, &buffers[0], "buffers[0]", ctx.sel.n, &ctx.sel.kept, err);
+  if (st == IMOE_OK && out_indices == NULL) {
+    st = imoe_fail(err, IMOE_ERR_ARGUMENT, "out_indices is NULL: imoe_compact_ordered requires it");
+  }
+  if (st == IMOE_OK && out_target_map != NULL) {
+    st = imoe_fail(err, IMOE_ERR_ARGUMENT,
+                   "out_target_map: only order INPLACE has a target-map form; pass NULL");
+  }
+  if (st == IMOE_OK) {
+    st = imoe_check_map_outputs(out_indices, NULL, &buffers[0], "buffers[0]", ctx.sel.n,
+                                ctx.sel.kept, err);
+  }
+  if (st == IMOE_OK) st = imoe_check_mode(mode, err);
+  if (st == IMOE_OK) st = imoe_check_exec(exec, err);
+  if (st != IMOE_OK) return st;
+  if (imoe_on_cuda(exec)) {
+    return imoe_fail(err, IMOE_ERR_UNSUPPORTED,
+                     "order 'stable' / 'score' on CUDA is not built yet (compact)");
+  }
+
+  const int64_t rows = imoe_view_rows(&buffers[0]), n = ctx.sel.n;
+  int32_t *owned;
+  st = imoe_plan_workspace(workspace, workspace_elems, rows * n, &ctx.plans, &owned, err);
+  if (st != IMOE_OK) return st;
+  const int threads = imoe_thread_count(exec, imoe_buffers_bytes(buffers, num_buffers),
+                                        rows * (n > 1 ? n : 1));
+  imoe_cycle_mover mover;
+  imoe_cycle_mover_init(&mover, buffers, num_buffers, ctx.plans, rows,
+                        mode == IMOE_MODE_MOVE ? ctx.sel.kept : n, threads);
+  const imoe_stage stages[] = {
+      {check_row, &ctx.sel, rows_to_check(sel, rows)},
+      {select_ordered_row, &ctx, rows},
+      {imoe_cycle_move_item, &mover, imoe_cycle_mover_items(&mover)},
+  };
+  st = imoe_run_stages(stages, 3, ordered_workspace_bytes(n, order), threads, err);
+  free(owned);
+  return st;
 }

@@ -78,6 +78,30 @@ typedef enum imoe_mode {
   IMOE_MODE_MOVE = 1  /* kept tail tokens are copied into holes; half the traffic */
 } imoe_mode;
 
+/*
+ * Order of the kept slots in [0, C') after a compaction.
+ *   INPLACE  the idempotent map (default): a kept slot below C' stays where it
+ *            is; the only order with a target-map form and with no workspace.
+ *   STABLE   the kept slots in ascending original slot order (what a
+ *            recency-ordered KV cache wants).
+ *   SCORE    by descending score, ties to the lower slot: the order of
+ *            torch.topk(..., sorted=True) + gather (with that tie rule). Every
+ *            kept slot ranks by its own score, protected ones included; NaN
+ *            (IMOE_NAN_LOWEST) ranks last. Needs scores.
+ * For STABLE and SCORE the compaction is the permutation
+ *   P = [indices[0], ..., indices[C'-1]] ++ [the dropped slots, ascending],
+ * new slot i holding old slot P[i]: swap mode applies all of P (dropped
+ * tokens end in [C', N) in their original order); move mode writes only
+ * [0, C') and leaves [C', N) unspecified. P depends on indices alone, so
+ * indices suffice to apply it again (imoe_apply_ordered) or to undo it
+ * (imoe_restore_ordered).
+ */
+typedef enum imoe_order {
+  IMOE_ORDER_INPLACE = 0,
+  IMOE_ORDER_STABLE = 1,
+  IMOE_ORDER_SCORE = 2
+} imoe_order;
+
 typedef enum imoe_nan_policy {
   IMOE_NAN_ERROR = 0, /* a NaN score is an error (IMOE_ERR_NAN) */
   IMOE_NAN_LOWEST = 1 /* NaN ranks below every number, -inf included */
@@ -201,6 +225,98 @@ imoe_status imoe_apply_target_map(const imoe_view *buffers, int32_t num_buffers,
 imoe_status imoe_restore(const imoe_view *buffers, int32_t num_buffers,
                          const imoe_view *indices, const imoe_exec *exec, imoe_error *err);
 
+/* ---- permutations ------------------------------------------------------
+ *
+ * The functions below apply a general permutation of the N slots of every
+ * row in place, by cycle following: each cycle is rotated through a fixed
+ * stack tile (at most 4 KiB of one slot's bytes at a time), so nothing of
+ * size O(N x row) is allocated. They need an int32 plan workspace of
+ * `rows x N` elements (rows: the rows of the permutation, 1 when it is
+ * shared by every row), which holds each row's permutation with its cycles
+ * marked (its contents are undefined afterwards):
+ *   workspace        NULL: allocated here (CPU); else at least
+ *                    workspace_elems >= rows x N int32 elements, not
+ *                    overlapping any view of the call.
+ * The plan is built and checked for every row before any buffer byte moves.
+ * On CUDA these return IMOE_ERR_UNSUPPORTED for now (order INPLACE aside).
+ */
+
+/*
+ * Permute the slots of every buffer in place: new slot i of row r holds what
+ * old slot perm[r, i] held (the gather convention of torch.index_select /
+ * x[perm]); with `inverse` nonzero, old slot i goes to new slot perm[r, i]
+ * instead (x[perm] = x.clone()), which undoes the forward permutation.
+ *   buffers  [lead..., N, row_b] BYTES, as for imoe_compact.
+ *   perm     [N] I32/I64 shared by every row, or [lead..., N]; every row must
+ *            hold each value of [0, N) exactly once: IMOE_ERR_INDEX_RANGE for
+ *            a value outside it, IMOE_ERR_BAD_MAP for a repeated value.
+ * Workspace: rows(perm) x N int32.
+ */
+imoe_status imoe_permute(const imoe_view *buffers, int32_t num_buffers, const imoe_view *perm,
+                         int32_t inverse, int32_t *workspace, int64_t workspace_elems,
+                         const imoe_exec *exec, imoe_error *err);
+
+/*
+ * imoe_build_map with an order: out_indices [lead..., C'] I32/I64 receives
+ * the kept slots in `order`. n is N, the slots per row (it must equal the
+ * scores' n; with active indices it is required). out_target_map is taken
+ * for IMOE_ORDER_INPLACE only (NULL otherwise), where this is imoe_build_map.
+ */
+imoe_status imoe_build_map_ordered(const imoe_selection *sel, imoe_order order, int64_t n,
+                                   const imoe_view *out_indices, const imoe_view *out_target_map,
+                                   const imoe_exec *exec, imoe_error *err);
+
+/*
+ * imoe_compact with an order. IMOE_ORDER_INPLACE is imoe_compact (the
+ * workspace is not used). STABLE and SCORE apply the permutation P above:
+ * out_indices receives the kept slots in order, out_target_map must be NULL.
+ * Workspace: R x N int32 (R: the rows of the buffers).
+ */
+imoe_status imoe_compact_ordered(const imoe_view *buffers, int32_t num_buffers,
+                                 const imoe_selection *sel, imoe_order order,
+                                 const imoe_view *out_indices, const imoe_view *out_target_map,
+                                 imoe_mode mode, int32_t *workspace, int64_t workspace_elems,
+                                 const imoe_exec *exec, imoe_error *err);
+
+/*
+ * Apply the permutation P of an ordered compaction, given its indices:
+ *   indices  [C'] shared by every row, or [lead..., C'], I32/I64; each row's
+ *            entries distinct (IMOE_ERR_BAD_MAP) and in [0, N)
+ *            (IMOE_ERR_INDEX_RANGE), in any order; C' <= N.
+ * Swap mode applies P; move mode writes [0, C') only. Workspace:
+ * rows(indices) x N int32.
+ */
+imoe_status imoe_apply_ordered(const imoe_view *buffers, int32_t num_buffers,
+                               const imoe_view *indices, imoe_mode mode, int32_t *workspace,
+                               int64_t workspace_elems, const imoe_exec *exec, imoe_error *err);
+
+/* Undo a swap-mode ordered compaction (apply P^-1), given its indices:
+ * the buffers come back bit for bit. Same arguments as imoe_apply_ordered. */
+imoe_status imoe_restore_ordered(const imoe_view *buffers, int32_t num_buffers,
+                                 const imoe_view *indices, int32_t *workspace,
+                                 int64_t workspace_elems, const imoe_exec *exec, imoe_error *err);
+
+/*
+ * Dropless grouping: per row, move the T slots of every buffer so that the
+ * slots of expert 0 come first, then those of expert 1, ..., each expert's
+ * slots in their original order (a stable counting sort).
+ *   buffers      [lead..., T, row_b] BYTES.
+ *   expert_ids   [lead..., T] I32/I64, each in [0, num_experts)
+ *                (IMOE_ERR_INDEX_RANGE).
+ *   num_experts  E >= 0 (E < 2^31 - 1).
+ *   out_offsets  [lead..., E + 1] I32/I64, required: expert e's slots are
+ *                [offsets[e], offsets[e + 1]); offsets[0] = 0, offsets[E] = T.
+ *   out_perm     [lead..., T] I32/I64 or NULL: the permutation applied, in
+ *                imoe_permute's convention (new slot i holds old slot
+ *                perm[i]); imoe_permute(..., inverse = 1) with it ungroups.
+ * Workspace: R x T int32. Per thread, (E + 1) x 8 bytes are allocated here.
+ */
+imoe_status imoe_group_by_expert(const imoe_view *buffers, int32_t num_buffers,
+                                 const imoe_view *expert_ids, int64_t num_experts,
+                                 const imoe_view *out_offsets, const imoe_view *out_perm,
+                                 int32_t *workspace, int64_t workspace_elems,
+                                 const imoe_exec *exec, imoe_error *err);
+
 /*
  * Data errors found on a device. A CUDA call never synchronises the host, so
  * a data error (a NaN score under IMOE_NAN_ERROR, active indices out of range
@@ -213,6 +329,35 @@ imoe_status imoe_restore(const imoe_view *buffers, int32_t num_buffers,
  */
 imoe_status imoe_take_device_status(const imoe_exec *exec, imoe_status *recorded,
                                     imoe_error *err);
+
+/*
+ * Paged buffers (vLLM's KV cache): a pool of blocks of block_size slots, and
+ * a block table per sequence. Logical slot x of sequence s lives in block
+ * block_tables[s, x / block_size] at offset x % block_size.
+ *   buffers[b]    pools [num_blocks, lead..., block_size, row_b]: the FIRST
+ *                 lead axis is the block axis, n the slot-in-block axis (a
+ *                 vLLM cache [num_blocks, block_size, heads, head_dim] is
+ *                 lead (num_blocks, heads) with row head_dim, or lead
+ *                 (num_blocks) with row heads x head_dim). Written in place;
+ *                 all share lead shape and block_size, row_b may differ.
+ *   block_tables  [S, max_blocks] I32/I64.
+ *   target_map    [S, lead..., N] I32/I64, N <= max_blocks x block_size: for
+ *                 each sequence and row, an involution over logical slots as
+ *                 imoe_build_map writes it (fixed points beyond a sequence's
+ *                 length). Zero strides are fine: one map shared by all rows.
+ * Every slot that moves (target_map[x] != x) must name a block in
+ * [0, num_blocks) (IMOE_ERR_INDEX_RANGE), and a block written through one
+ * table entry must not be named by another entry that moves data
+ * (IMOE_ERR_INDEX_DUPLICATE): shared (prefix-cached) blocks must be copied
+ * before they are compacted. Swap mode exchanges each 2-cycle; move mode
+ * copies the higher logical slot into the lower one. Checked in full before
+ * any write. CPU workspace: S x max_blocks + num_blocks bytes. CUDA:
+ * IMOE_ERR_UNSUPPORTED in this version.
+ */
+imoe_status imoe_paged_apply_target_map(const imoe_view *buffers, int32_t num_buffers,
+                                        const imoe_view *block_tables,
+                                        const imoe_view *target_map, imoe_mode mode,
+                                        const imoe_exec *exec, imoe_error *err);
 
 #ifdef __cplusplus
 }

@@ -233,4 +233,74 @@ int64_t imoe_buffers_bytes(const imoe_view *buffers, int32_t num_buffers);
 /* Exchanges n bytes between two non-overlapping slots. */
 void imoe_swap_bytes(char *a, char *b, size_t n);
 
+/* ---- cycle plans and the permutation engine (permute.c) ----------------- */
+
+/* A plan row is a permutation of [0, n) (new slot i takes old slot p[i])
+ * with its cycles marked for the move stage: in each cycle of length >= 2
+ * the largest slot, the leader, holds its successor p[x] (>= 0); every other
+ * slot of the cycle holds ~p[x] (< 0). Fixed points hold themselves.
+ * The leader is the largest slot so that in move mode (writes limited to
+ * [0, C')) a cycle that reaches the tail starts there and needs no tile. */
+
+/* Marks the cycles of a valid permutation held in plan[0, n). O(n). */
+void imoe_plan_encode(int32_t *plan, int64_t n);
+
+/* The same for values in [0, n) that may not form a permutation: returns -1
+ * when they do (and the plan is encoded), else a slot reached twice (the
+ * plan is then garbage). O(n). */
+int64_t imoe_plan_encode_checked(int32_t *plan, int64_t n);
+
+/* The plan workspace of a call: the caller's (at least `need` elements, else
+ * IMOE_ERR_ARGUMENT) or, when given is NULL, *owned = malloc'ed here
+ * (IMOE_ERR_NO_MEMORY). Free *owned after the call. */
+imoe_status imoe_plan_workspace(int32_t *given, int64_t given_elems, int64_t need, int32_t **plan,
+                                int32_t **owned, imoe_error *err);
+
+/* Moves every buffer by its row's plan, split into items of (row, buffer,
+ * byte chunk of the slot) so that one long row still spreads over every
+ * thread: byte chunks of one cycle are independent. */
+typedef struct imoe_cycle_mover {
+  const imoe_view *buffers;
+  int32_t num_buffers;
+  const int32_t *plans; /* [plan_rows, n] */
+  int64_t plan_rows;    /* 1: one plan for every row */
+  int64_t n;
+  int64_t limit; /* only slots below limit are written (move mode: C') */
+  int64_t rows;
+  int64_t chunk;   /* bytes per item, at most the stack tile */
+  int64_t per_row; /* items per row */
+  int64_t first[IMOE_MAX_BUFFERS + 1]; /* first item of each buffer in a row */
+} imoe_cycle_mover;
+
+void imoe_cycle_mover_init(imoe_cycle_mover *m, const imoe_view *buffers, int32_t num_buffers,
+                           const int32_t *plans, int64_t plan_rows, int64_t limit,
+                           int num_threads);
+static inline int64_t imoe_cycle_mover_items(const imoe_cycle_mover *m) {
+  return m->rows * m->per_row;
+}
+imoe_status imoe_cycle_move_item(const void *mover, int64_t item, unsigned char *workspace,
+                                 imoe_error *err);
+
+/* ---- kept order of ordered compactions (order.c) ------------------------ */
+
+/* Bytes of per-thread workspace an order needs beyond the full row
+ * workspace (imoe_row_workspace_bytes(n, 1)). */
+size_t imoe_order_extra_bytes(int64_t n, imoe_order order);
+
+/* The kept slots of a row (flags, exactly `kept` set) in `order` (STABLE or
+ * SCORE) into out[0, kept); out has room for n entries. SCORE reads the
+ * row's scores and uses ws.keys, ws.hist and `extra`. */
+void imoe_kept_in_order(const imoe_selection *sel, int64_t row, int64_t n, int64_t kept,
+                        imoe_order order, imoe_row_workspace ws, unsigned char *extra,
+                        uint32_t *out);
+
+/* plan[0, n) = order[0, kept) ++ the slots whose flag is 0, ascending. */
+void imoe_plan_from_kept(const uint32_t *order, int64_t kept, const uint8_t *flags, int64_t n,
+                         int32_t *plan);
+
+/* Order-preserving uint32 keys of scores[row, lo:hi) into keys[lo, hi)
+ * (select.c): -0 == +0, NaN below -inf. */
+void imoe_score_keys(const imoe_view *scores, int64_t row, int64_t lo, int64_t hi,
+                     uint32_t *keys);
+
 #endif /* IMOE_INTERNAL_H */

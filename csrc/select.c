@@ -121,3 +121,8 @@ void imoe_select_scores_row(const imoe_selection *sel, int64_t row, int64_t n,
   const int key_bits = sel->scores->dtype == IMOE_DTYPE_F32 ? 32 : 16;
   imoe_mark_top_k(ws.keys, lo, hi, k, key_bits, ws.hist, ws.list, ws.flags);
 }
+
+void imoe_score_keys(const imoe_view *scores, int64_t row, int64_t lo, int64_t hi,
+                     uint32_t *keys) {
+  compute_keys(scores, imoe_row_base(scores, row), lo, hi, keys);
+}

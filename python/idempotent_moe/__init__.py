@@ -9,33 +9,47 @@ idempotent_moe` needs neither torch nor transformers.
 
 from .functional import (
     Compacted,
+    Grouped,
     apply_map_,
     check_errors,
     compact_,
     cuda_available,
     get_num_threads,
+    group_by_expert_,
     idempotent_map,
+    permute_,
     restore_,
     set_num_threads,
+    ungroup_,
 )
-from .kv import InplaceKVCompactor, compact_kv_cache_inplace
+from .kv import InplaceKVCompactor, compact_kv_cache_inplace, reduce_head_scores
 from .moe import InplaceMoERouter, compact_moe_tokens_inplace, generate_idempotent_moe_map
+from .paged import PagedCompaction, apply_paged_map_, compact_paged_, paged_target_map
 
 __version__ = "0.1.0"
 
 __all__ = [
     "Compacted",
+    "Grouped",
     "InplaceKVCompactor",
     "InplaceMoERouter",
+    "PagedCompaction",
     "apply_map_",
+    "apply_paged_map_",
     "check_errors",
     "compact_",
     "compact_kv_cache_inplace",
     "compact_moe_tokens_inplace",
+    "compact_paged_",
     "cuda_available",
     "generate_idempotent_moe_map",
     "get_num_threads",
+    "group_by_expert_",
     "idempotent_map",
+    "paged_target_map",
+    "permute_",
+    "reduce_head_scores",
     "restore_",
     "set_num_threads",
+    "ungroup_",
 ]

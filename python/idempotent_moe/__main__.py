@@ -1,5 +1,7 @@
 """Command line: `python -m idempotent_moe bench` runs the main job (W1 and W2
-beside torch on the best device present: table, JSON and plot)."""
+beside torch on the best device present: table, JSON and plot); `w4` runs one
+Mixtral MoE block through transformers' experts implementations and ours; `kv`
+runs W2 through the KV hook, the paged hook and the Hugging Face cache."""
 
 from __future__ import annotations
 
@@ -31,10 +33,57 @@ def _parser() -> argparse.ArgumentParser:
     sweep.add_argument("--quick", action="store_true", help="small sizes, for a smoke test")
     sweep.add_argument("--out", default="benchmarks/results")
     sweep.add_argument("--no-plot", action="store_true")
+    w4 = sub.add_parser("w4", help="W4: a Mixtral MoE block, eager and grouped_mm beside idempotent")
+    w4.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    w4.add_argument("--runs", type=int, default=0,
+                    help="timed runs per row (default 100 on the GPU, 5 on the CPU)")
+    w4.add_argument("--tokens", default="", help="comma-separated token counts (default 16,4096)")
+    w4.add_argument("--capacity-factors", default="1.0,1.25",
+                    help="comma-separated capacity factors for capacity-mode rows ('' for none)")
+    w4.add_argument("--quick", action="store_true", help="a reduced block on the CPU, for a smoke test")
+    w4.add_argument("--out", default="benchmarks/results")
+    w4.add_argument("--no-plot", action="store_true")
+    w4.add_argument("--doc", default=None,
+                    help="regenerate the W4 table of this file (docs/moe.md) from the new JSON")
+    w4.add_argument("--from-json", default=None,
+                    help="with --doc: regenerate the table from this JSON instead of running")
+    kv = sub.add_parser("kv", help="W2 through the KV hook, the paged hook and the HF cache")
+    kv.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    kv.add_argument("--dtypes", default="", help="comma-separated torch dtypes")
+    kv.add_argument("--runs", type=int, default=0)
+    kv.add_argument("--threads", type=int, default=0)
+    kv.add_argument("--quick", action="store_true", help="small shapes, for a smoke test")
+    kv.add_argument("--out", default="benchmarks/results")
+    kv.add_argument("--no-plot", action="store_true")
+    kv.add_argument("--doc", default=None,
+                    help="regenerate the table of this file (docs/kv.md) from the new JSON")
+    kv.add_argument("--from-json", default=None,
+                    help="with --doc: regenerate the table from this JSON instead of running")
+    permute = sub.add_parser("permute", help="permute_, grouping and ordered compaction beside torch "
+                                              "(CPU)")
+    permute.add_argument("--runs", type=int, default=0, help="timed runs per row (default 15)")
+    permute.add_argument("--threads", type=int, default=0, help="CPU threads (default: torch's)")
+    permute.add_argument("--quick", action="store_true", help="small shapes, for a smoke test")
+    permute.add_argument("--out", default="benchmarks/results")
+    permute.add_argument("--no-plot", action="store_true")
     readme = sub.add_parser("readme", help="regenerate README tables from result JSON files")
     readme.add_argument("json", nargs="+")
     readme.add_argument("--readme", default="README.md")
     return parser
+
+
+def _ints(text: str, flag: str) -> tuple:
+    try:
+        return tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise SystemExit(f"{flag}: comma-separated integers, got {text!r}") from None
+
+
+def _floats(text: str, flag: str) -> tuple:
+    try:
+        return tuple(float(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise SystemExit(f"{flag}: comma-separated numbers, got {text!r}") from None
 
 
 def main(argv: list | None = None) -> int:
@@ -55,6 +104,36 @@ def main(argv: list | None = None) -> int:
 
         run_sweep(device=args.device, runs=args.runs, out=args.out, quick=args.quick,
                   plot=not args.no_plot)
+    elif args.command == "w4":
+        from .bench import w4 as w4_bench
+
+        if args.from_json:
+            if not args.doc:
+                raise SystemExit("--from-json needs --doc")
+            w4_bench.doc_from_json(args.doc, args.from_json)
+            return 0
+        # --quick is the CPU smoke test unless a device is named
+        device = "cpu" if args.quick and args.device == "auto" else args.device
+        w4_bench.run(device=device, runs=args.runs, quick=args.quick,
+                     tokens=_ints(args.tokens, "--tokens"),
+                     capacity_factors=_floats(args.capacity_factors, "--capacity-factors"),
+                     out=args.out, plot=not args.no_plot, doc=args.doc)
+    elif args.command == "kv":
+        from .bench.kv import KVOptions, doc_from_json, run_kv
+
+        if args.from_json:
+            if not args.doc:
+                raise SystemExit("--from-json needs --doc")
+            doc_from_json(args.doc, args.from_json)
+            return 0
+        run_kv(KVOptions(device=args.device, runs=args.runs, threads=args.threads, quick=args.quick,
+                         dtypes=tuple(d.strip() for d in args.dtypes.split(",") if d.strip()),
+                         out=args.out, plot=not args.no_plot, doc=args.doc))
+    elif args.command == "permute":
+        from .bench.permute import run as run_permute
+
+        run_permute(runs=args.runs, threads=args.threads, quick=args.quick, out=args.out,
+                    plot=not args.no_plot)
     elif args.command == "readme":
         from .bench.report import readme_from_json
 

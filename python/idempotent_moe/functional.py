@@ -12,6 +12,12 @@ slots are moved into [0, C') with C' = min(capacity, N):
 Nothing of size O(N x row) is ever allocated: the only allocation is the index
 output [lead..., C'] when the caller does not pass `out_indices`, plus O(N)
 bytes of host workspace per thread while a CPU call runs.
+
+General permutations (`permute_`, `group_by_expert_`, `ungroup_`, and the
+"stable" and "score" orders of a compaction) follow cycles in place through a
+fixed stack tile; they need an int32 plan workspace of rows x N elements
+(4 bytes per slot and row), allocated inside the call unless the caller passes
+`workspace=` (any C-contiguous int32 array with at least that many elements).
 """
 
 from __future__ import annotations
@@ -23,10 +29,21 @@ from . import _arrays
 from ._native import native
 
 MODES = {"swap": 0, "move": 1}
-ORDERS = ("inplace",)
+ORDERS = {"inplace": 0, "stable": 1, "score": 2}
 NAN_POLICIES = ("raise", "lowest")
 
 _num_threads = 0
+
+
+class Grouped(NamedTuple):
+    """What `group_by_expert_` returns (x itself is grouped in place):
+    `offsets` [lead..., E + 1], the slot ranges of the experts (expert e holds
+    [offsets[e], offsets[e + 1])), and `perm` [lead..., T], the permutation
+    applied (grouped slot i holds original slot perm[i]); `ungroup_(x, perm)`
+    undoes it."""
+
+    offsets: Any
+    perm: Any
 
 
 class Compacted(NamedTuple):
@@ -97,12 +114,16 @@ def _mode(mode: str) -> int:
     return MODES[mode]
 
 
-def _order(order: str) -> None:
-    if order not in ORDERS:
-        raise ValueError(
-            f"order must be one of {ORDERS} in this version, got {order!r} "
-            "(the 'stable' and 'score' orders need the permutation engine)"
-        )
+def _order(order: str) -> int:
+    if not isinstance(order, str) or order not in ORDERS:
+        raise ValueError(f"order must be one of {tuple(ORDERS)}, got {order!r}")
+    return ORDERS[order]
+
+
+def _workspace(workspace: Any) -> Any:
+    if workspace is not None:
+        _arrays.check_array(workspace, "workspace")
+    return workspace
 
 
 def _nan_lowest(nan: str) -> bool:
@@ -168,6 +189,7 @@ def compact_(
     out_indices: Any = None,
     out_target_map: Any = None,
     index_dtype: str = "int64",
+    workspace: Any = None,
     num_threads: int | None = None,
 ) -> Compacted:
     """Compact `x` in place so that each row's kept slots fill [0, C').
@@ -188,11 +210,27 @@ def compact_(
                     [C', N), `restore_` undoes it) or "move" (kept tail tokens
                     are copied into holes: half the traffic; dropped tokens
                     below C' are overwritten).
-    order           "inplace": kept tokens below C' stay put.
+    order           "inplace" (default): kept tokens below C' stay put (the
+                    idempotent map: fewest moves, no workspace).
+                    "stable": kept tokens in [0, C') in their original order
+                    (a recency-ordered KV cache).
+                    "score": by descending score, ties to the lower slot (the
+                    order of torch.topk + gather); every kept token ranks by
+                    its own score, protected ones included; needs scores.
+                    For "stable" and "score", `indices` lists the kept slots
+                    in that order, and the compaction is the permutation
+                    indices ++ (dropped slots, ascending): in swap mode the
+                    dropped tokens end in [C', N) in their original order and
+                    `restore_(x, indices, order=order)` undoes it; in move
+                    mode [C', N) is left unspecified.
     nan             "raise" (ValueError on a NaN score) or "lowest".
     out_indices     optional [lead..., C'] int32/int64 output; allocated
                     (index_dtype, same framework and device as x) when None.
-    out_target_map  optional [lead..., N] int32 output for the involution.
+    out_target_map  optional [lead..., N] int32 output for the involution
+                    (order "inplace" only).
+    workspace       "stable"/"score" only: optional int32 plan workspace,
+                    C-contiguous, >= R x N elements (R = prod(lead)); else
+                    R x N x 4 bytes are allocated inside the call.
 
     Returns Compacted(values, indices): values is a view of x narrowed to
     [:C'] on `dim` (a tuple of views for a list of buffers). A call that
@@ -200,7 +238,11 @@ def compact_(
     """
     bufs, many = _buffers(x)
     scores, active = _selector(scores, active_indices, bufs[0])
-    _order(order)
+    order_code = _order(order)
+    if order == "score" and scores is None:
+        raise ValueError("order='score' needs scores; with active_indices use 'stable' or 'inplace'")
+    if order != "inplace" and out_target_map is not None:
+        raise ValueError(f"out_target_map: only order='inplace' has a target-map form (order={order!r})")
     shared_active = active is not None and len(_arrays.shape_of(active)) == 1
     dims = _dims(bufs, dim, scores if scores is not None else active, shared_active)
     n = _arrays.shape_of(bufs[0])[dims[0]]
@@ -218,6 +260,15 @@ def compact_(
         _arrays.check_array(out_indices, "out_indices")
     if out_target_map is not None:
         _arrays.check_array(out_target_map, "out_target_map")
+    if order_code:
+        native().compact_ordered(
+            bufs, dims, _row_ndims(bufs, dims), scores, active, out_indices, capacity,
+            _arrays.check_int(protected_prefix, "protected_prefix"),
+            _arrays.check_int(recent_window, "recent_window"), _nan_lowest(nan), _mode(mode),
+            order_code, _workspace(workspace), _threads(num_threads), _arrays.dlpack_stream(bufs[0]),
+        )
+        views = tuple(_arrays.narrow(b, d, kept) for b, d in zip(bufs, dims))
+        return Compacted(views if many else views[0], out_indices)
     native().compact(
         bufs, dims, _row_ndims(bufs, dims), scores, active, out_indices, out_target_map,
         capacity, _arrays.check_int(protected_prefix, "protected_prefix"),
@@ -236,6 +287,7 @@ def idempotent_map(
     num_slots: int | None = None,
     lead_shape: Sequence[int] | None = None,
     form: str = "indices",
+    order: str = "inplace",
     protected_prefix: int = 0,
     recent_window: int = 0,
     nan: str = "raise",
@@ -251,9 +303,14 @@ def idempotent_map(
     int32 (fixed points and 2-cycles); "both" returns (indices, target_map).
     With scores [lead..., N], lead and N come from scores; with active indices
     give `num_slots` (N), and `lead_shape` for shared 1-d active indices.
+    order "stable" / "score" (see `compact_`) lists the kept slots in that
+    order; they have only the "indices" form.
     """
     if form not in ("indices", "target_map", "both"):
         raise ValueError(f"form must be 'indices', 'target_map' or 'both', got {form!r}")
+    order_code = _order(order)
+    if order_code and form != "indices":
+        raise ValueError(f"order={order!r} has only the 'indices' form, got form={form!r}")
     scores, active = _selector(scores, active_indices, None)
     selector = scores if scores is not None else active
     sel_shape = _arrays.shape_of(selector)
@@ -276,6 +333,16 @@ def idempotent_map(
         out_indices = _arrays.empty_index(selector, lead + (kept,), index_dtype)
     if form in ("target_map", "both") and out_target_map is None:
         out_target_map = _arrays.empty_index(selector, lead + (n,), "int32")
+    if order_code:
+        if scores is None and order == "score":
+            raise ValueError("order='score' needs scores; with active_indices use 'stable' or 'inplace'")
+        native().build_map_ordered(
+            scores, active, out_indices, n, capacity,
+            _arrays.check_int(protected_prefix, "protected_prefix"),
+            _arrays.check_int(recent_window, "recent_window"), _nan_lowest(nan), order_code,
+            _threads(num_threads), _arrays.dlpack_stream(selector),
+        )
+        return out_indices
     target_map = out_target_map
     if active is not None and target_map is None:
         # Active indices do not say N: the core reads it from the target map,
@@ -301,22 +368,36 @@ def apply_map_(
     target_map: Any = None,
     dim: int | None = None,
     mode: str = "swap",
+    order: str = "inplace",
+    workspace: Any = None,
     num_threads: int | None = None,
 ) -> Any:
     """Apply a map from `idempotent_map` or `compact_` to x in place.
 
     indices [lead..., C'] (int32/int64) returns views narrowed to [:C'];
     target_map [lead..., N] returns x itself (an involution does not say C').
-    Either map is validated before anything moves.
+    Either map is validated before anything moves. With order "stable" or
+    "score", `indices` are those of an ordered compaction (distinct slots in
+    [0, N), any order; [C'] shared by every row also works) and the
+    permutation indices ++ (the other slots, ascending) is applied; the
+    plan workspace is as for `compact_`.
     """
     if (indices is None) == (target_map is None):
         raise ValueError("give exactly one of indices and target_map")
+    if _order(order) and indices is None:
+        raise ValueError(f"order={order!r} takes indices, not a target_map")
     bufs, many = _buffers(x)
     the_map = indices if indices is not None else target_map
     _arrays.check_array(the_map, "indices" if indices is not None else "target_map")
     dims = _dims(bufs, dim, the_map, False)
     rows = _row_ndims(bufs, dims)
     stream = _arrays.dlpack_stream(bufs[0])
+    if indices is not None and _order(order):
+        native().apply_ordered(bufs, dims, rows, indices, _mode(mode), False, _workspace(workspace),
+                               _threads(num_threads), stream)
+        kept = _arrays.shape_of(indices)[-1]
+        views = tuple(_arrays.narrow(b, d, kept) for b, d in zip(bufs, dims))
+        return views if many else views[0]
     if indices is not None:
         native().apply_indices(bufs, dims, rows, indices, _mode(mode), _threads(num_threads), stream)
         kept = _arrays.shape_of(indices)[-1]
@@ -327,12 +408,138 @@ def apply_map_(
     return x
 
 
-def restore_(x: Any, indices: Any, *, dim: int | None = None, num_threads: int | None = None) -> Any:
+def restore_(x: Any, indices: Any, *, dim: int | None = None, order: str = "inplace",
+             workspace: Any = None, num_threads: int | None = None) -> Any:
     """Undo a swap compaction in place: x (or each buffer of a list) is given
-    back bit for bit as it was before `compact_(..., mode="swap")`. Returns x."""
+    back bit for bit as it was before `compact_(..., mode="swap", order=order)`.
+
+    The indices alone describe the whole permutation for every order:
+    "inplace" is an involution (applied again), and "stable" / "score" put the
+    dropped slots in [C', N) in ascending order, so their permutation is
+    indices ++ (the other slots, ascending) and its inverse is applied
+    (with the plan workspace of `compact_`). "stable" and "score" undo alike.
+    A move-mode compaction cannot be undone (its dropped tokens are gone).
+    Returns x."""
     bufs, _ = _buffers(x)
     _arrays.check_array(indices, "indices")
     dims = _dims(bufs, dim, indices, False)
+    if _order(order):
+        native().apply_ordered(bufs, dims, _row_ndims(bufs, dims), indices, MODES["swap"], True,
+                               _workspace(workspace), _threads(num_threads),
+                               _arrays.dlpack_stream(bufs[0]))
+        return x
     native().restore(bufs, dims, _row_ndims(bufs, dims), indices, _threads(num_threads),
                      _arrays.dlpack_stream(bufs[0]))
     return x
+
+
+def _perm_dims(bufs: list, dim: int | None, perm: Any) -> list[int]:
+    """The slot axis: `dim`, else the last axis of a per-row perm, else (a
+    shared 1-d perm) the second-to-last axis of x, or 0 for 1-d buffers."""
+    if dim is None:
+        perm_ndim = len(_arrays.shape_of(perm))
+        if perm_ndim > 1:
+            dim = perm_ndim - 1
+        else:
+            dim = max(0, len(_arrays.shape_of(bufs[0])) - 2)
+    return [
+        _arrays.normalize_dim(dim, len(_arrays.shape_of(b)), f"x[{i}]") for i, b in enumerate(bufs)
+    ]
+
+
+def permute_(
+    x: Any,
+    perm: Any,
+    *,
+    dim: int | None = None,
+    inverse: bool = False,
+    workspace: Any = None,
+    num_threads: int | None = None,
+) -> Any:
+    """Permute the slots of x in place: afterwards x[..., i, ...] holds what
+    x[..., perm[i], ...] held (along `dim`), as `x.copy_(x.index_select(dim,
+    perm))` would, with no O(N x row) buffer. With `inverse=True`, old slot i
+    goes to slot perm[i] instead (`x[perm] = x.clone()`), which undoes the
+    forward permutation.
+
+    x          a buffer [lead..., N, row...] of any dtype, or a list of buffers
+               sharing lead shape and N: all move by the same permutation.
+    perm       [N] shared by every row, or [lead..., N] per row; int32/int64;
+               each row must hold every value of [0, N) exactly once
+               (ValueError otherwise, with nothing moved).
+    dim        the slot axis (default: perm.ndim - 1 for a per-row perm, else
+               x.ndim - 2, or 0 for 1-d buffers).
+    workspace  optional int32 plan workspace, C-contiguous, at least
+               rows(perm) x N elements (rows(perm) = 1 for a 1-d perm); else
+               that many int32 are allocated inside the call. The plan is the
+               permutation with its cycles marked: cycles are then rotated in
+               place through a 4 KiB stack tile, split over threads by byte
+               ranges of the rows.
+    Returns x. CPU only for now (NotImplementedError on CUDA).
+    """
+    bufs, _ = _buffers(x)
+    perm = _arrays.as_index_array(perm, bufs[0], "perm")
+    dims = _perm_dims(bufs, dim, perm)
+    native().permute(bufs, dims, _row_ndims(bufs, dims), perm, bool(inverse), _workspace(workspace),
+                     _threads(num_threads), _arrays.dlpack_stream(bufs[0]))
+    return x
+
+
+def group_by_expert_(
+    x: Any,
+    expert_ids: Any,
+    num_experts: int,
+    *,
+    dim: int | None = None,
+    out_offsets: Any = None,
+    out_perm: Any = None,
+    index_dtype: str = "int64",
+    workspace: Any = None,
+    num_threads: int | None = None,
+) -> Grouped:
+    """Dropless grouping in place: reorder the T slots of x so that the tokens
+    of expert 0 come first, then those of expert 1, ..., each expert's tokens
+    in their original order (a stable counting sort on the CPU).
+
+    x            [lead..., T, row...] of any dtype, or a list of buffers
+                 (tokens and their routing weights) moved together.
+    expert_ids   [lead..., T] int32/int64, each in [0, num_experts).
+    dim          the slot axis (default: expert_ids.ndim - 1).
+    out_offsets  optional [lead..., E + 1] int32/int64 output.
+    out_perm     optional [lead..., T] int32/int64 output.
+    workspace    optional int32 plan workspace of at least rows x T elements.
+
+    Returns Grouped(offsets, perm), a named (offsets, perm) pair: expert e's
+    tokens are x[offsets[e]:offsets[e + 1]], grouped slot i holds original
+    slot perm[i], and `ungroup_(x, perm)` puts every token back. Grouped GEMMs
+    run on the offsets directly. CPU only for now (NotImplementedError on
+    CUDA).
+    """
+    bufs, _ = _buffers(x)
+    expert_ids = _arrays.as_index_array(expert_ids, bufs[0], "expert_ids")
+    num_experts = _arrays.check_int(num_experts, "num_experts")
+    ids_shape = _arrays.shape_of(expert_ids)
+    if dim is None:
+        dim = len(ids_shape) - 1
+    dims = [_arrays.normalize_dim(dim, len(_arrays.shape_of(b)), f"x[{i}]") for i, b in enumerate(bufs)]
+    lead = ids_shape[:-1]
+    t = ids_shape[-1] if ids_shape else 0
+    if out_offsets is None:
+        out_offsets = _arrays.empty_index(bufs[0], lead + (num_experts + 1,), index_dtype)
+    else:
+        _arrays.check_array(out_offsets, "out_offsets")
+    if out_perm is None:
+        out_perm = _arrays.empty_index(bufs[0], lead + (t,), index_dtype)
+    else:
+        _arrays.check_array(out_perm, "out_perm")
+    native().group_by_expert(bufs, dims, _row_ndims(bufs, dims), expert_ids, num_experts, out_offsets,
+                             out_perm, _workspace(workspace), _threads(num_threads),
+                             _arrays.dlpack_stream(bufs[0]))
+    return Grouped(out_offsets, out_perm)
+
+
+def ungroup_(x: Any, perm: Any, *, dim: int | None = None, workspace: Any = None,
+             num_threads: int | None = None) -> Any:
+    """Undo `group_by_expert_` in place: every token goes back to its original
+    slot (`permute_(x, perm, inverse=True)`). Returns x."""
+    return permute_(x, perm, dim=dim, inverse=True, workspace=workspace, num_threads=num_threads)

@@ -1,5 +1,13 @@
 """KV-cache eviction in place: keep the top-K tokens per head (plus sink
-tokens) inside the existing K and V caches [batch, heads, seq, head_dim]."""
+tokens) inside the existing K and V caches [batch, heads, seq, head_dim].
+
+Grouped-query attention: K and V have Hkv heads, and each KV head gets one
+selection. Scores may come per KV head [B, Hkv, S], per query head
+[B, Hq, S] with Hq = G x Hkv (the G query heads that share a KV head are
+reduced to one score by their mean or max: `head_reduce`), or once per
+sequence [B, S] / [B, 1, S] (one selection shared by every head).
+Paged caches are in `paged.py`, the Hugging Face cache in
+`integrations/hf_cache.py`."""
 
 from __future__ import annotations
 
@@ -9,6 +17,82 @@ from . import _arrays
 from .functional import apply_map_, compact_, idempotent_map
 
 SEQ_DIM = 2
+HEAD_REDUCTIONS = ("mean", "max")
+
+
+def _namespace(x: Any) -> str:
+    if _arrays.is_torch(x):
+        return "torch"
+    if hasattr(x, "__array_namespace__") and not _is_numpy(x):
+        return "array_api"
+    return "numpy"
+
+
+def _is_numpy(x: Any) -> bool:
+    import numpy as np
+
+    return isinstance(x, np.ndarray)
+
+
+def reduce_head_scores(scores: Any, kv_heads: int, head_reduce: str = "mean") -> Any:
+    """Scores with one row per KV head, [B, kv_heads, S], from scores given
+    per KV head (returned as they are), per query head [B, G x kv_heads, S]
+    (the G query heads of each group, consecutive as in `repeat_kv`, reduced
+    by `head_reduce`: "mean" or "max", computed in float32), or once per
+    sequence [B, S] / [B, 1, S] (broadcast to every head: a view, no copy).
+    Allocates only the reduced [B, kv_heads, S] float32 array when it reduces."""
+    _arrays.check_array(scores, "attention_scores")
+    kv_heads = _arrays.check_int(kv_heads, "kv_heads", minimum=1)
+    if head_reduce not in HEAD_REDUCTIONS:
+        raise ValueError(f"head_reduce must be one of {HEAD_REDUCTIONS}, got {head_reduce!r}")
+    shape = _arrays.shape_of(scores)
+    if len(shape) == 2:
+        scores, shape = _unsqueeze_heads(scores), (shape[0], 1, shape[1])
+    if len(shape) != 3:
+        raise ValueError(
+            f"attention_scores must be [batch, heads, seq] or [batch, seq], got {list(shape)}"
+        )
+    b, h, s = shape
+    if h == kv_heads:
+        return scores
+    if h == 1:
+        return _broadcast_heads(scores, (b, kv_heads, s))
+    if h % kv_heads:
+        raise ValueError(
+            f"attention_scores has {h} heads: give one per KV head ({kv_heads}), one per query "
+            f"head (a multiple of {kv_heads}), or one for all heads"
+        )
+    group = h // kv_heads
+    kind = _namespace(scores)
+    if kind == "torch":
+        grouped = scores.float().reshape(b, kv_heads, group, s)
+        return grouped.mean(2) if head_reduce == "mean" else grouped.amax(2)
+    if kind == "numpy":
+        import numpy as np
+
+        grouped = np.asarray(scores, dtype=np.float32).reshape(b, kv_heads, group, s)
+        return grouped.mean(2) if head_reduce == "mean" else grouped.max(2)
+    xp = scores.__array_namespace__()
+    grouped = xp.reshape(xp.astype(scores, xp.float32), (b, kv_heads, group, s))
+    return xp.mean(grouped, axis=2) if head_reduce == "mean" else xp.max(grouped, axis=2)
+
+
+def _unsqueeze_heads(scores: Any) -> Any:
+    if _arrays.is_torch(scores):
+        return scores.unsqueeze(1)
+    if _namespace(scores) == "array_api":
+        return scores.__array_namespace__().expand_dims(scores, axis=1)
+    return scores[:, None, :]
+
+
+def _broadcast_heads(scores: Any, shape: tuple) -> Any:
+    if _arrays.is_torch(scores):
+        return scores.expand(*shape)
+    if _namespace(scores) == "array_api":
+        return scores.__array_namespace__().broadcast_to(scores, shape)
+    import numpy as np
+
+    return np.broadcast_to(scores, shape)
 
 
 def _check_cache(key_cache: Any, value_cache: Any) -> None:
@@ -36,22 +120,37 @@ def compact_kv_cache_inplace(
     nan: str = "raise",
     return_indices: bool = False,
     out_indices: Any = None,
+    head_reduce: str = "mean",
+    order: str = "inplace",
 ) -> Any:
-    """Keep `capacity` tokens per (batch, head) in K and V [B, H, S, D], in place.
+    """Keep `capacity` tokens per (batch, KV head) in K and V [B, Hkv, S, D], in place.
 
-    attention_scores [B, H, S] (float32/float16/bfloat16) pick the top tokens,
-    the first `protected_prefix_len` (sink) tokens and the last `recent_window`
-    tokens always kept; or active_indices [K] / [B, H, K] name them. K and V
-    move together under one map. Returns (key_view, value_view), each
-    [B, H, C, D], plus indices [B, H, C] with return_indices=True.
+    attention_scores pick the top tokens: [B, Hkv, S] (float32/float16/
+    bfloat16) one selection per KV head; [B, G x Hkv, S] per query head,
+    reduced over each group of G query heads by `head_reduce` ("mean" or
+    "max"); [B, S] or [B, 1, S] one selection shared by all heads. The first
+    `protected_prefix_len` (sink) tokens and the last `recent_window` tokens
+    are always kept. Or active_indices [K] / [B, Hkv, K] name the kept slots
+    (then capacity = K and no prefix is protected). K and V move together
+    under one map, in one call; D may differ between them. `mode`: "swap"
+    (the dropped tokens end in [C, S)) or "move" (half the traffic, the tail
+    is left stale). `order`: "inplace" (kept tokens below C stay put) or, where
+    compact_ offers it, "stable" (kept tokens in their original, recency,
+    order). Returns (key_view, value_view), views [B, Hkv, C, D] of
+    the caches, plus indices [B, Hkv, C] (the original slot now in each slot)
+    with return_indices=True. Allocates the indices (unless out_indices is
+    given) and, for per-query-head scores, the reduced [B, Hkv, S] scores.
     """
     _check_cache(key_cache, value_cache)
     if active_indices is not None:
         protected_prefix_len = 0
+    elif attention_scores is not None:
+        attention_scores = reduce_head_scores(
+            attention_scores, _arrays.shape_of(key_cache)[1], head_reduce)
     result = compact_(
         [key_cache, value_cache], attention_scores, capacity, active_indices=active_indices,
         dim=SEQ_DIM, mode=mode, protected_prefix=protected_prefix_len,
-        recent_window=recent_window, nan=nan, out_indices=out_indices,
+        recent_window=recent_window, nan=nan, out_indices=out_indices, order=order,
     )
     k, v = result.values
     return (k, v, result.indices) if return_indices else (k, v)
@@ -112,11 +211,13 @@ class InplaceKVCompactor:
         protected_prefix_len: int = 4,
         recent_window: int = 0,
         return_indices: bool = False,
+        head_reduce: str = "mean",
     ) -> Any:
-        """Select per head from attention_scores [B, H, S] and compact K and V
-        in one pass; see compact_kv_cache_inplace."""
+        """Select per KV head from attention_scores ([B, Hkv, S], or per query
+        head [B, G x Hkv, S] reduced by `head_reduce`, or [B, S] shared by all
+        heads) and compact K and V in one pass; see compact_kv_cache_inplace."""
         return compact_kv_cache_inplace(
             key_cache, value_cache, attention_scores, capacity,
             protected_prefix_len=protected_prefix_len, recent_window=recent_window,
-            mode=self.mode, return_indices=return_indices,
+            mode=self.mode, return_indices=return_indices, head_reduce=head_reduce,
         )

@@ -19,5 +19,6 @@ extern int checks_passed, checks_failed;
   } while (0)
 
 void test_status_paths(void);
+void test_permute_all(void);
 
 #endif

@@ -1,13 +1,16 @@
 /* fuzz_compact.c: libFuzzer target. Decodes a compaction case (shapes,
- * options, raw score bits, active indices) or a caller-given map from the
- * input, runs it through the library and the naive reference (parity.c),
- * and aborts on any mismatch of status, output or buffer byte. */
+ * options, raw score bits, active indices), a caller-given map, or a case of
+ * the permutation engine (a permutation, ordered indices or expert ids) from
+ * the input, runs it through the library and the naive reference (parity.c,
+ * perm_parity.c), and aborts on any mismatch of status, output or buffer
+ * byte. */
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "parity.h"
+#include "perm_parity.h"
 
 typedef struct reader {
   const uint8_t *p;
@@ -183,10 +186,58 @@ static void run_map(reader *r) {
   free(target);
 }
 
+static void run_perm(reader *r) {
+  perm_case c;
+  memset(&c, 0, sizeof c);
+  int64_t rows;
+  c.kind = (int)(take(r) % 4);
+  c.lead_ndim = take_lead(r, c.lead_shape, &rows);
+  c.n = take_n(r) % 160; /* the ordered reference is O(N^2) */
+  if (rows * c.n > 3000) c.n = 3000 / rows;
+  const unsigned opts = take(r);
+  c.shared = c.kind != PC_GROUP && (opts & 1);
+  c.map_dtype = (opts >> 1) & 1 ? IMOE_DTYPE_I64 : IMOE_DTYPE_I32;
+  c.out_dtype = (opts >> 2) & 1 ? IMOE_DTYPE_I64 : IMOE_DTYPE_I32;
+  c.inverse = (opts >> 3) & 1;
+  c.mode = (opts >> 4) & 1 ? IMOE_MODE_MOVE : IMOE_MODE_SWAP;
+  c.with_perm = (opts >> 5) & 1;
+  c.workspace = (int)((opts >> 6) % 3);
+  c.experts = (int64_t)(take(r) % 10);
+  c.map_n = c.kind == PC_PERMUTE || c.kind == PC_GROUP ? c.n
+                                                       : (int64_t)(take(r) % (unsigned)(c.n + 1));
+  c.num_buffers = (int32_t)(1 + take(r) % 3);
+  for (int32_t b = 0; b < c.num_buffers; b++) {
+    const unsigned rb = take(r);
+    c.row_bytes[b] = rb == 0xff ? 4099 : 1 + rb % 24;
+    c.layout[b] = take(r) % 16;
+  }
+  c.map_layout = take(r) % 16;
+  c.threads = (int)(take(r) % 4) - 1;
+  c.seed = take(r);
+  const int64_t mrows = c.shared ? 1 : rows;
+  int64_t *values = malloc(sizeof *values * (size_t)(mrows * c.map_n + 1));
+  for (int64_t row = 0; row < mrows; row++) {
+    int64_t *v = values + row * c.map_n;
+    if (c.kind == PC_GROUP) {
+      /* experts itself (out of range) now and then */
+      for (int64_t t = 0; t < c.n; t++) v[t] = (int64_t)(take(r) % (unsigned)(c.experts + 1));
+    } else {
+      take_subset(r, c.n, c.map_n, v); /* a permutation's prefix, maybe broken */
+    }
+  }
+  c.values = values;
+  char why[256] = "";
+  if (perm_parity_run(&c, why, sizeof why) != 0) fail("permutation engine", why);
+  free(values);
+}
+
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   reader r = {data, size};
-  if (take(&r) % 4 == 0) {
+  const unsigned which = take(&r) % 8;
+  if (which < 2) {
     run_map(&r);
+  } else if (which < 4) {
+    run_perm(&r);
   } else {
     run_compaction(&r);
   }

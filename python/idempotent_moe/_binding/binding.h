@@ -115,4 +115,9 @@ PyObject *imoe_py_raise_status(imoe_status status, const imoe_error *err);
  * keeping the original as __cause__. Returns NULL. */
 PyObject *imoe_py_reraise_as(PyObject *type, const char *name, const char *what);
 
+/* ---- paged.c ---- */
+
+/* paged_apply_target_map(...): imoe_paged_apply_target_map (a METH_VARARGS function). */
+PyObject *imoe_py_paged_apply_target_map(PyObject *self, PyObject *args);
+
 #endif /* IMOE_BINDING_H */

@@ -7,6 +7,7 @@
  * call_free.
  */
 #include "binding.h"
+#include "permute.h"
 
 #define PY_ARRAY_UNIQUE_SYMBOL IMOE_ARRAY_API
 #include <numpy/arrayobject.h>
@@ -546,6 +547,10 @@ static PyMethodDef methods[] = {
     {"restore", py_restore, METH_VARARGS,
      "restore(buffers, dims, row_ndims, indices, num_threads, stream=None) -> None\n\n"
      "Undo a swap compaction in place."},
+    {"paged_apply_target_map", imoe_py_paged_apply_target_map, METH_VARARGS,
+     "paged_apply_target_map(buffers, dims, row_ndims, block_tables, target_map, mode, "
+     "num_threads, stream=None) -> None\n\nApply per-sequence involutions to paged pools "
+     "through their block tables, in place (binding in paged.c)."},
     {"take_device_status", py_take_device_status, METH_VARARGS,
      "take_device_status(device_id, stream=None) -> int\n\n"
      "Synchronise the stream and return (and clear) the status of a data error that an "
@@ -554,6 +559,7 @@ static PyMethodDef methods[] = {
      "status_message(code) -> str\n\nThe description of an imoe_status code."},
     {"cuda_compiled", py_cuda_compiled, METH_NOARGS,
      "cuda_compiled() -> bool\n\nWhether this build has the CUDA launchers."},
+    IMOE_PERMUTE_METHODS
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef module_def = {

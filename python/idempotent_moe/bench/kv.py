@@ -24,8 +24,10 @@ go under benchmarks/results/ (kv-DEVICE.json / .png).
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
+import re
 from dataclasses import dataclass
 
 from . import report, workloads
@@ -44,6 +46,7 @@ class KVOptions:
     quick: bool = False
     out: str = os.path.join("benchmarks", "results")
     plot: bool = True
+    doc: str | None = None  # regenerate the table between <!-- kv:DEVICE --> markers here
 
 
 class PagedProblem:
@@ -189,7 +192,8 @@ def run_kv(opts: KVOptions) -> dict:
     bandwidth = copy_bandwidth(device, (1 << 30) if device == "cuda" else (1 << 28), runs=10)
     flush = 4 << 20 if opts.quick else workloads.FLUSH_BYTES
     paged_ok = device == "cpu"
-    per_dtype = 4 + (3 if paged_ok else 0)
+    cache_ok = importlib.util.find_spec("transformers") is not None
+    per_dtype = 3 + (1 if cache_ok else 0) + (3 if paged_ok else 0)
     bar = _progress(len(dtypes) * per_dtype)
     rows = []
 
@@ -217,9 +221,10 @@ def run_kv(opts: KVOptions) -> dict:
         ref = measure("W2", dtype, workloads.torch_baseline(p), p.reset, p, None)
         for mode in ("move", "swap"):
             measure("W2", dtype, hook_impl(p, mode), p.reset, p, ref)
-        layer = CacheLayerProblem(p)
-        measure("W2", dtype, layer.impl(), layer.reset, p, ref)
-        del layer
+        if cache_ok:
+            layer = CacheLayerProblem(p)
+            measure("W2", dtype, layer.impl(), layer.reset, p, ref)
+            del layer
         if paged_ok:
             pp = PagedProblem(p)
             check = _CheckView(pp)
@@ -237,7 +242,8 @@ def run_kv(opts: KVOptions) -> dict:
             "W2": workloads.DESCRIPTION["W2"] + " (contiguous caches)",
             "W2 paged": workloads.DESCRIPTION["W2"] + f" in a paged pool, block size {BLOCK_SIZE}",
         },
-        "notes": [] if paged_ok else ["paged rows need the CPU (no CUDA launcher for paged pools yet)"],
+        "notes": ([] if paged_ok else ["paged rows need the CPU (no CUDA launcher for paged pools yet)"])
+        + ([] if cache_ok else ["InplaceEvictionCache rows need transformers"]),
         "results": rows,
     }
     print(report.table(data))
@@ -249,9 +255,30 @@ def run_kv(opts: KVOptions) -> dict:
     print(f"wrote {path}")
     if opts.plot:
         print(f"wrote {report._plot(data, os.path.join(opts.out, stem + '.png'))}")
+    if opts.doc:
+        update_doc(opts.doc, data)
+        print(f"updated {opts.doc}")
     if not all(r["bit_exact"] for r in rows):
         raise SystemExit("a result did not match its baseline bit for bit")
     return data
+
+
+def update_doc(path: str, data: dict) -> None:
+    """Replace the table between <!-- kv:DEVICE --> and <!-- /kv:DEVICE -->."""
+    device = data["machine"]["device"]
+    start, end = f"<!-- kv:{device} -->", f"<!-- /kv:{device} -->"
+    with open(path) as f:
+        text = f.read()
+    if start not in text or end not in text:
+        raise SystemExit(f"{path} has no {start} ... {end} section to update")
+    pattern = re.compile(re.escape(start) + ".*?" + re.escape(end), re.S)
+    with open(path, "w") as f:
+        f.write(pattern.sub(lambda _: f"{start}\n{report.table(data)}\n{end}", text))
+
+
+def doc_from_json(path: str, json_path: str) -> None:
+    with open(json_path) as f:
+        update_doc(path, json.load(f))
 
 
 class _Resettable:

@@ -1,0 +1,276 @@
+"""The permutation engine on the CPU beside torch's out-of-place equivalents:
+a random permutation of T x D bf16 rows (and a rotation, one cycle), dropless
+grouping by expert and its inverse, and the "stable" / "score" orders of a
+compaction. Every row is checked bit for bit against torch; JSON and a plot go
+to benchmarks/results/permute-cpu[-quick].{json,png}. "time / torch" is the
+median time over that of torch's out-of-place form (below 1: faster); torch's
+time includes allocating its output, so a row with a preallocated `out=` is
+given too for the permutation itself.
+
+`python -m idempotent_moe permute [--quick]`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from dataclasses import dataclass
+from typing import Callable
+
+import idempotent_moe as imoe
+
+from . import runner
+from .timing import copy_bandwidth, time_calls
+
+FULL = dict(t=32768, d=512, experts=(8, 64), compact=(8, 4096, 512, 2048))
+QUICK = dict(t=4096, d=256, experts=(8, 64), compact=(4, 1024, 256, 512))
+
+
+@dataclass
+class Case:
+    workload: str
+    impl: str
+    kind: str  # "baseline" (the reference of its workload), "torch" (another torch form) or "ours"
+    run: Callable[[], object]  # the timed call; returns what check() compares
+    reset: Callable[[], object]
+    transient_bytes: int  # allocated by one call (not counting caller workspaces)
+    workspace_bytes: int = 0
+
+
+def _bits(t):
+    import torch
+
+    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
+def _same(a, b) -> bool:
+    import torch
+
+    if isinstance(a, (tuple, list)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if a.is_floating_point():
+        return torch.equal(_bits(a), _bits(b))
+    return torch.equal(a, b)
+
+
+def _permute_cases(t: int, d: int, kind: str, threads: int, gen) -> list:
+    import torch
+
+    x0 = torch.randint(-(2**15), 2**15, (t, d), dtype=torch.int16, generator=gen).view(torch.bfloat16)
+    perm = torch.randperm(t, generator=gen) if kind == "random" else torch.roll(torch.arange(t), 1)
+    x = x0.clone()
+    ws = torch.empty(t, dtype=torch.int32)
+    out = torch.empty(t, d, dtype=torch.int16)
+    row = d * x0.element_size()
+    name = f"permute {kind} {t}x{d}"
+
+    def reset():
+        x.copy_(x0)
+
+    def ours():
+        imoe.permute_(x, perm, workspace=ws, num_threads=threads)
+        return x
+
+    def ours_alloc():
+        imoe.permute_(x, perm, num_threads=threads)
+        return x
+
+    return [
+        Case(name, "torch index_select (out of place)", "baseline",
+             lambda: _bits(x).index_select(0, perm), reset, t * row),
+        Case(name, "torch index_select into a preallocated out=", "torch",
+             lambda: torch.index_select(_bits(x), 0, perm, out=out), reset, 0, t * row),
+        Case(name, "idempotent_moe permute_", "ours", ours, reset, 0, 4 * t),
+        Case(name, "idempotent_moe permute_ (workspace per call)", "ours", ours_alloc, reset, 4 * t),
+    ]
+
+
+def _group_cases(t: int, d: int, experts: int, threads: int, gen, with_ungroup: bool) -> list:
+    import torch
+
+    x0 = torch.randint(-(2**15), 2**15, (t, d), dtype=torch.int16, generator=gen).view(torch.bfloat16)
+    ids = torch.randint(0, experts, (t,), generator=gen)
+    x = x0.clone()
+    ws = torch.empty(t, dtype=torch.int32)
+    offsets = torch.empty(experts + 1, dtype=torch.int64)
+    perm = torch.empty(t, dtype=torch.int64)
+    row = d * x0.element_size()
+    name = f"group E={experts} {t}x{d}"
+
+    def reset():
+        x.copy_(x0)
+
+    def torch_group():
+        order = torch.argsort(ids, stable=True)
+        grouped = _bits(x).index_select(0, order)
+        offs = torch.cat([torch.zeros(1, dtype=torch.int64),
+                          torch.cumsum(torch.bincount(ids, minlength=experts), 0)])
+        return grouped, offs, order
+
+    def ours():
+        imoe.group_by_expert_(x, ids, experts, out_offsets=offsets, out_perm=perm, workspace=ws,
+                              num_threads=threads)
+        return _bits(x), offsets, perm
+
+    cases = [
+        Case(name, "torch argsort + index_select + bincount", "baseline", torch_group, reset,
+             t * row + 3 * 8 * t),
+        Case(name, "idempotent_moe group_by_expert_", "ours", ours, reset, 0, 4 * t),
+    ]
+    if with_ungroup:  # the inverse: put grouped rows back
+        order = torch.argsort(ids, stable=True)
+        g0 = x0.index_select(0, order)
+        g = g0.clone()
+        ug = f"ungroup E={experts} {t}x{d}"
+
+        def reset_g():
+            g.copy_(g0)
+
+        def torch_ungroup():
+            return torch.empty_like(_bits(g)).index_copy_(0, order, _bits(g))
+
+        def ours_ungroup():
+            imoe.ungroup_(g, order, workspace=ws, num_threads=threads)
+            return _bits(g)
+
+        cases += [
+            Case(ug, "torch index_copy_ (out of place)", "baseline", torch_ungroup, reset_g, t * row),
+            Case(ug, "idempotent_moe ungroup_", "ours", ours_ungroup, reset_g, 0, 4 * t),
+        ]
+    return cases
+
+
+def _compact_cases(shape: tuple, order: str, threads: int, gen) -> list:
+    import torch
+
+    e, t, d, c = shape
+    x0 = torch.randint(-(2**15), 2**15, (e, t, d), dtype=torch.int16,
+                       generator=gen).view(torch.bfloat16)
+    s = torch.randn(e, t, generator=gen)
+    x = x0.clone()
+    ws = torch.empty(e * t, dtype=torch.int32)
+    idx = torch.empty(e, c, dtype=torch.int64)
+    row = d * x0.element_size()
+    name = f"compact order={order} {e}x{t}x{d} C={c}"
+
+    def reset():
+        x.copy_(x0)
+
+    def torch_compact():
+        top = torch.topk(s, c, dim=-1, sorted=True).indices
+        if order == "stable":
+            top = top.sort(dim=-1).values
+        return torch.gather(_bits(x), 1, top.unsqueeze(-1).expand(e, c, d)), top
+
+    def ours(mode):
+        def call():
+            res = imoe.compact_(x, s, c, order=order, mode=mode, out_indices=idx, workspace=ws,
+                                num_threads=threads)
+            return _bits(res.values), res.indices
+        return call
+
+    base = "torch topk + gather" if order == "score" else "torch topk + sort + gather"
+    return [
+        Case(name, base, "baseline", torch_compact, reset, e * c * row + 2 * 8 * e * c),
+        Case(name, "idempotent_moe compact_ swap", "ours", ours("swap"), reset, 0, 4 * e * t),
+        Case(name, "idempotent_moe compact_ move", "ours", ours("move"), reset, 0, 4 * e * t),
+    ]
+
+
+def run(runs: int = 0, threads: int = 0, quick: bool = False,
+        out: str = os.path.join("benchmarks", "results"), plot: bool = True) -> dict:
+    import torch
+
+    sizes = QUICK if quick else FULL
+    threads = threads or torch.get_num_threads()
+    torch.set_num_threads(threads)
+    runs = runs or (5 if quick else 15)
+    gen = torch.Generator().manual_seed(0)
+    cases = []
+    for kind in ("random", "rotation"):
+        cases += _permute_cases(sizes["t"], sizes["d"], kind, threads, gen)
+    for i, experts in enumerate(sizes["experts"]):
+        cases += _group_cases(sizes["t"], sizes["d"], experts, threads, gen, with_ungroup=i == 0)
+    for order in ("stable", "score"):
+        cases += _compact_cases(sizes["compact"], order, threads, gen)
+
+    bandwidth = copy_bandwidth("cpu", 1 << (24 if quick else 27), runs=5)
+    bar = runner._progress(len(cases))
+    rows, reference = [], {}
+    for case in cases:
+        bar.set_description(f"{case.workload}: {case.impl}")
+        timing = time_calls(case.run, case.reset, device="cpu", runs=runs, warmup=2)
+        case.reset()
+        result = case.run()
+        if case.kind == "baseline":
+            reference[case.workload] = result
+        rows.append({
+            "workload": case.workload, "impl": case.impl, "kind": case.kind,
+            "median_ms": timing.median_ms, "min_ms": timing.min_ms, "runs": timing.runs,
+            "bit_exact": bool(_same(result, reference[case.workload])),
+            "transient_bytes": case.transient_bytes, "workspace_bytes": case.workspace_bytes,
+        })
+        bar.update()
+    bar.close()
+    for r in rows:
+        base = next(b for b in rows if b["workload"] == r["workload"] and b["kind"] == "baseline")
+        r["time_ratio_vs_torch"] = r["median_ms"] / base["median_ms"]
+    data = {"machine": runner._machine("cpu", threads, bandwidth), "quick": quick, "results": rows}
+    stem = "permute-cpu" + ("-quick" if quick else "")
+    os.makedirs(out, exist_ok=True)
+    path = os.path.join(out, stem + ".json")
+    with open(path, "w") as f:
+        json.dump(data, f, indent=2)
+    paths = [path]
+    if plot:
+        paths.append(_plot(data, os.path.join(out, stem + ".png")))
+    print(table(data))
+    for p in paths:
+        print(f"wrote {p}", file=sys.stderr)
+    if not all(r["bit_exact"] for r in rows):
+        raise SystemExit("a result differs from torch's: see bit_exact in " + path)
+    return data
+
+
+def table(data: dict) -> str:
+    lines = ["| workload | impl | median ms | min ms | time / torch | bit-exact | transient MiB |",
+             "|---|---|---:|---:|---:|:-:|---:|"]
+    for r in data["results"]:
+        lines.append(f"| {r['workload']} | {r['impl']} | {r['median_ms']:.3f} | {r['min_ms']:.3f} | "
+                     f"{r['time_ratio_vs_torch']:.2f} | {'yes' if r['bit_exact'] else 'NO'} | "
+                     f"{r['transient_bytes'] / 2**20:.2f} |")
+    return "\n".join(lines)
+
+
+def _plot(data: dict, path: str) -> str:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = data["results"]
+    workloads = list(dict.fromkeys(r["workload"] for r in rows))
+    fig, ax = plt.subplots(figsize=(11, 0.5 + 0.55 * len(rows)))
+    labels, values, colors = [], [], []
+    for w in workloads:
+        for r in (r for r in rows if r["workload"] == w):
+            labels.append(f"{w}: {r['impl']}")
+            values.append(r["median_ms"])
+            colors.append("tab:blue" if r["kind"] == "ours" else "tab:gray")
+    y = list(range(len(labels)))[::-1]
+    ax.barh(y, values, color=colors)
+    for yy, v, r in zip(y, values, [r for w in workloads for r in rows if r["workload"] == w]):
+        ax.text(v, yy, f" {v:.2f} ms ({r['time_ratio_vs_torch']:.2f}x torch)", va="center",
+                fontsize=7)
+    ax.set_yticks(y)
+    ax.set_yticklabels(labels, fontsize=7)
+    ax.set_xscale("log")
+    ax.set_xlim(min(values) / 1.5, max(values) * 4)
+    ax.set_xlabel("median time, ms (log); gray: torch, blue: idempotent_moe in place")
+    m = data["machine"]
+    ax.set_title(f"permutation engine on the CPU ({m['cpu']}, {m['threads']} threads)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

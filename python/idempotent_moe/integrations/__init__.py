@@ -1,0 +1,85 @@
+"""Integrations with model frameworks.
+
+KV caches:
+- `VLLMInplaceCompactionHook`: in-place eviction for dense or paged caches.
+- `InplaceEvictionCache` (+ `EvictionPolicy`): a transformers Cache for
+  generate() that evicts in place down to a budget (loaded on first use).
+
+Hugging Face MoE:
+- `HuggingFaceMoEInplaceHook`: expert-capacity dropping in place on
+  per-expert buffers (the seeds' two call forms), differentiable.
+- the "idempotent" experts implementation for transformers: importing this
+  package registers it with transformers' ExpertsInterface (when transformers
+  is installed), so that `model.set_experts_implementation("idempotent")` and
+  `from_pretrained(..., experts_implementation="idempotent")` work.
+  `set_capacity_factor` picks capacity mode, `capacity_stats` reads the drops.
+
+`import idempotent_moe` does not import this package, nor transformers.
+"""
+
+import importlib.util
+import warnings
+
+from ..moe import InplaceMoERouter
+from .hf_experts import (
+    CAPACITY_FACTOR_ATTR,
+    EXPERTS_IMPLEMENTATION,
+    CapacityStats,
+    capacity_stats,
+    idempotent_experts_forward,
+    register,
+    set_capacity_factor,
+    use_idempotent_experts,
+)
+from .hf_hook import HuggingFaceMoEInplaceHook, MoEDispatch
+from .vllm import VLLMInplaceCompactionHook
+
+# The Hugging Face eviction cache subclasses transformers' Cache: it is loaded
+# on first use, so that this package does not need transformers.
+_HF_CACHE = ("EvictionPolicy", "InplaceEvictionCache", "InplaceEvictionLayer")
+
+
+def __getattr__(name: str):
+    if name in _HF_CACHE:
+        from . import hf_cache
+
+        return getattr(hf_cache, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+__all__ = [
+    "CAPACITY_FACTOR_ATTR",
+    "EXPERTS_IMPLEMENTATION",
+    "CapacityStats",
+    "EvictionPolicy",
+    "HuggingFaceMoEInplaceHook",
+    "InplaceEvictionCache",
+    "InplaceEvictionLayer",
+    "InplaceMoERouter",
+    "MoEDispatch",
+    "VLLMInplaceCompactionHook",
+    "capacity_stats",
+    "idempotent_experts_forward",
+    "register",
+    "set_capacity_factor",
+    "use_idempotent_experts",
+]
+
+
+def _installed(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):  # e.g. sys.modules[name] is None
+        return False
+
+
+def _register_if_installed() -> None:
+    if not (_installed("torch") and _installed("transformers")):
+        return
+    try:
+        register()
+    except ImportError as e:  # an older transformers: the hook still works
+        warnings.warn(f"idempotent_moe: the 'idempotent' experts implementation was not registered: {e}",
+                      stacklevel=2)
+
+
+_register_if_installed()

@@ -1,0 +1,237 @@
+"""The torch side of an experts layer: routing assignments sorted by expert
+(counting sort), grouped GEMMs over the sorted buffer, per-expert capacity
+with idempotent_moe.compact_, and the combine back to token order.
+
+Shapes: T tokens, k experts per token, E experts, S = T * k assignments,
+H hidden size. `top_k_index` [T, k] holds distinct experts per token (what
+torch.topk gives), `top_k_weights` [T, k] their routing weights.
+
+No function here synchronises the host with the device, except the per-expert
+loop that stands in for grouped_mm where torch has none (it reads the group
+offsets once).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from ..functional import compact_, cuda_available
+
+
+class SortedDispatch(NamedTuple):
+    """Assignments in expert order: row dest[t, j] of the sorted buffer holds
+    assignment (t, j); row r holds token src_token[r] for expert expert_of[r];
+    expert e owns rows [offsets[e-1], offsets[e]) (offsets int32, as grouped_mm
+    wants them)."""
+
+    dest: torch.Tensor
+    src_token: torch.Tensor
+    expert_of: torch.Tensor
+    offsets: torch.Tensor
+
+
+def sort_by_expert(top_k_index: torch.Tensor, num_experts: int) -> SortedDispatch:
+    """Counting sort of the S assignments by expert, stable in token order.
+
+    No argsort and no host synchronisation: a [T, E] routing table, its
+    cumulative sum down the tokens (the rank of each token within its expert),
+    the per-expert counts and their cumulative sum (the offsets), and scatters
+    of a permutation. Allocates O(T x E + S) integers.
+    """
+    num_tokens, top_k = top_k_index.shape
+    device = top_k_index.device
+    index = top_k_index.long()
+    routed = torch.zeros(num_tokens, num_experts, dtype=torch.int64, device=device)
+    routed.scatter_(1, index, 1)
+    rank = routed.cumsum(0)  # where routed: 1 + the token's position among expert e's tokens
+    counts = rank[-1]
+    if device.type == "cpu":
+        # Free to check on the host; on a GPU this would cost a synchronisation.
+        if int(counts.sum()) != num_tokens * top_k:
+            raise ValueError("top_k_index repeats an expert within a token: each token's k experts "
+                             "must be distinct (as torch.topk gives them)")
+    offsets = counts.cumsum(0)
+    first_row = offsets - counts - 1  # per expert: its first row, minus the 1 that rank starts at
+    dest = (rank + first_row).gather(1, index)  # [T, k]
+    flat_dest = dest.reshape(-1)
+    tokens = torch.arange(num_tokens, device=device).unsqueeze(1).expand(num_tokens, top_k)
+    src_token = torch.empty(num_tokens * top_k, dtype=torch.int64, device=device)
+    src_token.scatter_(0, flat_dest, tokens.reshape(-1))
+    expert_of = torch.empty_like(src_token).scatter_(0, flat_dest, index.reshape(-1))
+    return SortedDispatch(dest, src_token, expert_of, offsets.to(torch.int32))
+
+
+_grouped_mm_probe: dict = {}
+
+
+def _torch_version() -> tuple:
+    return tuple(int(p) for p in re.findall(r"\d+", torch.__version__)[:2])
+
+
+def _grouped_mm_usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether torch's grouped_mm takes these operands (probed once per device
+    kind and dtype on tiny tensors, outside any hot path)."""
+    fn = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+    if fn is None:
+        return False
+    device = weight.device
+    if device.type == "cpu" and _torch_version() < (2, 11) and (
+            x.data_ptr() % 16 or weight.data_ptr() % 16):
+        return False  # older CPU kernels need 16-byte aligned operands
+    key = (device.type, device.index, weight.dtype)
+    if key not in _grouped_mm_probe:
+        try:
+            a = torch.zeros(2, 16, dtype=weight.dtype, device=device)
+            b = torch.zeros(2, 16, 16, dtype=weight.dtype, device=device)
+            fn(a, b, offs=torch.tensor([1, 2], dtype=torch.int32, device=device))
+            _grouped_mm_probe[key] = True
+        except (RuntimeError, NotImplementedError, TypeError, ValueError):
+            _grouped_mm_probe[key] = False
+    return _grouped_mm_probe[key]
+
+
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor,
+                   transposed: bool) -> torch.Tensor:
+    """x [S, in] sorted by expert times each expert's weight: [E, out, in]
+    (nn.Linear layout) or, when `transposed`, [E, in, out]. Returns [S, out].
+
+    torch's grouped_mm where it takes these operands (no host sync); else a
+    loop over the experts, which reads the offsets once (one host sync)."""
+    w = weight if transposed else weight.transpose(-2, -1)
+    x = x.to(w.dtype)  # grouped_mm is not autocast-aware
+    if _grouped_mm_usable(x, w):
+        fn = getattr(F, "grouped_mm", None) or torch._grouped_mm
+        return fn(x, w, offs=offsets)
+    pieces, start = [], 0
+    for expert, end in enumerate(offsets.tolist()):
+        if end > start:
+            pieces.append(x[start:end] @ w[expert])
+        start = end
+    return torch.cat(pieces) if pieces else x.new_empty(0, w.shape[-1])
+
+
+def _expert_mlp(experts, x: torch.Tensor, linear, bias_of) -> torch.Tensor:
+    """The experts' MLP: up (or gate-up) projection, gate or activation, down
+    projection; `linear(x, weight)` applies each row's expert weight and
+    `bias_of(bias)` gives each row's bias."""
+    up = experts.gate_up_proj if experts.has_gate else experts.up_proj
+    h = linear(x, up)
+    if experts.has_bias:
+        h = h + bias_of(experts.gate_up_proj_bias if experts.has_gate else experts.up_proj_bias)
+    h = experts._apply_gate(h) if experts.has_gate else experts.act_fn(h)
+    y = linear(h, experts.down_proj)
+    if experts.has_bias:
+        y = y + bias_of(experts.down_proj_bias)
+    return y
+
+
+def expert_mlp_sorted(experts, x: torch.Tensor, dispatch: SortedDispatch) -> torch.Tensor:
+    """Over the expert-sorted buffer x [S, H] (grouped GEMMs): [S, H]."""
+    return _expert_mlp(
+        experts, x,
+        lambda a, w: grouped_linear(a, w, dispatch.offsets, experts.is_transposed),
+        lambda bias: bias[dispatch.expert_of],
+    )
+
+
+def expert_mlp_capacity(experts, x: torch.Tensor) -> torch.Tensor:
+    """Over capacity buffers x [E, C, H] (static shapes, batched GEMMs): [E, C, H]."""
+    def linear(a, weight):
+        w = weight if experts.is_transposed else weight.transpose(-2, -1)
+        return torch.bmm(a.to(w.dtype), w)
+
+    return _expert_mlp(experts, x, linear, lambda bias: bias.unsqueeze(1))
+
+
+def combine(y: torch.Tensor, dest: torch.Tensor, weights: torch.Tensor, out_dtype: torch.dtype,
+            keep: torch.Tensor | None = None) -> torch.Tensor:
+    """out[t] = sum_j keep[t, j] * weights[t, j] * y[dest[t, j]]: [T, H].
+
+    Gathers one [T, H] slice per j (never a permuted copy of all of y), in a
+    fixed order (deterministic, no atomics). Half-precision terms are summed in
+    fp32 and rounded once, as transformers' grouped_mm does; a dropped
+    assignment (keep False) adds exactly nothing.
+    """
+    num_tokens, top_k = dest.shape
+    acc_dtype = torch.promote_types(y.dtype, weights.dtype)
+    if acc_dtype in (torch.float16, torch.bfloat16):
+        acc_dtype = torch.float32
+    out = torch.zeros(num_tokens, y.shape[-1], dtype=acc_dtype, device=y.device)
+    for j in range(top_k):
+        term = y.index_select(0, dest[:, j]) * weights[:, j, None]
+        if keep is not None:
+            term = term.masked_fill(~keep[:, j, None], 0)
+        out.add_(term)
+    return out.to(out_dtype)
+
+
+def dropless_forward(experts, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                     top_k_weights: torch.Tensor) -> torch.Tensor:
+    """Every assignment computed: sort by expert, one gathered buffer [S, H],
+    grouped GEMMs, combine by the sort's indices."""
+    dispatch = sort_by_expert(top_k_index, experts.num_experts)
+    x = hidden_states.index_select(0, dispatch.src_token)  # the one gathered buffer
+    y = expert_mlp_sorted(experts, x, dispatch)
+    return combine(y, dispatch.dest, top_k_weights, hidden_states.dtype)
+
+
+def expert_capacity(num_tokens: int, top_k: int, num_experts: int, capacity_factor: float) -> int:
+    """C = ceil(T * k / E * factor), at most T (an expert sees a token once)."""
+    return min(num_tokens, math.ceil(num_tokens * top_k / num_experts * capacity_factor))
+
+
+class CapacityResult(NamedTuple):
+    output: torch.Tensor  # [T, H]
+    capacity: int
+    dropped: torch.Tensor  # 0-d int64, on the device: reading it synchronises
+
+
+def capacity_forward(experts, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                     top_k_weights: torch.Tensor, capacity_factor: float) -> CapacityResult:
+    """Each expert keeps at most C assignments, those of highest routing weight
+    (ties to the lower token index); the overflow is dropped and adds nothing.
+
+    Per-expert buffers over the token axis: scores [E, T] (the routing weight,
+    -inf where the token is not routed to the expert) choose, and the record
+    `routed` [E, T, 1] is compacted in place by idempotent_moe.compact_
+    (move mode), which also writes the kept tokens' ids [E, C]. Then one
+    gathered buffer [E, C, H], batched GEMMs (static shapes), and the combine.
+    Slots of an expert with fewer than C assignments hold unrouted tokens: they
+    are computed (static shapes) and never combined.
+    """
+    num_tokens, top_k = top_k_index.shape
+    num_experts = experts.num_experts
+    device = hidden_states.device
+    if device.type == "cuda" and not cuda_available():
+        raise RuntimeError("capacity mode on a CUDA tensor needs idempotent_moe built with its CUDA "
+                           "kernels (nvcc at build time); dropless mode needs no kernels of ours")
+    capacity = expert_capacity(num_tokens, top_k, num_experts, capacity_factor)
+    index_et = top_k_index.long().t()  # [k, T]: the expert of assignment (t, j) at [j, t]
+    scores = torch.full((num_experts, num_tokens), -math.inf, dtype=torch.float32, device=device)
+    scores.scatter_(0, index_et, top_k_weights.detach().t().float())
+    routed = torch.zeros(num_experts, num_tokens, 1, dtype=torch.bool, device=device)
+    routed.scatter_(0, index_et.unsqueeze(-1), True)
+    kept_tokens = torch.empty(num_experts, capacity, dtype=torch.int64, device=device)
+    kept = compact_(routed, scores, capacity, dim=1, mode="move", nan="lowest",
+                    out_indices=kept_tokens)
+    kept_routed = kept.values[..., 0]  # [E, C]: the slot holds a real assignment
+    dropped = num_tokens * top_k - kept_routed.sum()
+
+    x = hidden_states.index_select(0, kept_tokens.reshape(-1)).view(num_experts, capacity, -1)
+    y = expert_mlp_capacity(experts, x).reshape(num_experts * capacity, -1)
+
+    # Each assignment's slot in y, and whether it was kept (read at [expert, token]).
+    slots = torch.arange(num_experts * capacity, device=device).view(num_experts, capacity)
+    slot_of = torch.zeros(num_experts, num_tokens, dtype=torch.int64, device=device)
+    slot_of.scatter_(1, kept_tokens, slots)
+    kept_of = torch.zeros(num_experts, num_tokens, dtype=torch.bool, device=device)
+    kept_of.scatter_(1, kept_tokens, kept_routed)
+    dest = slot_of.gather(0, index_et).t()
+    keep = kept_of.gather(0, index_et).t()
+    out = combine(y, dest, top_k_weights, hidden_states.dtype, keep=keep)
+    return CapacityResult(out, capacity, dropped)

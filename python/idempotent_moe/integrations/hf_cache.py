@@ -1,0 +1,479 @@
+"""A Hugging Face transformers (5.x) cache that evicts in place.
+
+`InplaceEvictionCache(budget, ...)` is a `transformers.Cache` for
+`model.generate(..., past_key_values=cache)`. Each full-attention layer keeps
+its keys and values in one preallocated buffer per layer,
+[batch, kv_heads, slots, head_dim], with a valid length: new tokens are
+written into the next free slots (no `torch.cat` per step), and an eviction
+compacts the buffer in place with `compact_` (K, V, the logical positions
+and, for attention scores, the accumulated scores, moved by one map), so the
+freed slots are reused by the tokens that follow and no step copies the
+whole cache.
+
+When evictions happen (each at the start of the layer's next update, once
+the forward that needed the tokens has used them):
+  - after prefill, when the prompt left more than `budget` tokens;
+  - with `evict_every=N`, every N decode steps, down to `budget` again. The
+    buffer then holds budget + N slots and never grows.
+Each eviction keeps, per KV head (or per sequence with per_head=False), the
+first `sink_tokens` and the last `recent_window` logical positions plus the
+best-scoring others, `budget` in all. Scores: "key_norm" (keys with the
+smallest L2 norm are kept), "attention" (attention received, accumulated
+from eager attention weights: `cache.attach(model)` hooks the attention
+modules; load the model with attn_implementation="eager"), or a callable
+`score(keys, values, positions, layer_idx) -> [B, H, L]` (also [B, Hq, L]
+per query head, reduced by `head_reduce`, or [B, L]); higher is kept.
+
+Positions stay logical: keys were cached with RoPE already applied, and
+`get_seq_length()` reports every token seen, so position ids of new tokens
+keep counting from the true length; `get_mask_sizes` reports the buffer's
+length with an offset, as transformers' own sliding-window layers do.
+A prompt longer than the steady buffer is held in the prompt's own K and V
+tensors (no copy) until its eviction; the kept tokens then move once into the
+steady buffer and the prompt-sized tensors are freed: memory falls to
+`slots` per layer. Batches must not be padded (the padding mask cannot
+follow tokens that moved); one sequence, or prompts of equal length.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from transformers.cache_utils import (
+    DYNAMIC_LAYER_TYPE_MAPPING,
+    Cache,
+    CacheLayerMixin,
+    get_layer_types_and_kwargs,
+)
+
+from .. import functional as _functional
+from ..functional import compact_
+from ..kv import HEAD_REDUCTIONS, reduce_head_scores
+
+SCORES = ("key_norm", "attention")
+_FLOAT32_MAX = float(torch.finfo(torch.float32).max)
+
+
+@dataclass(frozen=True)
+class EvictionPolicy:
+    """What every layer of one InplaceEvictionCache does."""
+
+    budget: int
+    sink_tokens: int = 4
+    recent_window: int = 0
+    evict_every: int | None = None
+    score: Any = "key_norm"
+    head_reduce: str = "mean"
+    per_head: bool = True
+    mode: str = "move"
+    order: str = "inplace"
+    slots: int = 0  # steady buffer size per layer
+
+    def check(self) -> None:
+        for name in ("budget", "sink_tokens", "recent_window"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+        if self.budget < 1:
+            raise ValueError(f"budget must be >= 1, got {self.budget}")
+        if self.sink_tokens + self.recent_window > self.budget:
+            raise ValueError(
+                f"sink_tokens ({self.sink_tokens}) + recent_window ({self.recent_window}) must "
+                f"not exceed budget ({self.budget})"
+            )
+        if self.evict_every is not None and (
+            isinstance(self.evict_every, bool) or not isinstance(self.evict_every, int)
+            or self.evict_every < 1
+        ):
+            raise ValueError(f"evict_every must be None or an int >= 1, got {self.evict_every!r}")
+        if not callable(self.score) and self.score not in SCORES:
+            raise ValueError(f"score must be one of {SCORES} or a callable, got {self.score!r}")
+        if self.head_reduce not in HEAD_REDUCTIONS:
+            raise ValueError(f"head_reduce must be one of {HEAD_REDUCTIONS}, got {self.head_reduce!r}")
+        if self.mode not in _functional.MODES:
+            raise ValueError(f"mode must be one of {tuple(_functional.MODES)}, got {self.mode!r}")
+        if self.order not in _functional.ORDERS:
+            raise ValueError(
+                f"order must be one of {_functional.ORDERS} in this version, got {self.order!r}")
+        if self.slots < self.budget + 1:
+            raise ValueError(f"max_cache_len ({self.slots}) must exceed budget ({self.budget})")
+
+
+class InplaceEvictionLayer(CacheLayerMixin):
+    """One full-attention layer: a buffer [B, H, slots, D] for K and for V,
+    the logical position of each slot [B, H, slots] int32, and for attention
+    scores the accumulated attention [B, H, slots] float32. `keys` and
+    `values` are views of the valid slots [B, H, length, D]."""
+
+    is_compileable = False
+    is_sliding = False
+    is_croppable = False
+
+    def __init__(self, policy: EvictionPolicy, layer_idx: int | None = None):
+        super().__init__()
+        self.policy = policy
+        self.layer_idx = layer_idx
+        self.length = 0       # valid slots
+        self.seen = 0         # tokens seen: the logical length
+        self.evictions = 0    # evictions done
+        self.evicted = 0      # tokens evicted, in all
+        self._k = self._v = self._pos = self._acc = None
+        self._adopted = False  # the buffers are a prompt's own K and V tensors
+        self._pending = False  # evict at the start of the next update
+        self._since = 0        # decode tokens since the last eviction or prefill
+        self._attention_hooked = False
+
+    def __repr__(self) -> str:
+        return (f"InplaceEvictionLayer(layer_idx={self.layer_idx}, length={self.length}, "
+                f"seen={self.seen}, slots={self.slots})")
+
+    # ---- buffers
+
+    @property
+    def slots(self) -> int:
+        """Slots the layer's buffers hold now (0 before the first update)."""
+        return 0 if self._k is None else self._k.shape[2]
+
+    @property
+    def positions(self) -> torch.Tensor | None:
+        """Logical position of each valid slot, [B, H, length] int32."""
+        return None if self._pos is None else self._pos[:, :, : self.length]
+
+    def buffer_bytes(self) -> int:
+        """Bytes held by this layer's buffers."""
+        return sum(t.numel() * t.element_size()
+                   for t in (self._k, self._v, self._pos, self._acc) if t is not None)
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.is_initialized = True
+
+    def _wants_acc(self) -> bool:
+        return self.policy.score == "attention"
+
+    def _new_buffers(self, like_k: torch.Tensor, like_v: torch.Tensor, slots: int) -> tuple:
+        b, h = like_k.shape[:2]
+        k = like_k.new_empty((b, h, slots, like_k.shape[-1]))
+        v = like_v.new_empty((b, h, slots, like_v.shape[-1]))
+        pos = torch.empty((b, h, slots), dtype=torch.int32, device=like_k.device)
+        acc = (torch.zeros((b, h, slots), dtype=torch.float32, device=like_k.device)
+               if self._wants_acc() else None)
+        return k, v, pos, acc
+
+    def _move_into(self, slots: int) -> None:
+        """New buffers of `slots` slots, holding the valid ones: a copy of
+        `length` slots, done when a prompt's tensors are replaced by the
+        steady buffer after its eviction, or when a buffer must grow."""
+        k, v, pos, acc = self._new_buffers(self._k, self._v, slots)
+        n = self.length
+        k[:, :, :n].copy_(self._k[:, :, :n])
+        v[:, :, :n].copy_(self._v[:, :, :n])
+        pos[:, :, :n].copy_(self._pos[:, :, :n])
+        if acc is not None:
+            acc[:, :, :n].copy_(self._acc[:, :, :n])
+        self._k, self._v, self._pos, self._acc = k, v, pos, acc
+        self._adopted = False
+
+    def _positions_for(self, like: torch.Tensor, start: int, count: int) -> torch.Tensor:
+        b, h = like.shape[:2]
+        return torch.arange(start, start + count, dtype=torch.int32,
+                            device=like.device).expand(b, h, count)
+
+    def _append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        q = key_states.shape[-2]
+        if self.length == 0 and q > self.policy.slots:
+            # A prompt longer than the steady buffer: hold it in its own tensors
+            # (nothing is copied) until its eviction.
+            self._k, self._v = key_states, value_states
+            self._pos = self._positions_for(key_states, self.seen, q).contiguous()
+            self._acc = (torch.zeros(key_states.shape[:3], dtype=torch.float32,
+                                     device=key_states.device) if self._wants_acc() else None)
+            self._adopted = True
+            self.length = q
+            return
+        need = self.length + q
+        if self._k is None:
+            self._k, self._v, self._pos, self._acc = self._new_buffers(
+                key_states, value_states, max(self.policy.slots, need))
+        elif need > self.slots:
+            # Only without evict_every (or for a chunk longer than it): grow
+            # geometrically, never per step.
+            self._move_into(max(need, 2 * self.slots, self.policy.slots))
+        lo = self.length
+        self._k[:, :, lo:need].copy_(key_states)
+        self._v[:, :, lo:need].copy_(value_states)
+        self._pos[:, :, lo:need].copy_(self._positions_for(key_states, self.seen, q))
+        if self._acc is not None:
+            self._acc[:, :, lo:need].zero_()
+        self.length = need
+
+    def _publish(self) -> None:
+        self.keys = self._k[:, :, : self.length]
+        self.values = self._v[:, :, : self.length]
+
+    # ---- the CacheLayerMixin interface
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs) -> tuple:
+        """Evict if an eviction is due, write the new tokens into the next free
+        slots, and return views of the valid slots [B, H, length, D]."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        if self._pending:
+            self.evict()
+        q = key_states.shape[-2]
+        self._append(key_states, value_states)
+        self.seen += q
+        budget, every = self.policy.budget, self.policy.evict_every
+        if q > 1:  # prefill, or a prefill chunk
+            self._since = 0
+            self._pending = self.length > budget
+        else:
+            self._since += 1
+            self._pending = every is not None and self._since >= every and self.length > budget
+        self._publish()
+        return self.keys, self.values
+
+    def _length_after_pending(self) -> int:
+        return min(self.length, self.policy.budget) if self._pending else self.length
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        """(kv_length, kv_offset): the valid slots after any pending eviction
+        plus the query, placed so that the query's logical positions follow
+        every cached token."""
+        kv_length = self._length_after_pending() + query_length
+        return kv_length, self.seen + query_length - kv_length
+
+    def get_seq_length(self) -> int:
+        """Tokens seen (the logical length), not the slots held."""
+        return self.seen
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        self.length = self.seen = self._since = 0
+        self._pending = False
+        if self._adopted:
+            self._k = self._v = self._pos = self._acc = None
+            self._adopted = False
+        if self._k is not None:
+            self._publish()
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        if self._k is None:
+            return
+        idx = beam_idx.to(self._k.device)
+        for name in ("_k", "_v", "_pos", "_acc"):
+            t = getattr(self, name)
+            if t is not None:
+                setattr(self, name, t.index_select(0, idx))
+        self._adopted = False
+        self._publish()
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self.reorder_cache(indices)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self._k is None:
+            return
+        for name in ("_k", "_v", "_pos", "_acc"):
+            t = getattr(self, name)
+            if t is not None:
+                setattr(self, name, t.repeat_interleave(repeats, dim=0))
+        self._adopted = False
+        self._publish()
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError(
+            "InplaceEvictionCache cannot crop: evicted tokens are gone (assisted generation "
+            "needs a croppable cache)")
+
+    # ---- eviction
+
+    def _scores(self, n: int) -> torch.Tensor:
+        """Scores of the valid slots [B, H or 1, n], higher kept. Never a view
+        of a buffer that the compaction moves."""
+        heads = self._k.shape[1]
+        score = self.policy.score
+        if score == "key_norm":
+            # Keys of small norm draw attention (Devoto et al., 2024): keep them.
+            s = torch.linalg.vector_norm(self._k[:, :, :n], dim=-1).float().neg()
+        elif score == "attention":
+            if not self._attention_hooked:
+                raise RuntimeError(
+                    "score='attention' needs the attention weights: call cache.attach(model) "
+                    "(with attn_implementation='eager') before generating")
+            s = self._acc[:, :, :n]
+        else:
+            s = score(self._k[:, :, :n], self._v[:, :, :n], self._pos[:, :, :n], self.layer_idx)
+            if not isinstance(s, torch.Tensor):
+                raise TypeError(f"the score callable must return a torch.Tensor, got {type(s).__name__}")
+        s = reduce_head_scores(s, heads, self.policy.head_reduce)
+        if not self.policy.per_head and s.shape[1] > 1:
+            s = s.float().mean(1, keepdim=True) if self.policy.head_reduce == "mean" \
+                else s.float().amax(1, keepdim=True)
+        return s
+
+    def evict(self, budget: int | None = None) -> int:
+        """Compact the valid slots down to `budget` (the policy's by default)
+        in place; returns the number of tokens evicted."""
+        self._pending = False
+        budget = self.policy.budget if budget is None else budget
+        if budget < self.policy.sink_tokens + self.policy.recent_window:
+            raise ValueError(
+                f"budget {budget} is below sink_tokens + recent_window "
+                f"({self.policy.sink_tokens + self.policy.recent_window})")
+        n = self.length
+        if n <= budget:
+            return 0
+        pos = self._pos[:, :, :n]
+        keep = self.policy.sink_tokens
+        protect = pos < keep
+        if self.policy.recent_window:
+            protect = protect | (pos >= self.seen - self.policy.recent_window)
+        scores = self._scores(n).float().clamp(max=_FLOAT32_MAX)
+        # A fresh [B, H, n] array: it aliases no buffer that moves.
+        scores = torch.where(protect, math.inf, scores)
+        buffers = [self._k[:, :, :n], self._v[:, :, :n], pos.unsqueeze(-1)]
+        if self._acc is not None:
+            buffers.append(self._acc[:, :, :n].unsqueeze(-1))
+        compact_(buffers, scores, budget, dim=2, mode=self.policy.mode, order=self.policy.order,
+                 index_dtype="int32")
+        self.length = budget
+        self.evictions += 1
+        self.evicted += n - budget
+        self._since = 0
+        if self._adopted:
+            self._move_into(max(self.policy.slots, budget))
+        self._publish()
+        return n - budget
+
+    def accumulate_attention(self, attn_weights: torch.Tensor) -> None:
+        """Add the attention each valid slot received, [B, Hq, q, length]
+        summed over queries (query heads reduced to KV heads), to its score."""
+        if self._acc is None:
+            return
+        n = attn_weights.shape[-1]
+        if n != self.length:
+            raise RuntimeError(
+                f"attention weights over {n} keys, but layer {self.layer_idx} holds {self.length}")
+        received = attn_weights.sum(dim=2, dtype=torch.float32)
+        self._acc[:, :, :n] += reduce_head_scores(received, self._acc.shape[1], self.policy.head_reduce)
+
+
+class InplaceEvictionCache(Cache):
+    """A transformers 5.x Cache that evicts in place down to `budget` tokens
+    per layer (and per KV head): after prefill, and with `evict_every=N`
+    every N decode steps.
+
+    cache = InplaceEvictionCache(budget=256, sink_tokens=4, recent_window=32,
+                                 evict_every=64, config=model.config)
+    out = model.generate(input_ids, past_key_values=cache, max_new_tokens=512)
+
+    budget         tokens kept per layer after an eviction.
+    sink_tokens    the first logical positions, always kept.
+    recent_window  the last logical positions, always kept.
+    evict_every    decode steps between evictions (None: only after prefill).
+    score          "key_norm", "attention" (call `attach(model)`) or a
+                   callable (keys, values, positions, layer_idx) -> scores.
+    head_reduce    "mean" or "max": how query-head scores become one per KV
+                   head (grouped-query attention), and, with per_head=False,
+                   how the KV heads' scores become one per sequence.
+    per_head       one selection per KV head (True) or one per sequence.
+    mode           "move" (default: dropped tokens are overwritten, half the
+                   traffic) or "swap".
+    order          the order of kept tokens: "inplace" (default); "stable"
+                   (recency order) where compact_ offers it.
+    max_cache_len  slots per layer buffer; default budget + evict_every, or
+                   budget + 128 without evict_every (the buffer then grows
+                   geometrically as decoding goes on).
+    config         the model config: full-attention layers get this cache's
+                   layers, sliding-window layers transformers' own.
+    """
+
+    def __init__(
+        self,
+        budget: int,
+        *,
+        sink_tokens: int = 4,
+        recent_window: int = 0,
+        evict_every: int | None = None,
+        score: str | Callable = "key_norm",
+        head_reduce: str = "mean",
+        per_head: bool = True,
+        mode: str = "move",
+        order: str = "inplace",
+        max_cache_len: int | None = None,
+        config: Any = None,
+    ):
+        if max_cache_len is None and isinstance(budget, int):
+            max_cache_len = budget + (evict_every if isinstance(evict_every, int) else 128)
+        self.policy = EvictionPolicy(budget, sink_tokens, recent_window, evict_every, score,
+                                     head_reduce, per_head, mode, order, max_cache_len)
+        self.policy.check()
+        self._hooks: list = []
+        layers = []
+        if config is not None:
+            types, kwargs = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
+            for i, kind in enumerate(types):
+                if kind == "full_attention":
+                    layers.append(InplaceEvictionLayer(self.policy, i))
+                else:
+                    layers.append(DYNAMIC_LAYER_TYPE_MAPPING[kind](**kwargs))
+        super().__init__(layers=layers)
+
+    def __repr__(self) -> str:
+        return f"InplaceEvictionCache(budget={self.policy.budget}, layers={len(self.layers)})"
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
+               *args, **kwargs) -> tuple:
+        while len(self.layers) <= layer_idx:
+            self.layers.append(InplaceEvictionLayer(self.policy, len(self.layers)))
+        return self.layers[layer_idx].update(key_states, value_states, *args, **kwargs)
+
+    def _evicting_layers(self) -> list:
+        return [layer for layer in self.layers if isinstance(layer, InplaceEvictionLayer)]
+
+    def evict(self, budget: int | None = None) -> int:
+        """Evict every layer now, down to `budget` (the policy's by default);
+        returns the tokens evicted in all."""
+        return sum(layer.evict(budget) for layer in self._evicting_layers())
+
+    def buffer_bytes(self) -> int:
+        """Bytes held by the evicting layers' buffers."""
+        return sum(layer.buffer_bytes() for layer in self._evicting_layers())
+
+    def attach(self, model: torch.nn.Module) -> InplaceEvictionCache:
+        """Hook the attention modules of `model` (those with `layer_idx` and
+        `num_key_value_groups`, as in Llama, Mistral, Qwen, Mixtral) so that
+        score="attention" accumulates the eager attention weights. Returns self."""
+        self.detach()
+        for module in model.modules():
+            idx = getattr(module, "layer_idx", None)
+            if isinstance(idx, int) and hasattr(module, "num_key_value_groups"):
+                self._hooks.append(module.register_forward_hook(self._attention_hook))
+        if not self._hooks:
+            raise ValueError("found no attention module with layer_idx in the model")
+        return self
+
+    def detach(self) -> None:
+        """Remove the hooks that attach() registered."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+
+    def _attention_hook(self, module: torch.nn.Module, args: tuple, output: Any) -> None:
+        idx = module.layer_idx
+        if idx >= len(self.layers) or not isinstance(self.layers[idx], InplaceEvictionLayer):
+            return
+        layer = self.layers[idx]
+        weights = output[1] if isinstance(output, tuple) and len(output) > 1 else None
+        if weights is None:
+            raise RuntimeError(
+                "score='attention' needs attention weights, which only eager attention returns: "
+                "load the model with attn_implementation='eager'")
+        layer._attention_hooked = True
+        layer.accumulate_attention(weights)

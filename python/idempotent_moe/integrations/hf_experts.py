@@ -1,0 +1,144 @@
+"""A transformers experts implementation, registered as "idempotent".
+
+transformers (5.x) routes every MoE family that decorates its experts module
+with `@use_experts_implementation` (Mixtral, Qwen2/3-MoE, OLMoE, DeepSeek,
+...) through one registry, `ExpertsInterface`: the function named by
+`config._experts_implementation` is called as `fn(experts_module,
+hidden_states [T, H], top_k_index [T, k], top_k_weights [T, k]) -> [T, H]`.
+
+Two modes, chosen by one config attribute, `idempotent_capacity_factor`:
+
+- None (the default): dropless. Every assignment is computed; the result
+  matches transformers' eager and grouped_mm implementations.
+- a float f > 0: capacity. Each expert keeps at most C = ceil(T * k / E * f)
+  assignments, those of highest routing weight (ties to the lower token
+  index); the overflow is dropped and adds nothing to the output. The last
+  forward's counts are on each experts module (see `capacity_stats`).
+
+    import idempotent_moe.integrations as imoe_hf      # registers "idempotent"
+    model.set_experts_implementation("idempotent")      # dropless
+    imoe_hf.set_capacity_factor(model, 1.25)            # capacity mode
+    imoe_hf.capacity_stats(model)                       # {layer: CapacityStats}
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+try:
+    import torch
+
+    from . import _dispatch
+except ImportError:  # the hook works on NumPy arrays without torch; the experts need it
+    torch = None
+
+EXPERTS_IMPLEMENTATION = "idempotent"
+CAPACITY_FACTOR_ATTR = "idempotent_capacity_factor"
+
+
+class CapacityStats(NamedTuple):
+    """One experts module's last forward in capacity mode: `assignments`
+    routed (T * k), the per-expert `capacity` C, and how many were `dropped`."""
+
+    assignments: int
+    capacity: int
+    dropped: int
+
+
+def _check_factor(factor: Any) -> float | None:
+    if factor is None:
+        return None
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)):
+        raise TypeError(f"{CAPACITY_FACTOR_ATTR} must be a float or None, got {type(factor).__name__}")
+    factor = float(factor)
+    if not (factor > 0 and math.isfinite(factor)):
+        raise ValueError(f"{CAPACITY_FACTOR_ATTR} must be a finite number > 0, got {factor}")
+    return factor
+
+
+def idempotent_experts_forward(self, hidden_states, top_k_index, top_k_weights):
+    """The "idempotent" experts implementation (signature of transformers'
+    ExpertsInterface). `self` is the experts module: its weights
+    (gate_up_proj or up_proj, down_proj, optional biases), `num_experts`, the
+    layout flags set by `use_experts_implementation` (has_gate, has_bias,
+    is_transposed) and `_apply_gate` / `act_fn`.
+
+    Differentiable (through the GEMMs and the routing weights; which
+    assignments a capacity keeps is a selection, as in any router).
+    """
+    factor = _check_factor(getattr(self.config, CAPACITY_FACTOR_ATTR, None))
+    num_tokens, top_k = top_k_index.shape
+    if num_tokens == 0:
+        self.idempotent_stats = None
+        return torch.zeros_like(hidden_states)
+    if factor is None:
+        self.idempotent_stats = None
+        return _dispatch.dropless_forward(self, hidden_states, top_k_index, top_k_weights)
+    result = _dispatch.capacity_forward(self, hidden_states, top_k_index, top_k_weights, factor)
+    # Kept on the device: reading the count (capacity_stats) is what synchronises.
+    self.idempotent_stats = (num_tokens * top_k, result.capacity, result.dropped)
+    return result.output
+
+
+def register(name: str = EXPERTS_IMPLEMENTATION) -> None:
+    """Register the implementation with transformers' ExpertsInterface under
+    `name`, so that `model.set_experts_implementation(name)` and
+    `from_pretrained(..., experts_implementation=name)` accept it. Idempotent
+    itself; `import idempotent_moe.integrations` calls it when transformers is
+    installed."""
+    if torch is None:
+        raise ImportError("the transformers experts implementation needs torch")
+    try:
+        from transformers.integrations.moe import ExpertsInterface
+    except ImportError as e:
+        raise ImportError(
+            "registering the 'idempotent' experts implementation needs transformers >= 5.17 "
+            "(its ExpertsInterface): pip install 'idempotent-moe[huggingface]'"
+        ) from e
+    ExpertsInterface.register(name, idempotent_experts_forward)
+
+
+def _experts_modules(model) -> list:
+    """The experts modules that dispatch through transformers' ExpertsInterface
+    (those that `use_experts_implementation` decorated)."""
+    return [(n, m) for n, m in model.named_modules()
+            if hasattr(m, "config") and hasattr(m, "is_transposed") and hasattr(m, "num_experts")]
+
+
+def set_capacity_factor(model, capacity_factor: float | None) -> None:
+    """Choose the mode of the "idempotent" implementation for every experts
+    module of `model`: None for dropless, a factor f > 0 for capacity mode
+    (C = ceil(T * k / E * f) per expert and forward). Stored as the config
+    attribute `idempotent_capacity_factor` (saved by save_pretrained)."""
+    factor = _check_factor(capacity_factor)
+    modules = _experts_modules(model)
+    if not modules:
+        raise ValueError(f"{type(model).__name__} has no experts module that uses transformers' "
+                         "experts interface (@use_experts_implementation)")
+    configs = {id(m.config): m.config for _, m in modules}
+    if hasattr(model, "config"):
+        configs[id(model.config)] = model.config
+    for config in configs.values():
+        setattr(config, CAPACITY_FACTOR_ATTR, factor)
+
+
+def use_idempotent_experts(model, capacity_factor: float | None = None):
+    """Switch `model` to the "idempotent" experts implementation, dropless
+    (capacity_factor None) or with capacity `capacity_factor`. Returns model."""
+    register()
+    set_capacity_factor(model, capacity_factor)
+    model.set_experts_implementation(EXPERTS_IMPLEMENTATION)
+    return model
+
+
+def capacity_stats(model) -> dict:
+    """{experts module name: CapacityStats} for the modules whose last forward
+    ran in capacity mode. Reading the counts synchronises with the device."""
+    stats = {}
+    for name, module in _experts_modules(model):
+        record = getattr(module, "idempotent_stats", None)
+        if record is not None:
+            assignments, capacity, dropped = record
+            stats[name] = CapacityStats(assignments, capacity, int(dropped))
+    return stats

@@ -1,0 +1,222 @@
+"""HuggingFaceMoEInplaceHook: expert-capacity dropping in place, with the two
+call forms the seeds used, and gradients that flow through the compaction.
+
+    hook = HuggingFaceMoEInplaceHook(capacity=2048)
+    kept, idx = hook(expert_inputs, gating_weights, return_indices=True)
+
+    hook = HuggingFaceMoEInplaceHook(hidden_dim=1024, num_experts=8, top_k=2)
+    kept = hook.forward(hidden_states, router_logits, capacity=512)
+
+Autograd: a swap compaction is a permutation made of disjoint exchanges, so
+its own inverse: the gradient of the compacted buffer is sent back to the
+original slots by applying the same exchanges to it (`restore_`). When the
+buffer requires grad (and grad mode is on), the hook compacts it inside an
+autograd Function that marks it modified in place and does exactly that in
+backward. Selection itself has no gradient: scores are read, never
+differentiated (the routing weights get their gradient where the caller uses
+them). Leaf tensors that require grad cannot be changed in place, and move
+mode (not a permutation) has no such backward: both are refused.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, NamedTuple
+
+from .. import _arrays
+from ..functional import compact_, restore_
+
+
+class MoEDispatch(NamedTuple):
+    """What `HuggingFaceMoEInplaceHook.forward(..., return_indices=True)`
+    returns: expert_inputs [E, C, D] (a view into the dispatch buffer),
+    indices [E, C] (the token in each slot) and weights [E, C] (its routing
+    weight; 0 where an expert with fewer than C tokens holds an unrouted one)."""
+
+    expert_inputs: Any
+    indices: Any
+    weights: Any
+
+
+def _torch():
+    import torch
+
+    return torch
+
+
+@functools.cache
+def _compact_function():
+    """The autograd Function, built on first use so that torch stays optional."""
+    torch = _torch()
+
+    class CompactSwap(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, scores, capacity, out_indices):
+            result = compact_(x.detach(), scores, capacity, dim=1, mode="swap", out_indices=out_indices)
+            ctx.mark_dirty(x)
+            ctx.mark_non_differentiable(result.indices)
+            ctx.save_for_backward(result.indices)
+            return x, result.indices
+
+        @staticmethod
+        def backward(ctx, grad_x, _grad_indices):
+            (indices,) = ctx.saved_tensors
+            grad = grad_x.clone(memory_format=torch.contiguous_format)
+            restore_(grad, indices, dim=1)  # the same exchanges: the permutation is its own inverse
+            return grad, None, None, None
+
+    return CompactSwap
+
+
+def _compact_experts(tokens: Any, scores: Any, capacity: int, mode: str, out_indices: Any) -> tuple:
+    """compact_ on [E, T, D] along T, through autograd when tokens require grad."""
+    if _arrays.is_torch(scores):
+        scores = scores.detach()
+    if _arrays.is_torch(tokens) and tokens.requires_grad:
+        torch = _torch()
+        if torch.is_grad_enabled():
+            if tokens.is_leaf:
+                raise TypeError(
+                    "expert_inputs is a leaf tensor that requires grad: it cannot be changed in "
+                    "place. Compact a tensor computed from it (the dispatch output), or its .clone()"
+                )
+            if mode != "swap":
+                raise ValueError(f"mode={mode!r} is not differentiable (it overwrites dropped tokens); "
+                                 "use mode='swap', or run under torch.no_grad()")
+            full, indices = _compact_function().apply(tokens, scores, capacity, out_indices)
+            return full.narrow(1, 0, indices.shape[-1]), indices
+        tokens = tokens.detach()  # no_grad: a plain in-place change, as torch allows there
+    result = compact_(tokens, scores, capacity, dim=1, mode=mode, out_indices=out_indices)
+    return result.values, result.indices
+
+
+class HuggingFaceMoEInplaceHook:
+    """Expert-capacity dropping for Hugging Face style MoE layers, in place.
+
+    HuggingFaceMoEInplaceHook(capacity=C, block_d=128)
+        hook(expert_inputs [E, T, D], gating_weights [E, T]) compacts each
+        expert's top-C tokens by gating weight (ties to the lower token index)
+        into expert_inputs[:, :C] and returns that view; return_indices=True
+        adds indices [E, C] (int64), the original token of each kept slot.
+
+    HuggingFaceMoEInplaceHook(hidden_dim, num_experts, top_k, block_d=128)
+        hook.forward(hidden_states [..., D], router_logits [T, E], capacity)
+        routes each token to its top_k experts (softmax, renormalised over the
+        top k when normalize_top_k), fills a per-expert dispatch buffer
+        [E, T, D] (allocated, or the caller's `dispatch_buffer`), compacts it
+        in place and returns the view [E, C, D]; return_indices=True returns
+        MoEDispatch(expert_inputs, indices, weights), which `combine` takes.
+
+    Both forms accept both calls where they have what they need. `block_d` is
+    a tuning hint kept from the seeds: every hidden size works. For the
+    experts of a transformers model, prefer the "idempotent" experts
+    implementation (hf_experts), which never builds an [E, T, D] buffer.
+    """
+
+    def __init__(self, hidden_dim: int | None = None, num_experts: int | None = None,
+                 top_k: int | None = None, block_d: int = 128, *, capacity: int | None = None,
+                 mode: str = "swap", normalize_top_k: bool = True) -> None:
+        def optional(value, name, minimum):
+            return None if value is None else _arrays.check_int(value, name, minimum=minimum)
+
+        self.hidden_dim = optional(hidden_dim, "hidden_dim", 1)
+        self.num_experts = optional(num_experts, "num_experts", 1)
+        self.top_k = optional(top_k, "top_k", 1)
+        if self.top_k is not None and self.num_experts is not None and self.top_k > self.num_experts:
+            raise ValueError(f"top_k ({self.top_k}) must be <= num_experts ({self.num_experts})")
+        self.block_d = _arrays.check_int(block_d, "block_d", minimum=1)
+        self.capacity = optional(capacity, "capacity", 0)
+        if mode not in ("swap", "move"):
+            raise ValueError(f"mode must be 'swap' or 'move', got {mode!r}")
+        self.mode = mode
+        self.normalize_top_k = bool(normalize_top_k)
+
+    def __repr__(self) -> str:
+        fields = [f"{k}={getattr(self, k)!r}" for k in
+                  ("hidden_dim", "num_experts", "top_k", "capacity") if getattr(self, k) is not None]
+        return f"HuggingFaceMoEInplaceHook({', '.join(fields + [f'block_d={self.block_d}'])})"
+
+    def _capacity(self, capacity: int | None) -> int:
+        if capacity is None:
+            if self.capacity is None:
+                raise TypeError("capacity is required: pass it to the call or to the constructor")
+            return self.capacity
+        return _arrays.check_int(capacity, "capacity", minimum=0)
+
+    def __call__(self, expert_inputs: Any, gating_weights: Any, capacity: int | None = None, *,
+                 return_indices: bool = False, out_indices: Any = None) -> Any:
+        """Compact expert_inputs [E, T, D] (any dtype; modified in place) by
+        gating_weights [E, T] (float32/float16/bfloat16). Returns the view
+        [E, C', D], C' = min(C, T), and with return_indices the indices [E, C']."""
+        if not _arrays.is_torch(expert_inputs):  # torch tensors that require grad are handled below
+            _arrays.check_array(expert_inputs, "expert_inputs")
+        shape = _arrays.shape_of(expert_inputs)
+        if len(shape) != 3:
+            raise ValueError(f"expert_inputs must be [num_experts, T, D], got {list(shape)}")
+        if self.num_experts is not None and shape[0] != self.num_experts:
+            raise ValueError(f"expert_inputs has {shape[0]} experts, the hook {self.num_experts}")
+        if self.hidden_dim is not None and shape[2] != self.hidden_dim:
+            raise ValueError(f"expert_inputs has hidden size {shape[2]}, the hook {self.hidden_dim}")
+        kept, indices = _compact_experts(expert_inputs, gating_weights, self._capacity(capacity),
+                                         self.mode, out_indices)
+        return (kept, indices) if return_indices else kept
+
+    def forward(self, hidden_states: Any, router_logits: Any, capacity: int | None = None, *,
+                return_indices: bool = False, dispatch_buffer: Any = None) -> Any:
+        """Route, dispatch and drop each expert's overflow (torch tensors).
+
+        hidden_states [..., D] (T tokens once flattened), router_logits [T, E].
+        Allocates the dispatch buffer [E, T, D] unless `dispatch_buffer` is
+        given (then filled and compacted in place). Differentiable with
+        respect to hidden_states and router_logits (through the weights).
+        """
+        torch = _torch()
+        if self.num_experts is None or self.top_k is None:
+            raise TypeError("forward needs the hook built with num_experts and top_k: "
+                            "HuggingFaceMoEInplaceHook(hidden_dim, num_experts, top_k)")
+        capacity = self._capacity(capacity)
+        dim = hidden_states.shape[-1]
+        if self.hidden_dim is not None and dim != self.hidden_dim:
+            raise ValueError(f"hidden_states has hidden size {dim}, the hook {self.hidden_dim}")
+        tokens = hidden_states.reshape(-1, dim)
+        num_tokens = tokens.shape[0]
+        if tuple(router_logits.shape) != (num_tokens, self.num_experts):
+            raise ValueError(f"router_logits must be [T={num_tokens}, num_experts={self.num_experts}], "
+                             f"got {list(router_logits.shape)}")
+        probs = torch.softmax(router_logits.float(), dim=-1)
+        top_w, top_i = torch.topk(probs, self.top_k, dim=-1)
+        if self.normalize_top_k:
+            top_w = top_w / top_w.sum(dim=-1, keepdim=True)
+        # scores [E, T]: the routing weight, -inf where the token is not routed
+        scores = torch.full((self.num_experts, num_tokens), float("-inf"), device=tokens.device)
+        scores.scatter_(0, top_i.t(), top_w.detach().t())
+        shape = (self.num_experts, num_tokens, dim)
+        if dispatch_buffer is None:
+            buffer = tokens.unsqueeze(0).expand(shape).clone()
+        else:
+            if tuple(dispatch_buffer.shape) != shape:
+                raise ValueError(f"dispatch_buffer must be {list(shape)}, got {list(dispatch_buffer.shape)}")
+            buffer = dispatch_buffer
+            buffer.copy_(tokens.unsqueeze(0).expand(shape))
+        kept, indices = _compact_experts(buffer, scores, capacity, self.mode, None)
+        if not return_indices:
+            return kept
+        # weights [E, C]: differentiable routing weights of the kept slots, 0 for unrouted tokens
+        dense = torch.zeros(self.num_experts, num_tokens, dtype=top_w.dtype, device=tokens.device)
+        dense = dense.scatter(0, top_i.t(), top_w.t())
+        return MoEDispatch(kept, indices, dense.gather(1, indices))
+
+    @staticmethod
+    def combine(expert_outputs: Any, indices: Any, weights: Any, num_tokens: int) -> Any:
+        """out [T, D] = sum over kept slots (e, c) of weights[e, c] *
+        expert_outputs[e, c] into token indices[e, c] (torch tensors; fp32
+        accumulation for half precision). Uses index_add_, whose float
+        atomics make it run-to-run nondeterministic on CUDA."""
+        torch = _torch()
+        num_experts, kept, dim = expert_outputs.shape
+        acc = torch.promote_types(expert_outputs.dtype, weights.dtype)
+        if acc in (torch.float16, torch.bfloat16):
+            acc = torch.float32
+        out = torch.zeros(num_tokens, dim, dtype=acc, device=expert_outputs.device)
+        terms = (expert_outputs.to(acc) * weights.to(acc).unsqueeze(-1)).reshape(num_experts * kept, dim)
+        return out.index_add(0, indices.reshape(-1), terms).to(expert_outputs.dtype)

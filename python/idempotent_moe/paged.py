@@ -1,0 +1,425 @@
+"""Paged KV caches (vLLM's layout): compact sequences in place whose slots
+live in the blocks of a shared pool, and hand back the blocks they no longer
+need.
+
+A pool is [num_blocks, block_size, kv_heads, head_dim] ("NHD", vLLM's flash
+attention layout), [num_blocks, kv_heads, block_size, head_dim] ("HND") or
+[num_blocks, block_size, row] (no head axis: an MLA latent cache). Sequence s
+owns the blocks of its row of `block_tables` [S, max_blocks]: its logical
+slot x lives in block block_tables[s, x // block_size], at offset
+x % block_size. A compaction keeps min(C_s, len_s) tokens of each sequence
+in its logical slots [0, C_s), moving rows between blocks of the pool itself
+(pairwise swaps or copies, the idempotent map of `compact_`), so that the
+blocks past ceil(C_s / block_size) hold nothing the sequence needs: they are
+returned in `freed_blocks` for the engine to free.
+
+Nothing of the pool's size is allocated: the maps are built into a
+[S, heads, N] int32 workspace (N the longest sequence), and the C core needs
+S x max_blocks + num_blocks bytes to check that no block is written through
+two table entries. CPU only in this version (no CUDA launcher yet).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from . import _arrays
+from ._native import native
+from .functional import MODES, _threads, idempotent_map
+from .kv import reduce_head_scores
+
+LAYOUTS = ("NHD", "HND")
+
+
+class PagedCompaction(NamedTuple):
+    """What a paged compaction returns.
+
+    seq_lens      the new length of each sequence, min(C_s, len_s) (list of int).
+    freed_blocks  per sequence, the blocks its table no longer needs: entries
+                  [ceil(new / block_size), ceil(old / block_size)) of its row
+                  of block_tables, in table order (list of lists of int). The
+                  table itself is not modified.
+    target_map    the map applied, [S, N] (one per sequence) or [S, heads, N]
+                  (one per KV head) int32, N = max(seq_lens) when built here:
+                  an involution over logical slots,
+                  identity past each sequence's length. The original slot now
+                  held by slot i < seq_lens[s] is target_map[s, ..., i].
+    """
+
+    seq_lens: list
+    freed_blocks: list
+    target_map: Any
+
+
+class _Pool(NamedTuple):
+    num_blocks: int
+    block_size: int
+    heads: int | None  # None: no head axis
+    slot_dim: int
+    layout: str
+
+
+def _pool_geometry(pools: list, layout: str) -> _Pool:
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    shapes = [_arrays.shape_of(p) for p in pools]
+    first = shapes[0]
+    if len(first) not in (3, 4):
+        raise ValueError(
+            "a paged cache must be [num_blocks, block_size, kv_heads, head_dim] (NHD), "
+            f"[num_blocks, kv_heads, block_size, head_dim] (HND) or [num_blocks, block_size, row]; "
+            f"got {list(first)}"
+        )
+    for i, shape in enumerate(shapes):
+        if len(shape) != len(first) or shape[:-1] != first[:-1]:
+            raise ValueError(
+                f"caches[{i}] {list(shape)} must match caches[0] {list(first)} on every axis "
+                "but the last"
+            )
+    if len(first) == 3:
+        return _Pool(first[0], first[1], None, 1, layout)
+    if layout == "NHD":
+        return _Pool(first[0], first[1], first[2], 1, layout)
+    return _Pool(first[0], first[2], first[1], 2, layout)
+
+
+def _as_list(x: Any) -> list:
+    if isinstance(x, (list, tuple)):
+        if not x:
+            raise ValueError("caches is an empty sequence: give at least one pool")
+        return list(x)
+    return [x]
+
+
+def _host_ints(values: Any, name: str) -> np.ndarray:
+    """A host int64 copy of a list, NumPy array or tensor of ints."""
+    if _arrays.is_torch(values):
+        values = values.detach().cpu().numpy()
+    elif not isinstance(values, (list, tuple, range, np.ndarray, int, np.integer)):
+        values = np.from_dlpack(values) if hasattr(values, "__dlpack__") else values
+    arr = np.asarray(values)
+    if arr.dtype.kind not in "iu":
+        raise TypeError(f"{name} must hold integers, got dtype {arr.dtype}")
+    return arr.astype(np.int64)
+
+
+def _identity_map(like: Any, shape: tuple) -> Any:
+    """An int32 [lead..., N] array holding arange(N) in every row, beside `like`."""
+    n = shape[-1]
+    if _arrays.is_torch(like):
+        torch = _arrays._torch()
+        return torch.arange(n, dtype=torch.int32, device=like.device).expand(*shape).contiguous()
+    out = np.empty(shape, dtype=np.int32)
+    out[...] = np.arange(n, dtype=np.int32)
+    return out
+
+
+def _index_rows(x: Any, rows: np.ndarray) -> Any:
+    if _arrays.is_torch(x):
+        torch = _arrays._torch()
+        return torch.from_numpy(rows).to(x.device)
+    return rows
+
+
+def paged_target_map(
+    block_size: int,
+    seq_lens: Any,
+    capacity: Any,
+    scores: Any = None,
+    *,
+    active_indices: Sequence | None = None,
+    kv_heads: int | None = None,
+    per_head: bool | None = None,
+    head_reduce: str = "mean",
+    protected_prefix: int = 0,
+    recent_window: int = 0,
+    nan: str = "raise",
+    num_threads: int | None = None,
+    like: Any = None,
+) -> Any:
+    """The maps of a paged compaction, without touching any cache.
+
+    seq_lens        [S] current lengths (list, array or tensor of ints).
+    capacity        C, or [S] capacities: sequence s keeps min(C_s, len_s).
+    scores          [S, N] (one selection per sequence, all heads together),
+                    [S, kv_heads, N] (one per KV head) or [S, G x kv_heads, N]
+                    (per query head, reduced by head_reduce); N >= max(seq_lens),
+                    entries past a sequence's length are ignored. Sequence s
+                    keeps its top C_s by score plus [0, P) and its last W slots.
+    active_indices  instead of scores: S arrays, [K_s] (shared by all heads) or
+                    [kv_heads, K_s] (per head); then C_s = K_s.
+    per_head        one map per KV head (True) or one per sequence (False);
+                    default: True when the selection has a head axis.
+
+    Returns the involution [S, N] or [S, kv_heads, N] int32 with N =
+    max(seq_lens) (identity past each length), in the framework and on the
+    device of `scores` (or `like`).
+    Sequences of equal (length, capacity) share one call of the C core.
+    """
+    lens = _host_ints(seq_lens, "seq_lens").reshape(-1)
+    s_count = len(lens)
+    caps = _host_ints(capacity, "capacity").reshape(-1) if capacity is not None else None
+    if caps is not None and len(caps) == 1:
+        caps = np.full(s_count, caps[0], dtype=np.int64)
+    if (lens < 0).any():
+        raise ValueError("seq_lens must be >= 0")
+    if (scores is None) == (active_indices is None):
+        raise ValueError("give exactly one of scores and active_indices")
+    block_size = _arrays.check_int(block_size, "block_size", minimum=1)
+
+    if scores is not None:
+        _arrays.check_array(scores, "scores")
+        if caps is None or len(caps) != s_count:
+            raise ValueError(f"capacity must be one int or one per sequence ({s_count})")
+        if (caps < 0).any():
+            raise ValueError("capacity must be >= 0")
+        shape = _arrays.shape_of(scores)
+        if len(shape) not in (2, 3) or shape[0] != s_count:
+            raise ValueError(
+                f"scores must be [S, N] or [S, heads, N] with S = {s_count}, got {list(shape)}")
+        if per_head is None:
+            per_head = len(shape) == 3 and (kv_heads is None or shape[1] != 1)
+        if per_head:
+            if kv_heads is None:
+                kv_heads = shape[1] if len(shape) == 3 else 1
+            scores = reduce_head_scores(scores, kv_heads, head_reduce)
+        elif len(shape) == 3:
+            if shape[1] != 1:
+                raise ValueError("per_head=False needs scores [S, N] or [S, 1, N]")
+            scores = scores[:, 0]
+        width = _arrays.shape_of(scores)[-1]
+        if s_count and int(lens.max()) > width:
+            raise ValueError(f"a sequence is longer ({int(lens.max())}) than scores' N = {width}")
+        like = scores
+    else:
+        active = list(active_indices)
+        if len(active) != s_count:
+            raise ValueError(f"active_indices must hold one array per sequence ({s_count})")
+        ndims = {len(_arrays.shape_of(a)) if not isinstance(a, (list, tuple, range)) else 1
+                 for a in active}
+        if ndims - {1, 2} or len(ndims) > 1:
+            raise ValueError("active_indices: every entry must be [K_s], or every entry [heads, K_s]")
+        per_head = ndims == {2}
+        if per_head:
+            heads = {_arrays.shape_of(a)[0] for a in active}
+            if len(heads) != 1:
+                raise ValueError("active_indices: every entry must have the same head count")
+            kv_heads = heads.pop()
+        if like is None:
+            like = next((a for a in active if not isinstance(a, (list, tuple, range))), None)
+    n = int(lens.max()) if s_count else 0
+    lead = (s_count, kv_heads) if per_head else (s_count,)
+    target_map = _identity_map(like, lead + (n,))
+    if scores is not None:
+        groups: dict = {}
+        for s in range(s_count):
+            groups.setdefault((int(lens[s]), int(caps[s])), []).append(s)
+        for (length, cap), members in groups.items():
+            if length == 0 or cap >= length:
+                continue  # nothing moves: identity
+            rows = _index_rows(scores, np.asarray(members, dtype=np.int64))
+            part = idempotent_map(
+                scores[rows][..., :length], cap, form="target_map",
+                protected_prefix=protected_prefix, recent_window=recent_window, nan=nan,
+                num_threads=num_threads,
+            )
+            target_map[rows, ..., :length] = part
+    else:
+        for s, act in enumerate(active):
+            length = int(lens[s])
+            k = len(act) if isinstance(act, (list, tuple, range)) else _arrays.shape_of(act)[-1]
+            if k > length:
+                raise ValueError(
+                    f"active_indices[{s}] keeps {k} slots of a sequence of length {length}")
+            if length == 0 or k == length:
+                continue
+            if isinstance(act, (list, tuple, range)):
+                act = _arrays.as_index_array(act, like, f"active_indices[{s}]")
+            part = idempotent_map(
+                active_indices=act, num_slots=length, form="target_map",
+                lead_shape=(kv_heads,) if per_head else (), num_threads=num_threads,
+            )
+            target_map[s, ..., :length] = part
+    return target_map
+
+
+def apply_paged_map_(
+    caches: Any,
+    block_tables: Any,
+    target_map: Any,
+    *,
+    layout: str = "NHD",
+    mode: str = "move",
+    num_threads: int | None = None,
+) -> None:
+    """Apply per-sequence maps to paged pools in place, through the block tables.
+
+    caches        a pool or a list of pools (K and V) of one geometry, any dtype.
+    block_tables  [S, max_blocks] int32/int64.
+    target_map    [S, N] (one map per sequence: each slot's whole row moves) or
+                  [S, kv_heads, N] (one per KV head) int32/int64 involutions.
+    Every slot that moves must name a block of the pool, and no block may be
+    written through two table entries (ValueError, nothing written).
+    """
+    pools = _as_list(caches)
+    for i, p in enumerate(pools):
+        _arrays.check_array(p, f"caches[{i}]")
+    _arrays.check_array(block_tables, "block_tables")
+    _arrays.check_array(target_map, "target_map")
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {tuple(MODES)}, got {mode!r}")
+    geo = _pool_geometry(pools, layout)
+    map_shape = _arrays.shape_of(target_map)
+    if len(map_shape) not in (2, 3):
+        raise ValueError(f"target_map must be [S, N] or [S, kv_heads, N], got {list(map_shape)}")
+    per_head = len(map_shape) == 3
+    if per_head and geo.heads is None:
+        raise ValueError("a per-head target_map needs pools with a head axis")
+    if per_head and map_shape[1] != geo.heads:
+        raise ValueError(f"target_map has {map_shape[1]} heads, the pools {geo.heads}")
+    if geo.heads is None or (not per_head and geo.layout == "NHD"):
+        # One map per sequence moves whole slots: row = everything after the slot axis.
+        row_ndims = len(_arrays.shape_of(pools[0])) - 1 - geo.slot_dim
+    else:
+        row_ndims = 1
+        if not per_head:  # HND: heads are rows apart; one map read for every head
+            target_map = _broadcast_map(target_map, geo.heads)
+    stream = _arrays.dlpack_stream(pools[0])
+    native().paged_apply_target_map(
+        pools, [geo.slot_dim] * len(pools), [row_ndims] * len(pools), block_tables, target_map,
+        MODES[mode], _threads(num_threads), stream,
+    )
+
+
+def _broadcast_map(target_map: Any, heads: int) -> Any:
+    s, n = _arrays.shape_of(target_map)
+    if _arrays.is_torch(target_map):
+        return target_map.unsqueeze(1).expand(s, heads, n)
+    return np.broadcast_to(np.asarray(target_map)[:, None, :], (s, heads, n))
+
+
+def _check_unshared(tables: np.ndarray, lens: np.ndarray, moved: np.ndarray, block_size: int) -> None:
+    """ValueError when a block that moves data is also a live block of another
+    table entry of the call (a prefix-cached block shared by two sequences)."""
+    s_count, max_blocks = tables.shape
+    live_entries = -(-lens // block_size)  # ceil
+    j = np.arange(max_blocks)
+    live = j[None, :] < live_entries[:, None]
+    if not live.any():
+        return
+    blocks = tables[live]
+    if blocks.min() < 0:
+        raise ValueError("block_tables: a live entry names a negative block")
+    unique, counts = np.unique(blocks, return_counts=True)
+    moved_blocks = tables[moved & live]
+    shared = moved_blocks[np.isin(moved_blocks, unique[counts > 1])]
+    if shared.size:
+        raise ValueError(
+            f"block_tables: block {int(shared[0])} moves data but is shared with another live table "
+            "entry (a prefix-cached block): copy it before compacting"
+        )
+
+
+def compact_paged_(
+    caches: Any,
+    block_tables: Any,
+    seq_lens: Any,
+    capacity: Any = None,
+    scores: Any = None,
+    *,
+    active_indices: Sequence | None = None,
+    target_map: Any = None,
+    layout: str = "NHD",
+    per_head: bool | None = None,
+    head_reduce: str = "mean",
+    protected_prefix: int = 0,
+    recent_window: int = 0,
+    mode: str = "move",
+    nan: str = "raise",
+    num_threads: int | None = None,
+) -> PagedCompaction:
+    """Compact sequences of a paged KV cache in place and return the freed blocks.
+
+    caches          a pool or a list of pools (K and V), modified in place:
+                    [num_blocks, block_size, kv_heads, head_dim] (layout "NHD"),
+                    [num_blocks, kv_heads, block_size, head_dim] ("HND"), or
+                    [num_blocks, block_size, row]; any dtype.
+    block_tables    [S, max_blocks] int32/int64: sequence s's logical slot x is
+                    in block block_tables[s, x // block_size]. Not modified.
+    seq_lens        [S] current lengths.
+    capacity        C or [S]: each sequence keeps min(C_s, len_s) tokens.
+    scores          [S, N], [S, kv_heads, N] or [S, G x kv_heads, N]: see
+                    paged_target_map. Or active_indices (S arrays), or a
+                    precomputed target_map [S, N] / [S, kv_heads, N].
+    mode            "move" (default: kept tail tokens are copied into holes,
+                    the dropped ones are gone) or "swap" (a permutation of
+                    each sequence's slots: restorable).
+
+    Returns PagedCompaction(seq_lens, freed_blocks, target_map). Every input
+    is checked before anything is written; a block that would move data and
+    is shared with another live entry of the call (prefix caching) is refused.
+    """
+    pools = _as_list(caches)
+    for i, p in enumerate(pools):
+        _arrays.check_array(p, f"caches[{i}]")
+    geo = _pool_geometry(pools, layout)
+    _arrays.check_array(block_tables, "block_tables")
+    tables = _host_ints(block_tables, "block_tables")
+    if tables.ndim != 2:
+        raise ValueError(f"block_tables must be [S, max_blocks], got {list(tables.shape)}")
+    lens = _host_ints(seq_lens, "seq_lens").reshape(-1)
+    s_count, max_blocks = tables.shape
+    if len(lens) != s_count:
+        raise ValueError(f"seq_lens has {len(lens)} entries, block_tables {s_count} rows")
+    if (lens < 0).any() or (lens > max_blocks * geo.block_size).any():
+        raise ValueError(
+            f"seq_lens must lie in [0, max_blocks x block_size = {max_blocks * geo.block_size}]")
+    if target_map is None:
+        target_map = paged_target_map(
+            geo.block_size, lens, capacity, scores, active_indices=active_indices,
+            kv_heads=geo.heads, per_head=per_head if geo.heads is not None else False,
+            head_reduce=head_reduce, protected_prefix=protected_prefix,
+            recent_window=recent_window, nan=nan, num_threads=num_threads, like=pools[0],
+        )
+        new_lens = _new_lengths(lens, capacity, active_indices)
+    else:
+        _arrays.check_array(target_map, "target_map")
+        if capacity is None:
+            raise TypeError("capacity is required with target_map")
+        new_lens = _new_lengths(lens, capacity, None)
+    tm_host = _host_ints(target_map, "target_map")
+    n = tm_host.shape[-1]
+    if tm_host.shape[0] != s_count or (lens > n).any():
+        raise ValueError(f"target_map must be [S = {s_count}, ..., N >= max(seq_lens)]")
+    moved_slots = tm_host != np.arange(n)
+    if moved_slots.ndim == 3:
+        moved_slots = moved_slots.any(axis=1)
+    if n > max_blocks * geo.block_size:
+        raise ValueError("target_map is wider than max_blocks x block_size")
+    padded = np.zeros((s_count, max_blocks * geo.block_size), dtype=bool)
+    padded[:, :n] = moved_slots
+    moved = padded.reshape(s_count, max_blocks, geo.block_size).any(axis=2)
+    _check_unshared(tables, lens, moved, geo.block_size)
+
+    apply_paged_map_(pools, block_tables, target_map, layout=layout, mode=mode,
+                     num_threads=num_threads)
+    old_blocks = -(-lens // geo.block_size)
+    new_blocks = -(-new_lens // geo.block_size)
+    freed = [tables[s, new_blocks[s]:old_blocks[s]].tolist() for s in range(s_count)]
+    return PagedCompaction([int(x) for x in new_lens], freed, target_map)
+
+
+def _new_lengths(lens: np.ndarray, capacity: Any, active_indices: Sequence | None) -> np.ndarray:
+    if active_indices is not None:
+        ks = [len(a) if isinstance(a, (list, tuple, range)) else _arrays.shape_of(a)[-1]
+              for a in active_indices]
+        return np.minimum(np.asarray(ks, dtype=np.int64), lens)
+    caps = _host_ints(capacity, "capacity").reshape(-1)
+    if len(caps) == 1:
+        caps = np.full(len(lens), caps[0], dtype=np.int64)
+    if len(caps) != len(lens):
+        raise ValueError(f"capacity must be one int or one per sequence ({len(lens)})")
+    return np.minimum(caps, lens)

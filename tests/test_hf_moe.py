@@ -1,0 +1,733 @@
+"""The Hugging Face MoE integration: the "idempotent" experts implementation
+(dropless and capacity mode) against transformers' eager experts and a plain
+reference, generate(), from_pretrained, the counting-sort dispatch, the
+in-place hook in both seed forms with its autograd, import isolation, and the
+W4 benchmark at smoke size. Tiny random models built from configs, on the CPU;
+GPU checks under the `gpu` marker."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("transformers.integrations.moe", reason="needs transformers' experts interface")
+
+import idempotent_moe as imoe  # noqa: E402
+from idempotent_moe import integrations as hf  # noqa: E402
+from idempotent_moe.integrations import _dispatch  # noqa: E402
+from transformers import (  # noqa: E402
+    GptOssConfig,
+    GptOssForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
+    OlmoeConfig,
+    OlmoeForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
+)
+
+VOCAB = 96
+COMMON = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=128, initializer_range=0.2,
+              pad_token_id=0, bos_token_id=None, eos_token_id=None)
+
+
+def tiny_model(family: str, seed: int = 0):
+    """A two-layer random model in fp32, eval mode. Mixtral routes top-2 of 8,
+    Qwen3-MoE top-3 of 8 (more than two terms per token in the combine), OLMoE
+    and GPT-OSS top-2 of 8."""
+    torch.manual_seed(seed)
+    if family == "mixtral":
+        config = MixtralConfig(**COMMON, intermediate_size=48, num_local_experts=8, num_experts_per_tok=2)
+        model = MixtralForCausalLM(config)
+    elif family == "qwen3_moe":
+        config = Qwen3MoeConfig(**COMMON, intermediate_size=48, moe_intermediate_size=24, head_dim=8,
+                                num_experts=8, num_experts_per_tok=3, norm_topk_prob=True)
+        model = Qwen3MoeForCausalLM(config)
+    elif family == "olmoe":
+        config = OlmoeConfig(**COMMON, intermediate_size=24, num_experts=8, num_experts_per_tok=2)
+        model = OlmoeForCausalLM(config)
+    elif family == "gpt_oss":  # transposed weights, biases, an interleaved gate of its own
+        config = GptOssConfig(**COMMON, intermediate_size=24, head_dim=8, num_local_experts=8,
+                              num_experts_per_tok=2, layer_types=["full_attention"] * 2)
+        model = GptOssForCausalLM(config)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("_bias"):
+                    p.normal_(0.0, 0.2)
+    else:
+        raise ValueError(family)
+    return model.eval()
+
+
+FAMILIES = ["mixtral", "qwen3_moe", "olmoe", "gpt_oss"]
+
+
+def token_ids(batch: int, length: int, seed: int = 1):
+    return torch.randint(1, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def logits(model, ids, implementation: str):
+    model.set_experts_implementation(implementation)
+    with torch.no_grad():
+        return model(ids).logits
+
+
+def experts_modules(model) -> list:
+    return [m for _, m in hf.hf_experts._experts_modules(model)]
+
+
+# --------------------------------------------------------------------------- references
+
+
+def expert_mlp(experts, x, e):
+    """Expert e's MLP on x [n, H], as transformers' eager experts compute it."""
+    gate, up = torch.nn.functional.linear(x, experts.gate_up_proj[e]).chunk(2, dim=-1)
+    return torch.nn.functional.linear(experts.act_fn(gate) * up, experts.down_proj[e])
+
+
+def capacity_reference(experts, hidden, index, weights, capacity):
+    """Straightforward capacity dropping: per expert, its assignments sorted by
+    descending weight, ties to the lower token; the first C kept, the rest
+    dropped. Returns (output [T, H], dropped count, {expert: kept tokens})."""
+    out = torch.zeros_like(hidden)
+    dropped, kept_sets = 0, {}
+    for e in range(experts.num_experts):
+        tokens, slots = torch.where(index == e)
+        w = weights[tokens, slots]
+        order = sorted(range(len(tokens)), key=lambda i: (-float(w[i].detach()), int(tokens[i])))
+        keep = order[:capacity]
+        dropped += len(order) - len(keep)
+        kept_sets[e] = sorted(int(tokens[i]) for i in keep)
+        if keep:
+            keep = torch.tensor(keep, dtype=torch.long)
+            y = expert_mlp(experts, hidden[tokens[keep]], e) * w[keep, None]
+            out = out.index_add(0, tokens[keep], y)
+    return out, dropped, kept_sets
+
+
+def standalone_experts(num_experts=8, hidden=16, intermediate=24, seed=0):
+    """A MixtralExperts module with N(0, 0.3) weights, outside any model."""
+    from transformers.models.mixtral.modeling_mixtral import MixtralExperts
+
+    config = MixtralConfig(hidden_size=hidden, intermediate_size=intermediate,
+                           num_local_experts=num_experts, num_experts_per_tok=2)
+    config._experts_implementation = "idempotent"
+    experts = MixtralExperts(config)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in experts.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    return experts
+
+
+def skewed_routing(num_tokens, num_experts, top_k, seed=0, ties=False):
+    """top-k routing that overloads the first experts; with `ties`, weights
+    from a few values so that many assignments tie."""
+    g = torch.Generator().manual_seed(seed)
+    bias = torch.linspace(2.0, 0.0, num_experts)
+    logits = torch.randn(num_tokens, num_experts, generator=g) + bias
+    index = torch.topk(logits, top_k, dim=-1).indices
+    if ties:
+        weights = torch.tensor([0.25, 0.5, 0.75])[torch.randint(0, 3, index.shape, generator=g)]
+    else:
+        weights = torch.rand(index.shape, generator=g) + 0.05
+    return index, weights
+
+
+def run_experts(experts, hidden, index, weights, implementation, capacity_factor=None):
+    experts.config._experts_implementation = implementation
+    setattr(experts.config, hf.CAPACITY_FACTOR_ATTR, capacity_factor)
+    return experts(hidden, index, weights)
+
+
+# --------------------------------------------------------------------------- import and registration
+
+
+def _run_python(code: str) -> str:
+    package_root = os.path.dirname(os.path.dirname(os.path.abspath(imoe.__file__)))
+    env = dict(os.environ, PYTHONPATH=package_root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
+                          text=True, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout.strip()
+
+
+def test_import_idempotent_moe_leaves_transformers_alone_and_integrations_register():
+    out = _run_python("""
+        import sys
+        import idempotent_moe
+        assert "transformers" not in sys.modules and "torch" not in sys.modules
+        from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+        assert "idempotent" not in ALL_EXPERTS_FUNCTIONS
+        import idempotent_moe.integrations as hf
+        assert ALL_EXPERTS_FUNCTIONS["idempotent"] is hf.idempotent_experts_forward
+        print("ok")
+    """)
+    assert out == "ok"
+
+
+def test_integrations_import_without_torch_or_transformers():
+    """The hook works on NumPy arrays where neither is installed."""
+    out = _run_python("""
+        import sys
+        sys.modules["torch"] = None
+        sys.modules["transformers"] = None
+        import numpy as np
+        import idempotent_moe.integrations as hf
+        x = np.arange(2 * 6 * 3, dtype=np.float32).reshape(2, 6, 3)
+        s = np.array([[0, 5, 1, 4, 2, 3], [9, 0, 0, 0, 8, 7]], dtype=np.float32)
+        kept, idx = hf.HuggingFaceMoEInplaceHook(capacity=3)(x, s, return_indices=True)
+        assert idx.tolist() == [[3, 1, 5], [0, 4, 5]] and kept.shape == (2, 3, 3)
+        try:
+            hf.register()
+        except ImportError:
+            print("ok")
+    """)
+    assert out == "ok"
+
+
+def test_register_is_idempotent_and_custom_names_work():
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    hf.register()
+    hf.register()
+    assert ALL_EXPERTS_FUNCTIONS["idempotent"] is hf.idempotent_experts_forward
+    hf.register("idempotent_test_alias")
+    model = tiny_model("mixtral")
+    ids = token_ids(1, 8)
+    torch.testing.assert_close(logits(model, ids, "idempotent_test_alias"), logits(model, ids, "idempotent"),
+                               rtol=0, atol=0)
+
+
+# --------------------------------------------------------------------------- dropless mode
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_dropless_matches_eager(family):
+    model = tiny_model(family)
+    ids = token_ids(3, 20)
+    eager = logits(model, ids, "eager")
+    ours = logits(model, ids, "idempotent")
+    assert model.config._experts_implementation == "idempotent"
+    assert all(m.config._experts_implementation == "idempotent" for m in experts_modules(model))
+    torch.testing.assert_close(ours, eager, rtol=1e-5, atol=1e-5)
+    assert hf.capacity_stats(model) == {}  # dropless records no drops
+    # and back: the model is eager again
+    torch.testing.assert_close(logits(model, ids, "eager"), eager, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_greedy_generate_is_identical_to_eager(family):
+    model = tiny_model(family, seed=3)
+    ids = token_ids(2, 10, seed=4)
+    kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False,
+                  pad_token_id=0)
+    with torch.no_grad():
+        model.set_experts_implementation("eager")
+        eager = model.generate(ids, **kwargs)
+        model.set_experts_implementation("idempotent")
+        ours = model.generate(ids, **kwargs)
+    assert eager.shape == (2, 22)
+    assert torch.equal(ours, eager)
+
+
+def test_from_pretrained_with_experts_implementation(tmp_path):
+    model = tiny_model("mixtral")
+    hf.set_capacity_factor(model, 0.75)  # a config attribute: saved with the model
+    model.save_pretrained(tmp_path)
+    loaded = MixtralForCausalLM.from_pretrained(tmp_path, experts_implementation="idempotent")
+    assert loaded.config._experts_implementation == "idempotent"
+    assert getattr(loaded.config, hf.CAPACITY_FACTOR_ATTR) == 0.75
+    ids = token_ids(2, 16)
+    with torch.no_grad():
+        out = loaded(ids).logits
+    stats = hf.capacity_stats(loaded)
+    assert sorted(stats) == ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
+    assert all(s.capacity == math.ceil(32 * 2 / 8 * 0.75) for s in stats.values())
+    model.set_experts_implementation("idempotent")
+    torch.testing.assert_close(out, logits(model, ids, "idempotent"), rtol=0, atol=0)
+
+
+def test_use_idempotent_experts_switches_mode_and_implementation():
+    model = tiny_model("qwen3_moe")
+    ids = token_ids(2, 12)
+    eager = logits(model, ids, "eager")
+    assert hf.use_idempotent_experts(model) is model
+    assert model.config._experts_implementation == "idempotent"
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, eager, rtol=1e-5, atol=1e-5)
+    hf.use_idempotent_experts(model, capacity_factor=0.5)
+    with torch.no_grad():
+        model(ids)
+    assert all(s.dropped > 0 for s in hf.capacity_stats(model).values())
+    hf.set_capacity_factor(model, None)
+    with torch.no_grad():
+        model(ids)
+    assert hf.capacity_stats(model) == {}
+
+
+def test_dropless_experts_match_eager_on_skewed_routing():
+    experts = standalone_experts()
+    hidden = torch.randn(40, 16, generator=torch.Generator().manual_seed(5))
+    index, weights = skewed_routing(40, 8, 2)
+    with torch.no_grad():
+        eager = run_experts(experts, hidden, index, weights, "eager")
+        ours = run_experts(experts, hidden, index, weights, "idempotent")
+    torch.testing.assert_close(ours, eager, rtol=1e-5, atol=1e-6)
+
+
+def test_per_expert_loop_matches_grouped_mm(monkeypatch):
+    """Where torch has no grouped_mm, a loop over the experts stands in."""
+    experts = standalone_experts()
+    hidden = torch.randn(33, 16, generator=torch.Generator().manual_seed(6))
+    index, weights = skewed_routing(33, 8, 2, seed=1)
+    with torch.no_grad():
+        grouped = run_experts(experts, hidden, index, weights, "idempotent")
+        monkeypatch.setattr(_dispatch, "_grouped_mm_usable", lambda x, w: False)
+        looped = run_experts(experts, hidden, index, weights, "idempotent")
+    torch.testing.assert_close(looped, grouped, rtol=1e-6, atol=1e-6)
+
+
+def test_zero_tokens():
+    experts = standalone_experts()
+    empty = torch.zeros(0, 16)
+    index = torch.zeros(0, 2, dtype=torch.long)
+    for factor in (None, 1.0):
+        out = run_experts(experts, empty, index, torch.zeros(0, 2), "idempotent", factor)
+        assert out.shape == (0, 16)
+
+
+def test_sort_by_expert_is_a_stable_counting_sort():
+    num_tokens, num_experts, top_k = 50, 6, 3
+    index, _ = skewed_routing(num_tokens, num_experts, top_k, seed=2)
+    d = _dispatch.sort_by_expert(index, num_experts)
+    counts = torch.bincount(index.reshape(-1), minlength=num_experts)
+    assert d.offsets.dtype == torch.int32
+    assert d.offsets.tolist() == counts.cumsum(0).tolist()
+    # rows are sorted by expert, and by token within an expert
+    assert torch.equal(d.expert_of, torch.sort(index.reshape(-1)).values)
+    key = d.expert_of * num_tokens + d.src_token
+    assert bool((key[1:] > key[:-1]).all())
+    # dest is where each assignment went
+    tokens = torch.arange(num_tokens).unsqueeze(1).expand(num_tokens, top_k)
+    assert torch.equal(d.src_token[d.dest], tokens)
+    assert torch.equal(d.expert_of[d.dest], index)
+    assert sorted(d.dest.reshape(-1).tolist()) == list(range(num_tokens * top_k))
+
+
+def test_sort_by_expert_rejects_a_repeated_expert():
+    index = torch.tensor([[0, 1], [2, 2]])
+    with pytest.raises(ValueError, match="distinct"):
+        _dispatch.sort_by_expert(index, 4)
+
+
+# --------------------------------------------------------------------------- capacity mode
+
+
+@pytest.mark.parametrize("ties", [False, True], ids=["distinct", "ties"])
+@pytest.mark.parametrize("factor", [0.5, 1.0, 1.3])
+def test_capacity_drops_the_lowest_weight_overflow(factor, ties):
+    num_tokens, num_experts, top_k = 37, 8, 2
+    experts = standalone_experts(num_experts)
+    hidden = torch.randn(num_tokens, 16, generator=torch.Generator().manual_seed(7))
+    index, weights = skewed_routing(num_tokens, num_experts, top_k, seed=3, ties=ties)
+    capacity = math.ceil(num_tokens * top_k / num_experts * factor)
+    with torch.no_grad():
+        out = run_experts(experts, hidden, index, weights, "idempotent", factor)
+        expected, dropped, _ = capacity_reference(experts, hidden, index, weights, capacity)
+    assert dropped > 0
+    assert experts.idempotent_stats[:2] == (num_tokens * top_k, capacity)
+    assert int(experts.idempotent_stats[2]) == dropped
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_capacity_keeps_the_lower_token_on_a_tie():
+    """Four tokens, all on expert 0 with equal weight, capacity 2: tokens 0
+    and 1 are kept; a token dropped from one expert still gets its other."""
+    experts = standalone_experts(num_experts=4)
+    hidden = torch.randn(4, 16, generator=torch.Generator().manual_seed(8))
+    index = torch.tensor([[0, 1], [0, 2], [0, 3], [0, 1]])
+    weights = torch.full((4, 2), 0.5)
+    with torch.no_grad():  # C = ceil(4 * 2 / 4 * 1.0) = 2
+        out = run_experts(experts, hidden, index, weights, "idempotent", 1.0)
+        expected, dropped, kept = capacity_reference(experts, hidden, index, weights, 2)
+    assert kept == {0: [0, 1], 1: [0, 3], 2: [1], 3: [2]} and dropped == 2
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(out[2], 0.5 * expert_mlp(experts, hidden[2:3], 3)[0], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_capacity_mode_in_a_model_matches_the_reference_per_layer(family):
+    model = tiny_model(family, seed=5)
+    hf.use_idempotent_experts(model, capacity_factor=0.6)
+    captured = []
+    handles = [m.register_forward_hook(lambda mod, args, out: captured.append((mod, args, out)))
+               for m in experts_modules(model)]
+    ids = token_ids(2, 24, seed=6)
+    with torch.no_grad():
+        model(ids)
+    for h in handles:
+        h.remove()
+    stats = hf.capacity_stats(model)
+    assert len(captured) == len(stats) == 2
+    k = model.config.num_experts_per_tok
+    for (module, (hidden, index, weights), out), s in zip(captured, stats.values()):
+        capacity = math.ceil(48 * k / 8 * 0.6)
+        expected, dropped, _ = capacity_reference(module, hidden, index, weights, capacity)
+        assert s == hf.CapacityStats(48 * k, capacity, dropped) and dropped > 0
+        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "gpt_oss"])
+def test_a_large_capacity_factor_drops_nothing_and_equals_dropless(family):
+    model = tiny_model(family, seed=2)
+    ids = token_ids(2, 16)
+    dropless = logits(model, ids, "idempotent")
+    hf.set_capacity_factor(model, 8.0)  # C = ceil(T * k / E * 8) >= T: every assignment fits
+    with torch.no_grad():
+        capped = model(ids).logits
+    stats = hf.capacity_stats(model)
+    assert stats and all(s.dropped == 0 and s.capacity == 32 for s in stats.values())
+    torch.testing.assert_close(capped, dropless, rtol=1e-5, atol=1e-5)
+
+
+def test_capacity_factor_is_validated():
+    model = tiny_model("mixtral")
+    for bad in (0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError):
+            hf.set_capacity_factor(model, bad)
+    for bad in ("1.0", True):
+        with pytest.raises(TypeError):
+            hf.set_capacity_factor(model, bad)
+    with pytest.raises(ValueError, match="experts"):
+        hf.set_capacity_factor(torch.nn.Linear(2, 2), 1.0)
+    model.config.idempotent_capacity_factor = -2  # set by hand: caught at the forward
+    model.set_experts_implementation("idempotent")
+    with pytest.raises(ValueError), torch.no_grad():
+        model(token_ids(1, 4))
+
+
+# --------------------------------------------------------------------------- gradients of the experts
+
+
+def _grads(experts, hidden, index, weights, implementation, factor=None):
+    hidden = hidden.clone().requires_grad_()
+    weights = weights.clone().requires_grad_()
+    experts.zero_grad()
+    out = run_experts(experts, hidden, index, weights, implementation, factor)
+    (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+    return out, hidden.grad, weights.grad, experts.gate_up_proj.grad.clone(), experts.down_proj.grad.clone()
+
+
+def test_dropless_gradients_match_eager():
+    experts = standalone_experts()
+    hidden = torch.randn(30, 16, generator=torch.Generator().manual_seed(9))
+    index, weights = skewed_routing(30, 8, 2, seed=4)
+    ours = _grads(experts, hidden, index, weights, "idempotent")
+    eager = _grads(experts, hidden, index, weights, "eager")
+    for a, b in zip(ours, eager):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_capacity_gradients_match_the_reference():
+    experts = standalone_experts()
+    hidden = torch.randn(30, 16, generator=torch.Generator().manual_seed(10))
+    index, weights = skewed_routing(30, 8, 2, seed=5)
+    ours = _grads(experts, hidden, index, weights, "idempotent", 0.75)
+
+    h = hidden.clone().requires_grad_()
+    w = weights.clone().requires_grad_()
+    experts.zero_grad()
+    out, _, _ = capacity_reference(experts, h, index, w, math.ceil(30 * 2 / 8 * 0.75))
+    (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+    reference = (out, h.grad, w.grad, experts.gate_up_proj.grad, experts.down_proj.grad)
+    for a, b in zip(ours, reference):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+# --------------------------------------------------------------------------- the hook
+
+
+def _top_c_sets(scores, capacity):
+    """Per row, the top-C slots by score, ties to the lower index."""
+    return [sorted(sorted(range(len(row)), key=lambda i: (-row[i], i))[:capacity]) for row in scores.tolist()]
+
+
+@pytest.mark.parametrize("mode", ["swap", "move"])
+def test_hook_capacity_form_compacts_the_callers_buffer(mode):
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(4, 10, 6, generator=g)
+    gating = torch.rand(4, 10, generator=g)
+    before = x.clone()
+    hook = hf.HuggingFaceMoEInplaceHook(capacity=4, block_d=128, mode=mode)
+    kept, idx = hook(x, gating, return_indices=True)
+    assert kept.shape == (4, 4, 6) and kept.data_ptr() == x.data_ptr() and kept._base is x
+    assert idx.dtype == torch.int64 and idx.shape == (4, 4)
+    assert [sorted(r) for r in idx.tolist()] == _top_c_sets(gating, 4)
+    for e in range(4):
+        assert torch.equal(kept[e], before[e, idx[e]])
+    # capacity given to the call wins over the constructor's; without return_indices: the view
+    y = before.clone()
+    view = hook(y, gating, 2)
+    assert view.shape == (4, 2, 6) and view.data_ptr() == y.data_ptr()
+    assert "capacity=4" in repr(hook)
+
+
+def test_hook_seed_forward_form_routes_dispatches_and_combines():
+    num_experts, top_k, dim, capacity = 4, 2, 8, 3
+    g = torch.Generator().manual_seed(12)
+    hidden = torch.randn(2, 5, dim, generator=g)  # 10 tokens
+    router_logits = torch.randn(10, num_experts, generator=g) + torch.tensor([2.0, 1.0, 0.0, 0.0])
+    hook = hf.HuggingFaceMoEInplaceHook(dim, num_experts, top_k, 128)  # positional, as the seeds
+    view = hook.forward(hidden, router_logits, capacity)
+    assert view.shape == (num_experts, capacity, dim)
+
+    res = hook.forward(hidden, router_logits, capacity, return_indices=True)
+    assert isinstance(res, hf.MoEDispatch)
+    tokens = hidden.reshape(-1, dim)
+    probs = torch.softmax(router_logits, -1)
+    top_w, top_i = torch.topk(probs, top_k, -1)
+    top_w = top_w / top_w.sum(-1, keepdim=True)
+    scores = torch.full((num_experts, 10), -math.inf).scatter(0, top_i.t(), top_w.t())
+    expected_sets = _top_c_sets(scores, capacity)
+    for e in range(num_experts):
+        assert sorted(res.indices[e].tolist()) == expected_sets[e]
+        assert torch.equal(res.expert_inputs[e], tokens[res.indices[e]])
+        for c in range(capacity):
+            torch.testing.assert_close(res.weights[e, c], scores[e, res.indices[e, c]].clamp(min=0))
+    # combine: each token gets the weighted outputs of the experts that kept it, no more
+    outputs = res.expert_inputs * 2.0
+    combined = hook.combine(outputs, res.indices, res.weights, 10)
+    expected = torch.zeros(10, dim)
+    for e in range(num_experts):
+        for t in expected_sets[e]:
+            if scores[e, t] > -math.inf:
+                expected[t] += scores[e, t] * 2.0 * tokens[t]
+    torch.testing.assert_close(combined, expected)
+    # into the caller's dispatch buffer
+    buffer = torch.empty(num_experts, 10, dim)
+    view = hook.forward(hidden, router_logits, capacity, dispatch_buffer=buffer)
+    assert view.data_ptr() == buffer.data_ptr()
+    # the constructor-form call works on a routed hook too
+    assert hook(buffer.clone(), scores.nan_to_num(neginf=-1.0), 2).shape == (num_experts, 2, dim)
+
+
+def test_hook_gradients_flow_back_through_the_compaction():
+    """Autograd: the swap compaction is its own inverse, so the gradient of
+    the kept view returns to each token's original slot."""
+    g = torch.Generator().manual_seed(13)
+    base = torch.randn(3, 9, 5, generator=g, requires_grad=True)
+    gating = torch.rand(3, 9, generator=g, requires_grad=True)  # read, never differentiated
+    upstream = torch.randn(3, 4, 5, generator=g)
+    x = base * 1.0  # a non-leaf, as a dispatch output is
+    kept, idx = hf.HuggingFaceMoEInplaceHook(capacity=4)(x, gating, return_indices=True)
+    (kept * upstream).sum().backward()
+    expected = torch.zeros(3, 9, 5)
+    for e in range(3):
+        expected[e, idx[e]] = upstream[e]
+    assert torch.equal(base.grad, expected)
+    assert gating.grad is None
+
+
+def test_hook_forward_is_differentiable():
+    num_experts, top_k, dim = 4, 2, 6
+    g = torch.Generator().manual_seed(14)
+    hidden = torch.randn(12, dim, generator=g, requires_grad=True)
+    router_logits = torch.randn(12, num_experts, generator=g, requires_grad=True)
+    w_out = torch.randn(num_experts, dim, dim, generator=g)
+    hook = hf.HuggingFaceMoEInplaceHook(dim, num_experts, top_k)
+    res = hook.forward(hidden, router_logits, 4, return_indices=True)
+    out = hook.combine(torch.bmm(res.expert_inputs, w_out), res.indices, res.weights, 12)
+    out.square().sum().backward()
+
+    # the same computation out of place, from the kept indices
+    h = hidden.detach().clone().requires_grad_()
+    r = router_logits.detach().clone().requires_grad_()
+    top_w, top_i = torch.topk(torch.softmax(r, -1), top_k, -1)
+    top_w = top_w / top_w.sum(-1, keepdim=True)
+    dense = torch.zeros(num_experts, 12).scatter(0, top_i.t(), top_w.t())
+    y = torch.bmm(h[res.indices], w_out) * dense.gather(1, res.indices).unsqueeze(-1)
+    ref = torch.zeros(12, dim).index_add(0, res.indices.reshape(-1), y.reshape(-1, dim))
+    ref.square().sum().backward()
+    torch.testing.assert_close(out, ref)
+    torch.testing.assert_close(hidden.grad, h.grad)
+    torch.testing.assert_close(router_logits.grad, r.grad)
+
+
+def test_hook_refusals():
+    g = torch.Generator().manual_seed(15)
+    gating = torch.rand(2, 6, generator=g)
+    hook = hf.HuggingFaceMoEInplaceHook(capacity=3)
+    leaf = torch.randn(2, 6, 4, generator=g, requires_grad=True)
+    with pytest.raises(TypeError, match="leaf"):
+        hook(leaf, gating)
+    with pytest.raises(ValueError, match="not differentiable"):
+        hf.HuggingFaceMoEInplaceHook(capacity=3, mode="move")(leaf * 1.0, gating)
+    with torch.no_grad():  # where torch itself allows in-place changes of a leaf
+        kept = hook(leaf, gating)
+    assert kept.shape == (2, 3, 4)
+    # the router of the core API refuses tensors that require grad outright
+    with pytest.raises(TypeError, match="requires grad"):
+        hf.InplaceMoERouter(hidden_dim=4, num_experts=2)(leaf * 1.0, gating, expert_capacity=3)
+    with pytest.raises(TypeError, match="capacity"):
+        hf.HuggingFaceMoEInplaceHook()(torch.randn(2, 6, 4), gating)
+    with pytest.raises(TypeError, match="num_experts"):
+        hook.forward(torch.randn(6, 4), torch.randn(6, 2), 3)
+    with pytest.raises(ValueError, match="top_k"):
+        hf.HuggingFaceMoEInplaceHook(4, 2, 3)
+    with pytest.raises(ValueError, match="router_logits"):
+        hf.HuggingFaceMoEInplaceHook(4, 2, 1).forward(torch.randn(6, 4), torch.randn(5, 2), 3)
+    with pytest.raises(ValueError, match="expert_inputs"):
+        hf.HuggingFaceMoEInplaceHook(4, 3, 1, capacity=2)(torch.randn(2, 6, 4), gating)
+    with pytest.raises(ValueError, match="mode"):
+        hf.HuggingFaceMoEInplaceHook(capacity=1, mode="copy")
+
+
+def test_hook_on_numpy():
+    x = np.arange(2 * 5 * 2, dtype=np.float16).reshape(2, 5, 2)
+    s = np.array([[1, 0, 3, 2, 5], [0, 0, 0, 9, 8]], dtype=np.float32)
+    kept, idx = hf.HuggingFaceMoEInplaceHook(capacity=2)(x, s, return_indices=True)
+    assert idx.tolist() == [[2, 4], [3, 4]] and np.shares_memory(kept, x)
+    assert kept[0].tolist() == [[4, 5], [8, 9]]
+
+
+# --------------------------------------------------------------------------- W4 at smoke size
+
+
+def test_w4_quick_writes_json_and_plot(tmp_path):
+    pytest.importorskip("matplotlib")
+    from idempotent_moe.__main__ import main
+
+    doc = tmp_path / "moe.md"
+    doc.write_text("# t\n<!-- bench:w4 -->\nold\n<!-- /bench:w4 -->\ntail\n")
+    assert main(["w4", "--quick", "--runs", "1", "--tokens", "16,64", "--out", str(tmp_path),
+                 "--doc", str(doc)]) == 0
+    data = json.loads((tmp_path / "w4-cpu-quick.json").read_text())
+    text = doc.read_text()
+    assert "old" not in text and "idempotent dropless" in text and text.endswith("tail\n")
+    assert (tmp_path / "w4-cpu-quick.png").stat().st_size > 1000
+    rows = data["results"]
+    assert {(r["tokens"], r["impl"]) for r in rows} == {
+        (t, i) for t in (16, 64) for i in ("eager", "grouped_mm", "idempotent dropless",
+                                           "idempotent capacity x1", "idempotent capacity x1.25")}
+    assert all(r.get("ok", True) and r["median_ms"] > 0 for r in rows)
+    for r in rows:
+        if r["impl"] == "idempotent dropless":
+            assert r["max_abs_diff_vs_eager"] < 1e-5
+        if "capacity" in r["impl"]:
+            assert r["dropped"] == r["reference_dropped"]
+    assert data["machine"]["transformers"] == transformers.__version__
+
+
+# --------------------------------------------------------------------------- GPU (on the GPU machine)
+
+
+def _cuda_block(hidden, intermediate, dtype, seed=0):
+    from idempotent_moe.bench import w4
+
+    return w4.build_block(w4.Block(hidden, intermediate, 8, 2, (), dtype), "cuda", seed)
+
+
+def _block_output(block, x, implementation, factor=None):
+    from idempotent_moe.bench import w4
+
+    w4._use(block, implementation, factor)
+    with torch.no_grad():
+        return block(x)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [16, 4096])
+@pytest.mark.parametrize("hidden,intermediate", [(1024, 3584), (4096, 14336)])
+def test_gpu_dropless_is_bit_identical_to_grouped_mm(hidden, intermediate, tokens):
+    hf.register()
+    block = _cuda_block(hidden, intermediate, "bfloat16")
+    x = torch.randn(1, tokens, hidden, device="cuda", dtype=torch.bfloat16)
+    grouped = _block_output(block, x, "grouped_mm")
+    ours = _block_output(block, x, "idempotent")
+    assert torch.equal(ours, grouped)
+    eager = _block_output(block, x, "eager")
+    ours_diff = (ours.float() - eager.float()).abs().max()
+    assert ours_diff <= 2 * (grouped.float() - eager.float()).abs().max() + 1e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("factor", [None, 1.0])
+def test_gpu_forward_never_synchronises_the_host(factor):
+    hf.register()
+    block = _cuda_block(512, 1024, "bfloat16")
+    x = torch.randn(1, 300, 512, device="cuda", dtype=torch.bfloat16)
+    _block_output(block, x, "idempotent", factor)  # warm up (grouped_mm probe, allocator)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with torch.no_grad():
+            _, weights, index = block.gate(x.view(-1, 512))
+            block.experts(x.view(-1, 512), index, weights)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("factor", [None, 0.8])
+def test_gpu_forward_captures_in_a_cuda_graph(factor):
+    hf.register()
+    block = _cuda_block(512, 1024, "bfloat16")
+    x = torch.randn(1, 256, 512, device="cuda", dtype=torch.bfloat16)
+    expected = _block_output(block, x, "idempotent", factor)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream), torch.no_grad():
+        for _ in range(2):
+            block(x)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph), torch.no_grad():
+        out = block(x)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, expected)
+
+
+@pytest.mark.gpu
+def test_gpu_capacity_mode_matches_the_cpu():
+    """The same routing (computed once, on the CPU) through capacity mode on
+    both devices: the same drops, and outputs equal within fp32 rounding."""
+    hf.register()
+    cpu_experts = standalone_experts(num_experts=8, hidden=256, intermediate=512)
+    gpu_experts = standalone_experts(num_experts=8, hidden=256, intermediate=512).cuda()
+    gpu_experts.load_state_dict(cpu_experts.state_dict())
+    hidden = torch.randn(500, 256, generator=torch.Generator().manual_seed(16))
+    index, weights = skewed_routing(500, 8, 2, seed=6, ties=True)
+    with torch.no_grad():
+        cpu = run_experts(cpu_experts, hidden, index, weights, "idempotent", 0.9)
+        gpu = run_experts(gpu_experts, hidden.cuda(), index.cuda(), weights.cuda(), "idempotent", 0.9)
+    cpu_stats, gpu_stats = cpu_experts.idempotent_stats, gpu_experts.idempotent_stats
+    assert gpu_stats[:2] == cpu_stats[:2] and int(gpu_stats[2]) == int(cpu_stats[2]) > 0
+    torch.testing.assert_close(gpu.cpu(), cpu, rtol=1e-3, atol=1e-4)
+
+
+@pytest.mark.gpu
+def test_gpu_w4_benchmark(tmp_path):
+    """W4 at full size on the GPU: every row passes its output check, and the
+    dropless rows are bit-identical to grouped_mm. For the recorded figures run
+    `python -m idempotent_moe w4 --doc docs/moe.md` (100 runs per row)."""
+    pytest.importorskip("matplotlib")
+    from idempotent_moe.bench import w4
+
+    data = w4.run(device="cuda", runs=10, out=str(tmp_path))
+    rows = data["results"]
+    assert {r["tokens"] for r in rows} == {16, 4096}
+    assert all(r.get("ok", True) for r in rows)
+    assert all(r["bit_exact_vs_grouped_mm"] for r in rows if r["impl"] == "idempotent dropless")
+    assert all("peak_allocated_bytes" in r for r in rows)

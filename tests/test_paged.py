@@ -1,0 +1,329 @@
+"""Paged KV caches: compaction through block tables, checked against a gather
+reference (each sequence's logical slots read through its table) over random
+tables, geometries, dtypes, selections and modes; the freed blocks; bad input
+that must leave the pool as it was."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import (
+    FRAMEWORKS,
+    bits,
+    expected_after,
+    make_data,
+    reference_indices,
+    reference_kept,
+    requires_torch,
+    to_framework,
+    to_numpy,
+    torch,
+)
+from idempotent_moe.paged import (
+    PagedCompaction,
+    apply_paged_map_,
+    compact_paged_,
+    paged_target_map,
+)
+
+
+def random_tables(rng, lens, block_size, num_blocks, extra_entries=2, pad=-1):
+    """Disjoint random blocks for each sequence, padded with `pad` past its last block."""
+    need = [-(-n // block_size) for n in lens]
+    max_blocks = max(need) + extra_entries
+    assert sum(need) <= num_blocks
+    perm = rng.permutation(num_blocks)
+    tables = np.full((len(lens), max_blocks), pad, dtype=np.int64)
+    used = 0
+    for s, k in enumerate(need):
+        tables[s, :k] = perm[used:used + k]
+        used += k
+    return tables
+
+
+def logical(pool_bits, table, n, block_size, layout):
+    """The sequence's logical slots [n, rest...] read through its table (a gather)."""
+    x = np.arange(n)
+    if layout == "HND":
+        return pool_bits[table[x // block_size], :, x % block_size]
+    return pool_bits[table[x // block_size], x % block_size]
+
+
+def pool_shape(num_blocks, block_size, heads, dim, layout):
+    if heads is None:
+        return (num_blocks, block_size, dim)
+    if layout == "HND":
+        return (num_blocks, heads, block_size, dim)
+    return (num_blocks, block_size, heads, dim)
+
+
+def dyadic_scores(shape, framework, rng, dtype="float32"):
+    """Scores whose sums and means are exact in every float dtype."""
+    values = rng.integers(-16, 16, size=shape) / 4.0
+    return to_framework(values.astype(np.float32), framework) if dtype == "float32" or \
+        framework == "numpy" else torch.from_numpy(values).to(getattr(torch, dtype))
+
+
+def expected_sequence(before_pools, table, n, new_n, block_size, layout, kept_rows, mode):
+    """Per pool, the sequence's logical bits after the compaction ([n, ...])."""
+    out = []
+    for pb in before_pools:
+        seq = logical(pb, table, n, block_size, layout)  # [n, heads, D] or [n, row]
+        if len(kept_rows) == 1:  # one map for the whole slot
+            idx = reference_indices(kept_rows, n, new_n)[0]
+            out.append(expected_after(seq, 0, idx, mode))
+        else:
+            per_head = np.moveaxis(seq, 1, 0)  # [heads, n, D]
+            idx = reference_indices(kept_rows, n, new_n)
+            out.append(np.moveaxis(expected_after(per_head, 1, idx, mode), 0, 1))
+    return out
+
+
+def check_compaction(rng, framework, *, layout="NHD", heads=2, dims=(4, 6), dtype="float16",
+                     block_size=4, lens=(13, 9, 16, 1, 0), capacity=6, score_heads="kv",
+                     prefix=0, window=0, mode="move", head_reduce="mean", num_threads=None):
+    num_blocks = sum(-(-n // block_size) for n in lens) + 5
+    pools = [make_data(pool_shape(num_blocks, block_size, heads, d, layout), dtype, framework, rng)
+             for d in dims]
+    tables = random_tables(rng, lens, block_size, num_blocks)
+    n_max = max(lens) + 3
+    s_count = len(lens)
+    if score_heads == "seq":
+        scores = dyadic_scores((s_count, n_max), framework, rng)
+    elif score_heads == "kv":
+        scores = dyadic_scores((s_count, heads, n_max), framework, rng)
+    else:  # per query head: 2 query heads per KV head
+        scores = dyadic_scores((s_count, 2 * heads, n_max), framework, rng)
+    caps = capacity if np.isscalar(capacity) else np.asarray(capacity)
+    before = [bits(p) for p in pools]
+
+    res = compact_paged_(pools, to_framework(tables, framework), list(lens), capacity, scores,
+                         layout=layout, protected_prefix=prefix, recent_window=window, mode=mode,
+                         head_reduce=head_reduce, num_threads=num_threads)
+    assert isinstance(res, PagedCompaction)
+    s_np = to_numpy(scores).astype(np.float64)
+    if score_heads == "q":
+        s_np = s_np.reshape(s_count, heads, 2, n_max)
+        s_np = s_np.mean(2) if head_reduce == "mean" else s_np.max(2)
+    after = [bits(p) for p in pools]
+    touched = np.zeros(num_blocks, dtype=bool)
+    for s, n in enumerate(lens):
+        c = int(caps if np.isscalar(caps) else caps[s])
+        new_n = min(c, n)
+        assert res.seq_lens[s] == new_n
+        live = -(-n // block_size)
+        assert res.freed_blocks[s] == tables[s, -(-new_n // block_size):live].tolist()
+        touched[tables[s, :live]] = True
+        rows = s_np[s, ..., :n] if n else s_np[s, ..., :0]
+        if n == 0:
+            continue
+        if new_n < n:
+            kept = reference_kept(rows, new_n, prefix, window)
+        else:
+            kept = [np.arange(n)] * (1 if rows.ndim == 1 else rows.shape[0])
+        want = expected_sequence(before, tables[s], n, new_n, block_size, layout, kept, mode)
+        for k, (a, w) in enumerate(zip(after, want)):
+            got = logical(a, tables[s], n, block_size, layout)
+            np.testing.assert_array_equal(got, w, err_msg=f"sequence {s}, pool {k}")
+        tm = to_numpy(res.target_map)[s]
+        idx = reference_indices(kept, n, new_n)
+        np.testing.assert_array_equal(tm[..., :new_n].reshape(idx.shape), idx)
+        np.testing.assert_array_equal(tm[..., n:], np.broadcast_to(np.arange(n, tm.shape[-1]),
+                                                                   tm[..., n:].shape))
+    for a, b in zip(after, before):  # blocks of no sequence are untouched
+        np.testing.assert_array_equal(a[~touched], b[~touched])
+    return res
+
+
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+@pytest.mark.parametrize("mode", ["move", "swap"])
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+@pytest.mark.parametrize("score_heads", ["seq", "kv", "q"])
+def test_matches_gather_reference(framework, mode, layout, score_heads, rng):
+    check_compaction(rng, framework, layout=layout, mode=mode, score_heads=score_heads)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8", "bool"])
+@pytest.mark.parametrize("block_size", [1, 3, 16])
+def test_dtypes_and_block_sizes(dtype, block_size, rng):
+    framework = "torch" if torch is not None else "numpy"
+    if framework == "numpy" and dtype == "bfloat16":
+        pytest.skip("NumPy has no bfloat16")
+    check_compaction(rng, framework, dtype=dtype, block_size=block_size, lens=(40, 17, 3, 33),
+                     capacity=[12, 17, 3, 20], prefix=1, window=2, heads=3, dims=(8, 2))
+
+
+@pytest.mark.parametrize("head_reduce", ["mean", "max"])
+def test_query_head_scores_reduce_per_group(head_reduce, rng):
+    check_compaction(rng, "numpy", score_heads="q", head_reduce=head_reduce, lens=(30, 25))
+
+
+def test_latent_pool_without_heads(rng):
+    check_compaction(rng, "numpy", heads=None, dims=(24,), score_heads="seq", lens=(20, 11, 7))
+
+
+def test_many_sequences_and_threads(rng):
+    lens = tuple(int(x) for x in rng.integers(0, 90, size=12))
+    caps = [int(x) for x in rng.integers(1, 60, size=12)]
+    res1 = check_compaction(np.random.default_rng(7), "numpy", lens=lens, capacity=caps,
+                            num_threads=1, block_size=8, prefix=1, window=1)
+    res4 = check_compaction(np.random.default_rng(7), "numpy", lens=lens, capacity=caps,
+                            num_threads=4, block_size=8, prefix=1, window=1)
+    np.testing.assert_array_equal(res1.target_map, res4.target_map)
+
+
+@requires_torch
+def test_swap_twice_restores_every_pool(rng):
+    lens, bs = [21, 14], 4
+    k = make_data((12, bs, 2, 8), "float16", "torch", rng)
+    v = make_data((12, bs, 2, 8), "float16", "torch", rng)
+    tables = torch.from_numpy(random_tables(rng, lens, bs, 12))
+    before = [bits(k), bits(v)]
+    res = compact_paged_([k, v], tables, lens, 5, torch.rand(2, 2, 21), mode="swap")
+    assert not np.array_equal(bits(k), before[0])
+    apply_paged_map_([k, v], tables, res.target_map, mode="swap")
+    np.testing.assert_array_equal(bits(k), before[0])
+    np.testing.assert_array_equal(bits(v), before[1])
+
+
+def test_active_indices_per_sequence(rng):
+    lens, bs = [19, 10], 4
+    pool = make_data((10, bs, 2, 3), "float32", "numpy", rng)
+    tables = random_tables(rng, lens, bs, 10)
+    before = bits(pool)
+    shared = np.sort(rng.choice(19, size=7, replace=False))
+    per_head = np.stack([rng.choice(10, size=4, replace=False) for _ in range(2)])
+    # one per-sequence list of shared indices, then per-head ones
+    res = compact_paged_(pool, tables, lens, active_indices=[shared, list(range(10))])
+    assert res.seq_lens == [7, 10] and res.freed_blocks == [tables[0, 2:5].tolist(), []]
+    want = expected_after(logical(before, tables[0], 19, bs, "NHD"), 0,
+                          reference_indices([shared], 19, 7)[0], "move")
+    np.testing.assert_array_equal(logical(bits(pool), tables[0], 19, bs, "NHD"), want)
+    before = bits(pool)
+    res = compact_paged_(pool, tables, [7, 10], active_indices=[np.stack([np.arange(7)] * 2),
+                                                                  per_head])
+    assert res.seq_lens == [7, 4]
+    kept = [np.sort(r) for r in per_head]
+    seq = np.moveaxis(logical(before, tables[1], 10, bs, "NHD"), 1, 0)
+    want = np.moveaxis(expected_after(seq, 1, reference_indices(kept, 10, 4), "move"), 0, 1)
+    np.testing.assert_array_equal(logical(bits(pool), tables[1], 10, bs, "NHD"), want)
+
+
+def test_paged_target_map_alone_matches_compact(rng):
+    scores = dyadic_scores((3, 2, 30), "numpy", rng)
+    tm = paged_target_map(4, [30, 12, 25], [10, 12, 3], scores, protected_prefix=2)
+    assert tm.shape == (3, 2, 30) and tm.dtype == np.int32
+    for s, (n, c) in enumerate([(30, 10), (12, 12), (25, 3)]):
+        kept = reference_kept(scores[s, :, :n], min(c, n), 2) if c < n else [np.arange(n)] * 2
+        idx = reference_indices(kept, n, min(c, n))
+        np.testing.assert_array_equal(tm[s, :, : min(c, n)], idx)
+
+
+# --------------------------------------------------------------------------- bad input
+
+
+def _setup(rng, lens=(9, 6), bs=4, nb=8):
+    pool = make_data((nb, bs, 2, 4), "float16", "numpy", rng)
+    tables = random_tables(rng, list(lens), bs, nb)
+    return pool, tables
+
+
+def test_shared_prefix_block_is_refused(rng):
+    pool, tables = _setup(rng)
+    tables[1, 0] = tables[0, 0]  # a prefix-cached block, live in both sequences
+    before = bits(pool)
+    with pytest.raises(ValueError, match="shared"):
+        compact_paged_(pool, tables, [9, 6], 2, dyadic_scores((2, 9), "numpy", rng))
+    np.testing.assert_array_equal(bits(pool), before)
+
+
+def test_duplicate_block_is_refused_by_the_core(rng):
+    pool, tables = _setup(rng)
+    tm = np.tile(np.arange(9, dtype=np.int32), (2, 1))
+    tm[0, [1, 8]] = [8, 1]
+    tm[1, [0, 5]] = [5, 0]
+    tables[1, 0] = tables[0, 0]
+    before = bits(pool)
+    with pytest.raises(ValueError, match="block .* is written through"):
+        apply_paged_map_(pool, tables, tm)
+    np.testing.assert_array_equal(bits(pool), before)
+
+
+@pytest.mark.parametrize("block", [-3, 8, 1000])
+def test_block_out_of_range_is_refused(block, rng):
+    pool, tables = _setup(rng)
+    tables[0, 2] = block
+    tm = np.tile(np.arange(9, dtype=np.int32), (2, 1))
+    tm[0, [0, 8]] = [8, 0]  # slot 8 lives in entry 2
+    before = bits(pool)
+    with pytest.raises(ValueError, match="outside"):
+        apply_paged_map_(pool, tables, tm)
+    np.testing.assert_array_equal(bits(pool), before)
+
+
+def test_not_an_involution_is_refused(rng):
+    pool, tables = _setup(rng)
+    tm = np.tile(np.arange(9, dtype=np.int32), (2, 1))
+    tm[1, 3] = 4
+    before = bits(pool)
+    with pytest.raises(ValueError, match="involution"):
+        apply_paged_map_(pool, tables, tm)
+    np.testing.assert_array_equal(bits(pool), before)
+
+
+def test_entries_past_a_sequence_are_never_read(rng):
+    pool, tables = _setup(rng)
+    tables[0, 3:] = 10**9  # garbage padding, as engines leave it
+    before = bits(pool)
+    res = compact_paged_(pool, tables, [9, 6], 4, dyadic_scores((2, 2, 9), "numpy", rng))
+    assert res.seq_lens == [4, 4] and len(res.freed_blocks[0]) == 2
+    assert not np.array_equal(bits(pool), before)
+
+
+@pytest.mark.parametrize("case", [
+    "tables_1d", "lens_count", "len_too_long", "scores_rows", "map_heads", "layout", "mode",
+    "pool_shapes", "pool_3d_per_head", "capacity_count",
+])
+def test_bad_arguments(case, rng):
+    pool, tables = _setup(rng)
+    scores = dyadic_scores((2, 2, 9), "numpy", rng)
+    other = make_data((8, 4, 2, 4), "float16", "numpy", rng)
+    calls = {
+        "tables_1d": lambda: compact_paged_(pool, tables[0], [9], 4, scores[:1]),
+        "lens_count": lambda: compact_paged_(pool, tables, [9], 4, scores),
+        "len_too_long": lambda: compact_paged_(pool, tables, [9, 100], 4, scores),
+        "scores_rows": lambda: compact_paged_(pool, tables, [9, 6], 4, scores[:1]),
+        "map_heads": lambda: apply_paged_map_(pool, tables, np.zeros((2, 3, 9), np.int32)),
+        "layout": lambda: compact_paged_(pool, tables, [9, 6], 4, scores, layout="NDH"),
+        "mode": lambda: compact_paged_(pool, tables, [9, 6], 4, scores, mode="gather"),
+        "pool_shapes": lambda: compact_paged_([pool, other[:, :3]], tables, [9, 6], 4, scores),
+        "pool_3d_per_head": lambda: apply_paged_map_(pool[:, :, 0], tables,
+                                                     np.zeros((2, 2, 9), np.int32)),
+        "capacity_count": lambda: compact_paged_(pool, tables, [9, 6], [4, 4, 4], scores),
+    }
+    before = bits(pool)
+    with pytest.raises(ValueError):
+        calls[case]()
+    np.testing.assert_array_equal(bits(pool), before)
+
+
+def test_binding_rejects_bad_axes_dtypes_and_modes(rng):
+    from idempotent_moe._native import native
+
+    pool, tables = _setup(rng)
+    tm = np.tile(np.arange(9, dtype=np.int32), (2, 1))
+    before = bits(pool)
+    c = native()
+    with pytest.raises(ValueError, match="block axis"):
+        c.paged_apply_target_map([pool], [0], [2], tables, tm, 1, 0)
+    with pytest.raises(ValueError, match="mode"):
+        c.paged_apply_target_map([pool], [1], [2], tables, tm, 7, 0)
+    with pytest.raises(TypeError, match="block_tables"):
+        c.paged_apply_target_map([pool], [1], [2], tables.astype(np.float32), tm, 1, 0)
+    with pytest.raises(ValueError, match="exceeds max_blocks"):
+        c.paged_apply_target_map([pool], [1], [2], tables[:, :1], tm, 1, 0)
+    with pytest.raises(BufferError, match="read-only"):
+        ro = pool.copy()
+        ro.setflags(write=False)
+        c.paged_apply_target_map([ro], [1], [2], tables, tm, 1, 0)
+    np.testing.assert_array_equal(bits(pool), before)
