@@ -27,7 +27,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import re
 from dataclasses import dataclass
 
 from . import report, workloads
@@ -247,14 +246,9 @@ def run_kv(opts: KVOptions) -> dict:
         "results": rows,
     }
     print(report.table(data))
-    os.makedirs(opts.out, exist_ok=True)
     stem = f"kv-{device}" + ("-quick" if opts.quick else "")
-    path = os.path.join(opts.out, stem + ".json")
-    with open(path, "w") as f:
-        json.dump(data, f, indent=2)
-    print(f"wrote {path}")
-    if opts.plot:
-        print(f"wrote {report._plot(data, os.path.join(opts.out, stem + '.png'))}")
+    for path in report.write_results(data, opts.out, stem, report._plot if opts.plot else None):
+        print(f"wrote {path}")
     if opts.doc:
         update_doc(opts.doc, data)
         print(f"updated {opts.doc}")
@@ -265,15 +259,7 @@ def run_kv(opts: KVOptions) -> dict:
 
 def update_doc(path: str, data: dict) -> None:
     """Replace the table between <!-- kv:DEVICE --> and <!-- /kv:DEVICE -->."""
-    device = data["machine"]["device"]
-    start, end = f"<!-- kv:{device} -->", f"<!-- /kv:{device} -->"
-    with open(path) as f:
-        text = f.read()
-    if start not in text or end not in text:
-        raise SystemExit(f"{path} has no {start} ... {end} section to update")
-    pattern = re.compile(re.escape(start) + ".*?" + re.escape(end), re.S)
-    with open(path, "w") as f:
-        f.write(pattern.sub(lambda _: f"{start}\n{report.table(data)}\n{end}", text))
+    report.replace_section(path, f"kv:{data['machine']['device']}", lambda: report.table(data))
 
 
 def doc_from_json(path: str, json_path: str) -> None:

@@ -12,7 +12,6 @@ given too for the permutation itself.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from dataclasses import dataclass
@@ -20,7 +19,7 @@ from typing import Callable
 
 import idempotent_moe as imoe
 
-from . import runner
+from . import report, runner
 from .timing import copy_bandwidth, time_calls
 
 FULL = dict(t=32768, d=512, experts=(8, 64), compact=(8, 4096, 512, 2048))
@@ -218,13 +217,8 @@ def run(runs: int = 0, threads: int = 0, quick: bool = False,
         r["time_ratio_vs_torch"] = r["median_ms"] / base["median_ms"]
     data = {"machine": runner._machine("cpu", threads, bandwidth), "quick": quick, "results": rows}
     stem = "permute-cpu" + ("-quick" if quick else "")
-    os.makedirs(out, exist_ok=True)
-    path = os.path.join(out, stem + ".json")
-    with open(path, "w") as f:
-        json.dump(data, f, indent=2)
-    paths = [path]
-    if plot:
-        paths.append(_plot(data, os.path.join(out, stem + ".png")))
+    paths = report.write_results(data, out, stem, _plot if plot else None)
+    path = paths[0]
     print(table(data))
     for p in paths:
         print(f"wrote {p}", file=sys.stderr)

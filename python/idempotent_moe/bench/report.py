@@ -52,15 +52,34 @@ def _stem(data: dict) -> str:
     return f"main-{data['machine']['device']}" + ("-quick" if data.get("quick") else "")
 
 
-def write(data: dict, out_dir: str, plot: bool = True) -> list:
+def write_results(data: dict, out_dir: str, stem: str, plot=None) -> list:
+    """stem.json under out_dir, and stem.png drawn by plot(data, path) when given."""
     os.makedirs(out_dir, exist_ok=True)
-    path = os.path.join(out_dir, _stem(data) + ".json")
+    path = os.path.join(out_dir, stem + ".json")
     with open(path, "w") as f:
         json.dump(data, f, indent=2)
     paths = [path]
-    if plot:
-        paths.append(_plot(data, os.path.join(out_dir, _stem(data) + ".png")))
+    if plot is not None:
+        paths.append(plot(data, os.path.join(out_dir, stem + ".png")))
     return paths
+
+
+def write(data: dict, out_dir: str, plot: bool = True) -> list:
+    return write_results(data, out_dir, _stem(data), _plot if plot else None)
+
+
+def replace_section(path: str, key: str, render) -> None:
+    """Replace what stands between <!-- key --> and <!-- /key --> in a file
+    with render(), called once the markers are found."""
+    start, end = f"<!-- {key} -->", f"<!-- /{key} -->"
+    with open(path) as f:
+        content = f.read()
+    if start not in content or end not in content:
+        raise SystemExit(f"{path} has no {start} ... {end} section to update")
+    pattern = re.compile(re.escape(start) + ".*?" + re.escape(end), re.S)
+    text = render()
+    with open(path, "w") as f:
+        f.write(pattern.sub(lambda _: f"{start}\n{text}\n{end}", content))
 
 
 def _series(row: dict) -> str:
@@ -109,15 +128,7 @@ def _plot(data: dict, path: str) -> str:
 
 def update_readme(readme: str, data: dict) -> None:
     """Replace the table between <!-- bench:DEVICE --> and <!-- /bench:DEVICE -->."""
-    device = data["machine"]["device"]
-    start, end = f"<!-- bench:{device} -->", f"<!-- /bench:{device} -->"
-    with open(readme) as f:
-        text = f.read()
-    if start not in text or end not in text:
-        raise SystemExit(f"{readme} has no {start} ... {end} section to update")
-    pattern = re.compile(re.escape(start) + ".*?" + re.escape(end), re.S)
-    with open(readme, "w") as f:
-        f.write(pattern.sub(lambda _: f"{start}\n{table(data)}\n{end}", text))
+    replace_section(readme, f"bench:{data['machine']['device']}", lambda: table(data))
 
 
 def readme_from_json(readme: str, json_path: str) -> None:

@@ -3,10 +3,9 @@ topk + gather (as W1), every point checked bit for bit."""
 
 from __future__ import annotations
 
-import json
 import os
 
-from . import runner, workloads
+from . import report, runner, workloads
 from .timing import copy_bandwidth, time_calls
 
 N_VALUES = (256, 1024, 4096, 16384, 65536, 131072)
@@ -72,20 +71,15 @@ def run(device: str = "auto", runs: int = 0, out: str = os.path.join("benchmarks
     bar.close()
     data = {"machine": runner._machine(device, torch.get_num_threads(), bandwidth),
             "quick": quick, "results": rows}
-    os.makedirs(out, exist_ok=True)
-    stem = os.path.join(out, f"sweep-{device}" + ("-quick" if quick else ""))
-    with open(stem + ".json", "w") as f:
-        json.dump(data, f, indent=2)
-    print(f"wrote {stem}.json")
-    if plot:
-        _plot(data, stem + ".png")
-        print(f"wrote {stem}.png")
+    stem = f"sweep-{device}" + ("-quick" if quick else "")
+    for path in report.write_results(data, out, stem, _plot if plot else None):
+        print(f"wrote {path}")
     if not all(r["bit_exact"] for r in rows):
         raise SystemExit("a sweep point did not match its baseline bit for bit")
     return data
 
 
-def _plot(data: dict, path: str) -> None:
+def _plot(data: dict, path: str) -> str:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -113,3 +107,4 @@ def _plot(data: dict, path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+    return path

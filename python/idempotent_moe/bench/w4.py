@@ -18,10 +18,9 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from dataclasses import dataclass
 
-from . import runner
+from . import report, runner
 from .timing import time_calls
 
 
@@ -258,14 +257,7 @@ def table(data: dict) -> str:
 
 def update_doc(path: str, data: dict) -> None:
     """Replace the table between <!-- bench:w4 --> and <!-- /bench:w4 --> (docs/moe.md)."""
-    start, end = "<!-- bench:w4 -->", "<!-- /bench:w4 -->"
-    with open(path) as f:
-        text = f.read()
-    if start not in text or end not in text:
-        raise SystemExit(f"{path} has no {start} ... {end} section to update")
-    pattern = re.compile(re.escape(start) + ".*?" + re.escape(end), re.S)
-    with open(path, "w") as f:
-        f.write(pattern.sub(lambda _: f"{start}\n{table(data)}\n{end}", text))
+    report.replace_section(path, "bench:w4", lambda: table(data))
 
 
 def doc_from_json(path: str, json_path: str) -> None:
@@ -278,14 +270,7 @@ def _stem(data: dict) -> str:
 
 
 def write(data: dict, out_dir: str, plot: bool = True) -> list:
-    os.makedirs(out_dir, exist_ok=True)
-    path = os.path.join(out_dir, _stem(data) + ".json")
-    with open(path, "w") as f:
-        json.dump(data, f, indent=2)
-    paths = [path]
-    if plot:
-        paths.append(_plot(data, os.path.join(out_dir, _stem(data) + ".png")))
-    return paths
+    return report.write_results(data, out_dir, _stem(data), _plot if plot else None)
 
 
 def _plot(data: dict, path: str) -> str:
