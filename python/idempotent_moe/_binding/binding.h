@@ -5,6 +5,7 @@
  *             released again exactly once
  *   views.c   imoe_view from an import, and the checks that need only views
  *   errors.c  imoe_status and export failures to Python exceptions
+ *   call.c    the per-call state: stream, threads, imports, buffers, workspace
  *   module.c  the module, its argument parsing and the calls into the C API
  *
  * Every function that can fail returns -1 (or NULL) with a Python exception
@@ -114,6 +115,62 @@ PyObject *imoe_py_raise_status(imoe_status status, const imoe_error *err);
 /* Replaces the pending exception by `type` with "<name> <what>: <message>",
  * keeping the original as __cause__. Returns NULL. */
 PyObject *imoe_py_reraise_as(PyObject *type, const char *name, const char *what);
+
+/* ---- call.c ---- */
+
+/* Everything one call imports and builds; large, so on the heap. */
+typedef struct imoe_py_call {
+  imoe_imports imports;
+  imoe_view buffers[IMOE_MAX_BUFFERS];
+  int32_t num_buffers;
+  const imoe_import *written[IMOE_MAX_IMPORTS];
+  int num_written;
+  /* Tuples made from the buffers, dims and row_ndims lists: __dlpack__ runs
+   * Python code, which must not be able to free an item under us. */
+  PyObject *held[3];
+  int32_t *workspace; /* the caller's plan workspace, or NULL */
+  int64_t workspace_elems;
+  int32_t threads; /* 0: the OpenMP default */
+  imoe_exec exec;  /* set by imoe_py_call_finish */
+} imoe_py_call;
+
+/* A call on `stream` (None or a DLPack stream value) with num_threads (<= 0:
+ * the default; ValueError above INT32_MAX). */
+imoe_py_call *imoe_py_call_new(PyObject *stream, long long num_threads);
+
+/* The one cleanup: every import released once, whatever happened. */
+void imoe_py_call_free(imoe_py_call *c);
+
+/* Imports obj; a written one is checked for self-overlap and remembered. */
+imoe_import *imoe_py_call_import(imoe_py_call *c, PyObject *obj, const char *name, int written);
+
+/* imoe_py_call_import, then the typed view (see imoe_py_typed_view). */
+int imoe_py_call_import_typed(imoe_py_call *c, PyObject *obj, const char *name, int written,
+                              unsigned accepted, const char *accepted_names, imoe_view *view);
+
+/* A list or tuple argument (TypeError otherwise), held by c as a tuple in
+ * held[slot]; `of` says what it holds. Returns the tuple (borrowed). */
+PyObject *imoe_py_call_hold(imoe_py_call *c, int slot, PyObject *obj, const char *name,
+                            const char *of);
+
+/* buffers, dims and row_ndims held as held[0], held[1] and held[2]. */
+int imoe_py_call_hold_buffer_args(imoe_py_call *c, PyObject *buffers, PyObject *dims,
+                                  PyObject *row_ndims);
+
+/* tuple[i] as an int (TypeError names it "<name>[i]"). */
+int imoe_py_int_item(PyObject *tuple, Py_ssize_t i, const char *name, int64_t *out);
+
+/* buffers[b] as [lead..., N, row_b] views in c->buffers: one lead shape and N
+ * for all. */
+int imoe_py_call_import_buffers(imoe_py_call *c, PyObject *buffers, PyObject *dims,
+                                PyObject *row_ndims);
+
+/* The plan workspace: None, or a C-contiguous int32 array of any shape. */
+int imoe_py_call_import_workspace(imoe_py_call *c, PyObject *obj);
+
+/* The checks that span all arrays (distinct outputs), then the one device
+ * they share into c->exec. */
+int imoe_py_call_finish(imoe_py_call *c);
 
 /* ---- paged.c ---- */
 

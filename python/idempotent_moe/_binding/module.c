@@ -4,7 +4,7 @@
  * Each function parses its positional arguments, imports every array,
  * builds and checks the views (messages name the Python argument), then calls
  * the C API with the GIL released. Every import is released on every path by
- * call_free.
+ * imoe_py_call_free (call.c).
  */
 #include "binding.h"
 #include "permute.h"
@@ -22,54 +22,12 @@
 #define INDEX_DTYPES (IMOE_DTYPE_BIT(IMOE_DTYPE_I32) | IMOE_DTYPE_BIT(IMOE_DTYPE_I64))
 #define INDEX_NAMES "int32 or int64"
 
-/* Everything one call imports and builds; large, so on the heap. */
-typedef struct call {
-  imoe_imports imports;
-  imoe_view buffers[IMOE_MAX_BUFFERS];
-  int32_t num_buffers;
-  const imoe_import *written[IMOE_MAX_IMPORTS];
-  int num_written;
-  /* Tuples made from the buffers, dims and row_ndims lists: __dlpack__ runs
-   * Python code, which must not be able to free an item under us. */
-  PyObject *sequences[3];
-} call;
-
-static call *call_new(void) {
-  call *c = PyMem_Malloc(sizeof *c);
-  if (c == NULL) return (call *)PyErr_NoMemory();
-  /* Records are zeroed one by one as they are used: most calls use a few. */
-  c->imports.count = 0;
-  c->imports.stream = Py_None;
-  c->num_buffers = 0;
-  c->num_written = 0;
-  for (int i = 0; i < 3; ++i) c->sequences[i] = NULL;
-  return c;
-}
-
-/* The one cleanup: every import released once, whatever happened. */
-static void call_free(call *c) {
-  if (c == NULL) return;
-  imoe_py_release_imports(&c->imports);
-  for (int i = 0; i < 3; ++i) Py_XDECREF(c->sequences[i]);
-  PyMem_Free(c);
-}
-
 /* ---- scalar arguments ---- */
 
 static int check_mode(int mode) {
   if (mode == IMOE_MODE_SWAP || mode == IMOE_MODE_MOVE) return 0;
   PyErr_Format(PyExc_ValueError, "mode must be 0 (swap) or 1 (move), got %d", mode);
   return -1;
-}
-
-static int check_threads(long long num_threads, int32_t *out) {
-  if (num_threads > INT32_MAX) {
-    PyErr_Format(PyExc_ValueError, "num_threads must be at most %d, got %lld", INT32_MAX,
-                 num_threads);
-    return -1;
-  }
-  *out = num_threads < 0 ? 0 : (int32_t)num_threads; /* <= 0: the OpenMP default */
-  return 0;
 }
 
 typedef struct selection_args {
@@ -110,115 +68,10 @@ static int check_selection_args(const selection_args *a) {
   return 0;
 }
 
-/* The stream every __dlpack__ is asked for and the call is launched on. */
-static int use_stream(call *c, PyObject *stream) {
-  if (imoe_py_check_stream(stream) < 0) return -1;
-  c->imports.stream = stream;
-  return 0;
-}
-
 /* ---- arrays ---- */
 
-static imoe_import *import_one(call *c, PyObject *obj, const char *name, int written) {
-  imoe_import *im = imoe_py_import_array(&c->imports, obj, name, written);
-  if (im == NULL) return NULL;
-  if (written) {
-    if (imoe_py_check_no_self_overlap(im) < 0) return NULL;
-    c->written[c->num_written++] = im;
-  }
-  return im;
-}
-
-static int import_typed(call *c, PyObject *obj, const char *name, int written, unsigned accepted,
-                        const char *accepted_names, imoe_view *view) {
-  imoe_import *im = import_one(c, obj, name, written);
-  if (im == NULL) return -1;
-  return imoe_py_typed_view(im, accepted, accepted_names, view);
-}
-
-/* A list or tuple argument, held by c as a tuple. */
-static PyObject *hold_sequence(call *c, int slot, PyObject *obj, const char *name, const char *of) {
-  if (!PyList_Check(obj) && !PyTuple_Check(obj)) {
-    PyErr_Format(PyExc_TypeError, "%s must be a list or tuple of %s, got %.200s", name, of,
-                 Py_TYPE(obj)->tp_name);
-    return NULL;
-  }
-  c->sequences[slot] = PySequence_Tuple(obj);
-  return c->sequences[slot];
-}
-
-static int int_item(PyObject *tuple, Py_ssize_t i, const char *name, int64_t *out) {
-  PyObject *item = PyTuple_GET_ITEM(tuple, i);
-  if (!PyIndex_Check(item)) {
-    PyErr_Format(PyExc_TypeError, "%s[%zd] must be an int, got %.200s", name, i,
-                 Py_TYPE(item)->tp_name);
-    return -1;
-  }
-  Py_ssize_t value = PyNumber_AsSsize_t(item, PyExc_OverflowError);
-  if (value == -1 && PyErr_Occurred()) return -1;
-  *out = (int64_t)value;
-  return 0;
-}
-
-/* buffers[b] as [lead..., N, row_b] views: one lead shape and N for all. */
-static int import_buffers(call *c, PyObject *buffers, PyObject *dims, PyObject *row_ndims) {
-  PyObject *bufs = hold_sequence(c, 0, buffers, "buffers", "arrays");
-  if (bufs == NULL) return -1;
-  PyObject *dim_tuple = hold_sequence(c, 1, dims, "dims", "ints");
-  if (dim_tuple == NULL) return -1;
-  PyObject *row_tuple = hold_sequence(c, 2, row_ndims, "row_ndims", "ints");
-  if (row_tuple == NULL) return -1;
-
-  Py_ssize_t count = PyTuple_GET_SIZE(bufs);
-  if (count < 1 || count > IMOE_MAX_BUFFERS) {
-    PyErr_Format(PyExc_ValueError, "buffers must hold 1 to %d arrays, got %zd", IMOE_MAX_BUFFERS,
-                 count);
-    return -1;
-  }
-  if (PyTuple_GET_SIZE(dim_tuple) != count || PyTuple_GET_SIZE(row_tuple) != count) {
-    PyErr_Format(PyExc_ValueError,
-                 "dims and row_ndims must have one entry per buffer (%zd), got %zd and %zd", count,
-                 PyTuple_GET_SIZE(dim_tuple), PyTuple_GET_SIZE(row_tuple));
-    return -1;
-  }
-  int64_t dim[IMOE_MAX_BUFFERS], rows[IMOE_MAX_BUFFERS];
-  for (Py_ssize_t b = 0; b < count; ++b) {
-    if (int_item(dim_tuple, b, "dims", &dim[b]) < 0) return -1;
-    if (int_item(row_tuple, b, "row_ndims", &rows[b]) < 0) return -1;
-    if (rows[b] < 0) {
-      PyErr_Format(PyExc_ValueError, "row_ndims[%zd] must be >= 0, got %lld", b,
-                   (long long)rows[b]);
-      return -1;
-    }
-  }
-
-  for (Py_ssize_t b = 0; b < count; ++b) {
-    char name[32];
-    snprintf(name, sizeof name, "buffers[%zd]", b);
-    imoe_import *im = import_one(c, PyTuple_GET_ITEM(bufs, b), name, 1);
-    if (im == NULL) return -1;
-    if (dim[b] < 0 || dim[b] >= im->ndim) {
-      PyErr_Format(PyExc_ValueError, "dims[%zd] = %lld is out of range for %s with %d axes", b,
-                   (long long)dim[b], name, (int)im->ndim);
-      return -1;
-    }
-    if (dim[b] + rows[b] >= im->ndim) {
-      PyErr_Format(PyExc_ValueError,
-                   "%s: the slot axis dims[%zd] = %lld must come before its row axes, the last "
-                   "row_ndims[%zd] = %lld of its %d axes",
-                   name, b, (long long)dim[b], b, (long long)rows[b], (int)im->ndim);
-      return -1;
-    }
-    if (imoe_py_buffer_view(im, dim[b], rows[b], &c->buffers[b]) < 0) return -1;
-    if (b > 0 && imoe_py_expect_same_rows(&c->buffers[b], name, &c->buffers[0], "buffers[0]") < 0)
-      return -1;
-  }
-  c->num_buffers = (int32_t)count;
-  return 0;
-}
-
 /* scores or active_indices into sel (view holds the imoe_view it points to). */
-static int import_selection(call *c, const selection_args *a, imoe_view *view,
+static int import_selection(imoe_py_call *c, const selection_args *a, imoe_view *view,
                             imoe_selection *sel) {
   memset(sel, 0, sizeof *sel);
   sel->capacity = a->capacity;
@@ -227,10 +80,11 @@ static int import_selection(call *c, const selection_args *a, imoe_view *view,
   sel->nan_policy = a->nan_lowest ? IMOE_NAN_LOWEST : IMOE_NAN_ERROR;
   if (a->scores != Py_None) {
     sel->scores = view;
-    return import_typed(c, a->scores, "scores", 0, FLOAT_DTYPES, FLOAT_NAMES, view);
+    return imoe_py_call_import_typed(c, a->scores, "scores", 0, FLOAT_DTYPES, FLOAT_NAMES, view);
   }
   sel->active = view;
-  if (import_typed(c, a->active, "active_indices", 0, INDEX_DTYPES, INDEX_NAMES, view) < 0)
+  if (imoe_py_call_import_typed(c, a->active, "active_indices", 0, INDEX_DTYPES, INDEX_NAMES,
+                                view) < 0)
     return -1;
   if (view->n != a->capacity) {
     PyErr_Format(PyExc_ValueError,
@@ -262,12 +116,6 @@ static int check_selection_rows(const imoe_selection *sel, const imoe_view *rows
   return 0;
 }
 
-/* The checks that span all arrays, then the one device they share. */
-static int finish_checks(call *c, int32_t num_threads, imoe_exec *exec) {
-  if (imoe_py_check_distinct_outputs(c->written, c->num_written) < 0) return -1;
-  return imoe_py_exec_for(&c->imports, num_threads, exec);
-}
-
 static int64_t min64(int64_t a, int64_t b) {
   return a < b ? a : b;
 }
@@ -290,24 +138,21 @@ static PyObject *py_compact(PyObject *self, PyObject *args) {
                         &sa.active, &out_indices, &out_target_map, &sa.capacity, &sa.prefix,
                         &sa.window, &sa.nan_lowest, &mode, &num_threads, &stream))
     return NULL;
-  PyObject *result = NULL;
-  call *c = call_new();
+  if (check_mode(mode) < 0 || check_selection_args(&sa) < 0) return NULL;
+  imoe_py_call *c = imoe_py_call_new(stream, num_threads);
   if (c == NULL) return NULL;
+  PyObject *result = NULL;
   imoe_view sel_view, idx, map;
   imoe_selection sel;
-  imoe_exec exec;
-  int32_t threads;
   int has_map = out_target_map != Py_None;
-  if (check_mode(mode) < 0 || check_threads(num_threads, &threads) < 0 ||
-      check_selection_args(&sa) < 0 || use_stream(c, stream) < 0)
-    goto done;
-  if (import_buffers(c, buffers, dims, row_ndims) < 0 ||
+  if (imoe_py_call_import_buffers(c, buffers, dims, row_ndims) < 0 ||
       import_selection(c, &sa, &sel_view, &sel) < 0 ||
-      import_typed(c, out_indices, "out_indices", 1, INDEX_DTYPES, INDEX_NAMES, &idx) < 0 ||
-      (has_map && import_typed(c, out_target_map, "out_target_map", 1,
-                               IMOE_DTYPE_BIT(IMOE_DTYPE_I32), "int32", &map) < 0))
+      imoe_py_call_import_typed(c, out_indices, "out_indices", 1, INDEX_DTYPES, INDEX_NAMES,
+                                &idx) < 0 ||
+      (has_map && imoe_py_call_import_typed(c, out_target_map, "out_target_map", 1,
+                                            IMOE_DTYPE_BIT(IMOE_DTYPE_I32), "int32", &map) < 0))
     goto done;
-  if (finish_checks(c, threads, &exec) < 0) goto done;
+  if (imoe_py_call_finish(c) < 0) goto done;
 
   const imoe_view *rows = &c->buffers[0];
   if (check_selection_rows(&sel, rows, rows->n, "the buffers") < 0 ||
@@ -321,11 +166,11 @@ static PyObject *py_compact(PyObject *self, PyObject *args) {
   imoe_status status;
   Py_BEGIN_ALLOW_THREADS
   status = imoe_compact(c->buffers, c->num_buffers, &sel, &idx, has_map ? &map : NULL,
-                        (imoe_mode)mode, &exec, &err);
+                        (imoe_mode)mode, &c->exec, &err);
   Py_END_ALLOW_THREADS
   result = done_with(status, &err);
 done:
-  call_free(c);
+  imoe_py_call_free(c);
   return result;
 }
 
@@ -339,28 +184,24 @@ static PyObject *py_build_map(PyObject *self, PyObject *args) {
                         &out_target_map, &sa.capacity, &sa.prefix, &sa.window, &sa.nan_lowest,
                         &num_threads, &stream))
     return NULL;
-  PyObject *result = NULL;
-  call *c = call_new();
+  if (check_selection_args(&sa) < 0) return NULL;
+  imoe_py_call *c = imoe_py_call_new(stream, num_threads);
   if (c == NULL) return NULL;
+  PyObject *result = NULL;
   imoe_view sel_view, idx, map;
   imoe_selection sel;
-  imoe_exec exec;
-  int32_t threads;
   int has_idx = out_indices != Py_None, has_map = out_target_map != Py_None;
-  if (check_threads(num_threads, &threads) < 0 || check_selection_args(&sa) < 0 ||
-      use_stream(c, stream) < 0)
-    goto done;
   if (!has_idx && !has_map) {
     PyErr_SetString(PyExc_ValueError, "out_indices, out_target_map or both must be given");
     goto done;
   }
   if (import_selection(c, &sa, &sel_view, &sel) < 0 ||
-      (has_idx &&
-       import_typed(c, out_indices, "out_indices", 1, INDEX_DTYPES, INDEX_NAMES, &idx) < 0) ||
-      (has_map && import_typed(c, out_target_map, "out_target_map", 1,
-                               IMOE_DTYPE_BIT(IMOE_DTYPE_I32), "int32", &map) < 0))
+      (has_idx && imoe_py_call_import_typed(c, out_indices, "out_indices", 1, INDEX_DTYPES,
+                                            INDEX_NAMES, &idx) < 0) ||
+      (has_map && imoe_py_call_import_typed(c, out_target_map, "out_target_map", 1,
+                                            IMOE_DTYPE_BIT(IMOE_DTYPE_I32), "int32", &map) < 0))
     goto done;
-  if (finish_checks(c, threads, &exec) < 0) goto done;
+  if (imoe_py_call_finish(c) < 0) goto done;
 
   /* The lead shape comes from the selection, or from the outputs when
    * active_indices is one [K] shared by all rows; N from scores or the map. */
@@ -395,11 +236,11 @@ static PyObject *py_build_map(PyObject *self, PyObject *args) {
   imoe_error err = {{0}};
   imoe_status status;
   Py_BEGIN_ALLOW_THREADS
-  status = imoe_build_map(&sel, has_idx ? &idx : NULL, has_map ? &map : NULL, &exec, &err);
+  status = imoe_build_map(&sel, has_idx ? &idx : NULL, has_map ? &map : NULL, &c->exec, &err);
   Py_END_ALLOW_THREADS
   result = done_with(status, &err);
 done:
-  call_free(c);
+  imoe_py_call_free(c);
   return result;
 }
 
@@ -408,20 +249,16 @@ enum apply_kind { APPLY_INDICES, APPLY_TARGET_MAP, RESTORE };
 /* apply_indices, apply_target_map and restore: buffers and one map. */
 static PyObject *apply(enum apply_kind kind, PyObject *buffers, PyObject *dims, PyObject *row_ndims,
                        PyObject *map_obj, int mode, long long num_threads, PyObject *stream) {
-  PyObject *result = NULL;
-  call *c = call_new();
+  if (check_mode(mode) < 0) return NULL;
+  imoe_py_call *c = imoe_py_call_new(stream, num_threads);
   if (c == NULL) return NULL;
+  PyObject *result = NULL;
   const char *map_name = kind == APPLY_TARGET_MAP ? "target_map" : "indices";
   imoe_view map;
-  imoe_exec exec;
-  int32_t threads;
-  if (check_mode(mode) < 0 || check_threads(num_threads, &threads) < 0 ||
-      use_stream(c, stream) < 0)
+  if (imoe_py_call_import_buffers(c, buffers, dims, row_ndims) < 0 ||
+      imoe_py_call_import_typed(c, map_obj, map_name, 0, INDEX_DTYPES, INDEX_NAMES, &map) < 0)
     goto done;
-  if (import_buffers(c, buffers, dims, row_ndims) < 0 ||
-      import_typed(c, map_obj, map_name, 0, INDEX_DTYPES, INDEX_NAMES, &map) < 0)
-    goto done;
-  if (finish_checks(c, threads, &exec) < 0) goto done;
+  if (imoe_py_call_finish(c) < 0) goto done;
 
   const imoe_view *rows = &c->buffers[0];
   if (kind == APPLY_TARGET_MAP) {
@@ -445,18 +282,19 @@ static PyObject *apply(enum apply_kind kind, PyObject *buffers, PyObject *dims, 
   Py_BEGIN_ALLOW_THREADS
   switch (kind) {
     case APPLY_INDICES:
-      status = imoe_apply_indices(c->buffers, c->num_buffers, &map, (imoe_mode)mode, &exec, &err);
+      status =
+          imoe_apply_indices(c->buffers, c->num_buffers, &map, (imoe_mode)mode, &c->exec, &err);
       break;
     case APPLY_TARGET_MAP:
       status =
-          imoe_apply_target_map(c->buffers, c->num_buffers, &map, (imoe_mode)mode, &exec, &err);
+          imoe_apply_target_map(c->buffers, c->num_buffers, &map, (imoe_mode)mode, &c->exec, &err);
       break;
-    default: status = imoe_restore(c->buffers, c->num_buffers, &map, &exec, &err); break;
+    default: status = imoe_restore(c->buffers, c->num_buffers, &map, &c->exec, &err); break;
   }
   Py_END_ALLOW_THREADS
   result = done_with(status, &err);
 done:
-  call_free(c);
+  imoe_py_call_free(c);
   return result;
 }
 
