@@ -1,0 +1,272 @@
+"""Expert parallelism over torch.distributed: every rank owns a contiguous
+block of experts, tokens travel to the ranks of their top-k experts by
+all-to-all, each local expert's tokens are grouped (and, in capacity mode,
+compacted to the expert's capacity) in place inside the receive buffer, the
+caller's expert function runs on them, and the outputs travel back and are
+combined in the original token order, weighted by the routing weights.
+
+Shapes: T tokens on this rank, k experts per token, E experts, W ranks,
+L = E / W local experts (rank r owns experts [r * L, (r + 1) * L)), D hidden.
+
+One forward, per rank:
+
+1. counting sort of the T x k assignments by expert (stable in token order,
+   no argsort): one gathered send buffer [T * k, D], whose rows for rank r are
+   contiguous because the experts of a rank are;
+2. an all-to-all of counts [W, L + 1] (per local expert, plus this rank's T),
+   then the split sizes are known on every rank;
+3. all_to_all_single of the tokens (and, in capacity mode, of their fp32
+   routing weights) into one receive buffer [N, D], ordered by
+   (source rank, local expert, source token);
+4. group the receive buffer by local expert in place: `group_by_expert_` on
+   the CPU (a stable counting sort that permutes the rows in place); on a GPU,
+   where that is not available yet, a counting sort and one gather;
+5. per local expert, capacity mode only: `compact_` (swap mode) moves the
+   expert's C highest-weight rows to the front of its segment in place;
+6. `expert_fn(expert, rows)` runs and its output overwrites its input rows;
+   dropped rows are zeroed; the compaction is undone in place (`restore_`)
+   and so is the grouping (`ungroup_`): the receive buffer now holds every
+   assignment's output in the order it arrived;
+7. all_to_all_single back, and the combine: out[t] = sum_j w[t, j] * y[t, j],
+   summed in a fixed j order (fp32 for half-precision inputs).
+
+Capacity rule (the same as the single-process capacity mode): with
+T_all = the sum of T over the ranks, C = min(T_all, ceil(T_all * k / E *
+capacity_factor)); each expert keeps the C assignments of highest routing
+weight, ties to the lower (source rank, token index) -- that is, to the lower
+index in the concatenation of all ranks' tokens in rank order -- and NaN
+weights rank lowest. A dropped assignment comes back as a zero row and so adds
+nothing to its token (for a finite routing weight: zero times NaN or inf is NaN).
+
+Forward only (it runs under torch.no_grad()). The same code runs on gloo
+(CPU tensors) and NCCL (CUDA tensors); capacity mode on CUDA needs
+idempotent_moe built with its CUDA kernels.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from .functional import compact_, cuda_available, group_by_expert_, restore_, ungroup_
+
+__all__ = ["DispatchStats", "ExpertParallelDispatcher", "expert_capacity"]
+
+
+def expert_capacity(total_tokens: int, top_k: int, num_experts: int, capacity_factor: float) -> int:
+    """C = ceil(T_all * k / E * factor), at most T_all (an expert sees a token once)."""
+    return min(total_tokens, math.ceil(total_tokens * top_k / num_experts * capacity_factor))
+
+
+class DispatchStats(NamedTuple):
+    """What the last call did on this rank (host integers).
+
+    sent        assignments this rank sent, per destination rank (its own included)
+    received    assignments this rank received, per source rank
+    capacity    C per expert (None in dropless mode)
+    dropped     assignments dropped by this rank's experts (summed over the
+                ranks, the layer's total; 0 in dropless mode)
+    total_tokens  T_all, the tokens of all ranks together
+    """
+
+    sent: list
+    received: list
+    capacity: int | None
+    dropped: int
+    total_tokens: int
+
+
+def _counting_sort(keys: torch.Tensor, num_keys: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stable counting sort of keys [S] in [0, num_keys): (perm, dest) with
+    perm[r] = the element in sorted row r and dest[i] = the sorted row of
+    element i. No argsort: one-hot counts, their cumulative sums, scatters."""
+    n = keys.numel()
+    onehot = torch.zeros(n, num_keys, dtype=torch.int64, device=keys.device)
+    onehot.scatter_(1, keys.view(-1, 1), 1)
+    rank = onehot.cumsum(0)  # where set: 1 + the element's position among its key's elements
+    counts = rank[-1] if n else torch.zeros(num_keys, dtype=torch.int64, device=keys.device)
+    first_row = counts.cumsum(0) - counts - 1
+    dest = (rank + first_row).gather(1, keys.view(-1, 1)).view(-1)
+    perm = torch.empty_like(dest).scatter_(0, dest, torch.arange(n, device=keys.device))
+    return perm, dest
+
+
+class ExpertParallelDispatcher:
+    """Sends tokens to the ranks owning their experts and combines the results.
+
+    ExpertParallelDispatcher(num_experts, top_k, group=None, capacity_factor=None)
+
+    num_experts      E, a multiple of the group's world size W; rank r of the
+                     group owns experts [r * E / W, (r + 1) * E / W).
+    top_k            k experts per token.
+    group            a torch.distributed process group (default: the world).
+    capacity_factor  None: dropless (every assignment computed); else each
+                     expert keeps at most C = min(T_all, ceil(T_all * k / E *
+                     factor)) assignments, those of highest routing weight,
+                     ties to the lower (source rank, token index).
+
+    dispatcher(hidden [T, D], topk_ids [T, k], topk_weights [T, k], expert_fn)
+    returns [T, D] in hidden's dtype. expert_fn(expert, tokens [n, D]) -> [n, D]
+    is called with a global expert index this rank owns and its rows (n >= 1,
+    in an unspecified order: the function must treat rows independently); its
+    output is cast to hidden's dtype. Every rank of the group must call it
+    (T may differ between ranks, and may be 0). `last_stats` holds a
+    DispatchStats of the last call.
+    """
+
+    def __init__(self, num_experts: int, top_k: int, group=None, capacity_factor: float | None = None):
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError("ExpertParallelDispatcher needs an initialised torch.distributed "
+                               "process group")
+        self.world_size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts < 1:
+            raise ValueError(f"num_experts must be a positive int, got {num_experts!r}")
+        if num_experts % self.world_size:
+            raise ValueError(f"num_experts ({num_experts}) must be a multiple of the world size "
+                             f"({self.world_size}): experts are partitioned contiguously")
+        if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= num_experts:
+            raise ValueError(f"top_k must be an int in [1, {num_experts}], got {top_k!r}")
+        if capacity_factor is not None and not (capacity_factor > 0 and math.isfinite(capacity_factor)):
+            raise ValueError("capacity_factor must be a positive finite number or None, "
+                             f"got {capacity_factor!r}")
+        self.num_experts = num_experts
+        self.top_k = top_k
+        self.group = group
+        self.capacity_factor = capacity_factor
+        self.num_local_experts = num_experts // self.world_size
+        self.first_expert = self.rank * self.num_local_experts
+        self.last_stats: DispatchStats | None = None
+
+    def _check(self, hidden, topk_ids, topk_weights):
+        if not all(isinstance(t, torch.Tensor) for t in (hidden, topk_ids, topk_weights)):
+            raise TypeError("hidden, topk_ids and topk_weights must be torch tensors")
+        if hidden.dim() != 2:
+            raise ValueError(f"hidden must be [T, D], got shape {tuple(hidden.shape)}")
+        shape = (hidden.shape[0], self.top_k)
+        if tuple(topk_ids.shape) != shape or tuple(topk_weights.shape) != shape:
+            raise ValueError(f"topk_ids and topk_weights must be [T, k] = {list(shape)}, got "
+                             f"{list(topk_ids.shape)} and {list(topk_weights.shape)}")
+        if topk_ids.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"topk_ids must be int32 or int64, got {topk_ids.dtype}")
+        if not topk_weights.is_floating_point():
+            raise TypeError(f"topk_weights must be floating point, got {topk_weights.dtype}")
+        if hidden.device.type == "cpu" and topk_ids.numel():
+            lo, hi = int(topk_ids.min()), int(topk_ids.max())
+            if lo < 0 or hi >= self.num_experts:
+                raise ValueError(f"topk_ids must lie in [0, {self.num_experts}), got [{lo}, {hi}]")
+            if self.top_k > 1:
+                s = topk_ids.sort(dim=1).values
+                if bool((s[:, 1:] == s[:, :-1]).any()):
+                    raise ValueError("topk_ids repeats an expert within a token: each token's k experts "
+                                     "must be distinct (as torch.topk gives them)")
+        if (self.capacity_factor is not None and hidden.device.type == "cuda"
+                and not cuda_available()):
+            raise RuntimeError("capacity mode on CUDA tensors needs idempotent_moe built with its CUDA "
+                               "kernels (nvcc at build time); dropless mode needs none")
+
+    @torch.no_grad()
+    def __call__(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                 expert_fn: Callable[[int, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        self._check(hidden, topk_ids, topk_weights)
+        world, local = self.world_size, self.num_local_experts
+        num_tokens, top_k = topk_ids.shape
+        device = hidden.device
+        capacity_mode = self.capacity_factor is not None
+
+        # 1. Sort the assignments by expert: rows for rank r are contiguous.
+        experts = topk_ids.reshape(-1).long()
+        src_row, dest = _counting_sort(experts, self.num_experts)
+        send = hidden.index_select(0, src_row // top_k)  # [S, D]
+        counts = torch.bincount(experts, minlength=self.num_experts)
+
+        # 2. Exchange counts per (rank, local expert), plus each rank's T.
+        send_counts = torch.empty(world, local + 1, dtype=torch.int64, device=device)
+        send_counts[:, :local] = counts.view(world, local)
+        send_counts[:, local] = num_tokens
+        recv_counts = torch.empty_like(send_counts)
+        dist.all_to_all_single(recv_counts, send_counts, group=self.group)
+        send_splits = send_counts[:, :local].sum(1).tolist()
+        host_counts = recv_counts.cpu()
+        per_source = host_counts[:, :local]  # [W, L]
+        recv_splits = per_source.sum(1).tolist()
+        total_tokens = int(host_counts[:, local].sum())
+        per_expert = per_source.sum(0).tolist()  # rows of each local expert
+        received = int(sum(recv_splits))
+
+        # 3. Tokens (and, for capacity, their weights) to the owners.
+        recv = hidden.new_empty(received, hidden.shape[1])
+        dist.all_to_all_single(recv, send, recv_splits, send_splits, group=self.group)
+        del send
+        recv_w = None
+        if capacity_mode:
+            send_w = torch.empty(experts.numel(), dtype=torch.float32, device=device)
+            send_w.scatter_(0, dest, topk_weights.reshape(-1).float())
+            recv_w = torch.empty(received, dtype=torch.float32, device=device)
+            dist.all_to_all_single(recv_w, send_w, recv_splits, send_splits, group=self.group)
+            del send_w
+
+        # 4. Group by local expert: (rank, expert, token) -> (expert, rank, token).
+        local_ids = torch.repeat_interleave(
+            torch.arange(local, device=device).repeat(world), per_source.reshape(-1).to(device),
+            output_size=received)
+        bufs = [recv] if recv_w is None else [recv, recv_w]
+        in_place = device.type == "cpu"
+        if in_place:
+            perm = group_by_expert_(bufs, local_ids, local).perm
+            grouped, grouped_w = recv, recv_w
+        else:
+            perm, _ = _counting_sort(local_ids, local)
+            grouped = recv.index_select(0, perm)
+            grouped_w = None if recv_w is None else recv_w.index_select(0, perm)
+
+        # 5-6. Each local expert: compact (capacity), compute, zero the dropped, undo.
+        capacity = None
+        dropped = 0
+        if capacity_mode:
+            capacity = expert_capacity(total_tokens, top_k, self.num_experts, self.capacity_factor)
+        start = 0
+        for e, n in enumerate(per_expert):
+            if n == 0:
+                continue
+            seg = grouped.narrow(0, start, n)
+            if capacity_mode:
+                kept = compact_(seg, grouped_w.narrow(0, start, n), capacity, dim=0, mode="swap",
+                                nan="lowest")
+                c = min(capacity, n)
+                dropped += n - c
+                if c:
+                    seg[:c] = expert_fn(self.first_expert + e, seg[:c])
+                seg[c:] = 0
+                restore_(seg, kept.indices, dim=0)
+            else:
+                seg.copy_(expert_fn(self.first_expert + e, seg))
+            start += n
+        if in_place:
+            ungroup_(recv, perm)
+        else:
+            recv.index_copy_(0, perm, grouped)
+            del grouped
+
+        # 7. Outputs back to the senders, then the weighted combine.
+        back = hidden.new_empty(experts.numel(), hidden.shape[1])
+        dist.all_to_all_single(back, recv, send_splits, recv_splits, group=self.group)
+        del recv
+        self.last_stats = DispatchStats(send_splits, recv_splits, capacity, dropped, total_tokens)
+        return _combine(back, dest.view(num_tokens, top_k), topk_weights, hidden.dtype)
+
+
+def _combine(y: torch.Tensor, dest: torch.Tensor, weights: torch.Tensor, out_dtype: torch.dtype):
+    """out[t] = sum_j weights[t, j] * y[dest[t, j]], in j order; half
+    precision is summed in fp32 and rounded once."""
+    num_tokens, top_k = dest.shape
+    acc = torch.promote_types(y.dtype, weights.dtype)
+    if acc in (torch.float16, torch.bfloat16):
+        acc = torch.float32
+    out = torch.zeros(num_tokens, y.shape[-1], dtype=acc, device=y.device)
+    for j in range(top_k):
+        out.add_(y.index_select(0, dest[:, j]).to(acc) * weights[:, j, None].to(acc))
+    return out.to(out_dtype)

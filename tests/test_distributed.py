@@ -1,0 +1,240 @@
+"""Expert parallelism (idempotent_moe.distributed): two ranks over gloo on
+127.0.0.1, each a subprocess running this file, against a single-process
+reference with the same experts: dropless (fp32 within 1e-6, bf16 close),
+capacity mode (per expert the top C assignments by routing weight, ties to
+the lower (rank, token) index, dropped ones adding nothing), uneven and empty
+ranks, experts that receive nothing, and bad arguments. Both ranks run every
+scenario in one launch (one torch import, one process group). The NCCL run of
+the same code on two GPUs is under the `gpu` marker."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+WORLD = 2
+TIMEOUT_S = 120
+
+
+def _scenarios() -> dict:
+    """Name -> global inputs (the concatenation of the ranks' tokens in rank
+    order) and settings; deterministic, so every process builds the same."""
+    g = torch.Generator().manual_seed(1234)
+
+    def make(tokens, num_experts, top_k, hidden=16, cf=None, dtype=torch.float32, ties=False,
+             skip_experts=()):
+        total = sum(tokens)
+        allowed = [e for e in range(num_experts) if e not in skip_experts]
+        order = torch.rand(total, len(allowed), generator=g).argsort(1)[:, :top_k]
+        ids = torch.tensor(allowed)[order]
+        if ties:
+            weights = torch.tensor([0.25, 0.5])[torch.randint(0, 2, (total, top_k), generator=g)]
+        else:
+            weights = torch.rand(total, top_k, generator=g).softmax(-1)
+        x = torch.randn(total, hidden, generator=g).to(dtype)
+        return dict(tokens=tokens, num_experts=num_experts, top_k=top_k, cf=cf, x=x, ids=ids,
+                    weights=weights)
+
+    return {
+        "dropless": make((13, 7), 8, 2),
+        "dropless_int32_k1": make((9, 11), 2, 1),
+        "dropless_bf16": make((12, 12), 4, 2, dtype=torch.bfloat16),
+        "dropless_empty_rank": make((10, 0), 4, 2),
+        "dropless_idle_expert": make((6, 5), 8, 3, skip_experts=(2, 5, 6)),
+        "capacity_1.0": make((16, 12), 8, 2, cf=1.0),
+        "capacity_0.5_ties": make((14, 10), 4, 2, cf=0.5, ties=True),
+        "capacity_0.3_idle_expert": make((11, 13), 8, 2, cf=0.3, skip_experts=(7,)),
+        "capacity_keep_all": make((8, 8), 2, 1, cf=4.0),
+    }
+
+
+def _experts(num_experts: int, hidden: int):
+    g = torch.Generator().manual_seed(99)
+    w = torch.randn(num_experts, hidden, hidden, generator=g) / math.sqrt(hidden)
+    b = torch.randn(num_experts, hidden, generator=g) * 0.1
+
+    def fn(e, x):
+        return torch.tanh(x.float() @ w[e].to(x.device) + b[e].to(x.device)).to(x.dtype)
+
+    return fn
+
+
+def _reference(s: dict) -> tuple[torch.Tensor, int]:
+    """Single process: every assignment computed, or per expert the top C by
+    routing weight with ties to the lower global token index; (out, dropped)."""
+    x, ids, weights = s["x"], s["ids"].long(), s["weights"]
+    total, top_k = ids.shape
+    fn = _experts(s["num_experts"], x.shape[1])
+    y = torch.zeros(total, top_k, x.shape[1], dtype=x.dtype)
+    keep = torch.ones(total, top_k, dtype=torch.bool)
+    if s["cf"] is not None:
+        cap = min(total, math.ceil(total * top_k / s["num_experts"] * s["cf"]))
+        keep.zero_()
+        for e in range(s["num_experts"]):
+            cand = [(t, j) for t in range(total) for j in range(top_k) if ids[t, j] == e]
+            cand.sort(key=lambda tj: (-float(weights[tj]), tj[0]))
+            for t, j in cand[:cap]:
+                keep[t, j] = True
+    for e in range(s["num_experts"]):
+        t, j = (ids == e).nonzero(as_tuple=True)
+        if len(t):
+            y[t, j] = fn(e, x[t])
+    acc = torch.zeros(total, x.shape[1])
+    for j in range(top_k):
+        acc += torch.where(keep[:, j, None], y[:, j].float() * weights[:, j, None].float(), 0.0)
+    return acc.to(x.dtype), int((~keep).sum())
+
+
+# ----------------------------------------------------------------------------- the worker
+
+
+def _worker(rank: int, port: int, out_path: str, device_kind: str) -> None:
+    import torch.distributed as dist
+    from idempotent_moe.distributed import ExpertParallelDispatcher
+
+    backend = "nccl" if device_kind == "cuda" else "gloo"
+    if device_kind == "cuda":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=WORLD)
+    device = torch.device(device_kind, rank) if device_kind == "cuda" else torch.device("cpu")
+    results = {}
+    try:
+        for name, s in _scenarios().items():
+            if device_kind == "cuda" and s["cf"] is not None:
+                import idempotent_moe
+
+                if not idempotent_moe.cuda_available():
+                    continue
+            start = sum(s["tokens"][:rank])
+            sl = slice(start, start + s["tokens"][rank])
+            ids = s["ids"][sl].to(torch.int32 if "int32" in name else torch.int64)
+            disp = ExpertParallelDispatcher(s["num_experts"], s["top_k"], capacity_factor=s["cf"])
+            out = disp(s["x"][sl].to(device), ids.to(device), s["weights"][sl].to(device),
+                       _experts(s["num_experts"], s["x"].shape[1]))
+            results[name] = (out.cpu(), disp.last_stats)
+        for name, args in {"odd_experts": (3, 1), "bad_top_k": (4, 5)}.items():
+            try:
+                ExpertParallelDispatcher(*args)
+                results[name] = None
+            except ValueError as exc:
+                results[name] = str(exc)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    torch.save(results, out_path)
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch(tmp_path, device_kind: str) -> list:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    if os.path.exists("/sys/class/net/lo"):
+        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    port = _free_port()
+    paths = [str(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
+    procs = [subprocess.Popen([sys.executable, __file__, str(r), str(port), paths[r], device_kind],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+             for r in range(WORLD)]
+    logs = []
+    try:
+        for p in procs:
+            logs.append(p.communicate(timeout=TIMEOUT_S)[0].decode(errors="replace"))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for r, p in enumerate(procs):
+        assert p.returncode == 0, f"rank {r} exited with {p.returncode}:\n" + "\n".join(logs)
+    return [torch.load(path, weights_only=False) for path in paths]
+
+
+@pytest.fixture(scope="module")
+def gloo_results(tmp_path_factory):
+    return _launch(tmp_path_factory.mktemp("ep"), "cpu")
+
+
+def _check(results, name):
+    s = _scenarios()[name]
+    ref, ref_dropped = _reference(s)
+    out = torch.cat([results[r][name][0] for r in range(WORLD)])
+    assert out.dtype == s["x"].dtype and out.shape == s["x"].shape
+    if out.dtype == torch.bfloat16:
+        torch.testing.assert_close(out, ref, atol=1e-2, rtol=1e-2)
+    else:
+        torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-6)
+    stats = [results[r][name][1] for r in range(WORLD)]
+    assert sum(st.dropped for st in stats) == ref_dropped
+    assert all(st.total_tokens == sum(s["tokens"]) for st in stats)
+    total_assignments = sum(s["tokens"]) * s["top_k"]
+    assert sum(sum(st.received) for st in stats) == total_assignments
+    assert [stats[0].sent[1], stats[1].sent[0]] == [stats[1].received[0], stats[0].received[1]]
+    return stats, ref_dropped
+
+
+DROPLESS = ["dropless", "dropless_int32_k1", "dropless_bf16", "dropless_empty_rank", "dropless_idle_expert"]
+CAPACITY = ["capacity_1.0", "capacity_0.5_ties", "capacity_0.3_idle_expert", "capacity_keep_all"]
+
+
+@pytest.mark.parametrize("name", DROPLESS)
+def test_dropless_matches_single_process(gloo_results, name):
+    stats, dropped = _check(gloo_results, name)
+    assert dropped == 0 and all(st.capacity is None for st in stats)
+
+
+@pytest.mark.parametrize("name", CAPACITY)
+def test_capacity_drops_lowest_weight_overflow(gloo_results, name):
+    stats, dropped = _check(gloo_results, name)
+    s = _scenarios()[name]
+    total = sum(s["tokens"])
+    cap = min(total, math.ceil(total * s["top_k"] / s["num_experts"] * s["cf"]))
+    assert all(st.capacity == cap for st in stats)
+    if name == "capacity_keep_all":
+        assert dropped == 0
+    else:
+        assert dropped > 0  # the scenarios are sized to overflow
+
+
+def test_bad_arguments(gloo_results):
+    for r in range(WORLD):
+        assert "multiple of the world size" in gloo_results[r]["odd_experts"]
+        assert "top_k" in gloo_results[r]["bad_top_k"]
+
+
+def test_needs_a_process_group():
+    from idempotent_moe.distributed import ExpertParallelDispatcher
+
+    with pytest.raises(RuntimeError, match="process group"):
+        ExpertParallelDispatcher(4, 2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_nccl_two_gpus(tmp_path):
+    results = _launch(tmp_path, "cuda")
+    for name in DROPLESS + CAPACITY:
+        if name in results[0]:
+            _check(results, name)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("rank", type=int)
+    parser.add_argument("port", type=int)
+    parser.add_argument("out")
+    parser.add_argument("device", choices=["cpu", "cuda"])
+    a = parser.parse_args()
+    _worker(a.rank, a.port, a.out, a.device)
