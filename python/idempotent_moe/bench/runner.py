@@ -134,6 +134,31 @@ def _memory(device: str, impl: workloads.Impl, problem: workloads.Problem) -> di
             "reserved_after_bytes": int(torch.cuda.memory_reserved())}
 
 
+def measure(problem: workloads.Problem, impls: list, device: str, runs: int, bandwidth: float,
+            bar, label: str) -> list:
+    """Time every implementation on the same problem (the first is the
+    reference), check each result bit for bit against it, and return one row
+    each: timing, floor of its mode, check and memory."""
+    rows, reference = [], None
+    for impl in impls:
+        bar.set_description(f"{label} {impl.name}")
+        timing = time_calls(impl.run, problem.reset, device=device, runs=runs, warmup=3)
+        problem.reset()
+        result = impl.run()
+        reference = result if reference is None else reference
+        floor_ms = workloads.floor_bytes(problem, impl, result[1]) / bandwidth * 1e3
+        rows.append({
+            "impl": impl.name, "kind": impl.kind, "mode": impl.mode,
+            "median_ms": timing.median_ms, "min_ms": timing.min_ms, "host_ms": timing.host_ms,
+            "runs": timing.runs, "floor_ms": floor_ms,
+            "time_over_floor": timing.median_ms / floor_ms,
+            "bit_exact": bool(workloads.check_against(problem, result, reference)),
+            **_memory(device, impl, problem),
+        })
+        bar.update(1)
+    return rows
+
+
 def run(opts: Options) -> dict:
     import torch
 
@@ -161,28 +186,9 @@ def run(opts: Options) -> dict:
             if device == "cpu":
                 impls.append(workloads.numpy_baseline(problem))
             impls += [workloads.ours(problem, "swap", threads), workloads.ours(problem, "move", threads)]
-            reference = None
-            for impl in impls:
-                bar.set_description(f"{name} {str(dtype).replace('torch.', '')} {impl.name}")
-                timing = time_calls(impl.run, problem.reset, device=device, runs=runs, warmup=3)
-                problem.reset()
-                result = impl.run()
-                reference = result if reference is None else reference
-                floor_s = workloads.floor_bytes(problem, impl, result[1]) / bandwidth
-                rows.append({
-                    "workload": name,
-                    "dtype": str(dtype).replace("torch.", ""),
-                    "impl": impl.name,
-                    "kind": impl.kind,
-                    "mode": impl.mode,
-                    "median_ms": timing.median_ms,
-                    "min_ms": timing.min_ms, "host_ms": timing.host_ms,
-                    "runs": timing.runs,
-                    "floor_ms": floor_s * 1e3,
-                    "bit_exact": bool(workloads.check_against(problem, result, reference)),
-                    **_memory(device, impl, problem),
-                })
-                bar.update(1)
+            dtype_name = str(dtype).replace("torch.", "")
+            for row in measure(problem, impls, device, runs, bandwidth, bar, f"{name} {dtype_name}"):
+                rows.append({"workload": name, "dtype": dtype_name, **row})
             del problem
     bar.close()
     report.add_speedups(rows)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 
 from . import report, runner, workloads
-from .timing import copy_bandwidth, time_calls
+from .timing import copy_bandwidth
 
 N_VALUES = (256, 1024, 4096, 16384, 65536, 131072)
 KEEP_RATIOS = (1 / 8, 1 / 4, 3 / 8, 1 / 2, 5 / 8, 3 / 4, 7 / 8)
@@ -49,24 +49,10 @@ def run(device: str = "auto", runs: int = 0, out: str = os.path.join("benchmarks
                                     flush_bytes=runner.QUICK_FLUSH if quick else runner.FLUSH)
         impls = [workloads.torch_baseline(problem), workloads.ours(problem, "swap", 0),
                  workloads.ours(problem, "move", 0)]
-        reference = None
-        for impl in impls:
-            bar.set_description(f"W5 {axis}: N={n} keep={keep} row={2 * row}B {impl.name}")
-            timing = time_calls(impl.run, problem.reset, device=device, runs=runs, warmup=3)
-            problem.reset()
-            result = impl.run()
-            reference = result if reference is None else reference
-            floor_ms = workloads.floor_bytes(problem, impl, result[1]) / bandwidth * 1e3
-            rows.append({
-                "axis": axis, "n": n, "keep": keep, "keep_ratio": keep / n, "row_bytes": 2 * row,
-                "rows": lead, "impl": impl.name, "kind": impl.kind, "mode": impl.mode,
-                "median_ms": timing.median_ms, "min_ms": timing.min_ms, "host_ms": timing.host_ms,
-                "floor_ms": floor_ms,
-                "time_over_floor": timing.median_ms / floor_ms,
-                "bit_exact": bool(workloads.check_against(problem, result, reference)),
-                **runner._memory(device, impl, problem),
-            })
-            bar.update(1)
+        label = f"W5 {axis}: N={n} keep={keep} row={2 * row}B"
+        for r in runner.measure(problem, impls, device, runs, bandwidth, bar, label):
+            rows.append({"axis": axis, "n": n, "keep": keep, "keep_ratio": keep / n,
+                         "row_bytes": 2 * row, "rows": lead, **r})
         del problem
     bar.close()
     data = {"machine": runner._machine(device, torch.get_num_threads(), bandwidth),
