@@ -19,6 +19,17 @@ FRAMEWORKS = [
 ]
 DATA_DTYPES = ["float64", "float32", "float16", "bfloat16", "int8", "uint8", "bool"]
 SCORE_DTYPES = ["float32", "float16", "bfloat16"]
+# For hypothesis strategies (sampled_from takes plain values, not params).
+PROPERTY_FRAMEWORKS = ["numpy"] + (["torch"] if torch is not None else [])
+PROPERTY_DTYPES = ["float32", "float16", "int8", "uint8", "float64", "bool"]
+
+
+def property_settings(max_examples: int):
+    """Hypothesis settings of the property tests: no deadline, big examples allowed."""
+    from hypothesis import HealthCheck, settings
+
+    return settings(max_examples=max_examples, deadline=None,
+                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 # Small values with many ties, -0.0 beside +0.0 and both infinities: exact in
 # bf16 and fp16, so every score dtype sees the same ranking problem.
 TIE_VALUES = np.array([-2.0, -1.0, -0.0, 0.0, 0.5, 1.0, 1.0, 2.0, np.inf, -np.inf])

@@ -8,22 +8,24 @@ import idempotent_moe as imoe
 import numpy as np
 import pytest
 from conftest import (
+    PROPERTY_DTYPES,
+    PROPERTY_FRAMEWORKS,
     assert_unchanged,
     bits,
     make_data,
+    property_settings,
     requires_torch,
     snapshot,
     to_framework,
     to_numpy,
     torch,
 )
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
-SETTINGS = settings(max_examples=120, deadline=None,
-                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-FRAMEWORKS = ["numpy"] + (["torch"] if torch is not None else [])
-DATA_DTYPES = ["float32", "float16", "int8", "float64", "bool"]
+SETTINGS = property_settings(120)
+FRAMEWORKS = PROPERTY_FRAMEWORKS
+DATA_DTYPES = PROPERTY_DTYPES
 
 
 def reference_group(ids: np.ndarray, num_experts: int):

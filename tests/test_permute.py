@@ -8,10 +8,13 @@ import idempotent_moe as imoe
 import numpy as np
 import pytest
 from conftest import (
+    PROPERTY_DTYPES,
+    PROPERTY_FRAMEWORKS,
     TIE_VALUES,
     assert_unchanged,
     bits,
     make_data,
+    property_settings,
     reference_kept,
     requires_torch,
     rows,
@@ -22,13 +25,12 @@ from conftest import (
     to_numpy,
     torch,
 )
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
-SETTINGS = settings(max_examples=120, deadline=None,
-                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-FRAMEWORKS = ["numpy"] + (["torch"] if torch is not None else [])
-DATA_DTYPES = ["float32", "float16", "int8", "uint8", "float64", "bool"]
+SETTINGS = property_settings(120)
+FRAMEWORKS = PROPERTY_FRAMEWORKS
+DATA_DTYPES = PROPERTY_DTYPES
 
 
 def gather(before: np.ndarray, dim: int, perm: np.ndarray) -> np.ndarray:

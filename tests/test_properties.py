@@ -7,27 +7,28 @@ from __future__ import annotations
 import idempotent_moe as imoe
 import numpy as np
 from conftest import (
+    PROPERTY_DTYPES,
+    PROPERTY_FRAMEWORKS,
     TIE_VALUES,
     assert_involution,
     bits,
     clone,
     expected_after,
     make_data,
+    property_settings,
     reference_indices,
     reference_kept,
     rows,
     scores_from_values,
     target_map_from_indices,
     to_numpy,
-    torch,
 )
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
-SETTINGS = settings(max_examples=150, deadline=None,
-                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-FRAMEWORKS = ["numpy"] + (["torch"] if torch is not None else [])
-DATA_DTYPES = ["float32", "float16", "int8", "uint8", "float64", "bool"]
+SETTINGS = property_settings(150)
+FRAMEWORKS = PROPERTY_FRAMEWORKS
+DATA_DTYPES = PROPERTY_DTYPES
 
 
 @st.composite
