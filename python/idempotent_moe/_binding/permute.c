@@ -56,6 +56,18 @@ static int import_selection(imoe_py_call *c, PyObject *scores, PyObject *active,
   return imoe_py_call_import_typed(c, active, "active_indices", 0, INDEX_DTYPES, INDEX_NAMES, view);
 }
 
+/* Buffers, one index map over their slots and the plan workspace: the
+ * arguments of permute and apply_ordered, imported and checked. */
+static int import_buffers_and_map(imoe_py_call *c, PyObject *buffers, PyObject *dims,
+                                  PyObject *row_ndims, PyObject *map_obj, const char *map_name,
+                                  PyObject *workspace, imoe_view *map) {
+  if (imoe_py_call_import_buffers(c, buffers, dims, row_ndims) < 0 ||
+      imoe_py_call_import_typed(c, map_obj, map_name, 0, INDEX_DTYPES, INDEX_NAMES, map) < 0 ||
+      imoe_py_call_import_workspace(c, workspace) < 0)
+    return -1;
+  return imoe_py_call_finish(c);
+}
+
 /* ---- the functions ---- */
 
 PyObject *imoe_py_permute(PyObject *self, PyObject *args) {
@@ -70,9 +82,7 @@ PyObject *imoe_py_permute(PyObject *self, PyObject *args) {
   imoe_py_call *c = imoe_py_call_new(stream, num_threads);
   if (c == NULL) return NULL;
   imoe_view map;
-  if (imoe_py_call_import_buffers(c, buffers, dims, row_ndims) < 0 ||
-      imoe_py_call_import_typed(c, perm, "perm", 0, INDEX_DTYPES, INDEX_NAMES, &map) < 0 ||
-      imoe_py_call_import_workspace(c, workspace) < 0 || imoe_py_call_finish(c) < 0)
+  if (import_buffers_and_map(c, buffers, dims, row_ndims, perm, "perm", workspace, &map) < 0)
     goto done;
   imoe_error err = {{0}};
   imoe_status status;
@@ -98,9 +108,7 @@ PyObject *imoe_py_apply_ordered(PyObject *self, PyObject *args) {
   imoe_py_call *c = imoe_py_call_new(stream, num_threads);
   if (c == NULL) return NULL;
   imoe_view map;
-  if (imoe_py_call_import_buffers(c, buffers, dims, row_ndims) < 0 ||
-      imoe_py_call_import_typed(c, indices, "indices", 0, INDEX_DTYPES, INDEX_NAMES, &map) < 0 ||
-      imoe_py_call_import_workspace(c, workspace) < 0 || imoe_py_call_finish(c) < 0)
+  if (import_buffers_and_map(c, buffers, dims, row_ndims, indices, "indices", workspace, &map) < 0)
     goto done;
   imoe_error err = {{0}};
   imoe_status status;
