@@ -115,19 +115,91 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor,
     return torch.cat(pieces) if pieces else x.new_empty(0, w.shape[-1])
 
 
+# Above this many bytes, the gate/up projection's output (rows x 2I) is not
+# made whole: the intermediate features run in column chunks (see
+# _gated_chunks). Below it, the GEMMs have grouped_mm's own shapes.
+GATE_UP_CHUNK_BYTES = 128 << 20
+
+
+def _default_gate(experts) -> bool:
+    """Whether the module gates the transformers way: gate = the first I
+    output features of gate_up_proj, up = the last I, act(gate) * up."""
+    try:
+        from transformers.integrations.moe import _default_apply_gate
+    except ImportError:
+        return False
+    return getattr(type(experts), "_apply_gate", None) is _default_apply_gate
+
+
+def _gated_chunks(experts, x: torch.Tensor, dtype: torch.dtype) -> int:
+    """How many column chunks the gated MLP of `rows` rows runs in: 1 (whole)
+    unless the gate/up output would exceed GATE_UP_CHUNK_BYTES, the module
+    uses the default gate, and no gradient is being recorded (the chunks
+    write into one buffer in place)."""
+    if not experts.has_gate or not _default_gate(experts):
+        return 1
+    if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in experts.parameters())):
+        return 1
+    rows = x.shape[:-1].numel()
+    inter = experts.down_proj.shape[-1 if not experts.is_transposed else -2]
+    total = rows * 2 * inter * torch.finfo(dtype).bits // 8
+    return max(1, min(-(-total // GATE_UP_CHUNK_BYTES), inter // 64))
+
+
+def _out_features(weight: torch.Tensor, transposed: bool, start: int, stop: int) -> torch.Tensor:
+    """Output features [start, stop) of an expert weight, as a view."""
+    return weight[..., start:stop] if transposed else weight[..., start:stop, :]
+
+
 def _expert_mlp(experts, x: torch.Tensor, linear, bias_of) -> torch.Tensor:
     """The experts' MLP: up (or gate-up) projection, gate or activation, down
     projection; `linear(x, weight)` applies each row's expert weight and
-    `bias_of(bias)` gives each row's bias."""
-    up = experts.gate_up_proj if experts.has_gate else experts.up_proj
-    h = linear(x, up)
-    if experts.has_bias:
-        h = h + bias_of(experts.gate_up_proj_bias if experts.has_gate else experts.up_proj_bias)
-    h = experts._apply_gate(h) if experts.has_gate else experts.act_fn(h)
+    `bias_of(bias)` gives each row's bias.
+
+    With the default gate and a large batch (inference), the gate and up
+    projections run in column chunks of the intermediate features, each
+    chunk's act(gate) * up written into one [rows, I] buffer: the [rows, 2I]
+    projection and its two [rows, I] temporaries are never whole, which more
+    than halves the transient memory at the same FLOPs and weight reads."""
+    dtype = (experts.gate_up_proj if experts.has_gate else experts.up_proj).dtype
+    chunks = _gated_chunks(experts, x, dtype)
+    if chunks > 1:
+        h = _gated_chunked(experts, x, linear, bias_of, chunks)
+    else:
+        up = experts.gate_up_proj if experts.has_gate else experts.up_proj
+        h = linear(x, up)
+        if experts.has_bias:
+            h = h + bias_of(experts.gate_up_proj_bias if experts.has_gate else experts.up_proj_bias)
+        h = experts._apply_gate(h) if experts.has_gate else experts.act_fn(h)
     y = linear(h, experts.down_proj)
     if experts.has_bias:
         y = y + bias_of(experts.down_proj_bias)
     return y
+
+
+def _gated_chunked(experts, x: torch.Tensor, linear, bias_of, chunks: int) -> torch.Tensor:
+    """act(x W_gate) * (x W_up) in `chunks` column chunks (multiples of 64
+    features), element for element the operations of transformers' default
+    gate."""
+    weight, transposed = experts.gate_up_proj, experts.is_transposed
+    bias = experts.gate_up_proj_bias if experts.has_bias else None
+    inter = weight.shape[-1 if transposed else -2] // 2
+    width = -(-inter // chunks)
+    width = -(-width // 64) * 64
+    h = None
+    for start in range(0, inter, width):
+        stop = min(inter, start + width)
+        gate = linear(x, _out_features(weight, transposed, start, stop))
+        up = linear(x, _out_features(weight, transposed, inter + start, inter + stop))
+        if bias is not None:
+            gate = gate + bias_of(bias[..., start:stop])
+            up = up + bias_of(bias[..., inter + start:inter + stop])
+        gate = experts.act_fn(gate)
+        if h is None:
+            h = gate.new_empty(*gate.shape[:-1], inter)
+        torch.mul(gate, up, out=h[..., start:stop])
+        del gate, up
+    return h
 
 
 def expert_mlp_sorted(experts, x: torch.Tensor, dispatch: SortedDispatch) -> torch.Tensor:
