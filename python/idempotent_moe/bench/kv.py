@@ -71,12 +71,12 @@ class PagedProblem:
             self.pristine.append(pool)
         self.work = [p.clone() for p in self.pristine]
         self.scores = base.scores
-        self._flush = base._flush
+        self.base = base
 
     def reset(self) -> None:
         for w, p in zip(self.work, self.pristine):
             w.copy_(p)
-        self._flush.fill_(1)
+        self.base.flush()
 
     def logical(self, pool, count: int):
         """Slots [0, count) of the sequence as [1, H, count, D] (a gather, for checks)."""
@@ -122,7 +122,7 @@ class CacheLayerProblem:
         with torch.no_grad():
             self.cache.update(k, v, 0)
         self.layer = self.cache.layers[0]
-        self.p._flush.fill_(1)
+        self.p.flush()
 
     def impl(self) -> workloads.Impl:
         def run():

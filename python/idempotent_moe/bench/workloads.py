@@ -82,14 +82,27 @@ class Problem:
         # Larger than any last-level cache here (60 MB of L2 on an H200, tens
         # of MB of L3 on a server CPU): writing it after a reset sends every
         # implementation to a cold cache, as the floor from a large copy assumes.
-        self._flush = torch.empty(flush_bytes, dtype=torch.uint8, device=device)
+        self._flush = torch.zeros(flush_bytes, dtype=torch.uint8, device=device)
 
     def reset(self) -> None:
         """Restore the working buffers from the pristine copies, then evict
         them from the caches."""
         for w, p in zip(self.work, self.pristine):
             w.copy_(p)
-        self._flush.fill_(1)
+        self.flush()
+
+    def flush(self) -> None:
+        """Evict everything from the caches. On a GPU by a read (a
+        reduction): a memset would leave tens of MB of dirty lines in L2 whose
+        write-back the timed call would pay; the read evicts them, a restore's
+        included, so every timed call starts from a clean, cold L2 (the method
+        of cuda/NOTES.md)."""
+        if self._flush.is_cuda:
+            import torch
+
+            self._flush_sink = self._flush.view(torch.int64).max()
+        else:
+            self._flush.fill_(1)
 
     @property
     def row_bytes(self) -> int:
