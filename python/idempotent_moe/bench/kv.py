@@ -71,7 +71,6 @@ class PagedProblem:
             self.pristine.append(pool)
         self.work = [p.clone() for p in self.pristine]
         self.scores = base.scores
-        self.base = base
 
     def reset(self) -> None:
         for w, p in zip(self.work, self.pristine):
