@@ -432,3 +432,54 @@ def test_torch_tensor_requiring_grad_is_a_type_error(rng):
     with pytest.raises(TypeError, match="grad"):
         imoe.compact_([data, x], scores, C, out_indices=out)
     np.testing.assert_array_equal(bits(x), bits(data))
+
+
+# --------------------------------------------------------------------------- DLPack's C exchange table
+
+
+def _exchange_tensor_type():
+    torch = pytest.importorskip("torch")
+    if not hasattr(torch.Tensor, "__dlpack_c_exchange_api__"):
+        pytest.skip("this torch publishes no DLPack C exchange table")
+
+    class Counted(torch.Tensor):
+        """Counts __dlpack__ calls; inherits torch's exchange table."""
+
+        calls = 0
+
+        def __dlpack__(self, *args, **kwargs):
+            type(self).calls += 1
+            return torch.Tensor.__dlpack__(self, *args, **kwargs)
+
+    return torch, Counted
+
+
+def test_torch_tensors_are_borrowed_through_the_exchange_table():
+    """A torch tensor is read through __dlpack_c_exchange_api__: no capsule,
+    no __dlpack__ call, the same result, and no reference left behind."""
+    torch, Counted = _exchange_tensor_type()
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(4, 64, 8, generator=g).as_subclass(Counted)
+    scores = torch.rand(4, 64, generator=g).as_subclass(Counted)
+    out = torch.empty(4, 20, dtype=torch.int64).as_subclass(Counted)
+    expected = x.clone().as_subclass(torch.Tensor)
+    refs = [sys.getrefcount(t) for t in (x, scores, out)]
+    imoe.compact_(x, scores, 20, dim=1, out_indices=out)
+    assert Counted.calls == 0
+    assert [sys.getrefcount(t) for t in (x, scores, out)] == refs
+    ref_idx = torch.topk(scores.as_subclass(torch.Tensor), 20, dim=1).indices.sort(dim=1).values
+    assert torch.equal(out.as_subclass(torch.Tensor).sort(dim=1).values, ref_idx)
+    kept = torch.gather(expected, 1, out.as_subclass(torch.Tensor)[..., None].expand(-1, -1, 8))
+    assert torch.equal(x.as_subclass(torch.Tensor)[:, :20], kept)
+
+
+def test_a_tensor_that_requires_grad_still_goes_through_dlpack_and_is_refused():
+    torch, Counted = _exchange_tensor_type()
+    x = torch.randn(6, 3).as_subclass(Counted).requires_grad_()
+    before = x.detach().clone()
+    from idempotent_moe._native import native
+
+    with pytest.raises(BufferError, match="require gradient"):
+        native().compact([x], [0], [1], torch.rand(6), None, torch.empty(2, dtype=torch.int64), None,
+                         2, 0, 0, 0, 1, 0, None)
+    assert Counted.calls == 1 and torch.equal(x.detach(), before)

@@ -44,7 +44,8 @@ typedef struct imoe_import {
   DLDevice device;                /* NumPy arrays are kDLCPU */
 
   /* What release gives back; at most one is set. */
-  PyObject *ndarray;                   /* a reference to a NumPy array */
+  PyObject *ref;                       /* a reference: a NumPy array, or a tensor
+                                        * whose DLTensor was borrowed */
   DLManagedTensor *legacy;             /* owned: its deleter runs once */
   DLManagedTensorVersioned *versioned; /* owned: its deleter runs once */
 } imoe_import;

@@ -98,4 +98,33 @@ typedef struct DLManagedTensorVersioned {
   DLTensor dl_tensor;
 } DLManagedTensorVersioned;
 
+/*
+ * The C exchange table of DLPack 1.3 (dlpack.h's DLPackExchangeAPI): a
+ * framework publishes it as a capsule named "dlpack_exchange_api" in the
+ * attribute __dlpack_c_exchange_api__ of its tensor type. Its header keeps
+ * its place in every version; the functions below are those of major 1.
+ */
+#define IMOE_DLPACK_EXCHANGE_CAPSULE "dlpack_exchange_api"
+
+typedef struct DLPackExchangeAPIHeader {
+  DLPackVersion version;
+  struct DLPackExchangeAPIHeader *prev_api;
+} DLPackExchangeAPIHeader;
+
+typedef struct DLPackExchangeAPI {
+  DLPackExchangeAPIHeader header;
+  int (*managed_tensor_allocator)(DLTensor *prototype, DLManagedTensorVersioned **out,
+                                  void *error_ctx,
+                                  void (*set_error)(void *error_ctx, const char *kind,
+                                                    const char *message));
+  int (*managed_tensor_from_py_object_no_sync)(void *py_object, DLManagedTensorVersioned **out);
+  int (*managed_tensor_to_py_object_no_sync)(DLManagedTensorVersioned *tensor,
+                                             void **out_py_object);
+  /* Fills a DLTensor that borrows the object's shape and strides: valid while
+   * the object lives and is not resized. 0, or -1 with a Python exception. */
+  int (*dltensor_from_py_object_no_sync)(void *py_object, DLTensor *out);
+  /* The framework's current stream on a device (torch.cuda.current_stream). */
+  int (*current_work_stream)(int32_t device_type, int32_t device_id, void **out_stream);
+} DLPackExchangeAPI;
+
 #endif /* IMOE_DLPACK_ABI_H */

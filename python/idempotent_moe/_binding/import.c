@@ -1,11 +1,16 @@
 /*
  * import.c: array objects in, released exactly once.
  *
- * Three kinds of object are taken:
+ * Four kinds of object are taken:
  *   1. a NumPy array, read through the NumPy C API (a reference is held);
  *   2. a DLPack capsule, consumed (renamed to used_*) and freed by calling its
  *      deleter once, when the call is done;
- *   3. an object with __dlpack__, asked for a capsule that is then taken as 2.
+ *   3. a tensor whose type publishes DLPack's C exchange table
+ *      (__dlpack_c_exchange_api__, torch >= 2.10): its DLTensor is borrowed
+ *      through the table, with a reference held, when the call runs on the
+ *      framework's current stream (no ordering to ask of the producer). No
+ *      capsule, no Python call: the fast path of a torch tensor;
+ *   4. an object with __dlpack__, asked for a capsule that is then taken as 2.
  * Whatever is imported is normalised into an imoe_import: byte strides (NULL
  * DLPack strides become compact row-major), byte_offset added to data.
  */
@@ -61,7 +66,7 @@ static int numpy_code(char kind) {
 
 static int import_ndarray(imoe_import *im, PyArrayObject *arr, int written) {
   Py_INCREF(arr);
-  im->ndarray = (PyObject *)arr;
+  im->ref = (PyObject *)arr;
 
   PyArray_Descr *descr = PyArray_DESCR(arr);
   if (PyDataType_REFCHK(descr)) {
@@ -272,6 +277,103 @@ static int import_dlpack_object(imoe_import *im, PyObject *method, PyObject *str
   return rc;
 }
 
+/* ---- DLPack C exchange table ---- */
+
+/* Per type: its usable exchange table, or NULL. A few types at most (torch.Tensor,
+ * nn.Parameter, ...); each cached type is kept alive, so its address is never
+ * reused. Only touched with the GIL held. */
+#define EXCHANGE_CACHE 16
+static struct {
+  PyTypeObject *type;
+  const DLPackExchangeAPI *api;
+} exchange_cache[EXCHANGE_CACHE];
+
+static const DLPackExchangeAPI *lookup_exchange_api(PyTypeObject *type) {
+  PyObject *capsule = PyObject_GetAttrString((PyObject *)type, "__dlpack_c_exchange_api__");
+  if (capsule == NULL) {
+    PyErr_Clear();
+    return NULL;
+  }
+  const DLPackExchangeAPI *api = NULL;
+  if (PyCapsule_IsValid(capsule, IMOE_DLPACK_EXCHANGE_CAPSULE))
+    api = PyCapsule_GetPointer(capsule, IMOE_DLPACK_EXCHANGE_CAPSULE);
+  Py_DECREF(capsule);
+  /* The table lives as long as the process (dlpack.h); use it only where its
+   * major version is ours and the two functions needed are there. */
+  if (api == NULL || api->header.version.major != IMOE_DLPACK_MAJOR ||
+      api->header.version.minor < 3 || api->dltensor_from_py_object_no_sync == NULL ||
+      api->current_work_stream == NULL)
+    api = NULL;
+  PyErr_Clear();
+  return api;
+}
+
+static const DLPackExchangeAPI *exchange_api(PyTypeObject *type) {
+  for (int i = 0; i < EXCHANGE_CACHE && exchange_cache[i].type != NULL; ++i)
+    if (exchange_cache[i].type == type) return exchange_cache[i].api;
+  const DLPackExchangeAPI *api = lookup_exchange_api(type);
+  for (int i = 0; i < EXCHANGE_CACHE; ++i) {
+    if (exchange_cache[i].type == NULL) {
+      Py_INCREF(type);
+      exchange_cache[i].type = type;
+      exchange_cache[i].api = api;
+      break;
+    }
+  }
+  return api;
+}
+
+/*
+ * Case 3 above. Returns 1 when obj was imported (or failed: -1, exception
+ * set), 0 when the exchange table does not apply (no table, or the call runs
+ * on another stream than the framework's current one, so the producer must
+ * order its work through __dlpack__(stream=...)).
+ */
+static int import_exchanged(imoe_import *im, PyObject *obj, PyObject *stream) {
+  const DLPackExchangeAPI *api = exchange_api(Py_TYPE(obj));
+  if (api == NULL) return 0;
+  /* The table exports what __dlpack__ refuses (a torch tensor that requires
+   * grad): such objects take case 4, which raises as before. */
+  PyObject *grad = PyObject_GetAttrString(obj, "requires_grad");
+  if (grad == NULL) {
+    PyErr_Clear();
+  } else {
+    const int truth = PyObject_IsTrue(grad);
+    Py_DECREF(grad);
+    if (truth != 0) {
+      PyErr_Clear();
+      return 0;
+    }
+  }
+  DLTensor t;
+  memset(&t, 0, sizeof t);
+  if (api->dltensor_from_py_object_no_sync(obj, &t) != 0) {
+    if (PyErr_ExceptionMatches(PyExc_RuntimeError) || PyErr_ExceptionMatches(PyExc_BufferError))
+      imoe_py_reraise_as(PyExc_BufferError, im->name, "cannot be exported through DLPack");
+    return -1;
+  }
+  if (t.device.device_type != kDLCPU) {
+    void *current = NULL;
+    if (t.device.device_type != kDLCUDA || stream == NULL || stream == Py_None) return 0;
+    if (api->current_work_stream(t.device.device_type, t.device.device_id, &current) != 0) {
+      PyErr_Clear();
+      return 0;
+    }
+    /* -1 asks for no ordering; otherwise the call's stream must be the
+     * current one. DLPack names the legacy default stream 1, which a
+     * framework may report as NULL. */
+    if (PyLong_AsLongLong(stream) != -1) {
+      void *wanted = imoe_py_stream_handle(stream);
+      if (current == NULL) current = (void *)(uintptr_t)1;
+      if (wanted != current) return 0;
+    }
+    PyErr_Clear();
+  }
+  Py_INCREF(obj);
+  im->ref = obj;
+  return read_dltensor(im, &t) == 0 ? 1 : -1;
+}
+
 imoe_import *imoe_py_import_array(imoe_imports *set, PyObject *obj, const char *name, int written) {
   if (set->count >= IMOE_MAX_IMPORTS) {
     PyErr_SetString(PyExc_RuntimeError, "idempotent_moe: too many arrays in one call");
@@ -288,6 +390,8 @@ imoe_import *imoe_py_import_array(imoe_imports *set, PyObject *obj, const char *
     rc = import_ndarray(im, (PyArrayObject *)obj, written);
   } else if (PyCapsule_CheckExact(obj)) {
     rc = consume_capsule(im, obj, written);
+  } else if ((rc = import_exchanged(im, obj, set->stream)) != 0) {
+    rc = rc > 0 ? 0 : -1;
   } else if ((method = PyObject_GetAttrString(obj, "__dlpack__")) != NULL) {
     rc = import_dlpack_object(im, method, set->stream ? set->stream : Py_None, written);
     Py_DECREF(method);
@@ -312,13 +416,13 @@ imoe_import *imoe_py_import_array(imoe_imports *set, PyObject *obj, const char *
 static void release_one(imoe_import *im) {
   DLManagedTensorVersioned *versioned = im->versioned;
   DLManagedTensor *legacy = im->legacy;
-  PyObject *ndarray = im->ndarray;
+  PyObject *ref = im->ref;
   im->versioned = NULL;
   im->legacy = NULL;
-  im->ndarray = NULL;
+  im->ref = NULL;
   if (versioned != NULL && versioned->deleter != NULL) versioned->deleter(versioned);
   if (legacy != NULL && legacy->deleter != NULL) legacy->deleter(legacy);
-  Py_XDECREF(ndarray);
+  Py_XDECREF(ref);
 }
 
 void imoe_py_release_imports(imoe_imports *set) {
