@@ -266,6 +266,23 @@ def measure(call, cuda: bool, runs: int, warmup: int) -> tuple:
                     "this_rank_median_ms": statistics.median(samples), **memory}
 
 
+def _git_commit() -> str | None:
+    """HEAD of the checkout this script belongs to; None when the script's tree
+    is not itself a git checkout (a copy inside another repository)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        def git(*cmd):
+            return subprocess.run(["git", "-C", root, *cmd], capture_output=True, text=True,
+                                  timeout=5).stdout.strip()
+
+        top = git("rev-parse", "--show-toplevel")
+        if not top or os.path.realpath(top) != os.path.realpath(root):
+            return None
+        return git("rev-parse", "--short", "HEAD") or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
 def _machine(cuda: bool, world: int, backend: str) -> dict:
     import platform
 
@@ -274,11 +291,7 @@ def _machine(cuda: bool, world: int, backend: str) -> dict:
     info = {"device": "cuda" if cuda else "cpu", "world_size": world, "backend": backend,
             "python": platform.python_version(), "torch": torch.__version__,
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
-    try:
-        info["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                        text=True, timeout=5).stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        info["commit"] = None
+    info["commit"] = _git_commit()
     if cuda:
         info["gpu"] = torch.cuda.get_device_name(0)
         info["cuda"] = torch.version.cuda
