@@ -51,6 +51,7 @@ from typing import Callable, NamedTuple
 import torch
 import torch.distributed as dist
 
+from ._sorting import counting_sort
 from .functional import compact_, cuda_available, group_by_expert_, restore_, ungroup_
 
 __all__ = ["DispatchStats", "ExpertParallelDispatcher", "expert_capacity"]
@@ -77,21 +78,6 @@ class DispatchStats(NamedTuple):
     capacity: int | None
     dropped: int
     total_tokens: int
-
-
-def _counting_sort(keys: torch.Tensor, num_keys: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Stable counting sort of keys [S] in [0, num_keys): (perm, dest) with
-    perm[r] = the element in sorted row r and dest[i] = the sorted row of
-    element i. No argsort: one-hot counts, their cumulative sums, scatters."""
-    n = keys.numel()
-    onehot = torch.zeros(n, num_keys, dtype=torch.int64, device=keys.device)
-    onehot.scatter_(1, keys.view(-1, 1), 1)
-    rank = onehot.cumsum(0)  # where set: 1 + the element's position among its key's elements
-    counts = rank[-1] if n else torch.zeros(num_keys, dtype=torch.int64, device=keys.device)
-    first_row = counts.cumsum(0) - counts - 1
-    dest = (rank + first_row).gather(1, keys.view(-1, 1)).view(-1)
-    perm = torch.empty_like(dest).scatter_(0, dest, torch.arange(n, device=keys.device))
-    return perm, dest
 
 
 class ExpertParallelDispatcher:
@@ -179,9 +165,8 @@ class ExpertParallelDispatcher:
 
         # 1. Sort the assignments by expert: rows for rank r are contiguous.
         experts = topk_ids.reshape(-1).long()
-        src_row, dest = _counting_sort(experts, self.num_experts)
+        src_row, dest, counts = counting_sort(experts, self.num_experts)
         send = hidden.index_select(0, src_row // top_k)  # [S, D]
-        counts = torch.bincount(experts, minlength=self.num_experts)
 
         # 2. Exchange counts per (rank, local expert), plus each rank's T.
         send_counts = torch.empty(world, local + 1, dtype=torch.int64, device=device)
@@ -219,7 +204,7 @@ class ExpertParallelDispatcher:
             perm = group_by_expert_(bufs, local_ids, local).perm
             grouped, grouped_w = recv, recv_w
         else:
-            perm, _ = _counting_sort(local_ids, local)
+            perm, _, _ = counting_sort(local_ids, local)
             grouped = recv.index_select(0, perm)
             grouped_w = None if recv_w is None else recv_w.index_select(0, perm)
 

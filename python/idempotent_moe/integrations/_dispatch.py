@@ -20,6 +20,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from .._sorting import counting_sort
 from ..functional import compact_, cuda_available
 
 
@@ -38,32 +39,24 @@ class SortedDispatch(NamedTuple):
 def sort_by_expert(top_k_index: torch.Tensor, num_experts: int) -> SortedDispatch:
     """Counting sort of the S assignments by expert, stable in token order.
 
-    No argsort and no host synchronisation: a [T, E] routing table, its
-    cumulative sum down the tokens (the rank of each token within its expert),
-    the per-expert counts and their cumulative sum (the offsets), and scatters
-    of a permutation. Allocates O(T x E + S) integers.
+    No argsort and no host synchronisation (idempotent_moe._sorting): an
+    [E, S] one-hot, its running sum along the assignments, the per-expert
+    counts and their cumulative sum (the offsets), and a scatter. Allocates
+    O(E x S) int32.
     """
     num_tokens, top_k = top_k_index.shape
     device = top_k_index.device
     index = top_k_index.long()
-    routed = torch.zeros(num_tokens, num_experts, dtype=torch.int64, device=device)
-    routed.scatter_(1, index, 1)
-    rank = routed.cumsum(0)  # where routed: 1 + the token's position among expert e's tokens
-    counts = rank[-1]
+    perm, dest, counts = counting_sort(index.reshape(-1), num_experts)
     if device.type == "cpu":
         # Free to check on the host; on a GPU this would cost a synchronisation.
-        if int(counts.sum()) != num_tokens * top_k:
+        if num_tokens and bool((index.sort(dim=1).values.diff(dim=1) == 0).any()):
             raise ValueError("top_k_index repeats an expert within a token: each token's k experts "
                              "must be distinct (as torch.topk gives them)")
-    offsets = counts.cumsum(0)
-    first_row = offsets - counts - 1  # per expert: its first row, minus the 1 that rank starts at
-    dest = (rank + first_row).gather(1, index)  # [T, k]
-    flat_dest = dest.reshape(-1)
-    tokens = torch.arange(num_tokens, device=device).unsqueeze(1).expand(num_tokens, top_k)
-    src_token = torch.empty(num_tokens * top_k, dtype=torch.int64, device=device)
-    src_token.scatter_(0, flat_dest, tokens.reshape(-1))
-    expert_of = torch.empty_like(src_token).scatter_(0, flat_dest, index.reshape(-1))
-    return SortedDispatch(dest, src_token, expert_of, offsets.to(torch.int32))
+    src_token = perm // top_k
+    expert_of = index.reshape(-1)[perm]
+    return SortedDispatch(dest.view(num_tokens, top_k), src_token, expert_of,
+                          counts.cumsum(0).to(torch.int32))
 
 
 _grouped_mm_probe: dict = {}
