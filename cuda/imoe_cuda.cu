@@ -27,26 +27,14 @@ constexpr size_t kStaticSmemSelect = 4096;  // upper bound of k_select's static 
 // k_select_small: H and T, min(C', N - C') <= N / 2 entries each
 constexpr int kSmallDynSmem = kSmallMaxN * 4 > 0 ? kSmallMaxN * 4 : 4;
 
-// The select kernels, by "src": k_select<0..2>; k_select_small with
-// kNarrowThreads threads and IPT 4, 8, 16, 32; with kSelThreads and IPT 16.
-typedef void (*SelectKernel)(SelParams);
-constexpr int kSelectKernels = 8;
-const SelectKernel kSelect[kSelectKernels] = {
-    k_select<0>, k_select<1>, k_select<2>,
-    k_select_small<4, kNarrowThreads>, k_select_small<8, kNarrowThreads>,
-    k_select_small<16, kNarrowThreads>, k_select_small<32, kNarrowThreads>,
-    k_select_small<16, kSelThreads>};
-constexpr int kSelectThreads[kSelectKernels] = {kSelThreads,    kSelThreads,    kSelThreads,    kNarrowThreads,
-                                                kNarrowThreads, kNarrowThreads, kNarrowThreads, kSelThreads};
-
 struct DevInfo {
   bool init;
   int sms;
   int smem_optin;  // per block, opt-in
   int smem_sm;     // per multiprocessor
   int cc_major;
-  size_t occ_smem[kSelectKernels];  // by src
-  int occ_val[kSelectKernels];
+  size_t occ_smem[6];  // k_select<0..2>, k_select_small<4, 8, 16>
+  int occ_val[6];
 };
 
 std::mutex g_mu;
@@ -122,22 +110,26 @@ imoe_status enter(const imoe_exec *exec, const char *fn, imoe_error *err, Device
     // One shared-memory carveout for every kernel: a kernel launched early
     // (PDL) can then share a multiprocessor with the one before it.
     const int carve = cudaSharedmemCarveoutMaxShared;
-    for (int k = 0; k < kSelectKernels; ++k)
-      if ((e = cudaFuncSetAttribute(kSelect[k], cudaFuncAttributePreferredSharedMemoryCarveout, carve)) !=
-          cudaSuccess)
-        return cuda_fail(err, fn, "cudaFuncSetAttribute", e);
-    if ((e = cudaFuncSetAttribute(k_check_rows, cudaFuncAttributePreferredSharedMemoryCarveout, carve)) != cudaSuccess ||
+    if ((e = cudaFuncSetAttribute(k_select<0>, cudaFuncAttributePreferredSharedMemoryCarveout, carve)) != cudaSuccess ||
+        (e = cudaFuncSetAttribute(k_select<1>, cudaFuncAttributePreferredSharedMemoryCarveout, carve)) != cudaSuccess ||
+        (e = cudaFuncSetAttribute(k_select<2>, cudaFuncAttributePreferredSharedMemoryCarveout, carve)) != cudaSuccess ||
+        (e = cudaFuncSetAttribute(k_select_small<4>, cudaFuncAttributePreferredSharedMemoryCarveout, carve)) != cudaSuccess ||
+        (e = cudaFuncSetAttribute(k_select_small<8>, cudaFuncAttributePreferredSharedMemoryCarveout, carve)) != cudaSuccess ||
+        (e = cudaFuncSetAttribute(k_select_small<16>, cudaFuncAttributePreferredSharedMemoryCarveout, carve)) != cudaSuccess ||
+        (e = cudaFuncSetAttribute(k_check_rows, cudaFuncAttributePreferredSharedMemoryCarveout, carve)) != cudaSuccess ||
         (e = cudaFuncSetAttribute(k_check_nan, cudaFuncAttributePreferredSharedMemoryCarveout, carve)) != cudaSuccess ||
         (e = cudaFuncSetAttribute(k_check_tm, cudaFuncAttributePreferredSharedMemoryCarveout, carve)) != cudaSuccess ||
         (e = cudaFuncSetAttribute(k_apply, cudaFuncAttributePreferredSharedMemoryCarveout, carve)) != cudaSuccess)
       return cuda_fail(err, fn, "cudaFuncSetAttribute", e);
     const int dyn = di->smem_optin - (int)kStaticSmemSelect;
-    for (int k = 0; k < kSelectKernels; ++k)
-      if ((e = raise_smem(kSelect[k], k < 3 ? dyn : kSmallDynSmem)) != cudaSuccess)
-        return cuda_fail(err, fn, "cudaFuncSetAttribute", e);
-    if ((e = raise_smem(k_check_rows, di->smem_optin - 1024)) != cudaSuccess)
+    if ((e = raise_smem(k_select<0>, dyn)) != cudaSuccess || (e = raise_smem(k_select<1>, dyn)) != cudaSuccess ||
+        (e = raise_smem(k_select<2>, dyn)) != cudaSuccess ||
+        (e = raise_smem(k_select_small<4>, kSmallDynSmem)) != cudaSuccess ||
+        (e = raise_smem(k_select_small<8>, kSmallDynSmem)) != cudaSuccess ||
+        (e = raise_smem(k_select_small<16>, kSmallDynSmem)) != cudaSuccess ||
+        (e = raise_smem(k_check_rows, di->smem_optin - 1024)) != cudaSuccess)
       return cuda_fail(err, fn, "cudaFuncSetAttribute", e);
-    for (int i = 0; i < kSelectKernels; ++i) di->occ_smem[i] = (size_t)-1;
+    for (int i = 0; i < 6; ++i) di->occ_smem[i] = (size_t)-1;
     di->init = true;
   }
   *out = di;
@@ -148,8 +140,13 @@ int occupancy(DevInfo *di, int src, size_t smem) {
   std::lock_guard<std::mutex> lock(g_mu);
   if (di->occ_smem[src] == smem) return di->occ_val[src];
   int nb = 1;
-  const cudaError_t e =
-      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&nb, kSelect[src], kSelectThreads[src], smem);
+  cudaError_t e;
+  if (src == 0) e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&nb, k_select<0>, kSelThreads, smem);
+  else if (src == 1) e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&nb, k_select<1>, kSelThreads, smem);
+  else if (src == 2) e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&nb, k_select<2>, kSelThreads, smem);
+  else if (src == 3) e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&nb, k_select_small<4>, kSelThreads, smem);
+  else if (src == 4) e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&nb, k_select_small<8>, kSelThreads, smem);
+  else e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&nb, k_select_small<16>, kSelThreads, smem);
   if (e != cudaSuccess || nb < 1) {
     (void)cudaGetLastError();
     nb = 1;
@@ -463,10 +460,7 @@ imoe_status select_and_move(const char *fn, const imoe_view *buffers, int32_t nu
   if (scores && N <= kSmallMaxN) {
     // short rows: keys in registers, holes and tails in two arrays of
     // min(C', N - C') entries (the number of pairs is at most that)
-    if (N <= kNarrowMaxN)
-      src = N <= 4 * kNarrowThreads ? 3 : N <= 8 * kNarrowThreads ? 4 : N <= 16 * kNarrowThreads ? 5 : 6;
-    else
-      src = 7;
+    src = N <= 4 * kSelThreads ? 3 : (N <= 8 * kSelThreads ? 4 : 5);
     sp.cap = (int32_t)std::max<int64_t>(1, std::min<int64_t>(Cp, N - Cp));
     smem = (size_t)sp.cap * 8u;
   } else if (scores) {
@@ -548,7 +542,12 @@ imoe_status select_and_move(const char *fn, const imoe_view *buffers, int32_t nu
   const uint64_t grid = pl.R * (uint64_t)nblk;
   if (grid > 0x7FFFFFFFull) return fail(err, IMOE_ERR_ARGUMENT, "%s: too many rows for one launch", fn);
   cudaError_t e;
-  e = launch(kSelect[src], (unsigned)grid, (unsigned)kSelectThreads[src], smem, st, pdl, sp);
+  if (src == 0) e = launch(k_select<0>, (unsigned)grid, kSelThreads, smem, st, pdl, sp);
+  else if (src == 1) e = launch(k_select<1>, (unsigned)grid, kSelThreads, smem, st, pdl, sp);
+  else if (src == 2) e = launch(k_select<2>, (unsigned)grid, kSelThreads, smem, st, pdl, sp);
+  else if (src == 3) e = launch(k_select_small<4>, (unsigned)grid, kSelThreads, smem, st, pdl, sp);
+  else if (src == 4) e = launch(k_select_small<8>, (unsigned)grid, kSelThreads, smem, st, pdl, sp);
+  else e = launch(k_select_small<16>, (unsigned)grid, kSelThreads, smem, st, pdl, sp);
   if (e != cudaSuccess) return cuda_fail(err, fn, "launch of k_select", e);
 
   // ---- remaining buffers (or all, unfused): apply the indices just written

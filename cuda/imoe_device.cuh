@@ -23,22 +23,11 @@ constexpr int kCheckThreads = 512;      // validation kernels
 constexpr unsigned kSlots = 64;         // per-call verdict slots
 constexpr int kVerdicts = 256;          // most blocks of a validation kernel (one verdict word each)
 // Rows of at most this many slots select with k_select_small: every key in
-// registers, NT x IPT slots per block. Rows of up to kNarrowMaxN slots use
-// blocks of kNarrowThreads threads (IPT 4 .. 32): few warps issue the
-// selection's per-thread work; longer rows use kSelThreads (IPT 16).
+// registers, kSelThreads x IPT slots per block (IPT 4, 8 or 16).
 #ifndef IMOE_SMALL_MAX_N
 #define IMOE_SMALL_MAX_N 16384
 #endif
 constexpr int kSmallMaxN = IMOE_SMALL_MAX_N;
-#ifndef IMOE_NARROW_THREADS
-#define IMOE_NARROW_THREADS 256
-#endif
-constexpr int kNarrowThreads = IMOE_NARROW_THREADS;
-#ifndef IMOE_NARROW_MIN_BLOCKS
-#define IMOE_NARROW_MIN_BLOCKS 1
-#endif
-constexpr int kNarrowMinBlocks = IMOE_NARROW_MIN_BLOCKS;  // __launch_bounds__ of the narrow blocks
-constexpr int kNarrowMaxN = kNarrowThreads * 32 < kSmallMaxN ? kNarrowThreads * 32 : kSmallMaxN;
 
 // Row-major lead shape after the host merged contiguous axes and dropped 1s.
 struct Lead {
@@ -245,14 +234,13 @@ struct VecOf<1> {
 };
 
 // Moves (or swaps) np rows inside one buffer row: get(q) = {dst slot, src
-// slot}. Flat (pair, vector) work spread over the block; DEPTH independent
-// loads in flight per thread before the stores (DEPTH / 2 pairs of loads
-// when swapping).
-template <int VW, bool SWAP, class G, int DEPTH = 4>
+// slot}. Flat (pair, vector) work spread over the block; four independent
+// loads in flight per thread before the stores.
+template <int VW, bool SWAP, class G>
 __device__ __forceinline__ void move_body(char *base, int64_t ns, int64_t off0, uint32_t U,
                                           uint32_t np, const G &get) {
   typedef typename VecOf<VW>::T V;
-  constexpr int UNR = SWAP ? DEPTH / 2 : DEPTH;
+  constexpr int UNR = SWAP ? 2 : 4;
   if (U == 0 || np == 0) return;
   const uint32_t nt = blockDim.x;
   const uint32_t maxp = max(1u, 0x40000000u / U);
@@ -333,14 +321,14 @@ struct RingPairs {
   }
 };
 
-template <bool SWAP, int DEPTH = 4>
+template <bool SWAP>
 __device__ __forceinline__ void move_pairs_t(char *base, const BufDesc &B, uint32_t np, const RingPairs &get) {
   switch (B.vw) {
-    case 16: move_body<16, SWAP, RingPairs, DEPTH>(base, B.n_stride, B.head, B.body, np, get); break;
-    case 8: move_body<8, SWAP, RingPairs, DEPTH>(base, B.n_stride, B.head, B.body, np, get); break;
-    case 4: move_body<4, SWAP, RingPairs, DEPTH>(base, B.n_stride, B.head, B.body, np, get); break;
-    case 2: move_body<2, SWAP, RingPairs, DEPTH>(base, B.n_stride, B.head, B.body, np, get); break;
-    default: move_body<1, SWAP, RingPairs, DEPTH>(base, B.n_stride, B.head, B.body, np, get); break;
+    case 16: move_body<16, SWAP>(base, B.n_stride, B.head, B.body, np, get); break;
+    case 8: move_body<8, SWAP>(base, B.n_stride, B.head, B.body, np, get); break;
+    case 4: move_body<4, SWAP>(base, B.n_stride, B.head, B.body, np, get); break;
+    case 2: move_body<2, SWAP>(base, B.n_stride, B.head, B.body, np, get); break;
+    default: move_body<1, SWAP>(base, B.n_stride, B.head, B.body, np, get); break;
   }
   move_edges<SWAP>(base, B, np, get);
 }
@@ -360,16 +348,6 @@ __device__ __noinline__ void move_pairs(char *base, const BufDesc *B, uint32_t n
     move_pairs_t<true>(base, *B, np, get);
   else
     move_pairs_t<false>(base, *B, np, get);
-}
-
-// move_pairs with twice the loads in flight (8 per thread, or 4 pairs when
-// swapping), for blocks of few threads with registers to spare.
-__device__ __noinline__ void move_pairs_deep(char *base, const BufDesc *B, uint32_t np, int swap,
-                                             RingPairs get) {
-  if (swap)
-    move_pairs_t<true, 8>(base, *B, np, get);
-  else
-    move_pairs_t<false, 8>(base, *B, np, get);
 }
 
 }  // namespace imoe_cu

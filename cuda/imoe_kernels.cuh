@@ -622,7 +622,7 @@ __global__ void __launch_bounds__(kSelThreads, 1) k_select(const __grid_constant
 }
 
 // ------------------------------------------------------------ select + map, short rows
-// N <= NT * IPT. Thread t holds slots [t*IPT, t*IPT + IPT) of the
+// N <= kSelThreads * IPT. Thread t holds slots [t*IPT, t*IPT + IPT) of the
 // row in registers, as keys, so a radix pass is IPT register compares and a
 // few shared atomics into that pass's own (pre-zeroed) histogram. Barriers:
 // one after zeroing the histograms; two per radix pass (histogram complete;
@@ -675,15 +675,13 @@ __device__ __forceinline__ void load_raw_row(const char *srow, int x0, int N, in
   }
 }
 
-template <int IPT, int NT>
-__global__ void __launch_bounds__(NT, NT == kNarrowThreads ? kNarrowMinBlocks : 1) k_select_small(const __grid_constant__ SelParams p) {
+template <int IPT>
+__global__ void __launch_bounds__(kSelThreads, 1) k_select_small(const __grid_constant__ SelParams p) {
   extern __shared__ __align__(16) unsigned char dsm[];
   __shared__ __align__(16) int s_hist[4][256];  // one per radix pass
   __shared__ __align__(16) int s_res[4][4];     // per pass: digit, keys above it, keys in it
   __shared__ int s_wsum[2][32];
-  static_assert(IPT <= 32, "kept, hole and tail flags are 32-bit masks");
-  static_assert(NT % 32 == 0 && NT <= 1024 && (4 * 256) % NT == 0 && NT >= kVerdicts,
-                "histogram zeroing and verdicts assume this block size");
+  static_assert(kSelThreads == 4 * 256, "one histogram word per thread to zero");
 
   const int tid = threadIdx.x, lane = tid & 31;
   const uint32_t r = blockIdx.x / (uint32_t)p.nblk;
@@ -703,8 +701,7 @@ __global__ void __launch_bounds__(NT, NT == kNarrowThreads ? kNarrowMinBlocks : 
   const int x0 = tid * IPT;
   const int dt = p.scores.dtype;
 
-#pragma unroll
-  for (int i = 0; i < 4 * 256 / NT; ++i) reinterpret_cast<int *>(s_hist)[tid + i * NT] = 0;
+  reinterpret_cast<int *>(s_hist)[tid] = 0;
 
   // ---- read-only part: may overlap the validation kernel (PDL)
   uint32_t key[IPT];  // non-candidates (protected, window, padding) hold 0
@@ -740,7 +737,7 @@ __global__ void __launch_bounds__(NT, NT == kNarrowThreads ? kNarrowMinBlocks : 
   int Q = 0;
   __syncthreads();
   if (!all_kept && Kp > 0) {
-    const int noncand = NT * IPT - (chi - clo);
+    const int noncand = kSelThreads * IPT - (chi - clo);
     int need = Kp;
     uint32_t prefix = 0;
 #pragma unroll 1
@@ -883,7 +880,7 @@ __global__ void __launch_bounds__(NT, NT == kNarrowThreads ? kNarrowMinBlocks : 
     }
   }
   if (irow || trow) {
-    for (int q = qa + tid; q < qb; q += NT) {
+    for (int q = qa + tid; q < qb; q += kSelThreads) {
       const int hx = H[q], tx = T[q];
       if (irow) store_index(irow + (int64_t)hx * p.idx.n_stride, p.idx.dtype, p.idx.aligned != 0, tx);
       if (trow) {
@@ -905,10 +902,7 @@ __global__ void __launch_bounds__(NT, NT == kNarrowThreads ? kNarrowMinBlocks : 
     for (int b = 0; b < p.nbuf; ++b) {
       const BufDesc &bd = p.buf[b];
       char *base = bd.data + row_offset(p.lead, c, bd.lead);
-      if (NT < kSelThreads)
-        move_pairs_deep(base, &bd, np, p.swap, get);
-      else
-        move_pairs(base, &bd, np, p.swap, get);
+      move_pairs(base, &bd, np, p.swap, get);
     }
   }
 }
