@@ -232,16 +232,12 @@ def measure(call, cuda: bool, runs: int, warmup: int) -> tuple:
         call()
     memory = {}
     if cuda:
-        torch.cuda.synchronize()
+        from idempotent_moe.bench.timing import cuda_memory
+
         torch.cuda.empty_cache()
-        before = torch.cuda.memory_allocated()
-        reserved_before = torch.cuda.memory_reserved()
-        torch.cuda.reset_peak_memory_stats()
-        result = call()
-        torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated() - before
-        reserved_after = torch.cuda.memory_reserved()
-        peak, reserved_before, reserved_after = _all_max([peak, reserved_before, reserved_after], cuda)
+        result, mine = cuda_memory(call)
+        peak, reserved_before, reserved_after = _all_max(
+            [mine["peak_allocated_bytes"], mine["reserved_before_bytes"], mine["reserved_after_bytes"]], cuda)
         memory = {"peak_transient_bytes": int(peak), "reserved_before_bytes": int(reserved_before),
                   "reserved_after_bytes": int(reserved_after)}
     else:

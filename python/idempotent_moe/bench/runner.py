@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import idempotent_moe as imoe
 
 from . import report, workloads
-from .timing import copy_bandwidth, time_calls
+from .timing import copy_bandwidth, cuda_memory, time_calls
 
 FLUSH, QUICK_FLUSH = workloads.FLUSH_BYTES, 4 << 20
 
@@ -119,19 +119,8 @@ def _memory(device: str, impl: workloads.Impl, problem: workloads.Problem) -> di
     and the reserved pool before and after (CUDA caching allocator)."""
     if device != "cuda":
         return {}
-    import torch
-
     problem.reset()
-    torch.cuda.synchronize()
-    before = torch.cuda.memory_allocated()
-    reserved_before = torch.cuda.memory_reserved()
-    torch.cuda.reset_peak_memory_stats()
-    result = impl.run()
-    torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated() - before
-    del result
-    return {"peak_allocated_bytes": int(peak), "reserved_before_bytes": int(reserved_before),
-            "reserved_after_bytes": int(torch.cuda.memory_reserved())}
+    return cuda_memory(impl.run)[1]
 
 
 def measure(problem: workloads.Problem, impls: list, device: str, runs: int, bandwidth: float,

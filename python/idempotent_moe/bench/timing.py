@@ -61,6 +61,23 @@ def time_calls(
     return Timing(statistics.median(samples), min(samples), runs, statistics.median(host))
 
 
+def cuda_memory(fn: Callable[[], object]) -> tuple:
+    """(fn's result, fields): the peak bytes one call of fn allocates beyond
+    what was allocated before it, and the caching allocator's reserved pool
+    before and after, on the current CUDA device."""
+    import torch
+
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    reserved_before = torch.cuda.memory_reserved()
+    torch.cuda.reset_peak_memory_stats()
+    result = fn()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - before
+    return result, {"peak_allocated_bytes": int(peak), "reserved_before_bytes": int(reserved_before),
+                    "reserved_after_bytes": int(torch.cuda.memory_reserved())}
+
+
 def copy_bandwidth(device: str, nbytes: int, runs: int) -> float:
     """Bytes read plus bytes written per second by a plain device copy of
     `nbytes`: the bandwidth the floors are computed from."""

@@ -23,7 +23,7 @@ import os
 from dataclasses import dataclass
 
 from . import report, runner
-from .timing import time_calls
+from .timing import cuda_memory, time_calls
 
 
 @dataclass(frozen=True)
@@ -125,20 +125,7 @@ def fp32_reference(block, hidden):
 
 
 def _memory(device: str, fn) -> dict:
-    if device != "cuda":
-        return {}
-    import torch
-
-    torch.cuda.synchronize()
-    before = torch.cuda.memory_allocated()
-    reserved_before = torch.cuda.memory_reserved()
-    torch.cuda.reset_peak_memory_stats()
-    result = fn()
-    torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated() - before
-    del result
-    return {"peak_allocated_bytes": int(peak), "reserved_before_bytes": int(reserved_before),
-            "reserved_after_bytes": int(torch.cuda.memory_reserved())}
+    return cuda_memory(fn)[1] if device == "cuda" else {}
 
 
 def _max_diff(a, b) -> float:
