@@ -15,7 +15,6 @@ compacted cache and the original index of every kept token:
             random block table (vLLM's layout)
             - torch: topk + sort, then a gather through the block table
             - VLLMInplaceCompactionHook with block_tables, move and swap
-              (CPU only in this version)
 
 Every row is checked bit for bit against its baseline (same kept set, every
 kept token identical to the original at its reported index). JSON and a plot
@@ -190,9 +189,8 @@ def run_kv(opts: KVOptions) -> dict:
     dtypes = [getattr(torch, n) for n in names]
     bandwidth = copy_bandwidth(device, (1 << 30) if device == "cuda" else (1 << 28), runs=10)
     flush = 4 << 20 if opts.quick else workloads.FLUSH_BYTES
-    paged_ok = device == "cpu"
     cache_ok = importlib.util.find_spec("transformers") is not None
-    per_dtype = 3 + (1 if cache_ok else 0) + (3 if paged_ok else 0)
+    per_dtype = 3 + (1 if cache_ok else 0) + 3
     bar = _progress(len(dtypes) * per_dtype)
     rows = []
 
@@ -224,14 +222,13 @@ def run_kv(opts: KVOptions) -> dict:
             layer = CacheLayerProblem(p)
             measure("W2", dtype, layer.impl(), layer.reset, p, ref)
             del layer
-        if paged_ok:
-            pp = PagedProblem(p)
-            check = _CheckView(pp)
-            pref = measure("W2 paged", dtype, paged_torch_baseline(pp), pp.reset, check, None)
-            for mode in ("move", "swap"):
-                measure("W2 paged", dtype, paged_hook_impl(pp, mode), pp.reset, check, pref,
-                        values_of=lambda r, pp=pp: _paged_values(pp, r))
-            del pp
+        pp = PagedProblem(p)
+        check = _CheckView(pp)
+        pref = measure("W2 paged", dtype, paged_torch_baseline(pp), pp.reset, check, None)
+        for mode in ("move", "swap"):
+            measure("W2 paged", dtype, paged_hook_impl(pp, mode), pp.reset, check, pref,
+                    values_of=lambda r, pp=pp: _paged_values(pp, r))
+        del pp
         del p
     bar.close()
     report.add_speedups(rows)
@@ -241,8 +238,7 @@ def run_kv(opts: KVOptions) -> dict:
             "W2": workloads.DESCRIPTION["W2"] + " (contiguous caches)",
             "W2 paged": workloads.DESCRIPTION["W2"] + f" in a paged pool, block size {BLOCK_SIZE}",
         },
-        "notes": ([] if paged_ok else ["paged rows need the CPU (no CUDA launcher for paged pools yet)"])
-        + ([] if cache_ok else ["InplaceEvictionCache rows need transformers"]),
+        "notes": [] if cache_ok else ["InplaceEvictionCache rows need transformers"],
         "results": rows,
     }
     print(report.table(data))
