@@ -82,7 +82,7 @@ def expected_sequence(before_pools, table, n, new_n, block_size, layout, kept_ro
 def check_compaction(rng, framework, *, layout="NHD", heads=2, dims=(4, 6), dtype="float16",
                      block_size=4, lens=(13, 9, 16, 1, 0), capacity=6, score_heads="kv",
                      prefix=0, window=0, mode="move", head_reduce="mean", num_threads=None,
-                     device="cpu", table_dtype=np.int64):
+                     device="cpu", table_dtype=np.int64, host_tables=False):
     num_blocks = sum(-(-n // block_size) for n in lens) + 5
     pools = [make_data(pool_shape(num_blocks, block_size, heads, d, layout), dtype, framework, rng)
              for d in dims]
@@ -100,7 +100,8 @@ def check_compaction(rng, framework, *, layout="NHD", heads=2, dims=(4, 6), dtyp
     dev_tables = to_framework(tables, framework)
     if device == "cuda":
         pools = [p.cuda() for p in pools]
-        scores, dev_tables = scores.cuda(), dev_tables.cuda()
+        scores = scores.cuda()
+        dev_tables = dev_tables if host_tables else dev_tables.cuda()
 
     res = compact_paged_(pools, dev_tables, list(lens), capacity, scores,
                          layout=layout, protected_prefix=prefix, recent_window=window, mode=mode,
@@ -341,7 +342,7 @@ def test_binding_rejects_bad_axes_dtypes_and_modes(rng):
 
 def _cuda_check(mode, dtype, block_size, layout="NHD", score_heads="kv", table_dtype=np.int64,
                 lens=(40, 17, 3, 33, 0, 64), capacity=(12, 17, 3, 20, 5, 31), heads=3,
-                dims=(64, 8), prefix=1, window=2, seed=0):
+                dims=(64, 8), prefix=1, window=2, seed=0, host_tables=False):
     """Compacts on CUDA (check_compaction checks it against the gather
     reference) and the same problem on the CPU; the pools must agree bit for bit."""
     import idempotent_moe as imoe
@@ -349,7 +350,8 @@ def _cuda_check(mode, dtype, block_size, layout="NHD", score_heads="kv", table_d
     kw = dict(mode=mode, dtype=dtype, block_size=block_size, layout=layout, score_heads=score_heads,
               lens=lens, capacity=list(capacity), heads=heads, dims=dims, prefix=prefix,
               window=window, table_dtype=table_dtype)
-    res = check_compaction(np.random.default_rng(seed), "torch", device="cuda", **kw)
+    res = check_compaction(np.random.default_rng(seed), "torch", device="cuda",
+                           host_tables=host_tables, **kw)
     imoe.check_errors(res.target_map)
     ref = check_compaction(np.random.default_rng(seed), "torch", **kw)
     np.testing.assert_array_equal(to_numpy(res.target_map), to_numpy(ref.target_map))
@@ -372,6 +374,14 @@ def test_cuda_layouts_and_map_forms(layout, score_heads, table_dtype):
     # dims 5 and 3 (x2 bytes): rows no 16-byte vector fits, head and tail bytes
     _cuda_check("swap", "float16", 16, layout=layout, score_heads=score_heads, table_dtype=table_dtype,
                 dims=(5, 3), seed=3)
+
+
+@pytest.mark.gpu
+def test_cuda_pools_with_host_tables():
+    # lens with equal (length, capacity) in non-consecutive sequences: one
+    # gathered group beside consecutive ones
+    _cuda_check("move", "bfloat16", 16, lens=(30, 12, 30, 30, 7), capacity=(9, 4, 9, 9, 3),
+                host_tables=True, seed=9)
 
 
 @pytest.mark.gpu

@@ -224,6 +224,16 @@ def paged_target_map(
         for (length, cap), members in groups.items():
             if length == 0 or cap >= length:
                 continue  # nothing moves: identity
+            if members == list(range(members[0], members[-1] + 1)):
+                # consecutive sequences: the map is built straight into its rows
+                # (views, no gather, no index upload)
+                rows = slice(members[0], members[-1] + 1)
+                idempotent_map(
+                    scores[rows][..., :length], cap, form="target_map",
+                    protected_prefix=protected_prefix, recent_window=recent_window, nan=nan,
+                    num_threads=num_threads, out_target_map=target_map[rows, ..., :length],
+                )
+                continue
             rows = _index_rows(scores, np.asarray(members, dtype=np.int64))
             part = idempotent_map(
                 scores[rows][..., :length], cap, form="target_map",
@@ -402,6 +412,7 @@ def compact_paged_(
                     [num_blocks, block_size, row]; any dtype.
     block_tables    [S, max_blocks] int32/int64: sequence s's logical slot x is
                     in block block_tables[s, x // block_size]. Not modified.
+                    On the host or on the pools' device.
     seq_lens        [S] current lengths.
     capacity        C or [S]: each sequence keeps min(C_s, len_s) tokens.
     scores          [S, N], [S, kv_heads, N] or [S, G x kv_heads, N]: see
@@ -414,10 +425,13 @@ def compact_paged_(
     Returns PagedCompaction(seq_lens, freed_blocks, target_map). Every input
     is checked before anything is written; a block that would move data and
     is shared with another live entry of the call (prefix caching) is refused.
-    On CUDA the selection, the map and the moves run on the device; the host
-    reads block_tables (the freed blocks are host lists) and reads the map
-    back only when two live entries share a block. Bad data in the map or
-    tables changes nothing and is raised by `check_errors()`.
+    On CUDA the selection, the map and the moves run on the device. The
+    freed blocks are host lists, so the host reads block_tables: give them on
+    the host (as an engine's scheduler holds them; they are uploaded beside
+    the pools) and the call never waits for the device; CUDA tables are read
+    back (one synchronisation). The map is read back only when two live
+    entries share a block. Bad data in the map or tables changes nothing and
+    is raised by `check_errors()`.
     """
     pools = _as_list(caches)
     for i, p in enumerate(pools):
@@ -456,12 +470,26 @@ def compact_paged_(
     _check_unshared(tables, lens, target_map, geo.block_size,
                     _shared_live_blocks(tables, lens, geo.block_size))
 
-    apply_paged_map_(pools, block_tables, target_map, layout=layout, mode=mode,
-                     num_threads=num_threads)
+    apply_paged_map_(pools, _tables_beside(block_tables, pools[0]), target_map, layout=layout,
+                     mode=mode, num_threads=num_threads)
     old_blocks = -(-lens // geo.block_size)
     new_blocks = -(-new_lens // geo.block_size)
     freed = [tables[s, new_blocks[s]:old_blocks[s]].tolist() for s in range(s_count)]
     return PagedCompaction([int(x) for x in new_lens], freed, target_map)
+
+
+def _tables_beside(block_tables: Any, pool: Any) -> Any:
+    """block_tables on the pool's device: host tables for a CUDA pool are
+    copied there (an upload, no wait for the device)."""
+    device = _arrays.cuda_device_of(pool)
+    if device is None or _arrays.cuda_device_of(block_tables) == device:
+        return block_tables
+    if not _arrays.is_torch(pool):
+        return block_tables  # the binding names the device mismatch
+    torch = _arrays._torch()
+    if not _arrays.is_torch(block_tables):
+        block_tables = torch.from_numpy(np.ascontiguousarray(np.asarray(block_tables)))
+    return block_tables.to(pool.device)
 
 
 def _new_lengths(lens: np.ndarray, capacity: Any, active_indices: Sequence | None) -> np.ndarray:

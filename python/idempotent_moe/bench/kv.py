@@ -62,6 +62,7 @@ class PagedProblem:
         g = torch.Generator(device="cpu").manual_seed(seed)
         self.table = torch.randperm(num_blocks, generator=g)[: self.blocks].to(torch.int32)
         self.tables = self.table[None].to(base.device)
+        self.host_tables = self.table[None].clone()
         self.pristine = []
         for p in base.pristine:
             pool = torch.zeros((num_blocks, BLOCK_SIZE, heads, s.row), dtype=p.dtype, device=p.device)
@@ -158,8 +159,9 @@ def paged_hook_impl(pp: PagedProblem, mode: str) -> workloads.Impl:
     hook = VLLMInplaceCompactionHook(s.keep, protected_prefix_len=s.sinks, mode=mode)
 
     def run():
+        # the table as an engine's scheduler holds it: on the host
         res = hook(pp.work[0], pp.work[1], attention_scores=pp.scores,
-                   block_tables=pp.tables, seq_lens=[s.n])
+                   block_tables=pp.host_tables, seq_lens=[s.n])
         return res, res.target_map[..., : s.keep]
 
     return workloads.Impl(f"paged vLLM hook {mode}", "ours", mode, run)
