@@ -480,7 +480,9 @@ def compact_paged_(
 
 def _tables_beside(block_tables: Any, pool: Any) -> Any:
     """block_tables on the pool's device: host tables for a CUDA pool are
-    copied there (an upload, no wait for the device)."""
+    copied there. From pageable memory the upload is staged at once and does
+    not wait for the device; pinned tables are copied synchronously, so the
+    caller may change them as soon as the call returns."""
     device = _arrays.cuda_device_of(pool)
     if device is None or _arrays.cuda_device_of(block_tables) == device:
         return block_tables
@@ -489,7 +491,7 @@ def _tables_beside(block_tables: Any, pool: Any) -> Any:
     torch = _arrays._torch()
     if not _arrays.is_torch(block_tables):
         block_tables = torch.from_numpy(np.ascontiguousarray(np.asarray(block_tables)))
-    return block_tables.to(pool.device)
+    return block_tables.to(pool.device, non_blocking=not block_tables.is_pinned())
 
 
 def _new_lengths(lens: np.ndarray, capacity: Any, active_indices: Sequence | None) -> np.ndarray:
