@@ -351,12 +351,27 @@ imoe_status imoe_take_device_status(const imoe_exec *exec, imoe_status *recorded
  * (IMOE_ERR_INDEX_DUPLICATE): shared (prefix-cached) blocks must be copied
  * before they are compacted. Swap mode exchanges each 2-cycle; move mode
  * copies the higher logical slot into the lower one. Checked in full before
- * any write. CPU workspace: S x max_blocks + num_blocks bytes. CUDA:
- * IMOE_ERR_UNSUPPORTED in this version.
+ * any write, with the precedence of the CPU core: the first sequence with an
+ * error, in it the first row whose map is invalid (ranges before the
+ * involution) or moves a slot of an out-of-range block, and only then
+ * blocks written through two entries.
+ *   workspace     int32, at least imoe_paged_workspace_elems(num_blocks, S,
+ *                 max_blocks) = num_blocks + S x max_blocks + 512 elements,
+ *                 on the device of the call, not overlapping any view; its
+ *                 contents are undefined afterwards. Required on CUDA (the
+ *                 per-block marks of the duplicate check and the per-entry
+ *                 flags live there); on the CPU NULL allocates
+ *                 S x max_blocks + num_blocks bytes here.
+ * On CUDA, as for every device call, data errors (the three above) are
+ * recorded on the device (imoe_take_device_status) and nothing is written.
  */
+#define IMOE_PAGED_WORKSPACE_EXTRA 512
+int64_t imoe_paged_workspace_elems(int64_t num_blocks, int64_t num_seqs, int64_t max_blocks);
+
 imoe_status imoe_paged_apply_target_map(const imoe_view *buffers, int32_t num_buffers,
                                         const imoe_view *block_tables,
                                         const imoe_view *target_map, imoe_mode mode,
+                                        int32_t *workspace, int64_t workspace_elems,
                                         const imoe_exec *exec, imoe_error *err);
 
 #ifdef __cplusplus

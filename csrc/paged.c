@@ -8,6 +8,9 @@
 #include <stdlib.h>
 
 #include "imoe_internal.h"
+#ifdef IMOE_WITH_CUDA
+#include "imoe_cuda.h"
+#endif
 
 typedef struct paged_plan {
   const imoe_view *pools; /* [num_blocks, lead..., block_size, row] */
@@ -189,18 +192,53 @@ static imoe_status check_args(const imoe_view *pools, int32_t num_pools, const i
   }
   st = imoe_check_mode(mode, err);
   if (st == IMOE_OK) st = imoe_check_exec(exec, err);
-  if (st == IMOE_OK && imoe_on_cuda(exec)) {
-    st = imoe_fail(err, IMOE_ERR_UNSUPPORTED,
-                   "imoe_paged_apply_target_map has no CUDA launcher in this build");
-  }
   return st;
+}
+
+/* The workspace against what the call needs (imoe_paged_workspace_elems):
+ * required on CUDA, optional on the CPU. */
+static imoe_status check_workspace(const imoe_view *pools, const imoe_view *tables,
+                                   const int32_t *workspace, int64_t workspace_elems,
+                                   const imoe_exec *exec, imoe_error *err) {
+  const int64_t need = imoe_paged_workspace_elems(pools[0].lead_shape[0], tables->lead_shape[0],
+                                                  tables->n);
+  if (workspace == NULL) {
+    if (!imoe_on_cuda(exec)) return IMOE_OK;
+    return imoe_fail(err, IMOE_ERR_ARGUMENT,
+                     "workspace: a CUDA call needs an int32 device workspace of %" PRId64
+                     " elements (num_blocks + S x max_blocks + %d)",
+                     need, IMOE_PAGED_WORKSPACE_EXTRA);
+  }
+  if (workspace_elems < need) {
+    return imoe_fail(err, IMOE_ERR_ARGUMENT,
+                     "workspace: %" PRId64 " int32 elements, the call needs %" PRId64
+                     " (num_blocks + S x max_blocks + %d)",
+                     workspace_elems, need, IMOE_PAGED_WORKSPACE_EXTRA);
+  }
+  return IMOE_OK;
+}
+
+int64_t imoe_paged_workspace_elems(int64_t num_blocks, int64_t num_seqs, int64_t max_blocks) {
+  if (num_blocks < 0 || num_seqs < 0 || max_blocks < 0) return 0;
+  return num_blocks + num_seqs * max_blocks + IMOE_PAGED_WORKSPACE_EXTRA;
 }
 
 imoe_status imoe_paged_apply_target_map(const imoe_view *buffers, int32_t num_buffers,
                                         const imoe_view *block_tables, const imoe_view *target_map,
-                                        imoe_mode mode, const imoe_exec *exec, imoe_error *err) {
+                                        imoe_mode mode, int32_t *workspace,
+                                        int64_t workspace_elems, const imoe_exec *exec,
+                                        imoe_error *err) {
   imoe_status st = check_args(buffers, num_buffers, block_tables, target_map, mode, exec, err);
+  if (st == IMOE_OK) {
+    st = check_workspace(buffers, block_tables, workspace, workspace_elems, exec, err);
+  }
   if (st != IMOE_OK) return st;
+#ifdef IMOE_WITH_CUDA
+  if (imoe_on_cuda(exec)) {
+    return imoe_cuda_paged_apply_target_map(buffers, num_buffers, block_tables, target_map, mode,
+                                            workspace, workspace_elems, exec, err);
+  }
+#endif
 
   paged_plan p;
   memset(&p, 0, sizeof p);
@@ -231,10 +269,19 @@ imoe_status imoe_paged_apply_target_map(const imoe_view *buffers, int32_t num_bu
   if (p.rows == 0 || p.slots == 0) return IMOE_OK;
 
   const int64_t flags = seqs * block_tables->n; /* fits: the table view was checked */
-  unsigned char *scratch = calloc((size_t)(flags + p.num_blocks) + 1, 1);
-  if (scratch == NULL) {
-    return imoe_fail(err, IMOE_ERR_NO_MEMORY, "could not allocate %" PRId64 " bytes of workspace",
-                     flags + p.num_blocks + 1);
+  /* The flags take flags + num_blocks bytes: a given int32 workspace of
+   * num_blocks + flags + EXTRA elements holds them with room to spare. */
+  unsigned char *scratch = NULL, *owned = NULL;
+  if (workspace != NULL) {
+    scratch = (unsigned char *)(void *)workspace;
+    memset(scratch, 0, (size_t)(flags + p.num_blocks) + 1);
+  } else {
+    owned = calloc((size_t)(flags + p.num_blocks) + 1, 1);
+    if (owned == NULL) {
+      return imoe_fail(err, IMOE_ERR_NO_MEMORY,
+                       "could not allocate %" PRId64 " bytes of workspace", flags + p.num_blocks + 1);
+    }
+    scratch = owned;
   }
   p.touched = scratch;
   p.seen = scratch + flags;
@@ -253,8 +300,8 @@ imoe_status imoe_paged_apply_target_map(const imoe_view *buffers, int32_t num_bu
       {check_blocks_distinct, &p, 1},
       {apply_item, &p, seqs * p.parts},
   };
-  const size_t workspace = (size_t)p.per_seq * (size_t)(num_buffers + 1) * sizeof(int64_t);
-  st = imoe_run_stages(stages, 3, workspace, threads, err);
-  free(scratch);
+  const size_t row_workspace = (size_t)p.per_seq * (size_t)(num_buffers + 1) * sizeof(int64_t);
+  st = imoe_run_stages(stages, 3, row_workspace, threads, err);
+  free(owned);
   return st;
 }

@@ -60,6 +60,18 @@ imoe_status imoe_cuda_apply_target_map(const imoe_view *buffers, int32_t num_buf
  * and clears it. Returns IMOE_ERR_DEVICE when the runtime fails. */
 imoe_status imoe_cuda_read_device_status(const imoe_exec *exec, int32_t *status_out);
 
+/* ---- paged pools (cuda/imoe_paged.cuh) ----
+ * imoe_paged_apply_target_map on the device. workspace: int32 device memory
+ * of at least imoe_paged_workspace_elems(num_blocks, S, max_blocks)
+ * elements (per-block claims, per-entry flags, the check kernel's error
+ * keys); nothing in it needs to be initialised. Errors in the map or the
+ * tables are recorded on the device and leave every pool unchanged. */
+imoe_status imoe_cuda_paged_apply_target_map(const imoe_view *buffers, int32_t num_buffers,
+                                             const imoe_view *block_tables,
+                                             const imoe_view *target_map, imoe_mode mode,
+                                             int32_t *workspace, int64_t workspace_elems,
+                                             const imoe_exec *exec, imoe_error *err);
+
 #ifdef __cplusplus
 }
 #endif

@@ -207,6 +207,30 @@ def test_hook_paged_matches_gather(rng):
         np.testing.assert_array_equal(after[:, h], before[ref[h], h])
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["move", "swap"])
+@pytest.mark.parametrize("tables_on", ["host", "cuda"])
+def test_hook_paged_cuda_matches_cpu(mode, tables_on, rng):
+    # the hook on CUDA pools (selection, map and moves on the device) against
+    # the same call on the CPU, bit for bit; K and V of different head dims
+    bs, nb, lens = 16, 40, [70, 33, 64, 0]
+    k = make_data((nb, bs, HKV, 64), "float16", "torch", rng)
+    v = make_data((nb, bs, HKV, 24), "float16", "torch", rng)
+    perm = rng.permutation(nb)
+    tables = np.stack([perm[0:5], perm[5:10], perm[10:15], perm[15:20]]).astype(np.int32)
+    scores = torch.from_numpy(to_numpy(dyadic((4, G * HKV, 70), "numpy", rng)))
+    hook = VLLMInplaceCompactionHook(20, protected_prefix_len=2, recent_window=3, mode=mode)
+    kc, vc = k.cuda(), v.cuda()
+    ref = hook(k, v, attention_scores=scores, block_tables=tables, seq_lens=lens)
+    tab = torch.from_numpy(tables) if tables_on == "host" else torch.from_numpy(tables).cuda()
+    res = hook(kc, vc, attention_scores=scores.cuda(), block_tables=tab, seq_lens=lens)
+    imoe.check_errors(kc)
+    assert res.seq_lens == ref.seq_lens and res.freed_blocks == ref.freed_blocks
+    np.testing.assert_array_equal(to_numpy(res.target_map), to_numpy(ref.target_map))
+    np.testing.assert_array_equal(bits(kc), bits(k))
+    np.testing.assert_array_equal(bits(vc), bits(v))
+
+
 def test_hook_paged_active_indices(rng):
     hook = VLLMInplaceCompactionHook(8)
     bs = 4

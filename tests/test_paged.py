@@ -81,11 +81,12 @@ def expected_sequence(before_pools, table, n, new_n, block_size, layout, kept_ro
 
 def check_compaction(rng, framework, *, layout="NHD", heads=2, dims=(4, 6), dtype="float16",
                      block_size=4, lens=(13, 9, 16, 1, 0), capacity=6, score_heads="kv",
-                     prefix=0, window=0, mode="move", head_reduce="mean", num_threads=None):
+                     prefix=0, window=0, mode="move", head_reduce="mean", num_threads=None,
+                     device="cpu", table_dtype=np.int64, host_tables=False):
     num_blocks = sum(-(-n // block_size) for n in lens) + 5
     pools = [make_data(pool_shape(num_blocks, block_size, heads, d, layout), dtype, framework, rng)
              for d in dims]
-    tables = random_tables(rng, lens, block_size, num_blocks)
+    tables = random_tables(rng, lens, block_size, num_blocks).astype(table_dtype)
     n_max = max(lens) + 3
     s_count = len(lens)
     if score_heads == "seq":
@@ -96,8 +97,13 @@ def check_compaction(rng, framework, *, layout="NHD", heads=2, dims=(4, 6), dtyp
         scores = dyadic_scores((s_count, 2 * heads, n_max), framework, rng)
     caps = capacity if np.isscalar(capacity) else np.asarray(capacity)
     before = [bits(p) for p in pools]
+    dev_tables = to_framework(tables, framework)
+    if device == "cuda":
+        pools = [p.cuda() for p in pools]
+        scores = scores.cuda()
+        dev_tables = dev_tables if host_tables else dev_tables.cuda()
 
-    res = compact_paged_(pools, to_framework(tables, framework), list(lens), capacity, scores,
+    res = compact_paged_(pools, dev_tables, list(lens), capacity, scores,
                          layout=layout, protected_prefix=prefix, recent_window=window, mode=mode,
                          head_reduce=head_reduce, num_threads=num_threads)
     assert isinstance(res, PagedCompaction)
@@ -327,3 +333,238 @@ def test_binding_rejects_bad_axes_dtypes_and_modes(rng):
         ro.setflags(write=False)
         c.paged_apply_target_map([ro], [1], [2], tables, tm, 1, 0)
     np.testing.assert_array_equal(bits(pool), before)
+
+
+# --------------------------------------------------------------------------- CUDA
+# The same checks with pools, tables, scores and maps on the GPU: the kernels
+# of cuda/imoe_paged.cuh against the gather reference and the CPU core, bit for bit.
+
+
+def _cuda_check(mode, dtype, block_size, layout="NHD", score_heads="kv", table_dtype=np.int64,
+                lens=(40, 17, 3, 33, 0, 64), capacity=(12, 17, 3, 20, 5, 31), heads=3,
+                dims=(64, 8), prefix=1, window=2, seed=0, host_tables=False):
+    """Compacts on CUDA (check_compaction checks it against the gather
+    reference) and the same problem on the CPU; the pools must agree bit for bit."""
+    import idempotent_moe as imoe
+
+    kw = dict(mode=mode, dtype=dtype, block_size=block_size, layout=layout, score_heads=score_heads,
+              lens=lens, capacity=list(capacity), heads=heads, dims=dims, prefix=prefix,
+              window=window, table_dtype=table_dtype)
+    res = check_compaction(np.random.default_rng(seed), "torch", device="cuda",
+                           host_tables=host_tables, **kw)
+    imoe.check_errors(res.target_map)
+    ref = check_compaction(np.random.default_rng(seed), "torch", **kw)
+    np.testing.assert_array_equal(to_numpy(res.target_map), to_numpy(ref.target_map))
+    return res
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["move", "swap"])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+@pytest.mark.parametrize("block_size", [1, 16, 32])
+def test_cuda_matches_gather_reference(mode, dtype, block_size):
+    _cuda_check(mode, dtype, block_size)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+@pytest.mark.parametrize("score_heads", ["seq", "kv"])
+@pytest.mark.parametrize("table_dtype", [np.int32, np.int64])
+def test_cuda_layouts_and_map_forms(layout, score_heads, table_dtype):
+    # dims 5 and 3 (x2 bytes): rows no 16-byte vector fits, head and tail bytes
+    _cuda_check("swap", "float16", 16, layout=layout, score_heads=score_heads, table_dtype=table_dtype,
+                dims=(5, 3), seed=3)
+
+
+@pytest.mark.gpu
+def test_cuda_pools_with_host_tables():
+    # lens with equal (length, capacity) in non-consecutive sequences: one
+    # gathered group beside consecutive ones
+    _cuda_check("move", "bfloat16", 16, lens=(30, 12, 30, 30, 7), capacity=(9, 4, 9, 9, 3),
+                host_tables=True, seed=9)
+
+
+@pytest.mark.gpu
+def test_cuda_many_sequences_long_rows():
+    rng = np.random.default_rng(11)
+    lens = tuple(int(x) for x in rng.integers(0, 700, size=24))
+    caps = tuple(int(x) for x in rng.integers(1, 400, size=24))
+    _cuda_check("move", "float16", 16, lens=lens, capacity=caps, heads=4, dims=(128, 128), seed=5)
+
+
+def _cuda_setup(rng, lens=(9, 6), bs=4, nb=8):
+    pool = make_data((nb, bs, 2, 4), "float16", "torch", rng).cuda()
+    tables = random_tables(rng, list(lens), bs, nb)
+    return pool, tables
+
+
+def _expect_device_error(pool, tables, tm, match, mode="move"):
+    import idempotent_moe as imoe
+
+    before = bits(pool)
+    apply_paged_map_(pool, torch.from_numpy(tables).cuda(), torch.from_numpy(tm).cuda(), mode=mode)
+    with pytest.raises(ValueError, match=match):
+        imoe.check_errors(pool)
+    np.testing.assert_array_equal(bits(pool), before)
+    imoe.check_errors(pool)  # taken: nothing left to raise
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block", [-3, 8, 1000])
+def test_cuda_block_out_of_range_changes_nothing(block, rng):
+    pool, tables = _cuda_setup(rng)
+    tables[0, 2] = block
+    tm = np.tile(np.arange(9, dtype=np.int32), (2, 1))
+    tm[0, [0, 8]] = [8, 0]  # slot 8 lives in entry 2
+    _expect_device_error(pool, tables, tm, "INDEX_RANGE")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["move", "swap"])
+def test_cuda_duplicate_block_changes_nothing(mode, rng):
+    pool, tables = _cuda_setup(rng)
+    tm = np.tile(np.arange(9, dtype=np.int32), (2, 1))
+    tm[0, [1, 8]] = [8, 1]
+    tm[1, [0, 5]] = [5, 0]
+    tables[1, 0] = tables[0, 0]
+    _expect_device_error(pool, tables, tm, "INDEX_DUPLICATE", mode)
+
+
+@pytest.mark.gpu
+def test_cuda_shared_block_that_moves_nothing_is_fine(rng):
+    # two entries name one block, but only one of them moves data: allowed
+    pool, tables = _cuda_setup(rng)
+    tables[1, 1] = tables[0, 0]
+    tm = np.tile(np.arange(9, dtype=np.int32), (2, 1))
+    tm[0, [1, 8]] = [8, 1]
+    cpu_pool = pool.cpu()
+    apply_paged_map_(cpu_pool, torch.from_numpy(tables), torch.from_numpy(tm))
+    apply_paged_map_(pool, torch.from_numpy(tables).cuda(), torch.from_numpy(tm).cuda())
+    import idempotent_moe as imoe
+
+    imoe.check_errors(pool)
+    np.testing.assert_array_equal(bits(pool), bits(cpu_pool))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["range", "involution"])
+def test_cuda_bad_map_changes_nothing(case, rng):
+    pool, tables = _cuda_setup(rng)
+    tm = np.tile(np.arange(9, dtype=np.int32), (2, 1))
+    if case == "range":
+        tm[1, 3] = 9
+        _expect_device_error(pool, tables, tm, "INDEX_RANGE")
+    else:
+        tm[1, 3] = 4
+        _expect_device_error(pool, tables, tm, "BAD_MAP")
+
+
+@pytest.mark.gpu
+def test_cuda_error_precedence_matches_the_cpu(rng):
+    # Sequence 0, row 0 moves a slot of an out-of-range block; sequence 1 has an
+    # invalid map and sequence 0, row 1 a duplicate-free map: the CPU core
+    # reports sequence 0's range error, and so must the device.
+    pool, tables = _cuda_setup(rng)
+    tables[0, 2] = 1000
+    tm = np.tile(np.arange(9, dtype=np.int32), (2, 2, 1))
+    tm[0, 0, [0, 8]] = [8, 0]
+    tm[1, 1, 3] = 4  # not an involution
+    with pytest.raises(ValueError, match="outside"):
+        apply_paged_map_(pool.cpu(), torch.from_numpy(tables), torch.from_numpy(tm))
+    _expect_device_error(pool, tables, tm, "INDEX_RANGE")
+    # the other way round: an invalid map in an earlier row than the block error
+    tm = np.tile(np.arange(9, dtype=np.int32), (2, 2, 1))
+    tm[0, 0, 3] = 4
+    tm[0, 1, [0, 8]] = [8, 0]
+    with pytest.raises(ValueError, match="involution"):
+        apply_paged_map_(pool.cpu(), torch.from_numpy(tables), torch.from_numpy(tm))
+    _expect_device_error(pool, tables, tm, "BAD_MAP")
+
+
+@pytest.mark.gpu
+def test_cuda_valid_call_after_a_failed_one(rng):
+    pool, tables = _cuda_setup(rng)
+    bad = tables.copy()
+    bad[0, 2] = 1000
+    tm = np.tile(np.arange(9, dtype=np.int32), (2, 1))
+    tm[0, [0, 8]] = [8, 0]
+    _expect_device_error(pool, bad, tm, "INDEX_RANGE")
+    cpu_pool = pool.cpu()
+    apply_paged_map_(cpu_pool, torch.from_numpy(tables), torch.from_numpy(tm))
+    apply_paged_map_(pool, torch.from_numpy(tables).cuda(), torch.from_numpy(tm).cuda())
+    import idempotent_moe as imoe
+
+    imoe.check_errors(pool)
+    np.testing.assert_array_equal(bits(pool), bits(cpu_pool))
+
+
+@pytest.mark.gpu
+def test_cuda_non_default_stream_and_workspace(rng):
+    import idempotent_moe as imoe
+    from idempotent_moe.paged import paged_workspace_elems
+
+    lens, bs, nb = [21, 14], 4, 12
+    k = make_data((nb, bs, 2, 8), "float16", "torch", rng)
+    v = make_data((nb, bs, 2, 8), "float16", "torch", rng)
+    tables = torch.from_numpy(random_tables(rng, lens, bs, nb))
+    scores = torch.rand(2, 2, 21)
+    ref = compact_paged_([k.clone(), v.clone()], tables, lens, 5, scores, mode="swap")
+    kc, vc = k.cuda(), v.cuda()
+    expect = [k.clone(), v.clone()]
+    apply_paged_map_(expect, tables, ref.target_map, mode="swap")
+    stream = torch.cuda.Stream()
+    tm = ref.target_map.cuda()
+    tc = tables.cuda()
+    ws = torch.full((paged_workspace_elems(nb, 2, tables.shape[1]),), 7, dtype=torch.int32,
+                    device="cuda")
+    torch.cuda.synchronize()
+    with torch.cuda.stream(stream):
+        apply_paged_map_([kc, vc], tc, tm, mode="swap", workspace=ws)
+        imoe.check_errors(kc)
+    stream.synchronize()
+    np.testing.assert_array_equal(bits(kc), bits(expect[0]))
+    np.testing.assert_array_equal(bits(vc), bits(expect[1]))
+    with pytest.raises(ValueError, match="workspace"):
+        apply_paged_map_([kc, vc], tc, tm, workspace=ws[:10])
+
+
+@pytest.mark.gpu
+def test_cuda_graph_replay_with_new_tables(rng):
+    # the duplicate check keeps no state between calls: a captured call
+    # replayed over different tables and maps checks and moves afresh
+    import idempotent_moe as imoe
+
+    lens, bs, nb = [9, 6], 4, 8
+    pool = make_data((nb, bs, 2, 4), "float16", "torch", rng).cuda()
+    tables = torch.from_numpy(random_tables(rng, lens, bs, nb)).cuda()
+    tm = torch.arange(9, dtype=torch.int32).repeat(2, 1).cuda()
+    ws = torch.empty(nb + 2 * tables.shape[1] + 512, dtype=torch.int32, device="cuda")
+    apply_paged_map_(pool, tables, tm, mode="swap", workspace=ws)  # warm-up, outside capture
+    imoe.check_errors(pool)
+    stream = torch.cuda.Stream()
+    graph = torch.cuda.CUDAGraph()
+    torch.cuda.synchronize()
+    with torch.cuda.graph(graph, stream=stream):
+        apply_paged_map_(pool, tables, tm, mode="swap", workspace=ws)
+    torch.cuda.synchronize()
+    for step in range(3):
+        t_np = random_tables(rng, lens, bs, nb)
+        m_np = np.tile(np.arange(9, dtype=np.int32), (2, 1))
+        m_np[0, [1, 8]] = [8, 1]
+        m_np[1, [0, 5]] = [5, 0]
+        if step == 1:
+            t_np[1, 0] = t_np[0, 0]  # duplicate: this replay must change nothing
+        expect = pool.cpu()
+        if step != 1:
+            apply_paged_map_(expect, torch.from_numpy(t_np), torch.from_numpy(m_np), mode="swap")
+        tables.copy_(torch.from_numpy(t_np))
+        tm.copy_(torch.from_numpy(m_np))
+        torch.cuda.synchronize()
+        graph.replay()
+        torch.cuda.synchronize()
+        if step == 1:
+            with pytest.raises(ValueError, match="INDEX_DUPLICATE"):
+                imoe.check_errors(pool)
+        else:
+            imoe.check_errors(pool)
+        np.testing.assert_array_equal(bits(pool), bits(expect))

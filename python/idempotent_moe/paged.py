@@ -14,9 +14,13 @@ blocks past ceil(C_s / block_size) hold nothing the sequence needs: they are
 returned in `freed_blocks` for the engine to free.
 
 Nothing of the pool's size is allocated: the maps are built into a
-[S, heads, N] int32 workspace (N the longest sequence), and the C core needs
-S x max_blocks + num_blocks bytes to check that no block is written through
-two table entries. CPU only in this version (no CUDA launcher yet).
+[S, heads, N] int32 workspace (N the longest sequence), and the check that no
+block is written through two table entries takes an int32 workspace of
+num_blocks + S x max_blocks + 512 elements (`paged_workspace_elems`; on CUDA
+allocated through torch beside the pool unless one is passed, on the CPU the
+C core allocates it). Pools on the CPU and on CUDA work alike; on CUDA the
+maps are built and applied on the device, a bad map or table changes nothing
+and is raised by `check_errors()`.
 """
 
 from __future__ import annotations
@@ -220,6 +224,16 @@ def paged_target_map(
         for (length, cap), members in groups.items():
             if length == 0 or cap >= length:
                 continue  # nothing moves: identity
+            if members == list(range(members[0], members[-1] + 1)):
+                # consecutive sequences: the map is built straight into its rows
+                # (views, no gather, no index upload)
+                rows = slice(members[0], members[-1] + 1)
+                idempotent_map(
+                    scores[rows][..., :length], cap, form="target_map",
+                    protected_prefix=protected_prefix, recent_window=recent_window, nan=nan,
+                    num_threads=num_threads, out_target_map=target_map[rows, ..., :length],
+                )
+                continue
             rows = _index_rows(scores, np.asarray(members, dtype=np.int64))
             part = idempotent_map(
                 scores[rows][..., :length], cap, form="target_map",
@@ -246,6 +260,27 @@ def paged_target_map(
     return target_map
 
 
+def paged_workspace_elems(num_blocks: int, num_seqs: int, max_blocks: int) -> int:
+    """int32 elements of the workspace of `apply_paged_map_`: per-block marks,
+    per-table-entry flags and 512 for the device check's error keys."""
+    return num_blocks + num_seqs * max_blocks + 512
+
+
+def _paged_workspace(pool: Any, tables: Any, num_blocks: int, workspace: Any) -> Any:
+    if workspace is not None:
+        _arrays.check_array(workspace, "workspace")
+        return workspace
+    if _arrays.cuda_device_of(pool) is None:
+        return None  # the C core allocates its own on the CPU
+    if not _arrays.is_torch(pool):
+        raise TypeError("CUDA pools that are not torch tensors need workspace= (int32, "
+                        "paged_workspace_elems(num_blocks, S, max_blocks) elements)")
+    torch = _arrays._torch()
+    s_count, max_blocks = _arrays.shape_of(tables)
+    return torch.empty(paged_workspace_elems(num_blocks, s_count, max_blocks), dtype=torch.int32,
+                       device=pool.device)
+
+
 def apply_paged_map_(
     caches: Any,
     block_tables: Any,
@@ -254,15 +289,23 @@ def apply_paged_map_(
     layout: str = "NHD",
     mode: str = "move",
     num_threads: int | None = None,
+    workspace: Any = None,
 ) -> None:
     """Apply per-sequence maps to paged pools in place, through the block tables.
 
-    caches        a pool or a list of pools (K and V) of one geometry, any dtype.
+    caches        a pool or a list of pools (K and V) of one geometry, any dtype,
+                  on the CPU or on CUDA (block_tables and target_map beside them).
     block_tables  [S, max_blocks] int32/int64.
     target_map    [S, N] (one map per sequence: each slot's whole row moves) or
                   [S, kv_heads, N] (one per KV head) int32/int64 involutions.
+    workspace     optional int32, C-contiguous, at least
+                  paged_workspace_elems(num_blocks, S, max_blocks) elements on
+                  the pools' device; on CUDA it is allocated (torch.empty) when
+                  not given, on the CPU the C core allocates its own.
     Every slot that moves must name a block of the pool, and no block may be
-    written through two table entries (ValueError, nothing written).
+    written through two table entries (ValueError, nothing written). On CUDA
+    the call does not synchronise: bad data changes nothing and is raised by
+    `check_errors()`.
     """
     pools = _as_list(caches)
     for i, p in enumerate(pools):
@@ -288,9 +331,12 @@ def apply_paged_map_(
         if not per_head:  # HND: heads are rows apart; one map read for every head
             target_map = _broadcast_map(target_map, geo.heads)
     stream = _arrays.dlpack_stream(pools[0])
+    if len(_arrays.shape_of(block_tables)) != 2:
+        raise ValueError(f"block_tables must be [S, max_blocks], got {list(_arrays.shape_of(block_tables))}")
+    workspace = _paged_workspace(pools[0], block_tables, geo.num_blocks, workspace)
     native().paged_apply_target_map(
         pools, [geo.slot_dim] * len(pools), [row_ndims] * len(pools), block_tables, target_map,
-        MODES[mode], _threads(num_threads), stream,
+        MODES[mode], _threads(num_threads), stream, workspace,
     )
 
 
@@ -301,24 +347,41 @@ def _broadcast_map(target_map: Any, heads: int) -> Any:
     return np.broadcast_to(np.asarray(target_map)[:, None, :], (s, heads, n))
 
 
-def _check_unshared(tables: np.ndarray, lens: np.ndarray, moved: np.ndarray, block_size: int) -> None:
-    """ValueError when a block that moves data is also a live block of another
-    table entry of the call (a prefix-cached block shared by two sequences)."""
-    s_count, max_blocks = tables.shape
-    live_entries = -(-lens // block_size)  # ceil
-    j = np.arange(max_blocks)
-    live = j[None, :] < live_entries[:, None]
-    if not live.any():
-        return
+def _shared_live_blocks(tables: np.ndarray, lens: np.ndarray, block_size: int) -> np.ndarray:
+    """The blocks named by more than one live table entry (prefix caching)."""
+    max_blocks = tables.shape[1]
+    live = np.arange(max_blocks)[None, :] < (-(-lens // block_size))[:, None]
     blocks = tables[live]
+    if blocks.size == 0:
+        return blocks
     if blocks.min() < 0:
         raise ValueError("block_tables: a live entry names a negative block")
     unique, counts = np.unique(blocks, return_counts=True)
+    return unique[counts > 1]
+
+
+def _check_unshared(tables: np.ndarray, lens: np.ndarray, target_map: Any, block_size: int,
+                    shared: np.ndarray) -> None:
+    """ValueError when a block that moves data is also a live block of another
+    table entry of the call (a prefix-cached block shared by two sequences).
+    Reads the map back only when some live block is shared at all."""
+    if shared.size == 0:
+        return
+    s_count, max_blocks = tables.shape
+    tm_host = _host_ints(target_map, "target_map")
+    n = tm_host.shape[-1]
+    moved_slots = tm_host != np.arange(n)
+    if moved_slots.ndim == 3:
+        moved_slots = moved_slots.any(axis=1)
+    padded = np.zeros((s_count, max_blocks * block_size), dtype=bool)
+    padded[:, :n] = moved_slots
+    moved = padded.reshape(s_count, max_blocks, block_size).any(axis=2)
+    live = np.arange(max_blocks)[None, :] < (-(-lens // block_size))[:, None]
     moved_blocks = tables[moved & live]
-    shared = moved_blocks[np.isin(moved_blocks, unique[counts > 1])]
-    if shared.size:
+    hit = moved_blocks[np.isin(moved_blocks, shared)]
+    if hit.size:
         raise ValueError(
-            f"block_tables: block {int(shared[0])} moves data but is shared with another live table "
+            f"block_tables: block {int(hit[0])} moves data but is shared with another live table "
             "entry (a prefix-cached block): copy it before compacting"
         )
 
@@ -349,6 +412,7 @@ def compact_paged_(
                     [num_blocks, block_size, row]; any dtype.
     block_tables    [S, max_blocks] int32/int64: sequence s's logical slot x is
                     in block block_tables[s, x // block_size]. Not modified.
+                    On the host or on the pools' device.
     seq_lens        [S] current lengths.
     capacity        C or [S]: each sequence keeps min(C_s, len_s) tokens.
     scores          [S, N], [S, kv_heads, N] or [S, G x kv_heads, N]: see
@@ -361,6 +425,13 @@ def compact_paged_(
     Returns PagedCompaction(seq_lens, freed_blocks, target_map). Every input
     is checked before anything is written; a block that would move data and
     is shared with another live entry of the call (prefix caching) is refused.
+    On CUDA the selection, the map and the moves run on the device. The
+    freed blocks are host lists, so the host reads block_tables: give them on
+    the host (as an engine's scheduler holds them; they are uploaded beside
+    the pools) and the call never waits for the device; CUDA tables are read
+    back (one synchronisation). The map is read back only when two live
+    entries share a block. Bad data in the map or tables changes nothing and
+    is raised by `check_errors()`.
     """
     pools = _as_list(caches)
     for i, p in enumerate(pools):
@@ -390,26 +461,37 @@ def compact_paged_(
         if capacity is None:
             raise TypeError("capacity is required with target_map")
         new_lens = _new_lengths(lens, capacity, None)
-    tm_host = _host_ints(target_map, "target_map")
-    n = tm_host.shape[-1]
-    if tm_host.shape[0] != s_count or (lens > n).any():
+    map_shape = _arrays.shape_of(target_map)
+    n = map_shape[-1]
+    if map_shape[0] != s_count or (lens > n).any():
         raise ValueError(f"target_map must be [S = {s_count}, ..., N >= max(seq_lens)]")
-    moved_slots = tm_host != np.arange(n)
-    if moved_slots.ndim == 3:
-        moved_slots = moved_slots.any(axis=1)
     if n > max_blocks * geo.block_size:
         raise ValueError("target_map is wider than max_blocks x block_size")
-    padded = np.zeros((s_count, max_blocks * geo.block_size), dtype=bool)
-    padded[:, :n] = moved_slots
-    moved = padded.reshape(s_count, max_blocks, geo.block_size).any(axis=2)
-    _check_unshared(tables, lens, moved, geo.block_size)
+    _check_unshared(tables, lens, target_map, geo.block_size,
+                    _shared_live_blocks(tables, lens, geo.block_size))
 
-    apply_paged_map_(pools, block_tables, target_map, layout=layout, mode=mode,
-                     num_threads=num_threads)
+    apply_paged_map_(pools, _tables_beside(block_tables, pools[0]), target_map, layout=layout,
+                     mode=mode, num_threads=num_threads)
     old_blocks = -(-lens // geo.block_size)
     new_blocks = -(-new_lens // geo.block_size)
     freed = [tables[s, new_blocks[s]:old_blocks[s]].tolist() for s in range(s_count)]
     return PagedCompaction([int(x) for x in new_lens], freed, target_map)
+
+
+def _tables_beside(block_tables: Any, pool: Any) -> Any:
+    """block_tables on the pool's device: host tables for a CUDA pool are
+    copied there. From pageable memory the upload is staged at once and does
+    not wait for the device; pinned tables are copied synchronously, so the
+    caller may change them as soon as the call returns."""
+    device = _arrays.cuda_device_of(pool)
+    if device is None or _arrays.cuda_device_of(block_tables) == device:
+        return block_tables
+    if not _arrays.is_torch(pool):
+        return block_tables  # the binding names the device mismatch
+    torch = _arrays._torch()
+    if not _arrays.is_torch(block_tables):
+        block_tables = torch.from_numpy(np.ascontiguousarray(np.asarray(block_tables)))
+    return block_tables.to(pool.device, non_blocking=not block_tables.is_pinned())
 
 
 def _new_lengths(lens: np.ndarray, capacity: Any, active_indices: Sequence | None) -> np.ndarray:

@@ -387,8 +387,9 @@ static PyMethodDef methods[] = {
      "Undo a swap compaction in place."},
     {"paged_apply_target_map", imoe_py_paged_apply_target_map, METH_VARARGS,
      "paged_apply_target_map(buffers, dims, row_ndims, block_tables, target_map, mode, "
-     "num_threads, stream=None) -> None\n\nApply per-sequence involutions to paged pools "
-     "through their block tables, in place (binding in paged.c)."},
+     "num_threads, stream=None, workspace=None) -> None\n\nApply per-sequence involutions to "
+     "paged pools through their block tables, in place (binding in paged.c). workspace: int32, "
+     "at least num_blocks + S x max_blocks + 512 elements, required on CUDA."},
     {"take_device_status", py_take_device_status, METH_VARARGS,
      "take_device_status(device_id, stream=None) -> int\n\n"
      "Synchronise the stream and return (and clear) the status of a data error that an "

@@ -48,15 +48,17 @@ static int import_pools(imoe_py_call *c, PyObject *buffers, PyObject *dims, PyOb
 }
 
 /* paged_apply_target_map(buffers, dims, row_ndims, block_tables, target_map, mode,
- *                        num_threads, stream=None) -> None */
+ *                        num_threads, stream=None, workspace=None) -> None
+ * workspace: int32, C-contiguous, at least num_blocks + S x max_blocks + 512
+ * elements (required on CUDA). */
 PyObject *imoe_py_paged_apply_target_map(PyObject *self, PyObject *args) {
   (void)self;
   PyObject *buffers, *dims, *row_ndims, *tables_obj, *map_obj;
   int mode;
   long long num_threads;
-  PyObject *stream = Py_None;
-  if (!PyArg_ParseTuple(args, "OOOOOiL|O:paged_apply_target_map", &buffers, &dims, &row_ndims,
-                        &tables_obj, &map_obj, &mode, &num_threads, &stream))
+  PyObject *stream = Py_None, *workspace = Py_None;
+  if (!PyArg_ParseTuple(args, "OOOOOiL|OO:paged_apply_target_map", &buffers, &dims, &row_ndims,
+                        &tables_obj, &map_obj, &mode, &num_threads, &stream, &workspace))
     return NULL;
   if (mode != IMOE_MODE_SWAP && mode != IMOE_MODE_MOVE) {
     PyErr_Format(PyExc_ValueError, "mode must be 0 (swap) or 1 (move), got %d", mode);
@@ -71,14 +73,14 @@ PyObject *imoe_py_paged_apply_target_map(PyObject *self, PyObject *args) {
       imoe_py_call_import_typed(c, tables_obj, "block_tables", 0, INDEX_DTYPES, INDEX_NAMES,
                                 &tables) < 0 ||
       imoe_py_call_import_typed(c, map_obj, "target_map", 0, INDEX_DTYPES, INDEX_NAMES, &map) < 0 ||
-      imoe_py_call_finish(c) < 0)
+      imoe_py_call_import_workspace(c, workspace) < 0 || imoe_py_call_finish(c) < 0)
     goto done;
 
   imoe_error err = {{0}};
   imoe_status status;
   Py_BEGIN_ALLOW_THREADS
   status = imoe_paged_apply_target_map(c->buffers, c->num_buffers, &tables, &map, (imoe_mode)mode,
-                                       &c->exec, &err);
+                                       c->workspace, c->workspace_elems, &c->exec, &err);
   Py_END_ALLOW_THREADS
   if (status != IMOE_OK) {
     imoe_py_raise_status(status, &err);
