@@ -88,7 +88,7 @@ class BuildExt(build_ext):
         for src in cu_sources:
             obj = os.path.join(obj_dir, os.path.basename(src) + ".o")
             cmd = [nvcc, "-c", src, "-o", obj, "-O3", "-std=c++17", "-Xcompiler", "-fPIC",
-                   "--expt-relaxed-constexpr", "-Icsrc", "-Icuda", *gencode]
+                   "--expt-relaxed-constexpr", "--threads", "0", "-Icsrc", "-Icuda", *gencode]
             print(" ".join(cmd))
             subprocess.check_call(cmd, cwd=ROOT)
             ext.extra_objects.append(obj)
