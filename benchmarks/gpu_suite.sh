@@ -1,17 +1,21 @@
 #!/usr/bin/env bash
-# The GPU suite in one command: build, the GPU tests, compute-sanitizer
-# (memcheck and racecheck, each within SANITIZER_SECONDS, over the tests that
-# SANITIZER_TESTS selects with pytest -k) over them, the main
-# benchmark (W1, W2, W3) and the W5 sweep. Results and one log go to OUT_DIR.
-#   bash benchmarks/gpu_suite.sh OUT_DIR [--no-sanitizer] [--no-sweep]
+# The GPU suite in one command: a clean build, every GPU test, the GPU
+# benchmarks (main job W1-W3, W5 sweep, W4, W2 through the KV hooks and cache,
+# the permutation engine, expert parallelism on two GPUs when there are two)
+# and compute-sanitizer (memcheck and racecheck, each within
+# SANITIZER_SECONDS, over the GPU tests of SANITIZER_FILES that
+# SANITIZER_TESTS selects with pytest -k). Results (JSON, plots), the updated README and docs tables and
+# one log go to OUT_DIR; README.md and docs/*.md are updated in place.
+#   bash benchmarks/gpu_suite.sh OUT_DIR [--no-sanitizer] [--no-sweep] [--no-tests]
 set -uo pipefail
-out=${1:?usage: gpu_suite.sh OUT_DIR [--no-sanitizer] [--no-sweep]}
+out=${1:?usage: gpu_suite.sh OUT_DIR [--no-sanitizer] [--no-sweep] [--no-tests]}
 shift
-sanitizer=1 sweep=1
+sanitizer=1 sweep=1 tests=1
 for arg in "$@"; do
   case $arg in
     --no-sanitizer) sanitizer=0 ;;
     --no-sweep) sweep=0 ;;
+    --no-tests) tests=0 ;;
     *) echo "unknown option $arg" >&2; exit 2 ;;
   esac
 done
@@ -19,31 +23,48 @@ mkdir -p "$out"
 log="$out/suite.log"
 export PYTHONUNBUFFERED=1
 status=0
-step() { echo "== $*" | tee -a "$log"; }
+step() { echo "== $* ($(date +%T))" | tee -a "$log"; }
+run() { "$@" 2>>"$log" | tee -a "$log" || status=1; }
 
-step "build"
+step "clean build"
+rm -rf build python/idempotent_moe/_C*.so
 python -m pip install --no-build-isolation -e . >>"$log" 2>&1 || { tail -40 "$log"; exit 1; }
 python -c "import idempotent_moe as m, torch; print('cuda build:', m.cuda_available(), \
-  torch.cuda.get_device_name(0))" 2>&1 | tee -a "$log"
+  torch.cuda.device_count(), 'x', torch.cuda.get_device_name(0), 'torch', torch.__version__)" 2>&1 | tee -a "$log"
+gpus=$(python -c "import torch; print(torch.cuda.device_count())")
 
-step "GPU tests"
-python -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py 2>&1 | tail -25 | tee -a "$log" \
-  || status=1
+if [ "$tests" = 1 ]; then
+  step "GPU tests"
+  # W4 runs in full below; its smoke test would only repeat it.
+  python -m pytest -q -p no:cacheprovider -m gpu tests -k "not test_gpu_w4_benchmark" -rs 2>&1 \
+    | tail -40 | tee -a "$log"
+  [ "${PIPESTATUS[0]}" = 0 ] || status=1
+fi
 
-step "benchmark W1 W2 W3"
-python -m idempotent_moe bench --workloads W1,W2,W3 --out "$out" 2>>"$log" | tee -a "$log" \
-  || status=1
-
+step "main job: W1 W2 W3"
+run python -m idempotent_moe bench --workloads W1,W2,W3 --out "$out" --readme README.md
 if [ "$sweep" = 1 ]; then
   step "W5 sweep"
-  python -m idempotent_moe sweep --out "$out" 2>>"$log" | tee -a "$log" || status=1
+  run python -m idempotent_moe sweep --out "$out"
 fi
+step "W4: a Mixtral block"
+run python -m idempotent_moe w4 --out "$out" --doc docs/moe.md
+step "W2 through the KV hooks and the cache"
+run python -m idempotent_moe kv --device cuda --out "$out" --doc docs/kv.md
+step "permutation engine"
+run python -m idempotent_moe permute --device cuda --out "$out"
+if [ "$gpus" -ge 2 ]; then
+  step "expert parallelism on two GPUs (NCCL)"
+  run python benchmarks/ep_bench.py --out "$out" --docs docs/distributed.md
+fi
+
 if [ "$sanitizer" = 1 ]; then
   for tool in memcheck racecheck; do
     step "compute-sanitizer --tool $tool over the GPU tests"
-    PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout "${SANITIZER_SECONDS:-300}" compute-sanitizer --tool "$tool" --error-exitcode 99 \
-      python -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py \
-      -k "${SANITIZER_TESTS:-not allocates_nothing and not graph}" 2>&1 | tail -8 | tee -a "$log" || status=1
+    PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout "${SANITIZER_SECONDS:-300}" compute-sanitizer --tool "$tool" \
+      --error-exitcode 99 python -m pytest -q -p no:cacheprovider -m gpu ${SANITIZER_FILES:-tests/test_gpu.py} \
+      -k "${SANITIZER_TESTS:-not allocates_nothing and not graph}" 2>&1 | tail -8 | tee -a "$log"
+    [ "${PIPESTATUS[0]}" = 0 ] || status=1
   done
 fi
 
