@@ -621,6 +621,8 @@ imoe_status apply_map(const char *fn, const imoe_view *buffers, int32_t num_buff
 
 }  // namespace
 
+#include "imoe_permute.cuh"
+
 extern "C" {
 
 imoe_status imoe_cuda_build_map(const imoe_selection *sel, const imoe_view *out_indices,
