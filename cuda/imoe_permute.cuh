@@ -30,8 +30,6 @@ namespace imoe_cu {
 
 constexpr int kPermThreads = 1024;   // one block per plan row
 constexpr int kPermCheckThreads = 256;
-constexpr int kPermIlp = 8;         // slots per thread with loads in flight together
-constexpr int kCycleThreads = 512;  // k_perm_cycles block (128 registers per thread for the ILP)
 constexpr int kGroupMaxExperts = 1024;  // k_group keeps per-warp counts of every expert in shared memory
 
 // Exclusive block scan of one int per thread; *total receives the sum.
@@ -114,157 +112,172 @@ __global__ void __launch_bounds__(kPermCheckThreads) k_perm_unique(const __grid_
 }
 
 // ------------------------------------------------------------ cycles
-struct PermCycleParams {
+// Grid-wide kernels over every slot of every row of the permutation (flat
+// index f = r * n + x), one launch per pointer-jumping round: the random
+// int32 gathers of a round then spread over the whole GPU. Workspace regions
+// (plan_rows x n each): set s is jump 3s, min 3s+1, distance 3s+2. With f
+// the final set: B (cycle bases) in 3f; order in 3(1-f); tile totals, then
+// tau1 in 3(1-f)+1; leader lengths, then tau2 in 3(1-f)+2.
+struct CycleParams {
   Lead lead;        // of the plan rows (per-row) or empty (shared: one row)
   int64_t n;
-  int64_t region;   // plan_rows x n
+  uint64_t items;   // plan_rows x n
+  int64_t region;
   InView succ;      // the permutation p (caller's view or workspace region 6)
   int32_t *ws;
-  int32_t rounds;   // ceil(log2 n)
+  int32_t src;      // round: the set read (the other one is written)
+  int32_t w;        // round: window of the set read (slots per window)
+  int32_t fin;      // the final set
+  int32_t tiles;    // scan tiles per row
   int32_t inverse;
   uint32_t token;
   int32_t nverdict;
 };
 
-// One block per plan row: writes the two target maps tau1 (region
-// 3 * (1 - f) + 1) and tau2 (region 3 * (1 - f) + 2), f = rounds & 1.
-__global__ void __launch_bounds__(kCycleThreads) k_perm_cycles(const __grid_constant__ PermCycleParams p) {
-  __shared__ int s_warp[33];
-  if (call_aborted(p.token, p.nverdict)) return;
-  const uint32_t r = blockIdx.x;
-  const int n = (int)p.n;  // < 2^31 (host check)
-  const int tid = threadIdx.x, nt = blockDim.x;
+constexpr int kCycThreads = 256;
+constexpr int kScanItems = 8;                       // consecutive slots per thread in a scan tile
+constexpr int kScanTile = kCycThreads * kScanItems;  // slots per scan tile
+
+__device__ __forceinline__ int32_t succ_of(const CycleParams &p, uint32_t r, int64_t x) {
   uint32_t c[kMaxDims];
   row_coords(p.lead, r, c);
-  const char *srow = p.succ.data + row_offset(p.lead, c, p.succ.lead);
-  const bool al = p.succ.aligned != 0;
-  const int64_t sst = p.succ.n_stride;
-  const int sdt = p.succ.dtype;
-  int32_t *const base = p.ws + (int64_t)r * n;
-  // set s: jump region 3s, min 3s+1, distance 3s+2
-  for (int x = tid; x < n; x += nt) {
-    base[x] = (int32_t)load_index(srow + x * sst, sdt, al);
-    base[p.region + x] = x;
-    base[2 * p.region + x] = 0;
+  return (int32_t)load_index(p.succ.data + row_offset(p.lead, c, p.succ.lead) + x * p.succ.n_stride, p.succ.dtype,
+                             p.succ.aligned != 0);
+}
+
+// Set 0 after the first round (window 2): jump p[p[x]], min(x, p[x]), and
+// the distance of that min (1 when p[x] < x).
+__global__ void __launch_bounds__(kCycThreads) k_cyc_init(const __grid_constant__ CycleParams p) {
+  if (call_aborted(p.token, p.nverdict)) return;
+  const uint64_t f = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x;
+  if (f >= p.items) return;
+  const uint32_t r = (uint32_t)(f / (uint64_t)p.n);
+  const int32_t x = (int32_t)(f - (uint64_t)r * (uint64_t)p.n);
+  const int32_t px = succ_of(p, r, x);
+  const int32_t ppx = succ_of(p, r, px);
+  p.ws[f] = ppx;
+  p.ws[p.region + f] = px < x ? px : x;
+  p.ws[2 * p.region + f] = px < x ? 1 : 0;
+}
+
+// One pointer-jumping round: windows of w slots become windows of 2w.
+__global__ void __launch_bounds__(kCycThreads) k_cyc_round(const __grid_constant__ CycleParams p) {
+  if (call_aborted(p.token, p.nverdict)) return;
+  const uint64_t f = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x;
+  if (f >= p.items) return;
+  const uint64_t row0 = f - f % (uint64_t)p.n;
+  const int32_t *J = p.ws + 3 * p.src * p.region, *M = J + p.region, *D = J + 2 * p.region;
+  int32_t *J2 = p.ws + 3 * (1 - p.src) * p.region, *M2 = J2 + p.region, *D2 = J2 + 2 * p.region;
+  const int32_t j = J[f];
+  const int32_t mx = M[f], dx = D[f];
+  const int32_t mj = M[row0 + j], dj = D[row0 + j], jj = J[row0 + j];
+  const bool better = mj < mx;
+  M2[f] = better ? mj : mx;
+  D2[f] = better ? p.w + dj : dx;
+  J2[f] = jj;
+}
+
+// Scan, part 1: each leader's cycle length (L = e(p[m]) + 1, 0 elsewhere)
+// into the lengths region, and each tile's sum into the totals region.
+__global__ void __launch_bounds__(kCycThreads) k_cyc_lengths(const __grid_constant__ CycleParams p) {
+  __shared__ int s_warp[33];
+  if (call_aborted(p.token, p.nverdict)) return;
+  const uint32_t r = blockIdx.x / (uint32_t)p.tiles, t = blockIdx.x - r * (uint32_t)p.tiles;
+  const int64_t row0 = (int64_t)r * p.n;
+  const int32_t *M = p.ws + (3 * p.fin + 1) * p.region + row0, *D = p.ws + (3 * p.fin + 2) * p.region + row0;
+  int32_t *len = p.ws + (3 * (1 - p.fin) + 2) * p.region + row0;
+  int32_t *totals = p.ws + (3 * (1 - p.fin) + 1) * p.region;
+  const int64_t xs = (int64_t)t * kScanTile + (int64_t)threadIdx.x * kScanItems;
+  int v[kScanItems];
+#pragma unroll
+  for (int u = 0; u < kScanItems; ++u) {
+    const int64_t x = xs + u;
+    v[u] = (x < p.n && M[x] == (int32_t)x) ? -1 - succ_of(p, r, x) : 0;  // -1 - p[x] marks a leader
   }
-  __syncthreads();
-  // Every step is a dependent gather from L2: each thread keeps kPermIlp
-  // slots' loads in flight before it stores.
-  int s = 0;
-  int w = 1;
-  for (int k = 0; k < p.rounds; ++k, w <<= 1) {
-    const int32_t *J = base + 3 * s * p.region, *M = J + p.region, *D = J + 2 * p.region;
-    int32_t *J2 = base + 3 * (1 - s) * p.region, *M2 = J2 + p.region, *D2 = J2 + 2 * p.region;
-    for (int x0 = 0; x0 < n; x0 += nt * kPermIlp) {
-      int32_t j[kPermIlp], mx[kPermIlp], dx[kPermIlp], mj[kPermIlp], dj[kPermIlp], jj[kPermIlp];
+  int sum = 0;
 #pragma unroll
-      for (int u = 0; u < kPermIlp; ++u) {
-        const int x = x0 + u * nt + tid;
-        if (x < n) {
-          j[u] = J[x];
-          mx[u] = M[x];
-          dx[u] = D[x];
-        }
-      }
-#pragma unroll
-      for (int u = 0; u < kPermIlp; ++u) {
-        if (x0 + u * nt + tid < n) {
-          mj[u] = M[j[u]];
-          dj[u] = D[j[u]];
-          jj[u] = J[j[u]];
-        }
-      }
-#pragma unroll
-      for (int u = 0; u < kPermIlp; ++u) {
-        const int x = x0 + u * nt + tid;
-        if (x < n) {
-          const bool better = mj[u] < mx[u];
-          M2[x] = better ? mj[u] : mx[u];
-          D2[x] = better ? w + dj[u] : dx[u];
-          J2[x] = jj[u];
-        }
-      }
-    }
-    __syncthreads();
-    s = 1 - s;
+  for (int u = 0; u < kScanItems; ++u) {
+    if (v[u] < 0) v[u] = D[-1 - v[u]] + 1;
+    if (xs + u < p.n) len[xs + u] = v[u];
+    sum += v[u];
   }
-  const int32_t *M = base + (3 * s + 1) * p.region, *D = base + (3 * s + 2) * p.region;
-  int32_t *B = base + 3 * s * p.region, *order = base + 3 * (1 - s) * p.region;
-  int32_t *tm1 = order + p.region, *tm2 = order + 2 * p.region;
-  // base offsets of the cycles: an exclusive scan of the leaders' lengths,
-  // kPermIlp consecutive slots per thread
+  int total;
+  perm_block_scan(sum, &total, s_warp);
+  if (threadIdx.x == 0) totals[(int64_t)r * p.tiles + t] = total;
+}
+
+// Scan, part 2: one block per row turns its tile totals into exclusive
+// prefixes, in place.
+__global__ void __launch_bounds__(kCycThreads) k_cyc_tile_scan(const __grid_constant__ CycleParams p) {
+  __shared__ int s_warp[33];
+  if (call_aborted(p.token, p.nverdict)) return;
+  int32_t *totals = p.ws + (3 * (1 - p.fin) + 1) * p.region + (int64_t)blockIdx.x * p.tiles;
   int carry = 0;
-  for (int x0 = 0; x0 < n; x0 += nt * kPermIlp) {
-    const int xs = x0 + tid * kPermIlp;
-    int len[kPermIlp];
-#pragma unroll
-    for (int u = 0; u < kPermIlp; ++u) {
-      const int x = xs + u;
-      len[u] = 0;
-      if (x < n && M[x] == x) len[u] = -1 - (int)load_index(srow + x * sst, sdt, al);  // -1 - p[x]
-    }
-    int sum = 0;
-#pragma unroll
-    for (int u = 0; u < kPermIlp; ++u) {
-      if (len[u] < 0) len[u] = D[-1 - len[u]] + 1;
-      sum += len[u];
-    }
+  for (int t0 = 0; t0 < p.tiles; t0 += blockDim.x) {
+    const int t = t0 + threadIdx.x;
+    const int v = t < p.tiles ? totals[t] : 0;
     int total;
-    int run = carry + perm_block_scan(sum, &total, s_warp);
-#pragma unroll
-    for (int u = 0; u < kPermIlp; ++u) {
-      if (xs + u < n) B[xs + u] = run;
-      run += len[u];
-    }
+    const int excl = perm_block_scan(v, &total, s_warp);
+    if (t < p.tiles) totals[t] = carry + excl;
     carry += total;
   }
-  __syncthreads();
-  for (int x0 = 0; x0 < n; x0 += nt * kPermIlp) {
-    int32_t m[kPermIlp], e[kPermIlp];
+}
+
+// Scan, part 3: every slot's base B = (tile prefix) + (scan within the tile).
+__global__ void __launch_bounds__(kCycThreads) k_cyc_bases(const __grid_constant__ CycleParams p) {
+  __shared__ int s_warp[33];
+  if (call_aborted(p.token, p.nverdict)) return;
+  const uint32_t r = blockIdx.x / (uint32_t)p.tiles, t = blockIdx.x - r * (uint32_t)p.tiles;
+  const int64_t row0 = (int64_t)r * p.n;
+  const int32_t *len = p.ws + (3 * (1 - p.fin) + 2) * p.region + row0;
+  const int32_t *totals = p.ws + (3 * (1 - p.fin) + 1) * p.region;
+  int32_t *B = p.ws + 3 * p.fin * p.region + row0;
+  const int64_t xs = (int64_t)t * kScanTile + (int64_t)threadIdx.x * kScanItems;
+  int v[kScanItems];
+  int sum = 0;
 #pragma unroll
-    for (int u = 0; u < kPermIlp; ++u) {
-      const int x = x0 + u * nt + tid;
-      if (x < n) {
-        m[u] = M[x];
-        e[u] = D[x];
-      }
-    }
-#pragma unroll
-    for (int u = 0; u < kPermIlp; ++u) {
-      const int x = x0 + u * nt + tid;
-      if (x < n) order[B[m[u]] + e[u]] = x;
-    }
+  for (int u = 0; u < kScanItems; ++u) {
+    v[u] = xs + u < p.n ? len[xs + u] : 0;
+    sum += v[u];
   }
-  __syncthreads();
-  for (int x0 = 0; x0 < n; x0 += nt * kPermIlp) {
-    int32_t m[kPermIlp], e[kPermIlp], b[kPermIlp], pm[kPermIlp];
+  int total;
+  int run = totals[(int64_t)r * p.tiles + t] + perm_block_scan(sum, &total, s_warp);
 #pragma unroll
-    for (int u = 0; u < kPermIlp; ++u) {
-      const int x = x0 + u * nt + tid;
-      if (x < n) {
-        m[u] = M[x];
-        e[u] = D[x];
-      }
-    }
-#pragma unroll
-    for (int u = 0; u < kPermIlp; ++u) {
-      if (x0 + u * nt + tid < n) {
-        pm[u] = (int32_t)load_index(srow + (int64_t)m[u] * sst, sdt, al);
-        b[u] = B[m[u]];
-      }
-    }
-#pragma unroll
-    for (int u = 0; u < kPermIlp; ++u) {
-      const int x = x0 + u * nt + tid;
-      if (x < n) {
-        const int32_t L = D[pm[u]] + 1;
-        const int32_t e1 = p.inverse ? (L + 1 - e[u]) % L : L - 1 - e[u];
-        const int32_t e2 = (L - e[u]) % L;
-        tm1[x] = order[b[u] + e1];
-        tm2[x] = order[b[u] + e2];
-      }
-    }
+  for (int u = 0; u < kScanItems; ++u) {
+    if (xs + u < p.n) B[xs + u] = run;
+    run += v[u];
   }
+}
+
+// The cycles laid out: order[B(m) + e(x)] = x.
+__global__ void __launch_bounds__(kCycThreads) k_cyc_order(const __grid_constant__ CycleParams p) {
+  if (call_aborted(p.token, p.nverdict)) return;
+  const uint64_t f = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x;
+  if (f >= p.items) return;
+  const uint64_t row0 = f - f % (uint64_t)p.n;
+  const int32_t *B = p.ws + 3 * p.fin * p.region, *M = B + p.region, *D = B + 2 * p.region;
+  int32_t *order = p.ws + 3 * (1 - p.fin) * p.region;
+  order[row0 + B[row0 + M[f]] + D[f]] = (int32_t)(f - row0);
+}
+
+// The two involutions as target maps: tau1 (e <-> -1 - e, or 1 - e for the
+// inverse) and tau2 (e <-> -e), mod L.
+__global__ void __launch_bounds__(kCycThreads) k_cyc_maps(const __grid_constant__ CycleParams p) {
+  if (call_aborted(p.token, p.nverdict)) return;
+  const uint64_t f = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x;
+  if (f >= p.items) return;
+  const uint32_t r = (uint32_t)(f / (uint64_t)p.n);
+  const uint64_t row0 = (uint64_t)r * (uint64_t)p.n;
+  const int32_t *B = p.ws + 3 * p.fin * p.region, *M = B + p.region, *D = B + 2 * p.region;
+  const int32_t *order = p.ws + 3 * (1 - p.fin) * p.region;
+  int32_t *tm1 = p.ws + (3 * (1 - p.fin) + 1) * p.region, *tm2 = p.ws + (3 * (1 - p.fin) + 2) * p.region;
+  const int32_t m = M[f], e = D[f];
+  const int32_t b = B[row0 + m];
+  const int32_t L = D[row0 + succ_of(p, r, m)] + 1;
+  const int32_t e1 = p.inverse ? (L + 1 - e) % L : L - 1 - e;
+  const int32_t e2 = (L - e) % L;
+  tm1[f] = order[row0 + b + e1];
+  tm2[f] = order[row0 + b + e2];
 }
 
 // ------------------------------------------------------------ ordered plans
@@ -457,7 +470,7 @@ imoe_status check_workspace(const char *fn, int32_t *ws, int64_t elems, int64_t 
   return IMOE_OK;
 }
 
-// The cycle kernel and the two swap passes: buffers [buf_st0, ...) of pl,
+// The cycle kernels and the two swap passes: buffers [buf_st0, ...) of pl,
 // the permutation `succ` ([plan rows, n]), after the validation of `token`.
 imoe_status launch_cycles_and_swaps(const char *fn, const imoe_view *buffers, int32_t num_buffers, const Plan &pl,
                                     size_t buf_st0, const InView &succ, bool per_row, int64_t n, bool inverse,
@@ -465,28 +478,50 @@ imoe_status launch_cycles_and_swaps(const char *fn, const imoe_view *buffers, in
                                     imoe_error *err) {
   if (n < 2) return IMOE_OK;  // nothing can move
   const uint64_t rows = per_row ? pl.R : 1u;
-  if (rows > 0x7FFFFFFFull) return fail(err, IMOE_ERR_ARGUMENT, "%s: too many rows for one launch", fn);
-  Lead plead = pl.lead;
-  if (!per_row) memset(&plead, 0, sizeof plead);
-  PermCycleParams cp;
+  CycleParams cp;
   memset(&cp, 0, sizeof cp);
-  cp.lead = plead;
+  cp.lead = pl.lead;
+  if (!per_row) memset(&cp.lead, 0, sizeof cp.lead);
   cp.n = n;
-  cp.region = (int64_t)rows * n;
+  cp.items = rows * (uint64_t)n;
+  cp.region = (int64_t)cp.items;
   cp.succ = succ;
   cp.ws = ws;
-  cp.rounds = perm_rounds(n);
   cp.inverse = inverse ? 1 : 0;
   cp.token = token;
   cp.nverdict = nverdict;
-  cudaError_t e = launch(k_perm_cycles, (unsigned)rows, kCycleThreads, 0, st, false, cp);
-  if (e != cudaSuccess) return cuda_fail(err, fn, "launch of k_perm_cycles", e);
-  const int f = cp.rounds & 1;
-  const int32_t *tm1 = ws + (3 * (1 - f) + 1) * cp.region;
-  const int32_t *tm2 = ws + (3 * (1 - f) + 2) * cp.region;
-  imoe_status s = launch_apply_groups(fn, buffers, 0, num_buffers, pl, buf_st0, ws_view(tm1, pl.lead, n, per_row),
+  cp.tiles = (int32_t)((n + kScanTile - 1) / kScanTile);
+  const uint64_t flat = (cp.items + kCycThreads - 1) / kCycThreads;
+  const uint64_t tiled = rows * (uint64_t)cp.tiles;
+  if (flat > 0x7FFFFFFFull || tiled > 0x7FFFFFFFull || rows > 0x7FFFFFFFull)
+    return fail(err, IMOE_ERR_ARGUMENT, "%s: too many rows for one launch", fn);
+  const int rounds = perm_rounds(n);  // >= 1: the first is k_cyc_init's
+  cudaError_t e = launch(k_cyc_init, (unsigned)flat, kCycThreads, 0, st, false, cp);
+  if (e != cudaSuccess) return cuda_fail(err, fn, "launch of k_cyc_init", e);
+  int s = 0;
+  for (int k = 1; k < rounds; ++k) {
+    cp.src = s;
+    cp.w = 1 << k;
+    e = launch(k_cyc_round, (unsigned)flat, kCycThreads, 0, st, false, cp);
+    if (e != cudaSuccess) return cuda_fail(err, fn, "launch of k_cyc_round", e);
+    s = 1 - s;
+  }
+  cp.fin = s;
+  if ((e = launch(k_cyc_lengths, (unsigned)tiled, kCycThreads, 0, st, false, cp)) != cudaSuccess)
+    return cuda_fail(err, fn, "launch of k_cyc_lengths", e);
+  if ((e = launch(k_cyc_tile_scan, (unsigned)rows, kCycThreads, 0, st, false, cp)) != cudaSuccess)
+    return cuda_fail(err, fn, "launch of k_cyc_tile_scan", e);
+  if ((e = launch(k_cyc_bases, (unsigned)tiled, kCycThreads, 0, st, false, cp)) != cudaSuccess)
+    return cuda_fail(err, fn, "launch of k_cyc_bases", e);
+  if ((e = launch(k_cyc_order, (unsigned)flat, kCycThreads, 0, st, false, cp)) != cudaSuccess)
+    return cuda_fail(err, fn, "launch of k_cyc_order", e);
+  if ((e = launch(k_cyc_maps, (unsigned)flat, kCycThreads, 0, st, false, cp)) != cudaSuccess)
+    return cuda_fail(err, fn, "launch of k_cyc_maps", e);
+  const int32_t *tm1 = ws + (3 * (1 - s) + 1) * cp.region;
+  const int32_t *tm2 = ws + (3 * (1 - s) + 2) * cp.region;
+  imoe_status r = launch_apply_groups(fn, buffers, 0, num_buffers, pl, buf_st0, ws_view(tm1, pl.lead, n, per_row),
                                       1, n, true, token, nverdict, false, di, st, err);
-  if (s != IMOE_OK) return s;
+  if (r != IMOE_OK) return r;
   return launch_apply_groups(fn, buffers, 0, num_buffers, pl, buf_st0, ws_view(tm2, pl.lead, n, per_row), 1, n,
                              true, token, nverdict, false, di, st, err);
 }
