@@ -135,6 +135,14 @@ struct CycleParams {
 };
 
 constexpr int kCycThreads = 256;
+
+// The cycle kernels follow each other with programmatic dependent launch
+// (sm_90): the next one is launched while this one runs and waits here for
+// its predecessor's completion (and memory) before reading anything.
+__device__ __forceinline__ void cyc_enter() {
+  griddep_launch_dependents();
+  griddep_wait();
+}
 constexpr int kScanItems = 8;                       // consecutive slots per thread in a scan tile
 constexpr int kScanTile = kCycThreads * kScanItems;  // slots per scan tile
 
@@ -148,6 +156,7 @@ __device__ __forceinline__ int32_t succ_of(const CycleParams &p, uint32_t r, int
 // Set 0 after the first round (window 2): jump p[p[x]], min(x, p[x]), and
 // the distance of that min (1 when p[x] < x).
 __global__ void __launch_bounds__(kCycThreads) k_cyc_init(const __grid_constant__ CycleParams p) {
+  cyc_enter();
   if (call_aborted(p.token, p.nverdict)) return;
   const uint64_t f = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x;
   if (f >= p.items) return;
@@ -162,6 +171,7 @@ __global__ void __launch_bounds__(kCycThreads) k_cyc_init(const __grid_constant_
 
 // One pointer-jumping round: windows of w slots become windows of 2w.
 __global__ void __launch_bounds__(kCycThreads) k_cyc_round(const __grid_constant__ CycleParams p) {
+  cyc_enter();
   if (call_aborted(p.token, p.nverdict)) return;
   const uint64_t f = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x;
   if (f >= p.items) return;
@@ -181,6 +191,7 @@ __global__ void __launch_bounds__(kCycThreads) k_cyc_round(const __grid_constant
 // into the lengths region, and each tile's sum into the totals region.
 __global__ void __launch_bounds__(kCycThreads) k_cyc_lengths(const __grid_constant__ CycleParams p) {
   __shared__ int s_warp[33];
+  cyc_enter();
   if (call_aborted(p.token, p.nverdict)) return;
   const uint32_t r = blockIdx.x / (uint32_t)p.tiles, t = blockIdx.x - r * (uint32_t)p.tiles;
   const int64_t row0 = (int64_t)r * p.n;
@@ -210,6 +221,7 @@ __global__ void __launch_bounds__(kCycThreads) k_cyc_lengths(const __grid_consta
 // prefixes, in place.
 __global__ void __launch_bounds__(kCycThreads) k_cyc_tile_scan(const __grid_constant__ CycleParams p) {
   __shared__ int s_warp[33];
+  cyc_enter();
   if (call_aborted(p.token, p.nverdict)) return;
   int32_t *totals = p.ws + (3 * (1 - p.fin) + 1) * p.region + (int64_t)blockIdx.x * p.tiles;
   int carry = 0;
@@ -226,6 +238,7 @@ __global__ void __launch_bounds__(kCycThreads) k_cyc_tile_scan(const __grid_cons
 // Scan, part 3: every slot's base B = (tile prefix) + (scan within the tile).
 __global__ void __launch_bounds__(kCycThreads) k_cyc_bases(const __grid_constant__ CycleParams p) {
   __shared__ int s_warp[33];
+  cyc_enter();
   if (call_aborted(p.token, p.nverdict)) return;
   const uint32_t r = blockIdx.x / (uint32_t)p.tiles, t = blockIdx.x - r * (uint32_t)p.tiles;
   const int64_t row0 = (int64_t)r * p.n;
@@ -251,6 +264,7 @@ __global__ void __launch_bounds__(kCycThreads) k_cyc_bases(const __grid_constant
 
 // The cycles laid out: order[B(m) + e(x)] = x.
 __global__ void __launch_bounds__(kCycThreads) k_cyc_order(const __grid_constant__ CycleParams p) {
+  cyc_enter();
   if (call_aborted(p.token, p.nverdict)) return;
   const uint64_t f = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x;
   if (f >= p.items) return;
@@ -263,6 +277,7 @@ __global__ void __launch_bounds__(kCycThreads) k_cyc_order(const __grid_constant
 // The two involutions as target maps: tau1 (e <-> -1 - e, or 1 - e for the
 // inverse) and tau2 (e <-> -e), mod L.
 __global__ void __launch_bounds__(kCycThreads) k_cyc_maps(const __grid_constant__ CycleParams p) {
+  cyc_enter();
   if (call_aborted(p.token, p.nverdict)) return;
   const uint64_t f = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x;
   if (f >= p.items) return;
@@ -496,26 +511,27 @@ imoe_status launch_cycles_and_swaps(const char *fn, const imoe_view *buffers, in
   if (flat > 0x7FFFFFFFull || tiled > 0x7FFFFFFFull || rows > 0x7FFFFFFFull)
     return fail(err, IMOE_ERR_ARGUMENT, "%s: too many rows for one launch", fn);
   const int rounds = perm_rounds(n);  // >= 1: the first is k_cyc_init's
-  cudaError_t e = launch(k_cyc_init, (unsigned)flat, kCycThreads, 0, st, false, cp);
+  const bool pdl = di->cc_major >= 9;
+  cudaError_t e = launch(k_cyc_init, (unsigned)flat, kCycThreads, 0, st, pdl, cp);
   if (e != cudaSuccess) return cuda_fail(err, fn, "launch of k_cyc_init", e);
   int s = 0;
   for (int k = 1; k < rounds; ++k) {
     cp.src = s;
     cp.w = 1 << k;
-    e = launch(k_cyc_round, (unsigned)flat, kCycThreads, 0, st, false, cp);
+    e = launch(k_cyc_round, (unsigned)flat, kCycThreads, 0, st, pdl, cp);
     if (e != cudaSuccess) return cuda_fail(err, fn, "launch of k_cyc_round", e);
     s = 1 - s;
   }
   cp.fin = s;
-  if ((e = launch(k_cyc_lengths, (unsigned)tiled, kCycThreads, 0, st, false, cp)) != cudaSuccess)
+  if ((e = launch(k_cyc_lengths, (unsigned)tiled, kCycThreads, 0, st, pdl, cp)) != cudaSuccess)
     return cuda_fail(err, fn, "launch of k_cyc_lengths", e);
-  if ((e = launch(k_cyc_tile_scan, (unsigned)rows, kCycThreads, 0, st, false, cp)) != cudaSuccess)
+  if ((e = launch(k_cyc_tile_scan, (unsigned)rows, kCycThreads, 0, st, pdl, cp)) != cudaSuccess)
     return cuda_fail(err, fn, "launch of k_cyc_tile_scan", e);
-  if ((e = launch(k_cyc_bases, (unsigned)tiled, kCycThreads, 0, st, false, cp)) != cudaSuccess)
+  if ((e = launch(k_cyc_bases, (unsigned)tiled, kCycThreads, 0, st, pdl, cp)) != cudaSuccess)
     return cuda_fail(err, fn, "launch of k_cyc_bases", e);
-  if ((e = launch(k_cyc_order, (unsigned)flat, kCycThreads, 0, st, false, cp)) != cudaSuccess)
+  if ((e = launch(k_cyc_order, (unsigned)flat, kCycThreads, 0, st, pdl, cp)) != cudaSuccess)
     return cuda_fail(err, fn, "launch of k_cyc_order", e);
-  if ((e = launch(k_cyc_maps, (unsigned)flat, kCycThreads, 0, st, false, cp)) != cudaSuccess)
+  if ((e = launch(k_cyc_maps, (unsigned)flat, kCycThreads, 0, st, pdl, cp)) != cudaSuccess)
     return cuda_fail(err, fn, "launch of k_cyc_maps", e);
   const int32_t *tm1 = ws + (3 * (1 - s) + 1) * cp.region;
   const int32_t *tm2 = ws + (3 * (1 - s) + 2) * cp.region;
