@@ -85,7 +85,8 @@ def check_errors(x: Any = None) -> None:
     """Raise the data error that an earlier CUDA call found, if any.
 
     CUDA calls never synchronise the host, so bad data (a NaN score with
-    nan="raise", active indices out of range or repeated, an invalid map)
+    nan="raise", active indices out of range or repeated, an invalid map, a
+    bad permutation or ordered indices, expert ids out of range)
     cannot make the call itself raise: the call changes nothing at all (no
     buffer, no output) and records the error on the device. This function
     synchronises the current stream of x's device (torch's or CuPy's; with
@@ -414,7 +415,9 @@ def apply_map_(
     "score", `indices` are those of an ordered compaction (distinct slots in
     [0, N), any order; [C'] shared by every row also works) and the
     permutation indices ++ (the other slots, ascending) is applied; the
-    plan workspace is as for `compact_`.
+    plan workspace is as for `compact_` (on CUDA: plan_workspace_elems(
+    "ordered", rows(indices), N) int32, allocated by the framework unless
+    given; move mode there applies the whole permutation).
     """
     if (indices is None) == (target_map is None):
         raise ValueError("give exactly one of indices and target_map")
