@@ -210,7 +210,7 @@ imoe_status imoe_build_map_ordered(const imoe_selection *sel, imoe_order order, 
       return imoe_build_map(sel, out_indices, out_target_map, exec, err);
     }
     return imoe_fail(err, IMOE_ERR_UNSUPPORTED,
-                     "order 'stable' / 'score' on CUDA is not built yet (idempotent_map)");
+                     "order 'stable' / 'score' on CUDA is not available in this version (idempotent_map)");
   }
   const int64_t rows = imoe_view_rows(ref);
   const imoe_stage stages[] = {
@@ -254,7 +254,7 @@ imoe_status imoe_compact_ordered(const imoe_view *buffers, int32_t num_buffers,
   if (st != IMOE_OK) return st;
   if (imoe_on_cuda(exec)) {
     return imoe_fail(err, IMOE_ERR_UNSUPPORTED,
-                     "order 'stable' / 'score' on CUDA is not built yet (compact)");
+                     "order 'stable' / 'score' on CUDA is not available in this version (compact)");
   }
 
   const int64_t rows = imoe_view_rows(&buffers[0]), n = ctx.sel.n;

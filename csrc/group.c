@@ -7,6 +7,10 @@
 
 #include "imoe_internal.h"
 
+#ifdef IMOE_WITH_CUDA
+#include "imoe_cuda.h"
+#endif
+
 typedef struct group_ctx {
   const imoe_view *ids;
   int64_t n; /* T */
@@ -104,8 +108,13 @@ imoe_status imoe_group_by_expert(const imoe_view *buffers, int32_t num_buffers,
   if (st == IMOE_OK) st = imoe_check_exec(exec, err);
   if (st != IMOE_OK) return st;
   if (imoe_on_cuda(exec)) {
-    return imoe_fail(err, IMOE_ERR_UNSUPPORTED,
-                     "imoe_group_by_expert (group_by_expert_) on CUDA is not built yet");
+#ifdef IMOE_WITH_CUDA
+    st = imoe_check_cuda_workspace(workspace, workspace_elems, IMOE_PLAN_GROUP,
+                                   imoe_view_rows(&buffers[0]), n, err);
+    if (st != IMOE_OK) return st;
+    return imoe_cuda_group_by_expert(buffers, num_buffers, expert_ids, num_experts, out_offsets,
+                                     out_perm, workspace, workspace_elems, exec, err);
+#endif
   }
 
   const int64_t rows = imoe_view_rows(&buffers[0]);

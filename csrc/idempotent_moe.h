@@ -228,18 +228,40 @@ imoe_status imoe_restore(const imoe_view *buffers, int32_t num_buffers,
 /* ---- permutations ------------------------------------------------------
  *
  * The functions below apply a general permutation of the N slots of every
- * row in place, by cycle following: each cycle is rotated through a fixed
- * stack tile (at most 4 KiB of one slot's bytes at a time), so nothing of
- * size O(N x row) is allocated. They need an int32 plan workspace of
- * `rows x N` elements (rows: the rows of the permutation, 1 when it is
- * shared by every row), which holds each row's permutation with its cycles
- * marked (its contents are undefined afterwards):
- *   workspace        NULL: allocated here (CPU); else at least
- *                    workspace_elems >= rows x N int32 elements, not
- *                    overlapping any view of the call.
- * The plan is built and checked for every row before any buffer byte moves.
- * On CUDA these return IMOE_ERR_UNSUPPORTED for now (order INPLACE aside).
+ * row in place, so nothing of size O(N x row) is allocated. They need an
+ * int32 plan workspace whose size imoe_plan_workspace_elems gives (rows: the
+ * rows of the permutation, 1 when it is shared by every row); its contents
+ * are undefined afterwards:
+ *   workspace        CPU: NULL allocates it here; CUDA: required (device
+ *                    memory; nothing is allocated on the device). Else at
+ *                    least imoe_plan_workspace_elems(...) int32 elements,
+ *                    not overlapping any view of the call.
+ * CPU: cycle following; each cycle is rotated through a fixed stack tile (at
+ * most 4 KiB of one slot's bytes at a time); the plan is each row's
+ * permutation with its cycles marked, rows x N elements.
+ * CUDA: the permutation is split into two involutions of disjoint swaps
+ * (cycle leaders and positions by pointer jumping over the workspace), each
+ * applied by one all-parallel swap pass; 6 x rows x N elements (7 x rows x N
+ * when the permutation itself is computed on the device: grouping, ordered
+ * compaction). The data is read and written twice.
+ * The plan is built and checked for every row before any buffer byte moves
+ * (CUDA: a bad permutation is a recorded data error, see
+ * imoe_take_device_status). imoe_compact_ordered and imoe_build_map_ordered
+ * with STABLE or SCORE return IMOE_ERR_UNSUPPORTED on CUDA.
  */
+
+typedef enum imoe_plan_kind {
+  IMOE_PLAN_PERMUTE = 0, /* imoe_permute: rows = rows of perm */
+  IMOE_PLAN_ORDERED = 1, /* imoe_apply_ordered / imoe_restore_ordered (rows of indices),
+                            imoe_compact_ordered (rows of the buffers) */
+  IMOE_PLAN_GROUP = 2    /* imoe_group_by_expert: rows of the buffers, n = T */
+} imoe_plan_kind;
+
+/* The int32 workspace elements a permutation call needs for `rows` rows of
+ * `n` slots on `device`; -1 when the count overflows int64 or an argument is
+ * negative. */
+int64_t imoe_plan_workspace_elems(imoe_plan_kind kind, imoe_device_type device, int64_t rows,
+                                  int64_t n);
 
 /*
  * Permute the slots of every buffer in place: new slot i of row r holds what
@@ -250,7 +272,7 @@ imoe_status imoe_restore(const imoe_view *buffers, int32_t num_buffers,
  *   perm     [N] I32/I64 shared by every row, or [lead..., N]; every row must
  *            hold each value of [0, N) exactly once: IMOE_ERR_INDEX_RANGE for
  *            a value outside it, IMOE_ERR_BAD_MAP for a repeated value.
- * Workspace: rows(perm) x N int32.
+ * Workspace: imoe_plan_workspace_elems(IMOE_PLAN_PERMUTE, rows(perm), N).
  */
 imoe_status imoe_permute(const imoe_view *buffers, int32_t num_buffers, const imoe_view *perm,
                          int32_t inverse, int32_t *workspace, int64_t workspace_elems,
@@ -283,8 +305,9 @@ imoe_status imoe_compact_ordered(const imoe_view *buffers, int32_t num_buffers,
  *   indices  [C'] shared by every row, or [lead..., C'], I32/I64; each row's
  *            entries distinct (IMOE_ERR_BAD_MAP) and in [0, N)
  *            (IMOE_ERR_INDEX_RANGE), in any order; C' <= N.
- * Swap mode applies P; move mode writes [0, C') only. Workspace:
- * rows(indices) x N int32.
+ * Swap mode applies P; move mode writes [0, C') only (on CUDA it applies
+ * all of P). Workspace: imoe_plan_workspace_elems(IMOE_PLAN_ORDERED,
+ * rows(indices), N).
  */
 imoe_status imoe_apply_ordered(const imoe_view *buffers, int32_t num_buffers,
                                const imoe_view *indices, imoe_mode mode, int32_t *workspace,
@@ -309,7 +332,10 @@ imoe_status imoe_restore_ordered(const imoe_view *buffers, int32_t num_buffers,
  *   out_perm     [lead..., T] I32/I64 or NULL: the permutation applied, in
  *                imoe_permute's convention (new slot i holds old slot
  *                perm[i]); imoe_permute(..., inverse = 1) with it ungroups.
- * Workspace: R x T int32. Per thread, (E + 1) x 8 bytes are allocated here.
+ * Workspace: imoe_plan_workspace_elems(IMOE_PLAN_GROUP, ...). On the CPU,
+ * per thread, (E + 1) x 8 bytes are allocated here. On CUDA, out_perm and
+ * out_offsets are written on the device; E <= 1024 there
+ * (IMOE_ERR_UNSUPPORTED beyond).
  */
 imoe_status imoe_group_by_expert(const imoe_view *buffers, int32_t num_buffers,
                                  const imoe_view *expert_ids, int64_t num_experts,

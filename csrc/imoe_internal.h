@@ -249,6 +249,11 @@ void imoe_plan_encode(int32_t *plan, int64_t n);
  * when they do (and the plan is encoded), else a slot reached twice (the
  * plan is then garbage). O(n). */
 int64_t imoe_plan_encode_checked(int32_t *plan, int64_t n);
+/* The CUDA path's workspace: given (device memory) and large enough for
+ * imoe_plan_workspace_elems(kind, IMOE_DEVICE_CUDA, rows, n). */
+imoe_status imoe_check_cuda_workspace(const int32_t *workspace, int64_t workspace_elems,
+                                      imoe_plan_kind kind, int64_t rows, int64_t n,
+                                      imoe_error *err);
 
 /* The plan workspace of a call: the caller's (at least `need` elements, else
  * IMOE_ERR_ARGUMENT) or, when given is NULL, *owned = malloc'ed here

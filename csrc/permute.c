@@ -28,6 +28,10 @@
 
 #include "imoe_internal.h"
 
+#ifdef IMOE_WITH_CUDA
+#include "imoe_cuda.h"
+#endif
+
 #if defined(__GNUC__)
 #define IMOE_ALWAYS_INLINE inline __attribute__((always_inline))
 #else
@@ -346,6 +350,28 @@ static imoe_status plan_ordered_row(const void *vctx, int64_t row, unsigned char
 
 /* ---- entry points ------------------------------------------------------- */
 
+imoe_status imoe_check_cuda_workspace(const int32_t *workspace, int64_t workspace_elems,
+                                      imoe_plan_kind kind, int64_t rows, int64_t n,
+                                      imoe_error *err) {
+  const int64_t need = imoe_plan_workspace_elems(kind, IMOE_DEVICE_CUDA, rows, n);
+  if (need < 0) {
+    return imoe_fail(err, IMOE_ERR_ARGUMENT, "workspace: %" PRId64 " rows x %" PRId64
+                     " slots is too many", rows, n);
+  }
+  if (need > 0 && workspace == NULL) {
+    return imoe_fail(err, IMOE_ERR_ARGUMENT,
+                     "workspace: on CUDA the caller passes it (device memory of %" PRId64
+                     " int32 elements, imoe_plan_workspace_elems): nothing is allocated here",
+                     need);
+  }
+  if (need > 0 && workspace_elems < need) {
+    return imoe_fail(err, IMOE_ERR_ARGUMENT,
+                     "workspace: %" PRId64 " int32 elements, the call needs %" PRId64,
+                     workspace_elems, need);
+  }
+  return IMOE_OK;
+}
+
 /* perm [N] or [lead..., N] (is_perm), or indices [C'] / [lead..., C'] with
  * C' <= N, against the buffers. */
 static imoe_status check_plan_source(const imoe_view *map, const char *name,
@@ -412,8 +438,13 @@ imoe_status imoe_permute(const imoe_view *buffers, int32_t num_buffers, const im
   if (st == IMOE_OK) st = imoe_check_exec(exec, err);
   if (st != IMOE_OK) return st;
   if (imoe_on_cuda(exec)) {
-    return imoe_fail(err, IMOE_ERR_UNSUPPORTED,
-                     "imoe_permute (permute_, ungroup_) on CUDA is not built yet");
+#ifdef IMOE_WITH_CUDA
+    st = imoe_check_cuda_workspace(workspace, workspace_elems, IMOE_PLAN_PERMUTE,
+                                   imoe_view_rows(perm), buffers[0].n, err);
+    if (st != IMOE_OK) return st;
+    return imoe_cuda_permute(buffers, num_buffers, perm, inverse, workspace, workspace_elems, exec,
+                             err);
+#endif
   }
   plan_ctx ctx = {perm, "perm", 0, NULL, inverse != 0};
   return run_planned(buffers, num_buffers, &ctx, plan_perm_row, 0, buffers[0].n, workspace,
@@ -429,9 +460,13 @@ static imoe_status ordered(const imoe_view *buffers, int32_t num_buffers, const 
   if (st == IMOE_OK) st = imoe_check_exec(exec, err);
   if (st != IMOE_OK) return st;
   if (imoe_on_cuda(exec)) {
-    return imoe_fail(err, IMOE_ERR_UNSUPPORTED,
-                     "%s with order 'stable' or 'score' on CUDA is not built yet",
-                     restore ? "restore" : "apply");
+#ifdef IMOE_WITH_CUDA
+    st = imoe_check_cuda_workspace(workspace, workspace_elems, IMOE_PLAN_ORDERED,
+                                   imoe_view_rows(indices), buffers[0].n, err);
+    if (st != IMOE_OK) return st;
+    return imoe_cuda_apply_ordered(buffers, num_buffers, indices, restore, workspace,
+                                   workspace_elems, exec, err);
+#endif
   }
   plan_ctx ctx = {indices, "indices", 0, NULL, restore};
   const int64_t limit = mode == IMOE_MODE_MOVE ? indices->n : buffers[0].n;

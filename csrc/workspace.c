@@ -23,3 +23,12 @@ imoe_row_workspace imoe_row_workspace_at(unsigned char *mem, int64_t n, int full
   ws.flags = mem;
   return ws;
 }
+
+int64_t imoe_plan_workspace_elems(imoe_plan_kind kind, imoe_device_type device, int64_t rows,
+                                  int64_t n) {
+  if (rows < 0 || n < 0) return -1;
+  int64_t regions = 1;
+  if (device == IMOE_DEVICE_CUDA) regions = kind == IMOE_PLAN_PERMUTE ? 6 : 7;
+  if (rows != 0 && n > INT64_MAX / rows / regions) return -1;
+  return regions * rows * n;
+}

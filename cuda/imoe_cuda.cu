@@ -622,6 +622,7 @@ imoe_status apply_map(const char *fn, const imoe_view *buffers, int32_t num_buff
 }  // namespace
 
 #include "imoe_paged.cuh"
+#include "imoe_permute.cuh"
 
 extern "C" {
 

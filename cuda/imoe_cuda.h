@@ -71,6 +71,30 @@ imoe_status imoe_cuda_paged_apply_target_map(const imoe_view *buffers, int32_t n
                                              const imoe_view *target_map, imoe_mode mode,
                                              int32_t *workspace, int64_t workspace_elems,
                                              const imoe_exec *exec, imoe_error *err);
+/* ---- permutations (imoe_permute.cuh) ----------------------------------
+ * The workspace is device memory of imoe_plan_workspace_elems(kind,
+ * IMOE_DEVICE_CUDA, rows, N) int32 elements (IMOE_ERR_ARGUMENT when it is
+ * missing or short). A bad perm, bad indices or expert ids out of range are
+ * recorded data errors, as above: every buffer and output keeps its bytes. */
+
+/* imoe_permute on the device. */
+imoe_status imoe_cuda_permute(const imoe_view *buffers, int32_t num_buffers, const imoe_view *perm,
+                              int32_t inverse, int32_t *workspace, int64_t workspace_elems,
+                              const imoe_exec *exec, imoe_error *err);
+
+/* imoe_apply_ordered (swap or move: all of P is applied) and, with restore,
+ * imoe_restore_ordered on the device. */
+imoe_status imoe_cuda_apply_ordered(const imoe_view *buffers, int32_t num_buffers,
+                                    const imoe_view *indices, int32_t restore, int32_t *workspace,
+                                    int64_t workspace_elems, const imoe_exec *exec,
+                                    imoe_error *err);
+
+/* imoe_group_by_expert on the device (num_experts <= 1024). */
+imoe_status imoe_cuda_group_by_expert(const imoe_view *buffers, int32_t num_buffers,
+                                      const imoe_view *expert_ids, int64_t num_experts,
+                                      const imoe_view *out_offsets, const imoe_view *out_perm,
+                                      int32_t *workspace, int64_t workspace_elems,
+                                      const imoe_exec *exec, imoe_error *err);
 
 #ifdef __cplusplus
 }

@@ -415,17 +415,6 @@ def test_ordered_bad_arguments(fw, rng):
         assert_unchanged([x, s], snaps)
 
 
-@pytest.mark.gpu
-def test_new_functions_say_not_built_on_cuda():
-    x = torch.zeros(8, 4, device="cuda")
-    with pytest.raises(NotImplementedError, match="CUDA is not built yet"):
-        imoe.permute_(x, torch.randperm(8, device="cuda"))
-    with pytest.raises(NotImplementedError, match="CUDA is not built yet"):
-        imoe.compact_(x.view(1, 8, 4), torch.rand(1, 8, device="cuda"), 3, order="stable")
-    with pytest.raises(NotImplementedError, match="CUDA is not built yet"):
-        imoe.group_by_expert_(x, torch.zeros(8, dtype=torch.int64, device="cuda"), 2)
-
-
 @requires_torch
 def test_permute_bench_quick_writes_json_and_plot(tmp_path):
     pytest.importorskip("matplotlib")
@@ -444,3 +433,15 @@ def test_permute_bench_quick_writes_json_and_plot(tmp_path):
         assert r["median_ms"] > 0 and r["time_ratio_vs_torch"] > 0
         if r["kind"] == "ours" and "per call" not in r["impl"]:
             assert r["transient_bytes"] == 0
+
+
+def test_plan_workspace_elems_per_device():
+    assert imoe.plan_workspace_elems("permute", 3, 10, cuda=False) == 30
+    assert imoe.plan_workspace_elems("group", 3, 10, cuda=False) == 30
+    assert imoe.plan_workspace_elems("permute", 3, 10, cuda=True) == 6 * 30
+    assert imoe.plan_workspace_elems("ordered", 1, 10, cuda=True) == 7 * 10
+    assert imoe.plan_workspace_elems("group", 0, 10, cuda=True) == 0
+    with pytest.raises(ValueError, match="kind"):
+        imoe.plan_workspace_elems("sort", 1, 10, cuda=True)
+    with pytest.raises(ValueError, match="too large"):
+        imoe.plan_workspace_elems("permute", 2**62, 2**10, cuda=True)

@@ -6,6 +6,7 @@ runs W2 through the KV hook, the paged hook and the Hugging Face cache."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
@@ -60,8 +61,14 @@ def _parser() -> argparse.ArgumentParser:
     kv.add_argument("--from-json", default=None,
                     help="with --doc: regenerate the table from this JSON instead of running")
     permute = sub.add_parser("permute", help="permute_, grouping and ordered compaction beside torch "
-                                              "(CPU)")
-    permute.add_argument("--runs", type=int, default=0, help="timed runs per row (default 15)")
+                                              "(CPU; --device cuda: the GPU half)")
+    permute.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    permute.add_argument("--runs", type=int, default=0,
+                         help="timed runs per row (default 15 on the CPU, 100 on CUDA)")
+    permute.add_argument("--doc", default=None,
+                         help="regenerate this file's permute table (README.md) from the new JSON")
+    permute.add_argument("--from-json", default=None,
+                         help="with --doc: regenerate the table from this JSON instead of running")
     permute.add_argument("--threads", type=int, default=0, help="CPU threads (default: torch's)")
     permute.add_argument("--quick", action="store_true", help="small shapes, for a smoke test")
     permute.add_argument("--out", default="benchmarks/results")
@@ -130,10 +137,23 @@ def main(argv: list | None = None) -> int:
                          dtypes=tuple(d.strip() for d in args.dtypes.split(",") if d.strip()),
                          out=args.out, plot=not args.no_plot, doc=args.doc))
     elif args.command == "permute":
+        from .bench.permute import doc_from_json as permute_doc
         from .bench.permute import run as run_permute
+        from .bench.permute import run_cuda as run_permute_cuda
 
-        run_permute(runs=args.runs, threads=args.threads, quick=args.quick, out=args.out,
-                    plot=not args.no_plot)
+        if args.from_json:
+            if not args.doc:
+                raise SystemExit("--from-json needs --doc")
+            permute_doc(args.doc, args.from_json)
+        elif args.device == "cuda":
+            run_permute_cuda(runs=args.runs, quick=args.quick, out=args.out, plot=not args.no_plot,
+                             doc=args.doc)
+        else:
+            run_permute(runs=args.runs, threads=args.threads, quick=args.quick, out=args.out,
+                        plot=not args.no_plot)
+            if args.doc:
+                stem = "permute-cpu" + ("-quick" if args.quick else "")
+                permute_doc(args.doc, os.path.join(args.out, stem + ".json"))
     elif args.command == "readme":
         from .bench.report import readme_from_json
 

@@ -19,8 +19,8 @@ One forward, per rank:
    routing weights) into one receive buffer [N, D], ordered by
    (source rank, local expert, source token);
 4. group the receive buffer by local expert in place: `group_by_expert_` on
-   the CPU (a stable counting sort that permutes the rows in place); on a GPU,
-   where that is not available yet, a counting sort and one gather;
+   the CPU (a stable counting sort that permutes the rows in place); on a GPU
+   (not switched to the in-place grouping yet) a counting sort and one gather;
 5. per local expert, capacity mode only: `compact_` (swap mode) moves the
    expert's C highest-weight rows to the front of its segment in place;
 6. `expert_fn(expert, rows)` runs and its output overwrites its input rows;

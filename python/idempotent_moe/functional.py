@@ -14,10 +14,17 @@ output [lead..., C'] when the caller does not pass `out_indices`, plus O(N)
 bytes of host workspace per thread while a CPU call runs.
 
 General permutations (`permute_`, `group_by_expert_`, `ungroup_`, and the
-"stable" and "score" orders of a compaction) follow cycles in place through a
-fixed stack tile; they need an int32 plan workspace of rows x N elements
-(4 bytes per slot and row), allocated inside the call unless the caller passes
-`workspace=` (any C-contiguous int32 array with at least that many elements).
+"stable" and "score" orders of a compaction) need an int32 plan workspace
+(`plan_workspace_elems`): on the CPU rows x N elements (cycles are followed in
+place through a fixed stack tile), allocated inside the call; on CUDA 6 x rows
+x N (7 x rows x N when the permutation is computed on the device: grouping,
+ordered apply/restore), where the permutation is split into two involutions
+of disjoint swaps applied in two all-parallel passes; there the workspace is
+allocated by the framework on the buffers' device before the call. Either way
+the caller may pass `workspace=` (any C-contiguous int32 array with at least
+that many elements, on the buffers' device): then nothing is allocated.
+On CUDA, `compact_(..., order="stable"/"score")` and `idempotent_map` with
+those orders are not available yet (NotImplementedError).
 """
 
 from __future__ import annotations
@@ -78,7 +85,8 @@ def check_errors(x: Any = None) -> None:
     """Raise the data error that an earlier CUDA call found, if any.
 
     CUDA calls never synchronise the host, so bad data (a NaN score with
-    nan="raise", active indices out of range or repeated, an invalid map)
+    nan="raise", active indices out of range or repeated, an invalid map, a
+    bad permutation or ordered indices, expert ids out of range)
     cannot make the call itself raise: the call changes nothing at all (no
     buffer, no output) and records the error on the device. This function
     synchronises the current stream of x's device (torch's or CuPy's; with
@@ -120,10 +128,37 @@ def _order(order: str) -> int:
     return ORDERS[order]
 
 
-def _workspace(workspace: Any) -> Any:
+PLAN_KINDS = {"permute": 0, "ordered": 1, "group": 2}
+
+
+def _prod(shape: Sequence[int]) -> int:
+    out = 1
+    for s in shape:
+        out *= int(s)
+    return out
+
+
+def plan_workspace_elems(kind: str, rows: int, n: int, *, cuda: bool) -> int:
+    """The int32 elements of the plan workspace of a permutation call: kind
+    "permute" (rows: those of perm, 1 when shared), "ordered" (those of the
+    indices) or "group" (those of x), n slots per row. CPU: rows x n; CUDA:
+    6 x rows x n for "permute", 7 x rows x n for the others."""
+    if kind not in PLAN_KINDS:
+        raise ValueError(f"kind must be one of {tuple(PLAN_KINDS)}, got {kind!r}")
+    return int(native().plan_workspace_elems(PLAN_KINDS[kind], bool(cuda), int(rows), int(n)))
+
+
+def _workspace(workspace: Any, like: Any = None, kind: str = "permute", rows: int = 0,
+               n: int = 0) -> Any:
+    """The caller's workspace, checked; or, for CUDA buffers, a new one from
+    the framework on their device (the C/CUDA code never allocates). On the
+    CPU None lets the core allocate it for the call."""
     if workspace is not None:
         _arrays.check_array(workspace, "workspace")
-    return workspace
+        return workspace
+    if like is None or _arrays.cuda_device_of(like) is None:
+        return None
+    return _arrays.empty_index(like, (plan_workspace_elems(kind, rows, n, cuda=True),), "int32")
 
 
 def _nan_lowest(nan: str) -> bool:
@@ -380,7 +415,9 @@ def apply_map_(
     "score", `indices` are those of an ordered compaction (distinct slots in
     [0, N), any order; [C'] shared by every row also works) and the
     permutation indices ++ (the other slots, ascending) is applied; the
-    plan workspace is as for `compact_`.
+    plan workspace is as for `compact_` (on CUDA: plan_workspace_elems(
+    "ordered", rows(indices), N) int32, allocated by the framework unless
+    given; move mode there applies the whole permutation).
     """
     if (indices is None) == (target_map is None):
         raise ValueError("give exactly one of indices and target_map")
@@ -393,7 +430,10 @@ def apply_map_(
     rows = _row_ndims(bufs, dims)
     stream = _arrays.dlpack_stream(bufs[0])
     if indices is not None and _order(order):
-        native().apply_ordered(bufs, dims, rows, indices, _mode(mode), False, _workspace(workspace),
+        ishape = _arrays.shape_of(indices)
+        n = _arrays.shape_of(bufs[0])[dims[0]]
+        ws = _workspace(workspace, bufs[0], "ordered", _prod(ishape[:-1]), n)
+        native().apply_ordered(bufs, dims, rows, indices, _mode(mode), False, ws,
                                _threads(num_threads), stream)
         kept = _arrays.shape_of(indices)[-1]
         views = tuple(_arrays.narrow(b, d, kept) for b, d in zip(bufs, dims))
@@ -424,9 +464,11 @@ def restore_(x: Any, indices: Any, *, dim: int | None = None, order: str = "inpl
     _arrays.check_array(indices, "indices")
     dims = _dims(bufs, dim, indices, False)
     if _order(order):
+        ishape = _arrays.shape_of(indices)
+        n = _arrays.shape_of(bufs[0])[dims[0]]
+        ws = _workspace(workspace, bufs[0], "ordered", _prod(ishape[:-1]), n)
         native().apply_ordered(bufs, dims, _row_ndims(bufs, dims), indices, MODES["swap"], True,
-                               _workspace(workspace), _threads(num_threads),
-                               _arrays.dlpack_stream(bufs[0]))
+                               ws, _threads(num_threads), _arrays.dlpack_stream(bufs[0]))
         return x
     native().restore(bufs, dims, _row_ndims(bufs, dims), indices, _threads(num_threads),
                      _arrays.dlpack_stream(bufs[0]))
@@ -470,17 +512,26 @@ def permute_(
     dim        the slot axis (default: perm.ndim - 1 for a per-row perm, else
                x.ndim - 2, or 0 for 1-d buffers).
     workspace  optional int32 plan workspace, C-contiguous, at least
-               rows(perm) x N elements (rows(perm) = 1 for a 1-d perm); else
-               that many int32 are allocated inside the call. The plan is the
-               permutation with its cycles marked: cycles are then rotated in
-               place through a 4 KiB stack tile, split over threads by byte
-               ranges of the rows.
-    Returns x. CPU only for now (NotImplementedError on CUDA).
+               plan_workspace_elems("permute", rows(perm), N) elements
+               (rows(perm) = 1 for a 1-d perm): rows(perm) x N on the CPU,
+               6 x rows(perm) x N on CUDA; else that many int32 are
+               allocated (CPU: inside the call; CUDA: by the framework on
+               x's device). CPU: the plan is the permutation with its cycles
+               marked; cycles are rotated in place through a 4 KiB stack
+               tile. CUDA: cycle leaders and positions by pointer jumping,
+               then two all-parallel swap passes (the data is read and
+               written twice); no host synchronisation, on the current
+               stream. A bad perm on CUDA changes nothing and is raised by
+               `check_errors()`.
+    Returns x.
     """
     bufs, _ = _buffers(x)
     perm = _arrays.as_index_array(perm, bufs[0], "perm")
     dims = _perm_dims(bufs, dim, perm)
-    native().permute(bufs, dims, _row_ndims(bufs, dims), perm, bool(inverse), _workspace(workspace),
+    pshape = _arrays.shape_of(perm)
+    n = _arrays.shape_of(bufs[0])[dims[0]]
+    ws = _workspace(workspace, bufs[0], "permute", _prod(pshape[:-1]), n)
+    native().permute(bufs, dims, _row_ndims(bufs, dims), perm, bool(inverse), ws,
                      _threads(num_threads), _arrays.dlpack_stream(bufs[0]))
     return x
 
@@ -499,7 +550,7 @@ def group_by_expert_(
 ) -> Grouped:
     """Dropless grouping in place: reorder the T slots of x so that the tokens
     of expert 0 come first, then those of expert 1, ..., each expert's tokens
-    in their original order (a stable counting sort on the CPU).
+    in their original order (a stable counting sort).
 
     x            [lead..., T, row...] of any dtype, or a list of buffers
                  (tokens and their routing weights) moved together.
@@ -507,13 +558,18 @@ def group_by_expert_(
     dim          the slot axis (default: expert_ids.ndim - 1).
     out_offsets  optional [lead..., E + 1] int32/int64 output.
     out_perm     optional [lead..., T] int32/int64 output.
-    workspace    optional int32 plan workspace of at least rows x T elements.
+    workspace    optional int32 plan workspace of at least
+                 plan_workspace_elems("group", rows, T) elements (rows x T on
+                 the CPU, 7 x rows x T on CUDA); else allocated as for
+                 `permute_`.
 
     Returns Grouped(offsets, perm), a named (offsets, perm) pair: expert e's
     tokens are x[offsets[e]:offsets[e + 1]], grouped slot i holds original
     slot perm[i], and `ungroup_(x, perm)` puts every token back. Grouped GEMMs
-    run on the offsets directly. CPU only for now (NotImplementedError on
-    CUDA).
+    run on the offsets directly. On CUDA offsets and perm are computed on the
+    device (histogram, scan, stable ranks; no host synchronisation; at most
+    1024 experts), and ids out of range change nothing and are raised by
+    `check_errors()`.
     """
     bufs, _ = _buffers(x)
     expert_ids = _arrays.as_index_array(expert_ids, bufs[0], "expert_ids")
@@ -532,9 +588,9 @@ def group_by_expert_(
         out_perm = _arrays.empty_index(bufs[0], lead + (t,), index_dtype)
     else:
         _arrays.check_array(out_perm, "out_perm")
+    ws = _workspace(workspace, bufs[0], "group", _prod(lead), t)
     native().group_by_expert(bufs, dims, _row_ndims(bufs, dims), expert_ids, num_experts, out_offsets,
-                             out_perm, _workspace(workspace), _threads(num_threads),
-                             _arrays.dlpack_stream(bufs[0]))
+                             out_perm, ws, _threads(num_threads), _arrays.dlpack_stream(bufs[0]))
     return Grouped(out_offsets, out_perm)
 
 

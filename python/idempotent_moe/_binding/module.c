@@ -358,6 +358,24 @@ static PyObject *py_status_message(PyObject *self, PyObject *args) {
   return PyUnicode_FromString(imoe_status_string((imoe_status)code));
 }
 
+static PyObject *py_plan_workspace_elems(PyObject *self, PyObject *args) {
+  (void)self;
+  int kind, cuda;
+  long long rows, n;
+  if (!PyArg_ParseTuple(args, "iiLL:plan_workspace_elems", &kind, &cuda, &rows, &n)) return NULL;
+  if (kind < IMOE_PLAN_PERMUTE || kind > IMOE_PLAN_GROUP) {
+    PyErr_Format(PyExc_ValueError, "plan kind %d is not 0 (permute), 1 (ordered) or 2 (group)", kind);
+    return NULL;
+  }
+  const int64_t elems = imoe_plan_workspace_elems(
+      (imoe_plan_kind)kind, cuda ? IMOE_DEVICE_CUDA : IMOE_DEVICE_CPU, (int64_t)rows, (int64_t)n);
+  if (elems < 0) {
+    PyErr_Format(PyExc_ValueError, "a plan workspace for %lld rows of %lld slots is too large", rows, n);
+    return NULL;
+  }
+  return PyLong_FromLongLong((long long)elems);
+}
+
 static PyObject *py_cuda_compiled(PyObject *self, PyObject *unused) {
   (void)self;
   (void)unused;
@@ -396,6 +414,10 @@ static PyMethodDef methods[] = {
      "earlier CUDA call recorded on the device (0: none)."},
     {"status_message", py_status_message, METH_VARARGS,
      "status_message(code) -> str\n\nThe description of an imoe_status code."},
+    {"plan_workspace_elems", py_plan_workspace_elems, METH_VARARGS,
+     "plan_workspace_elems(kind, cuda, rows, n) -> int\n\n"
+     "The int32 elements of the plan workspace of a permutation call (kind 0 permute, "
+     "1 ordered, 2 group) for rows x n slots on CUDA (cuda true) or the CPU."},
     {"cuda_compiled", py_cuda_compiled, METH_NOARGS,
      "cuda_compiled() -> bool\n\nWhether this build has the CUDA launchers."},
     IMOE_PERMUTE_METHODS

@@ -8,6 +8,17 @@ time includes allocating its output, so a row with a preallocated `out=` is
 given too for the permutation itself.
 
 `python -m idempotent_moe permute [--quick]`.
+
+With `--device cuda`: a random permutation (and a rotation, one cycle) of
+32768 x 4096 bf16 rows with `permute_`, and `group_by_expert_` / `ungroup_`
+of the same buffer (top-1 routing over 8 experts, random ids), beside torch's
+`index_select` out of place and its in-place form `x.copy_(x.index_select(...))`.
+CUDA events, warm-up, median and min of >= 100 runs, each result checked bit
+for bit against the out-of-place baseline, peak memory allocated by one call
+(max_memory_allocated minus what was allocated before) and the reserved pool
+before/after; "time / gather floor" divides by the time a plain copy of the
+buffer takes (every row read and written once). Results in
+benchmarks/results/permute-cuda[-quick].{json,png}.
 """
 
 from __future__ import annotations
@@ -24,6 +35,8 @@ from .timing import copy_bandwidth, time_calls
 
 FULL = dict(t=32768, d=512, experts=(8, 64), compact=(8, 4096, 512, 2048))
 QUICK = dict(t=4096, d=256, experts=(8, 64), compact=(4, 1024, 256, 512))
+CUDA_FULL = dict(t=32768, d=4096, experts=8)
+CUDA_QUICK = dict(t=4096, d=512, experts=8)
 
 
 @dataclass
@@ -177,6 +190,169 @@ def _compact_cases(shape: tuple, order: str, threads: int, gen) -> list:
     ]
 
 
+def _cuda_permute_cases(t: int, d: int, kind: str, gen) -> list:
+    import torch
+
+    x0 = torch.randint(-(2**15), 2**15, (t, d), dtype=torch.int16, generator=gen).view(torch.bfloat16)
+    perm = torch.randperm(t, generator=gen) if kind == "random" else torch.roll(torch.arange(t), 1)
+    x0, perm = x0.cuda(), perm.cuda()
+    x = x0.clone()
+    ws = torch.empty(imoe.plan_workspace_elems("permute", 1, t, cuda=True), dtype=torch.int32,
+                     device="cuda")
+    row = d * x0.element_size()
+    name = f"permute {kind} {t}x{d} bf16"
+
+    def reset():
+        x.copy_(x0)
+
+    def in_place_torch():
+        return _bits(x).copy_(_bits(x).index_select(0, perm))
+
+    def ours():
+        imoe.permute_(x, perm, workspace=ws)
+        return _bits(x)
+
+    def ours_alloc():
+        imoe.permute_(x, perm)
+        return _bits(x)
+
+    return [
+        Case(name, "torch index_select (out of place)", "baseline",
+             lambda: _bits(x).index_select(0, perm), reset, t * row),
+        Case(name, "torch x.copy_(x.index_select(...))", "torch", in_place_torch, reset, t * row),
+        Case(name, "idempotent_moe permute_", "ours", ours, reset, 0, ws.numel() * 4),
+        Case(name, "idempotent_moe permute_ (workspace per call)", "ours", ours_alloc, reset,
+             ws.numel() * 4),
+    ]
+
+
+def _cuda_group_cases(t: int, d: int, experts: int, gen) -> list:
+    import torch
+
+    x0 = torch.randint(-(2**15), 2**15, (t, d), dtype=torch.int16, generator=gen).view(torch.bfloat16)
+    ids = torch.randint(0, experts, (t,), generator=gen)
+    x0, ids = x0.cuda(), ids.cuda()
+    x = x0.clone()
+    ws = torch.empty(imoe.plan_workspace_elems("group", 1, t, cuda=True), dtype=torch.int32,
+                     device="cuda")
+    offsets = torch.empty(experts + 1, dtype=torch.int64, device="cuda")
+    perm = torch.empty(t, dtype=torch.int64, device="cuda")
+    row = d * x0.element_size()
+    name = f"group E={experts} {t}x{d} bf16"
+
+    def reset():
+        x.copy_(x0)
+
+    def torch_group():
+        order = torch.argsort(ids, stable=True)
+        grouped = _bits(x).index_select(0, order)
+        offs = torch.cat([torch.zeros(1, dtype=torch.int64, device="cuda"),
+                          torch.cumsum(torch.bincount(ids, minlength=experts), 0)])
+        return grouped, offs, order
+
+    def torch_group_in_place():
+        order = torch.argsort(ids, stable=True)
+        _bits(x).copy_(_bits(x).index_select(0, order))
+        offs = torch.cat([torch.zeros(1, dtype=torch.int64, device="cuda"),
+                          torch.cumsum(torch.bincount(ids, minlength=experts), 0)])
+        return _bits(x), offs, order
+
+    def ours():
+        imoe.group_by_expert_(x, ids, experts, out_offsets=offsets, out_perm=perm, workspace=ws)
+        return _bits(x), offsets, perm
+
+    order = torch.argsort(ids, stable=True)
+    g0 = x0.index_select(0, order)
+    g = g0.clone()
+    ug = f"ungroup E={experts} {t}x{d} bf16"
+
+    def reset_g():
+        g.copy_(g0)
+
+    def ours_ungroup():
+        imoe.ungroup_(g, order, workspace=ws)
+        return _bits(g)
+
+    return [
+        Case(name, "torch argsort + index_select + bincount", "baseline", torch_group, reset,
+             t * row + 3 * 8 * t),
+        Case(name, "torch argsort + x.copy_(x.index_select(...))", "torch", torch_group_in_place,
+             reset, t * row + 3 * 8 * t),
+        Case(name, "idempotent_moe group_by_expert_", "ours", ours, reset, 0, ws.numel() * 4),
+        Case(ug, "torch index_copy_ (out of place)", "baseline",
+             lambda: torch.empty_like(_bits(g)).index_copy_(0, order, _bits(g)), reset_g, t * row),
+        Case(ug, "idempotent_moe ungroup_", "ours", ours_ungroup, reset_g, 0, ws.numel() * 4),
+    ]
+
+
+def run_cuda(runs: int = 0, quick: bool = False, out: str = os.path.join("benchmarks", "results"),
+             plot: bool = True, doc: str | None = None) -> dict:
+    """The GPU half (see the module docstring); `doc`: regenerate its table there."""
+    import torch
+
+    if not (torch.cuda.is_available() and imoe.cuda_available()):
+        raise SystemExit("--device cuda needs a GPU and a CUDA build of idempotent_moe")
+    sizes = CUDA_QUICK if quick else CUDA_FULL
+    runs = max(runs or 100, 100) if not quick else (runs or 10)
+    gen = torch.Generator().manual_seed(0)
+    cases = []
+    for kind in ("random", "rotation"):
+        cases += _cuda_permute_cases(sizes["t"], sizes["d"], kind, gen)
+    cases += _cuda_group_cases(sizes["t"], sizes["d"], sizes["experts"], gen)
+    bandwidth = copy_bandwidth("cuda", 1 << (26 if quick else 30), runs=10)
+    bar = runner._progress(len(cases))
+    rows, reference = [], {}
+    for case in cases:
+        bar.set_description(f"{case.workload}: {case.impl}")
+        timing = time_calls(case.run, case.reset, device="cuda", runs=runs, warmup=5)
+        case.reset()
+        result = case.run()
+        torch.cuda.synchronize()
+        imoe.check_errors(result[0] if isinstance(result, tuple) else result)
+        if case.kind == "baseline":
+            reference[case.workload] = result
+        data_bytes = int(sizes["t"]) * int(sizes["d"]) * 2
+        floor_ms = 2 * data_bytes / bandwidth * 1e3  # every row read and written once
+        rows.append({
+            "workload": case.workload, "impl": case.impl, "kind": case.kind,
+            "median_ms": timing.median_ms, "min_ms": timing.min_ms, "host_ms": timing.host_ms,
+            "runs": timing.runs, "gather_floor_ms": floor_ms,
+            "time_over_gather_floor": timing.median_ms / floor_ms,
+            "bit_exact": bool(_same(result, reference[case.workload])),
+            "transient_bytes": case.transient_bytes, "workspace_bytes": case.workspace_bytes,
+            **runner._memory("cuda", case, case),
+        })
+        del result
+        bar.update()
+    bar.close()
+    for r in rows:
+        base = next(b for b in rows if b["workload"] == r["workload"] and b["kind"] == "baseline")
+        r["time_ratio_vs_torch"] = r["median_ms"] / base["median_ms"]
+    data = {"machine": runner._machine("cuda", torch.get_num_threads(), bandwidth), "quick": quick,
+            "results": rows}
+    stem = "permute-cuda" + ("-quick" if quick else "")
+    paths = report.write_results(data, out, stem, _plot if plot else None)
+    print(table(data))
+    for p in paths:
+        print(f"wrote {p}", file=sys.stderr)
+    if doc:
+        doc_from_json(doc, paths[0])
+        print(f"updated {doc}", file=sys.stderr)
+    if not all(r["bit_exact"] for r in rows):
+        raise SystemExit("a result differs from torch's: see bit_exact in " + paths[0])
+    return data
+
+
+def doc_from_json(doc: str, json_path: str) -> None:
+    """Regenerate the permute table of `doc` (README.md) for the device of the JSON:
+    the section between <!-- permute:cpu|cuda --> markers."""
+    import json
+
+    with open(json_path) as f:
+        data = json.load(f)
+    report.replace_section(doc, f"permute:{data['machine']['device']}", lambda: table(data))
+
+
 def run(runs: int = 0, threads: int = 0, quick: bool = False,
         out: str = os.path.join("benchmarks", "results"), plot: bool = True) -> dict:
     import torch
@@ -228,12 +404,29 @@ def run(runs: int = 0, threads: int = 0, quick: bool = False,
 
 
 def table(data: dict) -> str:
-    lines = ["| workload | impl | median ms | min ms | time / torch | bit-exact | transient MiB |",
-             "|---|---|---:|---:|---:|:-:|---:|"]
-    for r in data["results"]:
-        lines.append(f"| {r['workload']} | {r['impl']} | {r['median_ms']:.3f} | {r['min_ms']:.3f} | "
-                     f"{r['time_ratio_vs_torch']:.2f} | {'yes' if r['bit_exact'] else 'NO'} | "
-                     f"{r['transient_bytes'] / 2**20:.2f} |")
+    rows = data["results"]
+    if any("peak_allocated_bytes" in r for r in rows):  # CUDA: measured memory
+        lines = ["| workload | impl | median ms | min ms | time / torch | time / gather floor | "
+                 "bit-exact | peak alloc MiB | reserved MiB before -> after |",
+                 "|---|---|---:|---:|---:|---:|:-:|---:|---|"]
+        for r in rows:
+            lines.append(
+                f"| {r['workload']} | {r['impl']} | {r['median_ms']:.3f} | {r['min_ms']:.3f} | "
+                f"{r['time_ratio_vs_torch']:.2f} | {r['time_over_gather_floor']:.2f} | "
+                f"{'yes' if r['bit_exact'] else 'NO'} | {r['peak_allocated_bytes'] / 2**20:.2f} | "
+                f"{r['reserved_before_bytes'] / 2**20:.0f} -> {r['reserved_after_bytes'] / 2**20:.0f} |")
+    else:
+        lines = ["| workload | impl | median ms | min ms | time / torch | bit-exact | transient MiB |",
+                 "|---|---|---:|---:|---:|:-:|---:|"]
+        for r in rows:
+            lines.append(f"| {r['workload']} | {r['impl']} | {r['median_ms']:.3f} | "
+                         f"{r['min_ms']:.3f} | {r['time_ratio_vs_torch']:.2f} | "
+                         f"{'yes' if r['bit_exact'] else 'NO'} | {r['transient_bytes'] / 2**20:.2f} |")
+    m = data["machine"]
+    where = m.get("gpu") or f"{m['cpu']}, {m['threads']} threads"
+    lines.append("")
+    quick = " (quick sizes)" if data.get("quick") else ""
+    lines.append(f"{where}; torch {m['torch']}; {m['date']}{quick}")
     return "\n".join(lines)
 
 
@@ -263,7 +456,10 @@ def _plot(data: dict, path: str) -> str:
     ax.set_xlim(min(values) / 1.5, max(values) * 4)
     ax.set_xlabel("median time, ms (log); gray: torch, blue: idempotent_moe in place")
     m = data["machine"]
-    ax.set_title(f"permutation engine on the CPU ({m['cpu']}, {m['threads']} threads)", fontsize=9)
+    if m["device"] == "cuda":
+        ax.set_title(f"permutation engine on the GPU ({m.get('gpu')})", fontsize=9)
+    else:
+        ax.set_title(f"permutation engine on the CPU ({m['cpu']}, {m['threads']} threads)", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
