@@ -199,7 +199,9 @@ class ExpertParallelDispatcher:
             torch.arange(local, device=device).repeat(world), per_source.reshape(-1).to(device),
             output_size=received)
         bufs = [recv] if recv_w is None else [recv, recv_w]
-        in_place = device.type == "cpu"
+        # In place where our kernels run (the CPU; CUDA with the CUDA build, up
+        # to 1024 local experts); else a counting sort and one gather.
+        in_place = device.type == "cpu" or (cuda_available() and local <= 1024)
         if in_place:
             perm = group_by_expert_(bufs, local_ids, local).perm
             grouped, grouped_w = recv, recv_w
