@@ -131,7 +131,9 @@ def dlpack_stream(x: Any) -> int | None:
     if device is None:
         return None
     if is_torch(x):
-        handle = _torch().cuda.current_stream(device).cuda_stream
+        torch = _torch()
+        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # no Stream object: cheaper
+        handle = raw(device) if raw is not None else torch.cuda.current_stream(device).cuda_stream
     else:
         cupy = sys.modules.get("cupy")
         handle = cupy.cuda.get_current_stream().ptr if cupy is not None else 0

@@ -31,8 +31,11 @@ def time_calls(
     device: str,
     runs: int,
     warmup: int,
+    busy_cycles: int = BUSY_CYCLES,
 ) -> Timing:
-    """Median and min of `runs` timed calls of fn, each after an untimed reset."""
+    """Median and min of `runs` timed calls of fn, each after an untimed reset.
+    On a GPU, `busy_cycles` of spin come first: more than the host needs to
+    launch fn, so that the events time the device work alone."""
     import torch
 
     for _ in range(warmup):
@@ -43,7 +46,7 @@ def time_calls(
         start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         for _ in range(runs):
             reset()
-            torch.cuda._sleep(BUSY_CYCLES)
+            torch.cuda._sleep(busy_cycles)
             start.record()
             t0 = time.perf_counter()
             fn()
