@@ -262,21 +262,10 @@ def measure(call, cuda: bool, runs: int, warmup: int) -> tuple:
                     "this_rank_median_ms": statistics.median(samples), **memory}
 
 
-def _git_commit() -> str | None:
-    """HEAD of the checkout this script belongs to; None when the script's tree
-    is not itself a git checkout (a copy inside another repository)."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    try:
-        def git(*cmd):
-            return subprocess.run(["git", "-C", root, *cmd], capture_output=True, text=True,
-                                  timeout=5).stdout.strip()
+def _runner_commit() -> str | None:
+    from idempotent_moe.bench.runner import _git_commit
 
-        top = git("rev-parse", "--show-toplevel")
-        if not top or os.path.realpath(top) != os.path.realpath(root):
-            return None
-        return git("rev-parse", "--short", "HEAD") or None
-    except (OSError, subprocess.SubprocessError):
-        return None
+    return _git_commit()
 
 
 def _machine(cuda: bool, world: int, backend: str) -> dict:
@@ -287,7 +276,7 @@ def _machine(cuda: bool, world: int, backend: str) -> dict:
     info = {"device": "cuda" if cuda else "cpu", "world_size": world, "backend": backend,
             "python": platform.python_version(), "torch": torch.__version__,
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
-    info["commit"] = _git_commit()
+    info["commit"] = _runner_commit()
     if cuda:
         info["gpu"] = torch.cuda.get_device_name(0)
         info["cuda"] = torch.version.cuda

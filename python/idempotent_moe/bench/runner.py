@@ -69,10 +69,22 @@ class _PlainProgress:
 
 
 def _git_commit() -> str | None:
+    """The commit the measured code is: $IMOE_COMMIT when set (a copy of a
+    checkout), else HEAD of the checkout this package lies in; None when the
+    package is not in a checkout of its own (installed, or a copy inside
+    another repository)."""
+    if os.environ.get("IMOE_COMMIT"):
+        return os.environ["IMOE_COMMIT"]
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                             text=True, timeout=5, check=True)
-        return out.stdout.strip()
+        def git(*cmd):
+            return subprocess.run(["git", "-C", root, *cmd], capture_output=True, text=True,
+                                  timeout=5).stdout.strip()
+
+        top = git("rev-parse", "--show-toplevel")
+        if not top or os.path.realpath(top) != os.path.realpath(root):
+            return None
+        return git("rev-parse", "--short", "HEAD") or None
     except (OSError, subprocess.SubprocessError):
         return None
 
