@@ -262,12 +262,6 @@ def measure(call, cuda: bool, runs: int, warmup: int) -> tuple:
                     "this_rank_median_ms": statistics.median(samples), **memory}
 
 
-def _runner_commit() -> str | None:
-    from idempotent_moe.bench.runner import _git_commit
-
-    return _git_commit()
-
-
 def _machine(cuda: bool, world: int, backend: str) -> dict:
     import platform
 
@@ -276,7 +270,9 @@ def _machine(cuda: bool, world: int, backend: str) -> dict:
     info = {"device": "cuda" if cuda else "cpu", "world_size": world, "backend": backend,
             "python": platform.python_version(), "torch": torch.__version__,
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
-    info["commit"] = _runner_commit()
+    from idempotent_moe.bench.runner import _git_commit
+
+    info["commit"] = _git_commit()
     if cuda:
         info["gpu"] = torch.cuda.get_device_name(0)
         info["cuda"] = torch.version.cuda

@@ -29,3 +29,14 @@ def counting_sort(keys: torch.Tensor, num_keys: int) -> tuple[torch.Tensor, torc
     dest = rank.gather(0, keys.view(1, -1)).view(-1).long() + first_row[keys]
     perm = torch.empty_like(dest).scatter_(0, dest, torch.arange(n, device=keys.device))
     return perm, dest, counts
+
+
+def check_distinct_per_row(index: torch.Tensor, name: str) -> None:
+    """ValueError when a row of index [T, k] repeats a value (a token routed
+    twice to one expert). Reads the result on the host: call it only where
+    that costs no device synchronisation (CPU tensors)."""
+    if index.shape[0] and index.shape[1] > 1:
+        ordered = index.sort(dim=1).values
+        if bool((ordered[:, 1:] == ordered[:, :-1]).any()):
+            raise ValueError(f"{name} repeats an expert within a token: each token's k experts "
+                             "must be distinct (as torch.topk gives them)")

@@ -51,7 +51,7 @@ from typing import Callable, NamedTuple
 import torch
 import torch.distributed as dist
 
-from ._sorting import counting_sort
+from ._sorting import check_distinct_per_row, counting_sort
 from .functional import compact_, cuda_available, group_by_expert_, restore_, ungroup_
 
 __all__ = ["DispatchStats", "ExpertParallelDispatcher", "expert_capacity"]
@@ -144,11 +144,7 @@ class ExpertParallelDispatcher:
             lo, hi = int(topk_ids.min()), int(topk_ids.max())
             if lo < 0 or hi >= self.num_experts:
                 raise ValueError(f"topk_ids must lie in [0, {self.num_experts}), got [{lo}, {hi}]")
-            if self.top_k > 1:
-                s = topk_ids.sort(dim=1).values
-                if bool((s[:, 1:] == s[:, :-1]).any()):
-                    raise ValueError("topk_ids repeats an expert within a token: each token's k experts "
-                                     "must be distinct (as torch.topk gives them)")
+            check_distinct_per_row(topk_ids, "topk_ids")
         if (self.capacity_factor is not None and hidden.device.type == "cuda"
                 and not cuda_available()):
             raise RuntimeError("capacity mode on CUDA tensors needs idempotent_moe built with its CUDA "

@@ -42,26 +42,6 @@ static int64_t dtype_bytes(imoe_dtype dtype) {
   }
 }
 
-static void put_index(unsigned char *p, imoe_dtype dtype, int64_t value) {
-  if (dtype == IMOE_DTYPE_I32) {
-    const int32_t v = (int32_t)value;
-    memcpy(p, &v, 4);
-  } else {
-    memcpy(p, &value, 8);
-  }
-}
-
-static int64_t get_index(const unsigned char *p, imoe_dtype dtype) {
-  if (dtype == IMOE_DTYPE_I32) {
-    int32_t v;
-    memcpy(&v, p, 4);
-    return v;
-  }
-  int64_t v;
-  memcpy(&v, p, 8);
-  return v;
-}
-
 /* Rows of t, contiguous [rows][n][row_bytes], read from live memory. */
 static unsigned char *gather(const tensor *t) {
   const int64_t rows = tensor_rows(t), n = t->view.n, rb = t->view.row_bytes;
@@ -90,7 +70,7 @@ static unsigned char *index_image(const tensor *t, const unsigned char *snapshot
   memcpy(image, snapshot, t->bytes);
   for (int64_t r = 0; r < rows; r++) {
     for (int64_t s = 0; s < n; s++) {
-      put_index(image + (tensor_at(t, r, s) - t->alloc), t->view.dtype, values[r * n + s]);
+      tensor_put_index(image + (tensor_at(t, r, s) - t->alloc), t->view.dtype, values[r * n + s]);
     }
   }
   return image;
@@ -120,7 +100,7 @@ static imoe_status expected_status(const parity_case *c, const tensor *scores, c
   imoe_status st = IMOE_OK;
   for (int64_t r = 0; r < active_rows && st == IMOE_OK; r++) {
     for (int64_t j = 0; j < k; j++)
-      entries[j] = get_index(tensor_at(active, r, j), c->active_dtype);
+      entries[j] = tensor_get_index(tensor_at(active, r, j), c->active_dtype);
     st = ref_active_status(entries, k, n);
   }
   free(entries);
@@ -146,7 +126,7 @@ static void expect(const parity_case *c, const tensor *scores, const tensor *act
       memset(kept, 0, (size_t)n);
       const int64_t ar = c->shared_active ? 0 : r;
       for (int64_t j = 0; j < k; j++)
-        kept[get_index(tensor_at(active, ar, j), c->active_dtype)] = 1;
+        kept[tensor_get_index(tensor_at(active, ar, j), c->active_dtype)] = 1;
     }
     ref_pairing(kept, n, e->kept, e->indices + r * e->kept, e->target + r * n);
   }
@@ -210,7 +190,7 @@ static void fill_active(const parity_case *c, tensor *active) {
   const int64_t rows = tensor_rows(active), k = c->capacity;
   for (int64_t r = 0; r < rows; r++) {
     for (int64_t j = 0; j < k; j++) {
-      put_index(tensor_at(active, r, j), c->active_dtype, c->active_values[r * k + j]);
+      tensor_put_index(tensor_at(active, r, j), c->active_dtype, c->active_values[r * k + j]);
     }
   }
 }
@@ -381,8 +361,8 @@ int parity_map_run(const map_case *c, char *why, size_t why_size) {
   for (int64_t r = 0; r < rows; r++) {
     /* What the library will read back: an I32 map truncates the values. */
     for (int64_t j = 0; j < k; j++) {
-      put_index(tensor_at(&map, r, j), c->map_dtype, c->values[r * k + j]);
-      values[r * k + j] = get_index(tensor_at(&map, r, j), c->map_dtype);
+      tensor_put_index(tensor_at(&map, r, j), c->map_dtype, c->values[r * k + j]);
+      values[r * k + j] = tensor_get_index(tensor_at(&map, r, j), c->map_dtype);
     }
     if (want_status == IMOE_OK) {
       want_status = c->is_target ? ref_target_status(values + r * k, n)

@@ -33,26 +33,6 @@ static int64_t case_rows(const perm_case *c) {
 
 static int64_t map_rows(const perm_case *c) { return c->shared ? 1 : case_rows(c); }
 
-static void put_index(unsigned char *p, imoe_dtype dtype, int64_t value) {
-  if (dtype == IMOE_DTYPE_I32) {
-    const int32_t v = (int32_t)value;
-    memcpy(p, &v, 4);
-  } else {
-    memcpy(p, &value, 8);
-  }
-}
-
-static int64_t get_index(const unsigned char *p, imoe_dtype dtype) {
-  if (dtype == IMOE_DTYPE_I32) {
-    int32_t v;
-    memcpy(&v, p, 4);
-    return v;
-  }
-  int64_t v;
-  memcpy(&v, p, 8);
-  return v;
-}
-
 /* The value as the library reads it: I32 maps hold the low 32 bits. */
 static int64_t stored(const perm_case *c, int64_t v) {
   return c->map_dtype == IMOE_DTYPE_I32 ? (int64_t)(int32_t)v : v;
@@ -158,7 +138,7 @@ int perm_parity_run(const perm_case *c, char *why, size_t why_size) {
                            c->map_dtype, c->map_layout, &seed);
   for (int64_t r = 0; r < mrows; r++) {
     for (int64_t i = 0; i < c->map_n; i++) {
-      put_index(tensor_at(&map, r, i), c->map_dtype, c->values[r * c->map_n + i]);
+      tensor_put_index(tensor_at(&map, r, i), c->map_dtype, c->values[r * c->map_n + i]);
     }
   }
   const unsigned char *map_before = tensor_snapshot(&map);
@@ -239,14 +219,14 @@ int perm_parity_run(const perm_case *c, char *why, size_t why_size) {
       for (int64_t r = 0; r < rows; r++) {
         ref_row_perm(c, c->values + r * c->map_n, p, offs);
         for (int64_t e = 0; e <= c->experts; e++) {
-          const int64_t o = get_index(tensor_at(&offsets, r, e), c->out_dtype);
+          const int64_t o = tensor_get_index(tensor_at(&offsets, r, e), c->out_dtype);
           if (o != offs[e]) note(&m, "row %lld offsets[%lld] = %lld, expected %lld", (long long)r,
                                  (long long)e, (long long)o, (long long)offs[e]);
         }
         for (int64_t i = 0; i < n; i++) {
-          const int64_t q = get_index(tensor_at(&perm_out, r, i), c->out_dtype);
+          const int64_t q = tensor_get_index(tensor_at(&perm_out, r, i), c->out_dtype);
           const unsigned char *old = perm_before + (tensor_at(&perm_out, r, i) - perm_out.alloc);
-          const int64_t want_q = c->with_perm ? p[i] : get_index(old, c->out_dtype);
+          const int64_t want_q = c->with_perm ? p[i] : tensor_get_index(old, c->out_dtype);
           if (q != want_q) note(&m, "row %lld perm[%lld] = %lld, expected %lld", (long long)r,
                                 (long long)i, (long long)q, (long long)want_q);
         }

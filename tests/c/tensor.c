@@ -88,3 +88,23 @@ unsigned char *tensor_snapshot(const tensor *t) {
 int tensor_same(const tensor *t, const unsigned char *snapshot) {
   return memcmp(t->alloc, snapshot, t->bytes) == 0;
 }
+
+void tensor_put_index(unsigned char *p, imoe_dtype dtype, int64_t value) {
+  if (dtype == IMOE_DTYPE_I32) {
+    const int32_t v = (int32_t)value;
+    memcpy(p, &v, 4);
+  } else {
+    memcpy(p, &value, 8);
+  }
+}
+
+int64_t tensor_get_index(const unsigned char *p, imoe_dtype dtype) {
+  if (dtype == IMOE_DTYPE_I32) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return v;
+  }
+  int64_t v;
+  memcpy(&v, p, 8);
+  return v;
+}

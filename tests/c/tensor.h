@@ -32,6 +32,9 @@ unsigned char *tensor_at(const tensor *t, int64_t row, int64_t slot);
 /* A copy of the whole allocation, to compare with memcmp. */
 unsigned char *tensor_snapshot(const tensor *t);
 int tensor_same(const tensor *t, const unsigned char *snapshot);
+/* An index element (I32 or I64) at p, written or read. */
+void tensor_put_index(unsigned char *p, imoe_dtype dtype, int64_t value);
+int64_t tensor_get_index(const unsigned char *p, imoe_dtype dtype);
 
 uint64_t rng_next(uint64_t *state);
 /* Uniform in [lo, hi]. */

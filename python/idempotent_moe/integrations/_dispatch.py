@@ -20,7 +20,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from .._sorting import counting_sort
+from .._sorting import check_distinct_per_row, counting_sort
 from ..functional import compact_, cuda_available
 
 
@@ -48,11 +48,8 @@ def sort_by_expert(top_k_index: torch.Tensor, num_experts: int) -> SortedDispatc
     device = top_k_index.device
     index = top_k_index.long()
     perm, dest, counts = counting_sort(index.reshape(-1), num_experts)
-    if device.type == "cpu":
-        # Free to check on the host; on a GPU this would cost a synchronisation.
-        if num_tokens and bool((index.sort(dim=1).values.diff(dim=1) == 0).any()):
-            raise ValueError("top_k_index repeats an expert within a token: each token's k experts "
-                             "must be distinct (as torch.topk gives them)")
+    if device.type == "cpu":  # free on the host; on a GPU it would synchronise
+        check_distinct_per_row(index, "top_k_index")
     src_token = perm // top_k
     expert_of = index.reshape(-1)[perm]
     return SortedDispatch(dest.view(num_tokens, top_k), src_token, expert_of,
