@@ -6,16 +6,18 @@
 # SANITIZER_SECONDS, over the GPU tests of SANITIZER_FILES that
 # SANITIZER_TESTS selects with pytest -k). Results (JSON, plots), the updated README and docs tables and
 # one log go to OUT_DIR; README.md and docs/*.md are updated in place.
-#   bash benchmarks/gpu_suite.sh OUT_DIR [--no-sanitizer] [--no-sweep] [--no-tests]
+# --no-models skips W4, the KV hooks and expert parallelism.
+#   bash benchmarks/gpu_suite.sh OUT_DIR [--no-sanitizer] [--no-sweep] [--no-tests] [--no-models]
 set -uo pipefail
-out=${1:?usage: gpu_suite.sh OUT_DIR [--no-sanitizer] [--no-sweep] [--no-tests]}
+out=${1:?usage: gpu_suite.sh OUT_DIR [--no-sanitizer] [--no-sweep] [--no-tests] [--no-models]}
 shift
-sanitizer=1 sweep=1 tests=1
+sanitizer=1 sweep=1 tests=1 models=1
 for arg in "$@"; do
   case $arg in
     --no-sanitizer) sanitizer=0 ;;
     --no-sweep) sweep=0 ;;
     --no-tests) tests=0 ;;
+    --no-models) models=0 ;;
     *) echo "unknown option $arg" >&2; exit 2 ;;
   esac
 done
@@ -47,13 +49,15 @@ if [ "$sweep" = 1 ]; then
   step "W5 sweep"
   run python -m idempotent_moe sweep --out "$out"
 fi
-step "W4: a Mixtral block"
-run python -m idempotent_moe w4 --out "$out" --doc docs/moe.md
-step "W2 through the KV hooks and the cache"
-run python -m idempotent_moe kv --device cuda --out "$out" --doc docs/kv.md
+if [ "$models" = 1 ]; then
+  step "W4: a Mixtral block"
+  run python -m idempotent_moe w4 --out "$out" --doc docs/moe.md
+  step "W2 through the KV hooks and the cache"
+  run python -m idempotent_moe kv --device cuda --out "$out" --doc docs/kv.md
+fi
 step "permutation engine"
 run python -m idempotent_moe permute --device cuda --out "$out"
-if [ "$gpus" -ge 2 ]; then
+if [ "$models" = 1 ] && [ "$gpus" -ge 2 ]; then
   step "expert parallelism on two GPUs (NCCL)"
   run python benchmarks/ep_bench.py --out "$out" --docs docs/distributed.md
 fi
