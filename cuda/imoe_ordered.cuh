@@ -34,6 +34,7 @@ constexpr int kOrdThreads = 1024;  // one block per row
 constexpr int kOrdItems = 4;       // consecutive slots per thread in k_ord_kept
 constexpr int kOrdTile = kOrdThreads * kOrdItems;
 constexpr int kOrdBins = 256;      // 8-bit digits
+static_assert(kOrdThreads == 4 * kOrdBins, "k_ord_sort scans each digit's warp counts with 4 threads");
 constexpr int kOrdTm = 0, kOrdKeysA = 1, kOrdKeysB = 2, kOrdSlotsB = 3, kOrdPlan = 6;  // workspace regions
 
 struct OrdParams {
@@ -175,14 +176,32 @@ __global__ void __launch_bounds__(kOrdThreads) k_ord_sort(const __grid_constant_
       const int rank = __popc(peers & ((1u << lane) - 1u));
       if (valid && rank == 0) wc[d * 33 + warp] = __popc(peers);
       __syncthreads();
-      if (tid < kOrdBins) {
-        int sum = base[tid];
-        for (int w = 0; w < 32; ++w) {
-          const int k = wc[tid * 33 + w];
-          wc[tid * 33 + w] = sum;
-          sum += k;
+      {
+        // per digit, the 32 warp counts become exclusive prefixes from the
+        // digit's base: 4 threads per digit (lanes 4j..4j+3), 8 warps each
+        const int d = tid >> 2, part = tid & 3;
+        int *row = wc + d * 33 + part * 8;
+        const int b = base[d];
+        int v[8], sum = 0;
+#pragma unroll
+        for (int w = 0; w < 8; ++w) {
+          v[w] = row[w];
+          sum += v[w];
         }
-        base[tid] = sum;
+        int incl = sum;
+#pragma unroll
+        for (int o = 1; o < 4; o <<= 1) {
+          const int up = __shfl_up_sync(0xFFFFFFFFu, incl, o, 4);
+          if (part >= o) incl += up;
+        }
+        __syncwarp();  // every part has read base[d] before part 3 updates it
+        int run = b + incl - sum;
+#pragma unroll
+        for (int w = 0; w < 8; ++w) {
+          row[w] = run;
+          run += v[w];
+        }
+        if (part == 3) base[d] = run;
       }
       __syncthreads();
       if (valid) {
