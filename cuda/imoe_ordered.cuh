@@ -16,7 +16,8 @@
 //      score key with a stable LSD radix sort (8-bit digits; 4 passes for
 //      f32 keys, 2 for f16 / bf16), so ties keep the ascending slot order:
 //      the CPU core's (score descending, slot ascending), with the same keys
-//      (-0 == +0, NaN lowest). It then writes out_indices.
+//      (-0 == +0, NaN lowest). It then writes out_indices. Rows with
+//      C' <= 4096 take k_ord_sort_small (a bitonic sort in shared memory).
 //   4. Compaction: launch_cycles_and_swaps applies P to every buffer.
 // Every kernel reads the verdict words of step 1's validation first and does
 // nothing after a data error (NaN under IMOE_NAN_ERROR, bad active indices),
@@ -227,6 +228,61 @@ __global__ void __launch_bounds__(kOrdThreads) k_ord_sort(const __grid_constant_
   }
 }
 
+// Rows of at most kOrdSmallSort kept slots: the same order by a bitonic sort
+// of unique words (~key << 32 | slot) in shared memory (pads of all ones
+// sort last): ~log2(C')^2 / 2 barriers instead of the radix passes' L2
+// round trips.
+constexpr int kOrdSmallSort = 4096;
+
+__global__ void __launch_bounds__(kOrdThreads) k_ord_sort_small(const __grid_constant__ OrdParams p) {
+  __shared__ unsigned long long w[kOrdSmallSort];
+  if (call_aborted(p.token, p.nverdict)) return;
+  const uint32_t r = blockIdx.x;
+  const int tid = threadIdx.x;
+  const int kept = (int)p.kept;
+  uint32_t c[kMaxDims];
+  row_coords(p.lead, r, c);
+  const char *srow = p.scores.data + row_offset(p.lead, c, p.scores.lead);
+  const bool sal = p.scores.aligned != 0;
+  const int dt = p.scores.dtype;
+  const uint32_t mask = p.key16 ? 0xFFFFu : 0xFFFFFFFFu;
+  int32_t *plan = p.ws + kOrdPlan * p.region + (int64_t)r * p.n;
+  int size = 1;
+  while (size < kept) size <<= 1;
+  for (int i = tid; i < size; i += blockDim.x) {
+    unsigned long long v = ~0ull;
+    if (i < kept) {
+      const int32_t x = plan[i];
+      const uint32_t d = ~ord_key(ldg_raw(srow + (int64_t)x * p.scores.n_stride, dt, sal), dt) & mask;
+      v = (unsigned long long)d << 32 | (uint32_t)x;
+    }
+    w[i] = v;
+  }
+  __syncthreads();
+  for (int k = 2; k <= size; k <<= 1) {
+    for (int j = k >> 1; j > 0; j >>= 1) {
+      for (int i = tid; i < size; i += blockDim.x) {
+        const int l = i ^ j;
+        if (l > i) {
+          const unsigned long long a = w[i], b = w[l];
+          if (((i & k) == 0) == (a > b)) {
+            w[i] = b;
+            w[l] = a;
+          }
+        }
+      }
+      __syncthreads();
+    }
+  }
+  char *orow = ord_out_row(p, r);
+  const bool oal = p.idx.aligned != 0;
+  for (int i = tid; i < kept; i += blockDim.x) {
+    const int32_t x = (int32_t)(uint32_t)w[i];
+    plan[i] = x;
+    store_index(orow + (int64_t)i * p.idx.n_stride, p.idx.dtype, oal, x);
+  }
+}
+
 }  // namespace imoe_cu
 
 // ------------------------------------------------------------ host side
@@ -303,7 +359,8 @@ imoe_status ordered_select(const char *fn, const imoe_view *buffers, int32_t num
   if (e != cudaSuccess) return cuda_fail(err, fn, "launch of k_ord_kept", e);
   if (order == IMOE_ORDER_SCORE && kept > 0) {
     op.write_idx = 1;
-    e = launch(k_ord_sort, (unsigned)rows, kOrdThreads, 0, st, false, op);
+    if (kept <= kOrdSmallSort) e = launch(k_ord_sort_small, (unsigned)rows, kOrdThreads, 0, st, false, op);
+    else e = launch(k_ord_sort, (unsigned)rows, kOrdThreads, 0, st, false, op);
     if (e != cudaSuccess) return cuda_fail(err, fn, "launch of k_ord_sort", e);
   }
 
