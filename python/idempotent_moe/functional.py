@@ -25,7 +25,7 @@ the caller may pass `workspace=` (any C-contiguous int32 array with at least
 that many elements, on the buffers' device): then nothing is allocated.
 On CUDA, `compact_(..., order="stable"/"score")` and `idempotent_map` with
 those orders select on the device, order the kept slots there (a scan;
-"score" adds a stable radix sort) and, for `compact_`, apply the permutation
+"score" adds a sort by score) and, for `compact_`, apply the permutation
 as above: 7 x rows x N, "ordered" plan workspace in both.
 """
 
