@@ -178,6 +178,7 @@ static size_t ordered_workspace_bytes(int64_t n, imoe_order order) {
 
 imoe_status imoe_build_map_ordered(const imoe_selection *sel, imoe_order order, int64_t n,
                                    const imoe_view *out_indices, const imoe_view *out_target_map,
+                                   int32_t *workspace, int64_t workspace_elems,
                                    const imoe_exec *exec, imoe_error *err) {
   if (sel == NULL) return imoe_fail(err, IMOE_ERR_ARGUMENT, "sel is NULL");
   imoe_status st = check_order(order, sel, err);
@@ -205,13 +206,17 @@ imoe_status imoe_build_map_ordered(const imoe_selection *sel, imoe_order order, 
   }
   if (st == IMOE_OK) st = imoe_check_exec(exec, err);
   if (st != IMOE_OK) return st;
-  if (imoe_on_cuda(exec)) {
-    if (order == IMOE_ORDER_INPLACE) {
-      return imoe_build_map(sel, out_indices, out_target_map, exec, err);
-    }
-    return imoe_fail(err, IMOE_ERR_UNSUPPORTED,
-                     "order 'stable' / 'score' on CUDA is not available in this version (idempotent_map)");
+  if (imoe_on_cuda(exec) && order == IMOE_ORDER_INPLACE) {
+    return imoe_build_map(sel, out_indices, out_target_map, exec, err);
   }
+#ifdef IMOE_WITH_CUDA
+  if (imoe_on_cuda(exec)) {
+    return imoe_cuda_build_map_ordered(sel, order, n, out_indices, workspace, workspace_elems, exec,
+                                       err);
+  }
+#endif
+  (void)workspace; /* the CPU allocates its per-thread workspace itself */
+  (void)workspace_elems;
   const int64_t rows = imoe_view_rows(ref);
   const imoe_stage stages[] = {
       {check_row, &ctx.sel, rows_to_check(sel, rows)},
@@ -252,10 +257,12 @@ imoe_status imoe_compact_ordered(const imoe_view *buffers, int32_t num_buffers,
   if (st == IMOE_OK) st = imoe_check_mode(mode, err);
   if (st == IMOE_OK) st = imoe_check_exec(exec, err);
   if (st != IMOE_OK) return st;
+#ifdef IMOE_WITH_CUDA
   if (imoe_on_cuda(exec)) {
-    return imoe_fail(err, IMOE_ERR_UNSUPPORTED,
-                     "order 'stable' / 'score' on CUDA is not available in this version (compact)");
+    return imoe_cuda_compact_ordered(buffers, num_buffers, sel, order, out_indices, workspace,
+                                     workspace_elems, exec, err);
   }
+#endif
 
   const int64_t rows = imoe_view_rows(&buffers[0]), n = ctx.sel.n;
   int32_t *owned;

@@ -246,8 +246,7 @@ imoe_status imoe_restore(const imoe_view *buffers, int32_t num_buffers,
  * compaction). The data is read and written twice.
  * The plan is built and checked for every row before any buffer byte moves
  * (CUDA: a bad permutation is a recorded data error, see
- * imoe_take_device_status). imoe_compact_ordered and imoe_build_map_ordered
- * with STABLE or SCORE return IMOE_ERR_UNSUPPORTED on CUDA.
+ * imoe_take_device_status).
  */
 
 typedef enum imoe_plan_kind {
@@ -283,16 +282,26 @@ imoe_status imoe_permute(const imoe_view *buffers, int32_t num_buffers, const im
  * the kept slots in `order`. n is N, the slots per row (it must equal the
  * scores' n; with active indices it is required). out_target_map is taken
  * for IMOE_ORDER_INPLACE only (NULL otherwise), where this is imoe_build_map.
+ * Workspace: CUDA with STABLE or SCORE only (else unused; may be NULL):
+ * imoe_plan_workspace_elems(IMOE_PLAN_ORDERED, rows(out_indices), N) int32
+ * elements of device memory. A NaN under IMOE_NAN_ERROR or bad active
+ * indices is then a recorded data error (imoe_take_device_status) and
+ * out_indices keeps its contents.
  */
 imoe_status imoe_build_map_ordered(const imoe_selection *sel, imoe_order order, int64_t n,
                                    const imoe_view *out_indices, const imoe_view *out_target_map,
+                                   int32_t *workspace, int64_t workspace_elems,
                                    const imoe_exec *exec, imoe_error *err);
 
 /*
  * imoe_compact with an order. IMOE_ORDER_INPLACE is imoe_compact (the
  * workspace is not used). STABLE and SCORE apply the permutation P above:
  * out_indices receives the kept slots in order, out_target_map must be NULL.
- * Workspace: R x N int32 (R: the rows of the buffers).
+ * Workspace: imoe_plan_workspace_elems(IMOE_PLAN_ORDERED, R, N) (R: the rows
+ * of the buffers): R x N int32 on the CPU, 7 x R x N on CUDA (required
+ * there). On CUDA, move mode applies all of P (as imoe_apply_ordered), and a
+ * NaN under IMOE_NAN_ERROR or bad active indices is a recorded data error
+ * that leaves out_indices and every buffer as they were.
  */
 imoe_status imoe_compact_ordered(const imoe_view *buffers, int32_t num_buffers,
                                  const imoe_selection *sel, imoe_order order,

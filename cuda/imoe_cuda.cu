@@ -351,10 +351,20 @@ imoe_status launch_apply_groups(const char *fn, const imoe_view *buffers, int fi
   return IMOE_OK;
 }
 
-// build_map (num_buffers == 0, do_move false) and compact.
+// The validation verdict of a select_and_move call: later kernels of the
+// same call (ordered compaction) read it with call_aborted(token, nverdict).
+struct SelectVerdict {
+  uint32_t token;
+  int nverdict;
+};
+
+// build_map (num_buffers == 0, do_move false) and compact. `verdict`, when
+// given, receives the call's verdict token (0: nothing was validated).
 imoe_status select_and_move(const char *fn, const imoe_view *buffers, int32_t num_buffers,
                             const imoe_selection *sel, const imoe_view *oi, const imoe_view *otm, bool do_move,
-                            imoe_mode mode, const imoe_exec *exec, imoe_error *err) {
+                            imoe_mode mode, const imoe_exec *exec, imoe_error *err,
+                            SelectVerdict *verdict = nullptr) {
+  if (verdict) *verdict = SelectVerdict{0u, 0};
   DeviceGuard guard;
   DevInfo *di = nullptr;
   imoe_status s = enter(exec, fn, err, &guard, &di);
@@ -432,6 +442,8 @@ imoe_status select_and_move(const char *fn, const imoe_view *buffers, int32_t nu
     if (e != cudaSuccess) return cuda_fail(err, fn, "launch of k_check_rows", e);
     pdl = pdl_ok;
   }
+
+  if (verdict) *verdict = SelectVerdict{token, nverdict};
 
   // ---- select + map (+ moves when fused)
   SelParams sp;
@@ -623,6 +635,7 @@ imoe_status apply_map(const char *fn, const imoe_view *buffers, int32_t num_buff
 
 #include "imoe_paged.cuh"
 #include "imoe_permute.cuh"
+#include "imoe_ordered.cuh"
 
 extern "C" {
 

@@ -89,6 +89,25 @@ imoe_status imoe_cuda_apply_ordered(const imoe_view *buffers, int32_t num_buffer
                                     int64_t workspace_elems, const imoe_exec *exec,
                                     imoe_error *err);
 
+/* imoe_compact_ordered with STABLE or SCORE on the device (cuda/imoe_ordered.cuh):
+ * out_indices receives the kept slots in order and P = kept-in-order ++
+ * dropped-ascending is applied to every buffer (move mode, like
+ * imoe_cuda_apply_ordered, applies all of P). Workspace: IMOE_PLAN_ORDERED,
+ * rows of the buffers. A NaN under IMOE_NAN_ERROR or bad active indices is a
+ * recorded data error: out_indices and every buffer keep their bytes. */
+imoe_status imoe_cuda_compact_ordered(const imoe_view *buffers, int32_t num_buffers,
+                                      const imoe_selection *sel, imoe_order order,
+                                      const imoe_view *out_indices, int32_t *workspace,
+                                      int64_t workspace_elems, const imoe_exec *exec,
+                                      imoe_error *err);
+
+/* imoe_build_map_ordered with STABLE or SCORE on the device: out_indices
+ * only. Workspace: IMOE_PLAN_ORDERED, rows of out_indices, n. */
+imoe_status imoe_cuda_build_map_ordered(const imoe_selection *sel, imoe_order order, int64_t n,
+                                        const imoe_view *out_indices, int32_t *workspace,
+                                        int64_t workspace_elems, const imoe_exec *exec,
+                                        imoe_error *err);
+
 /* imoe_group_by_expert on the device (num_experts <= 1024). */
 imoe_status imoe_cuda_group_by_expert(const imoe_view *buffers, int32_t num_buffers,
                                       const imoe_view *expert_ids, int64_t num_experts,

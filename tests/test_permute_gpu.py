@@ -272,9 +272,3 @@ def test_ordered_bad_indices_change_nothing(case, rng):
     with pytest.raises(ValueError, match="BAD_MAP" if case == "repeat" else "INDEX_RANGE"):
         imoe.check_errors(x)
     np.testing.assert_array_equal(bits(x), before)
-
-
-def test_compact_with_order_is_not_on_cuda_yet(rng):
-    x = torch.zeros(1, 8, 4, device="cuda")
-    with pytest.raises(NotImplementedError, match="CUDA"):
-        imoe.compact_(x, torch.rand(1, 8, device="cuda"), 3, order="stable")

@@ -24,7 +24,9 @@ allocated by the framework on the buffers' device before the call. Either way
 the caller may pass `workspace=` (any C-contiguous int32 array with at least
 that many elements, on the buffers' device): then nothing is allocated.
 On CUDA, `compact_(..., order="stable"/"score")` and `idempotent_map` with
-those orders are not available yet (NotImplementedError).
+those orders select on the device, order the kept slots there (a scan;
+"score" adds a sort by score) and, for `compact_`, apply the permutation
+as above: 7 x rows x N, "ordered" plan workspace in both.
 """
 
 from __future__ import annotations
@@ -264,8 +266,12 @@ def compact_(
     out_target_map  optional [lead..., N] int32 output for the involution
                     (order "inplace" only).
     workspace       "stable"/"score" only: optional int32 plan workspace,
-                    C-contiguous, >= R x N elements (R = prod(lead)); else
-                    R x N x 4 bytes are allocated inside the call.
+                    C-contiguous, >= plan_workspace_elems("ordered", R, N)
+                    elements (R = prod(lead); R x N on the CPU, 7 x R x N on
+                    CUDA); else the CPU core allocates R x N x 4 bytes inside
+                    the call, and on CUDA the framework allocates 7 x R x N
+                    int32 on x's device before it. On CUDA, move mode applies
+                    the whole permutation (as swap mode does).
 
     Returns Compacted(values, indices): values is a view of x narrowed to
     [:C'] on `dim` (a tuple of views for a list of buffers). A call that
@@ -300,7 +306,8 @@ def compact_(
             bufs, dims, _row_ndims(bufs, dims), scores, active, out_indices, capacity,
             _arrays.check_int(protected_prefix, "protected_prefix"),
             _arrays.check_int(recent_window, "recent_window"), _nan_lowest(nan), _mode(mode),
-            order_code, _workspace(workspace), _threads(num_threads), _arrays.dlpack_stream(bufs[0]),
+            order_code, _workspace(workspace, bufs[0], "ordered", _prod(lead), n),
+            _threads(num_threads), _arrays.dlpack_stream(bufs[0]),
         )
         views = tuple(_arrays.narrow(b, d, kept) for b, d in zip(bufs, dims))
         return Compacted(views if many else views[0], out_indices)
@@ -329,6 +336,7 @@ def idempotent_map(
     index_dtype: str = "int64",
     out_indices: Any = None,
     out_target_map: Any = None,
+    workspace: Any = None,
     num_threads: int | None = None,
 ) -> Any:
     """Build the idempotent map without moving any data.
@@ -339,7 +347,9 @@ def idempotent_map(
     With scores [lead..., N], lead and N come from scores; with active indices
     give `num_slots` (N), and `lead_shape` for shared 1-d active indices.
     order "stable" / "score" (see `compact_`) lists the kept slots in that
-    order; they have only the "indices" form.
+    order; they have only the "indices" form. On CUDA they take the plan
+    workspace `workspace` (plan_workspace_elems("ordered", R, N) int32 on the
+    scores' device), allocated by the framework when None; unused elsewhere.
     """
     if form not in ("indices", "target_map", "both"):
         raise ValueError(f"form must be 'indices', 'target_map' or 'both', got {form!r}")
@@ -375,6 +385,7 @@ def idempotent_map(
             scores, active, out_indices, n, capacity,
             _arrays.check_int(protected_prefix, "protected_prefix"),
             _arrays.check_int(recent_window, "recent_window"), _nan_lowest(nan), order_code,
+            _workspace(workspace, out_indices, "ordered", _prod(lead), n),
             _threads(num_threads), _arrays.dlpack_stream(selector),
         )
         return out_indices

@@ -320,7 +320,8 @@ static void test_compact_ordered(uint64_t seed, int cases) {
         }
       }
       /* build_map_ordered writes the same indices. */
-      imoe_status st2 = imoe_build_map_ordered(&sel, order, n, &idx2.view, NULL, &exec, &err);
+      imoe_status st2 =
+          imoe_build_map_ordered(&sel, order, n, &idx2.view, NULL, NULL, 0, &exec, &err);
       bad |= st2 != IMOE_OK;
       for (int64_t r = 0; r < rows && st2 == IMOE_OK; r++) {
         for (int64_t j = 0; j < kept; j++) {
@@ -408,13 +409,14 @@ static void test_ordered_arguments(void) {
     CHECK(got[0] == 1 && got[1] == 4 && got[2] == 6, "active stable row %lld", (long long)r);
   }
   /* build_map_ordered with active indices needs only n. */
-  st = imoe_build_map_ordered(&asel, IMOE_ORDER_STABLE, 8, &idx.view, NULL, NULL, &err);
+  st = imoe_build_map_ordered(&asel, IMOE_ORDER_STABLE, 8, &idx.view, NULL, NULL, 0, NULL, &err);
   CHECK(st == IMOE_OK, "build_map_ordered active: %s", err.message);
-  st = imoe_build_map_ordered(&asel, IMOE_ORDER_STABLE, 5, &idx.view, NULL, NULL, &err);
+  st = imoe_build_map_ordered(&asel, IMOE_ORDER_STABLE, 5, &idx.view, NULL, NULL, 0, NULL, &err);
   CHECK(st == IMOE_ERR_INDEX_RANGE, "active index 6 with n 5: %d", (int)st);
-  st = imoe_build_map_ordered(&sel, IMOE_ORDER_SCORE, 9, &idx.view, NULL, NULL, &err);
+  st = imoe_build_map_ordered(&sel, IMOE_ORDER_SCORE, 9, &idx.view, NULL, NULL, 0, NULL, &err);
   CHECK(st == IMOE_ERR_ARGUMENT, "n differs from the scores: %d", (int)st);
-  st = imoe_build_map_ordered(&sel, IMOE_ORDER_INPLACE, 8, &idx.view, &tm.view, NULL, &err);
+  st = imoe_build_map_ordered(&sel, IMOE_ORDER_INPLACE, 8, &idx.view, &tm.view, NULL, 0, NULL,
+                              &err);
   CHECK(st == IMOE_OK, "build_map_ordered inplace: %s", err.message);
   free(snap);
   tensor_free(&buf);

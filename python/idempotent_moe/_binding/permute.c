@@ -18,7 +18,8 @@
 #define INDEX_DTYPES (IMOE_DTYPE_BIT(IMOE_DTYPE_I32) | IMOE_DTYPE_BIT(IMOE_DTYPE_I64))
 #define INDEX_NAMES "int32 or int64"
 
-/* A status to an exception: not built on CUDA yet is NotImplementedError. */
+/* A status to an exception: what the CUDA path does not take (grouping with
+ * more than 1024 experts) is NotImplementedError. */
 static PyObject *done_with(imoe_status status, const imoe_error *err) {
   if (status == IMOE_ERR_UNSUPPORTED) {
     PyErr_SetString(PyExc_NotImplementedError,
@@ -163,12 +164,12 @@ done:
 
 PyObject *imoe_py_build_map_ordered(PyObject *self, PyObject *args) {
   (void)self;
-  PyObject *scores, *active, *out_indices, *stream = Py_None;
+  PyObject *scores, *active, *out_indices, *workspace, *stream = Py_None;
   long long n, capacity, prefix, window, num_threads;
   int nan_lowest, order;
-  if (!PyArg_ParseTuple(args, "OOOLLLLpiL|O:build_map_ordered", &scores, &active, &out_indices,
-                        &n, &capacity, &prefix, &window, &nan_lowest, &order, &num_threads,
-                        &stream))
+  if (!PyArg_ParseTuple(args, "OOOLLLLpiOL|O:build_map_ordered", &scores, &active, &out_indices,
+                        &n, &capacity, &prefix, &window, &nan_lowest, &order, &workspace,
+                        &num_threads, &stream))
     return NULL;
   PyObject *result = NULL;
   imoe_py_call *c = imoe_py_call_new(stream, num_threads);
@@ -179,12 +180,13 @@ PyObject *imoe_py_build_map_ordered(PyObject *self, PyObject *args) {
           0 ||
       imoe_py_call_import_typed(c, out_indices, "out_indices", 1, INDEX_DTYPES, INDEX_NAMES,
                                 &idx) < 0 ||
-      imoe_py_call_finish(c) < 0)
+      imoe_py_call_import_workspace(c, workspace) < 0 || imoe_py_call_finish(c) < 0)
     goto done;
   imoe_error err = {{0}};
   imoe_status status;
   Py_BEGIN_ALLOW_THREADS
-  status = imoe_build_map_ordered(&sel, (imoe_order)order, n, &idx, NULL, &c->exec, &err);
+  status = imoe_build_map_ordered(&sel, (imoe_order)order, n, &idx, NULL, c->workspace,
+                                  c->workspace_elems, &c->exec, &err);
   Py_END_ALLOW_THREADS
   result = done_with(status, &err);
 done:

@@ -30,8 +30,8 @@ PyObject *imoe_py_group_by_expert(PyObject *self, PyObject *args);
        "stream=None) -> None\n\nCompact with the kept slots in order 1 (stable) or 2 (score)."}, \
       {"build_map_ordered", imoe_py_build_map_ordered, METH_VARARGS,                             \
        "build_map_ordered(scores, active, out_indices, n, capacity, protected_prefix, "          \
-       "recent_window, nan_lowest, order, num_threads, stream=None) -> None\n\nThe kept slots "  \
-       "of every row in order into out_indices."},                                               \
+       "recent_window, nan_lowest, order, workspace, num_threads, stream=None) -> None\n\nThe "  \
+       "kept slots of every row in order into out_indices."},                                    \
       {"group_by_expert", imoe_py_group_by_expert, METH_VARARGS,                                 \
        "group_by_expert(buffers, dims, row_ndims, expert_ids, num_experts, out_offsets, "        \
        "out_perm, workspace, num_threads, stream=None) -> None\n\nGroup the slots of every "     \

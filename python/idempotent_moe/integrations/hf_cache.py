@@ -386,7 +386,7 @@ class InplaceEvictionCache(Cache):
     mode           "move" (default: dropped tokens are overwritten, half the
                    traffic) or "swap".
     order          the order of kept tokens: "inplace" (default); "stable"
-                   (recency order) where compact_ offers it.
+                   (recency order) or "score", as compact_ (CPU and CUDA).
     max_cache_len  slots per layer buffer; default budget + evict_every, or
                    budget + 128 without evict_every (the buffer then grows
                    geometrically as decoding goes on).
