@@ -69,7 +69,11 @@ struct PermCheckParams {
   int32_t prev_nverdict;
 };
 
+// Both let the next kernel launch early (it waits for them before reading);
+// k_perm_unique, launched early itself by imoe_cuda_permute, waits for the
+// scatter's reset.
 __global__ void __launch_bounds__(kPermCheckThreads) k_perm_range(const __grid_constant__ PermCheckParams p) {
+  griddep_launch_dependents();
   const bool al = p.perm.aligned != 0;
   bool bad = false;
   const uint64_t step = (uint64_t)gridDim.x * blockDim.x;
@@ -91,6 +95,8 @@ __global__ void __launch_bounds__(kPermCheckThreads) k_perm_range(const __grid_c
 }
 
 __global__ void __launch_bounds__(kPermCheckThreads) k_perm_unique(const __grid_constant__ PermCheckParams p) {
+  griddep_launch_dependents();
+  griddep_wait();
   const bool al = p.perm.aligned != 0;
   const bool before = call_aborted(p.prev_token, p.prev_nverdict);
   bool dup = false;
@@ -131,6 +137,7 @@ struct CycleParams {
   int32_t *ws;
   int32_t src;      // round: the set read (the other one is written)
   int32_t w;        // round: window of the set read (slots per window)
+  int32_t arity;    // round: windows joined into one
   int32_t last;     // init / round: this launch computes the final set
   int32_t fin;      // the final set
   uint32_t nagg;    // block aggregates (blocks of the flat kernels)
@@ -143,6 +150,7 @@ struct CycleParams {
 constexpr int kCycThreads = 256;
 constexpr int kWalkLog = 4;
 constexpr int kWalk = 1 << kWalkLog;  // k_cyc_init follows p this many steps from every slot
+constexpr int kArity = 8;              // most windows a round joins
 constexpr uint32_t kAggDirect = 2048;  // up to this many aggregates, k_cyc_bases adds them up itself
 constexpr int kRotK = 16;              // layout positions per rotation chunk
 constexpr int kRotThreads = 384;
@@ -238,9 +246,31 @@ __global__ void __launch_bounds__(kCycThreads) k_cyc_init(const __grid_constant_
   if (p.last) cyc_write_aggregate(p, len, s_warp);
 }
 
-// One pointer-jumping round: windows of w slots become windows of 2w. The
-// last round also finds each leader's cycle length L = 1 + (distance of
-// p[m]), which it computes for p[m] itself from the set it reads.
+// Follows the jumps of the set read from slot x0 over `arity` windows of w
+// slots: the min over them and its distance (the first occurrence: windows
+// are visited in order and only a strictly smaller min replaces the best).
+// Returns the slot of the last window's start; its jump ends the new window.
+__device__ __forceinline__ int32_t cyc_jump(const int32_t *J, const int32_t *M, const int32_t *D, uint64_t row0,
+                                            int32_t x0, int32_t w, int32_t arity, int32_t *bm, int32_t *bd) {
+  int32_t cur = x0;
+  int32_t m = M[row0 + x0], d = D[row0 + x0];
+  for (int32_t a = 1; a < arity; ++a) {
+    cur = J[row0 + cur];
+    const int32_t mc = M[row0 + cur], dc = D[row0 + cur];
+    if (mc < m) {
+      m = mc;
+      d = (int32_t)((int64_t)a * w + dc);
+    }
+  }
+  *bm = m;
+  *bd = d;
+  return cur;
+}
+
+// One pointer-jumping round: windows of w slots become windows of arity x w
+// (arity 2 to kArity: a few dependent gathers per slot cost less than a
+// launch each). The last round also finds each leader's cycle length
+// L = 1 + (distance of p[m]), which it computes for p[m] itself.
 __global__ void __launch_bounds__(kCycThreads) k_cyc_round(const __grid_constant__ CycleParams p) {
   __shared__ uint32_t s_warp[33];
   cyc_enter();
@@ -253,23 +283,20 @@ __global__ void __launch_bounds__(kCycThreads) k_cyc_round(const __grid_constant
     const int32_t x = (int32_t)(f - row0);
     const int32_t *J = p.ws + 3 * p.src * p.region, *M = J + p.region, *D = J + 2 * p.region;
     int32_t *J2 = p.ws + 3 * (1 - p.src) * p.region, *M2 = J2 + p.region, *D2 = J2 + 2 * p.region;
-    const int32_t j = J[f];
-    const int32_t mx = M[f], dx = D[f];
-    const int32_t mj = M[row0 + j], dj = D[row0 + j], jj = J[row0 + j];
-    const bool better = mj < mx;
-    const int32_t m2 = better ? mj : mx;
+    int32_t m2, d2;
+    const int32_t cur = cyc_jump(J, M, D, row0, x, p.w, p.arity, &m2, &d2);
     M2[f] = m2;
-    D2[f] = better ? p.w + dj : dx;
+    D2[f] = d2;
     if (!p.last) {
-      J2[f] = jj;
+      J2[f] = J[row0 + cur];
     } else if (m2 == x) {
       const int32_t y = succ_at(p, succ_row(p, r), x);
       if (y == x) {
         len = 1;
       } else {
-        const int32_t my = M[row0 + y], dy = D[row0 + y], jy = J[row0 + y];
-        const int32_t mjy = M[row0 + jy], djy = D[row0 + jy];
-        len = (uint32_t)(mjy < my ? p.w + djy : dy) + 1u;
+        int32_t my, dy;
+        cyc_jump(J, M, D, row0, y, p.w, p.arity, &my, &dy);
+        len = (uint32_t)dy + 1u;
       }
     }
   }
@@ -661,12 +688,6 @@ __global__ void __launch_bounds__(kPermThreads) k_group(const __grid_constant__ 
 // ------------------------------------------------------------ host side
 namespace {
 
-int perm_rounds(int64_t n) {
-  int k = 0;
-  while (((int64_t)1 << k) < n) ++k;
-  return k;
-}
-
 // Row-major strides (bytes) of a [plan rows, n] int32 workspace region over
 // the merged lead axes; all zero for a shared plan.
 Strides ws_strides(const Lead &lead, int64_t n, bool per_row) {
@@ -753,22 +774,32 @@ imoe_status launch_cycles_and_swaps(const char *fn, const imoe_view *buffers, in
   const uint64_t flat = (cp.items + kCycThreads - 1) / kCycThreads;
   if (flat > 0x7FFFFFFFull || rows > 0x7FFFFFFFull)
     return fail(err, IMOE_ERR_ARGUMENT, "%s: too many rows for one launch", fn);
-  // k_cyc_init covers a window of kWalk slots; each round doubles it
-  const int rounds = std::max(0, perm_rounds(n) - kWalkLog);
+  // k_cyc_init covers a window of kWalk slots; a round multiplies it by its arity
+  int arity[32];
+  int rounds = 0;
+  for (int64_t window = kWalk; window < n; ++rounds) {
+    int a = 2;
+    while (a < kArity && window * a < n) a <<= 1;
+    arity[rounds] = a;
+    window *= a;
+  }
   const bool pdl = di->cc_major >= 9;
   cp.last = rounds == 0;
   cp.fin = 0;
   cudaError_t e = launch(k_cyc_init, (unsigned)flat, kCycThreads, 0, st, pdl, cp);
   if (e != cudaSuccess) return cuda_fail(err, fn, "launch of k_cyc_init", e);
   int s = 0;
+  int64_t window = kWalk;
   for (int k = 0; k < rounds; ++k) {
     cp.src = s;
-    cp.w = kWalk << k;
+    cp.w = (int32_t)window;
+    cp.arity = arity[k];
     cp.last = k == rounds - 1;
     cp.fin = 1 - s;
     e = launch(k_cyc_round, (unsigned)flat, kCycThreads, 0, st, pdl, cp);
     if (e != cudaSuccess) return cuda_fail(err, fn, "launch of k_cyc_round", e);
     s = 1 - s;
+    window *= arity[k];
   }
   cp.last = 0;
   cp.fin = s;
@@ -870,7 +901,7 @@ imoe_status imoe_cuda_permute(const imoe_view *buffers, int32_t num_buffers, con
   cp.prev_token = cp.token;
   cp.prev_nverdict = grid;
   cp.token = next_token();
-  e = launch(k_perm_unique, (unsigned)grid, kPermCheckThreads, 0, st, false, cp);
+  e = launch(k_perm_unique, (unsigned)grid, kPermCheckThreads, 0, st, di->cc_major >= 9, cp);
   if (e != cudaSuccess) return cuda_fail(err, fn, "launch of k_perm_unique", e);
   return launch_cycles_and_swaps(fn, buffers, num_buffers, pl, 1, cp.perm, per_row, n, inverse != 0, workspace,
                                  cp.token, grid, di, st, err);
