@@ -3,24 +3,28 @@
 // Included once by imoe_cuda.cu, after its anonymous namespace: the kernels
 // share that translation unit's status word and verdict slots.
 //
-// Method. A permutation p of a row's N slots (new slot i takes old slot p[i])
-// is a product of two involutions made of disjoint swaps, each applied by
-// k_apply (kind 1) in one all-parallel pass:
+// Method. A permutation p of a row's N slots (new slot i takes old slot p[i]):
 //   1. every slot x learns its cycle's leader m (the minimal slot) and its
-//      forward distance e = steps from x to m along x -> p[x]: pointer
-//      jumping over (jump, min, distance-to-min), ceil(log2 N) rounds;
+//      forward distance e = steps from x to m along x -> p[x]: each slot
+//      first follows p for 16 steps itself, then pointer-jumping rounds over
+//      (jump, min, distance-to-min) join up to 8 windows each;
 //   2. L = e(p[m]) + 1; leaders' lengths are scanned into a base offset B(m)
-//      and order[B(m) + e(x)] = x lays every cycle out contiguously;
-//   3. in distance coordinates the permutation is the shift e -> e - 1
-//      (p[x] is one step closer to m), the product of the reflections
-//      tau1: e <-> -1 - e (mod L), then tau2: e <-> -e; the inverse is
-//      tau1': e <-> 1 - e, then tau2.
-// Everything before the two swap passes writes only the int32 workspace, and
-// the swap passes read the verdict words of the call's validation first.
+//      and order[B(m) + e(x)] = x lays every cycle out contiguously; in
+//      these coordinates p is the shift e -> e - 1 (p[x] is one step closer
+//      to m): new[s_e] = old[s_(e-1)]; the inverse shifts the other way;
+//   3. one data pass rotates every run of one cycle inside each chunk of 16
+//      layout positions by one step, in registers (k_perm_rotate);
+//   4. a cycle cut into ns > 1 runs still has one wrong slot per run; these
+//      form the same kind of shift over ns slots, applied as two involutions
+//      of disjoint swaps by k_apply (kind 1): in run coordinates i,
+//      tau1: i <-> -1 - i (mod ns) (inverse: 1 - i), then tau2: i <-> -i.
+// Every row is read and written about 1 + 2/16 times (2 with swaps alone).
+// Everything before the data passes writes only the int32 workspace, and the
+// data passes read the verdict words of the call's validation first.
 //
 // Workspace (int32), `plan_rows x N` elements per region:
-//   regions 0-5  jump / min / distance, double-buffered; reused for the base
-//                offsets, the cycle layout and the two target maps;
+//   regions 0-5  jump / min / distance, double-buffered; reused for the block
+//                sums, the cycle layout and the two target maps;
 //   region 6     the permutation itself when the device computes it
 //                (grouping, ordered compaction).
 // imoe_plan_workspace_elems (csrc/workspace.c) gives these sizes.
