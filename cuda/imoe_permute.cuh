@@ -3,24 +3,28 @@
 // Included once by imoe_cuda.cu, after its anonymous namespace: the kernels
 // share that translation unit's status word and verdict slots.
 //
-// Method. A permutation p of a row's N slots (new slot i takes old slot p[i])
-// is a product of two involutions made of disjoint swaps, each applied by
-// k_apply (kind 1) in one all-parallel pass:
+// Method. A permutation p of a row's N slots (new slot i takes old slot p[i]):
 //   1. every slot x learns its cycle's leader m (the minimal slot) and its
-//      forward distance e = steps from x to m along x -> p[x]: pointer
-//      jumping over (jump, min, distance-to-min), ceil(log2 N) rounds;
+//      forward distance e = steps from x to m along x -> p[x]: each slot
+//      first follows p for 16 steps itself, then pointer-jumping rounds over
+//      (jump, min, distance-to-min) join up to 8 windows each;
 //   2. L = e(p[m]) + 1; leaders' lengths are scanned into a base offset B(m)
-//      and order[B(m) + e(x)] = x lays every cycle out contiguously;
-//   3. in distance coordinates the permutation is the shift e -> e - 1
-//      (p[x] is one step closer to m), the product of the reflections
-//      tau1: e <-> -1 - e (mod L), then tau2: e <-> -e; the inverse is
-//      tau1': e <-> 1 - e, then tau2.
-// Everything before the two swap passes writes only the int32 workspace, and
-// the swap passes read the verdict words of the call's validation first.
+//      and order[B(m) + e(x)] = x lays every cycle out contiguously; in
+//      these coordinates p is the shift e -> e - 1 (p[x] is one step closer
+//      to m): new[s_e] = old[s_(e-1)]; the inverse shifts the other way;
+//   3. one data pass rotates every run of one cycle inside each chunk of 16
+//      layout positions by one step, in registers (k_perm_rotate);
+//   4. a cycle cut into ns > 1 runs still has one wrong slot per run; these
+//      form the same kind of shift over ns slots, applied as two involutions
+//      of disjoint swaps by k_apply (kind 1): in run coordinates i,
+//      tau1: i <-> -1 - i (mod ns) (inverse: 1 - i), then tau2: i <-> -i.
+// Every row is read and written about 1 + 2/16 times (2 with swaps alone).
+// Everything before the data passes writes only the int32 workspace, and the
+// data passes read the verdict words of the call's validation first.
 //
 // Workspace (int32), `plan_rows x N` elements per region:
-//   regions 0-5  jump / min / distance, double-buffered; reused for the base
-//                offsets, the cycle layout and the two target maps;
+//   regions 0-5  jump / min / distance, double-buffered; reused for the block
+//                sums, the cycle layout and the two target maps;
 //   region 6     the permutation itself when the device computes it
 //                (grouping, ordered compaction).
 // imoe_plan_workspace_elems (csrc/workspace.c) gives these sizes.
@@ -69,7 +73,11 @@ struct PermCheckParams {
   int32_t prev_nverdict;
 };
 
+// Both let the next kernel launch early (it waits for them before reading);
+// k_perm_unique, launched early itself by imoe_cuda_permute, waits for the
+// scatter's reset.
 __global__ void __launch_bounds__(kPermCheckThreads) k_perm_range(const __grid_constant__ PermCheckParams p) {
+  griddep_launch_dependents();
   const bool al = p.perm.aligned != 0;
   bool bad = false;
   const uint64_t step = (uint64_t)gridDim.x * blockDim.x;
@@ -91,6 +99,8 @@ __global__ void __launch_bounds__(kPermCheckThreads) k_perm_range(const __grid_c
 }
 
 __global__ void __launch_bounds__(kPermCheckThreads) k_perm_unique(const __grid_constant__ PermCheckParams p) {
+  griddep_launch_dependents();
+  griddep_wait();
   const bool al = p.perm.aligned != 0;
   const bool before = call_aborted(p.prev_token, p.prev_nverdict);
   bool dup = false;
@@ -115,9 +125,13 @@ __global__ void __launch_bounds__(kPermCheckThreads) k_perm_unique(const __grid_
 // Grid-wide kernels over every slot of every row of the permutation (flat
 // index f = r * n + x), one launch per pointer-jumping round: the random
 // int32 gathers of a round then spread over the whole GPU. Workspace regions
-// (plan_rows x n each): set s is jump 3s, min 3s+1, distance 3s+2. With f
-// the final set: B (cycle bases) in 3f; order in 3(1-f); tile totals, then
-// tau1 in 3(1-f)+1; leader lengths, then tau2 in 3(1-f)+2.
+// (plan_rows x n each): set s is jump 3s, min 3s+1, distance 3s+2; s = fin
+// is the final set. The kernel that computes the final set writes, instead
+// of its jumps, one aggregate per block (the sum of the cycle lengths its
+// leaders start) into region 3fin. k_cyc_bases then overwrites each
+// leader's min (itself) with its cycle's base B (a leader is the one slot
+// whose distance is 0); the layout goes to region 3(1-fin), the two
+// second-pass target maps to 3(1-fin)+1 and 3(1-fin)+2.
 struct CycleParams {
   Lead lead;        // of the plan rows (per-row) or empty (shared: one row)
   int64_t n;
@@ -127,14 +141,23 @@ struct CycleParams {
   int32_t *ws;
   int32_t src;      // round: the set read (the other one is written)
   int32_t w;        // round: window of the set read (slots per window)
+  int32_t arity;    // round: windows joined into one
+  int32_t last;     // init / round: this launch computes the final set
   int32_t fin;      // the final set
-  int32_t tiles;    // scan tiles per row
+  uint32_t nagg;    // block aggregates (blocks of the flat kernels)
+  int32_t agg_scanned;  // k_cyc_agg_scan turned the aggregates into prefixes
   int32_t inverse;
   uint32_t token;
   int32_t nverdict;
 };
 
 constexpr int kCycThreads = 256;
+constexpr int kWalkLog = 4;
+constexpr int kWalk = 1 << kWalkLog;  // k_cyc_init follows p this many steps from every slot
+constexpr int kArity = 8;              // most windows a round joins
+constexpr uint32_t kAggDirect = 2048;  // up to this many aggregates, k_cyc_bases adds them up itself
+constexpr int kRotK = 16;              // layout positions per rotation chunk
+constexpr int kRotThreads = 384;
 
 // The cycle kernels follow each other with programmatic dependent launch
 // (sm_90): the next one is launched while this one runs and waits here for
@@ -143,156 +166,380 @@ __device__ __forceinline__ void cyc_enter() {
   griddep_launch_dependents();
   griddep_wait();
 }
-constexpr int kScanItems = 8;                       // consecutive slots per thread in a scan tile
-constexpr int kScanTile = kCycThreads * kScanItems;  // slots per scan tile
 
-__device__ __forceinline__ int32_t succ_of(const CycleParams &p, uint32_t r, int64_t x) {
+__device__ __forceinline__ const char *succ_row(const CycleParams &p, uint32_t r) {
   uint32_t c[kMaxDims];
   row_coords(p.lead, r, c);
-  return (int32_t)load_index(p.succ.data + row_offset(p.lead, c, p.succ.lead) + x * p.succ.n_stride, p.succ.dtype,
-                             p.succ.aligned != 0);
+  return p.succ.data + row_offset(p.lead, c, p.succ.lead);
+}
+__device__ __forceinline__ int32_t succ_at(const CycleParams &p, const char *row, int64_t x) {
+  return (int32_t)load_index(row + x * p.succ.n_stride, p.succ.dtype, p.succ.aligned != 0);
 }
 
-// Set 0 after the first round (window 2): jump p[p[x]], min(x, p[x]), and
-// the distance of that min (1 when p[x] < x).
+// Exclusive block scan (unsigned, 32 or 64 bits); every thread gets the
+// total. s_warp: 33 words. Every thread of the block calls it.
+template <class T>
+__device__ __forceinline__ T cyc_block_scan(T v, T *total, T *s_warp) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+  T incl = v;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const T u = __shfl_up_sync(0xFFFFFFFFu, incl, o);
+    if (lane >= o) incl += u;
+  }
+  if (lane == 31) s_warp[warp] = incl;
+  __syncthreads();
+  if (warp == 0) {
+    const T wv = lane < nw ? s_warp[lane] : (T)0;
+    T ws = wv;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const T u = __shfl_up_sync(0xFFFFFFFFu, ws, o);
+      if (lane >= o) ws += u;
+    }
+    s_warp[lane] = ws - wv;
+    if (lane == 31) s_warp[32] = ws;
+  }
+  __syncthreads();
+  const T excl = s_warp[warp] + incl - v;
+  *total = s_warp[32];
+  __syncthreads();
+  return excl;
+}
+
+// The final kernel's block aggregate: the cycle lengths its leaders start
+// (< 2^32: a block covers at most two rows, or rows shorter than itself).
+__device__ __forceinline__ void cyc_write_aggregate(const CycleParams &p, uint32_t len, uint32_t *s_warp) {
+  uint32_t total;
+  cyc_block_scan<uint32_t>(len, &total, s_warp);
+  if (threadIdx.x == 0) reinterpret_cast<uint32_t *>(p.ws + 3 * p.fin * p.region)[blockIdx.x] = total;
+}
+
+// Set 0 after a window of kWalk: every slot follows p itself, kWalk steps:
+// jump p^kWalk(x), the min of x .. p^(kWalk-1)(x) and its distance. A walk
+// that comes back to x has seen its whole cycle: min and distance are final,
+// and the jump stays at x (later rounds then change nothing). When
+// n <= kWalk every walk comes back, and this is the final kernel.
 __global__ void __launch_bounds__(kCycThreads) k_cyc_init(const __grid_constant__ CycleParams p) {
+  __shared__ uint32_t s_warp[33];
   cyc_enter();
   if (call_aborted(p.token, p.nverdict)) return;
   const uint64_t f = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x;
-  if (f >= p.items) return;
-  const uint32_t r = (uint32_t)(f / (uint64_t)p.n);
-  const int32_t x = (int32_t)(f - (uint64_t)r * (uint64_t)p.n);
-  const int32_t px = succ_of(p, r, x);
-  const int32_t ppx = succ_of(p, r, px);
-  p.ws[f] = ppx;
-  p.ws[p.region + f] = px < x ? px : x;
-  p.ws[2 * p.region + f] = px < x ? 1 : 0;
+  uint32_t len = 0;
+  if (f < p.items) {
+    const uint32_t r = (uint32_t)(f / (uint64_t)p.n);
+    const int32_t x = (int32_t)(f - (uint64_t)r * (uint64_t)p.n);
+    const char *row = succ_row(p, r);
+    int32_t y = x, mn = x, d = 0, L = 0;
+    for (int t = 1; t <= kWalk; ++t) {
+      y = succ_at(p, row, y);
+      if (y == x) {
+        L = t;
+        break;
+      }
+      if (t < kWalk && y < mn) {
+        mn = y;
+        d = t;
+      }
+    }
+    if (!p.last) p.ws[f] = L ? x : y;
+    p.ws[p.region + f] = mn;
+    p.ws[2 * p.region + f] = d;
+    if (mn == x) len = (uint32_t)L;
+  }
+  if (p.last) cyc_write_aggregate(p, len, s_warp);
 }
 
-// One pointer-jumping round: windows of w slots become windows of 2w.
+// Follows the jumps of the set read from slot x0 over `arity` windows of w
+// slots: the min over them and its distance (the first occurrence: windows
+// are visited in order and only a strictly smaller min replaces the best).
+// Returns the slot of the last window's start; its jump ends the new window.
+__device__ __forceinline__ int32_t cyc_jump(const int32_t *J, const int32_t *M, const int32_t *D, uint64_t row0,
+                                            int32_t x0, int32_t w, int32_t arity, int32_t *bm, int32_t *bd) {
+  int32_t cur = x0;
+  int32_t m = M[row0 + x0], d = D[row0 + x0];
+  for (int32_t a = 1; a < arity; ++a) {
+    cur = J[row0 + cur];
+    const int32_t mc = M[row0 + cur], dc = D[row0 + cur];
+    if (mc < m) {
+      m = mc;
+      d = (int32_t)((int64_t)a * w + dc);
+    }
+  }
+  *bm = m;
+  *bd = d;
+  return cur;
+}
+
+// One pointer-jumping round: windows of w slots become windows of arity x w
+// (arity 2 to kArity: a few dependent gathers per slot cost less than a
+// launch each). The last round also finds each leader's cycle length
+// L = 1 + (distance of p[m]), which it computes for p[m] itself.
 __global__ void __launch_bounds__(kCycThreads) k_cyc_round(const __grid_constant__ CycleParams p) {
+  __shared__ uint32_t s_warp[33];
   cyc_enter();
   if (call_aborted(p.token, p.nverdict)) return;
   const uint64_t f = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x;
-  if (f >= p.items) return;
-  const uint64_t row0 = f - f % (uint64_t)p.n;
-  const int32_t *J = p.ws + 3 * p.src * p.region, *M = J + p.region, *D = J + 2 * p.region;
-  int32_t *J2 = p.ws + 3 * (1 - p.src) * p.region, *M2 = J2 + p.region, *D2 = J2 + 2 * p.region;
-  const int32_t j = J[f];
-  const int32_t mx = M[f], dx = D[f];
-  const int32_t mj = M[row0 + j], dj = D[row0 + j], jj = J[row0 + j];
-  const bool better = mj < mx;
-  M2[f] = better ? mj : mx;
-  D2[f] = better ? p.w + dj : dx;
-  J2[f] = jj;
+  uint32_t len = 0;
+  if (f < p.items) {
+    const uint32_t r = (uint32_t)(f / (uint64_t)p.n);
+    const uint64_t row0 = (uint64_t)r * (uint64_t)p.n;
+    const int32_t x = (int32_t)(f - row0);
+    const int32_t *J = p.ws + 3 * p.src * p.region, *M = J + p.region, *D = J + 2 * p.region;
+    int32_t *J2 = p.ws + 3 * (1 - p.src) * p.region, *M2 = J2 + p.region, *D2 = J2 + 2 * p.region;
+    int32_t m2, d2;
+    const int32_t cur = cyc_jump(J, M, D, row0, x, p.w, p.arity, &m2, &d2);
+    M2[f] = m2;
+    D2[f] = d2;
+    if (!p.last) {
+      J2[f] = J[row0 + cur];
+    } else if (m2 == x) {
+      const int32_t y = succ_at(p, succ_row(p, r), x);
+      if (y == x) {
+        len = 1;
+      } else {
+        int32_t my, dy;
+        cyc_jump(J, M, D, row0, y, p.w, p.arity, &my, &dy);
+        len = (uint32_t)dy + 1u;
+      }
+    }
+  }
+  if (p.last) cyc_write_aggregate(p, len, s_warp);
 }
 
-// Scan, part 1: each leader's cycle length (L = e(p[m]) + 1, 0 elsewhere)
-// into the lengths region, and each tile's sum into the totals region.
-__global__ void __launch_bounds__(kCycThreads) k_cyc_lengths(const __grid_constant__ CycleParams p) {
-  __shared__ int s_warp[33];
+// Many aggregates (more than kAggDirect): one block turns them, in place,
+// into each block's prefix relative to the start of the row of its first
+// slot (in [0, n]: every row's lengths add up to n).
+__global__ void __launch_bounds__(kCycThreads) k_cyc_agg_scan(const __grid_constant__ CycleParams p) {
+  __shared__ unsigned long long s_warp[33];
   cyc_enter();
   if (call_aborted(p.token, p.nverdict)) return;
-  const uint32_t r = blockIdx.x / (uint32_t)p.tiles, t = blockIdx.x - r * (uint32_t)p.tiles;
-  const int64_t row0 = (int64_t)r * p.n;
-  const int32_t *M = p.ws + (3 * p.fin + 1) * p.region + row0, *D = p.ws + (3 * p.fin + 2) * p.region + row0;
-  int32_t *len = p.ws + (3 * (1 - p.fin) + 2) * p.region + row0;
-  int32_t *totals = p.ws + (3 * (1 - p.fin) + 1) * p.region;
-  const int64_t xs = (int64_t)t * kScanTile + (int64_t)threadIdx.x * kScanItems;
-  int v[kScanItems];
-#pragma unroll
-  for (int u = 0; u < kScanItems; ++u) {
-    const int64_t x = xs + u;
-    v[u] = (x < p.n && M[x] == (int32_t)x) ? -1 - succ_of(p, r, x) : 0;  // -1 - p[x] marks a leader
-  }
-  int sum = 0;
-#pragma unroll
-  for (int u = 0; u < kScanItems; ++u) {
-    if (v[u] < 0) v[u] = D[-1 - v[u]] + 1;
-    if (xs + u < p.n) len[xs + u] = v[u];
-    sum += v[u];
-  }
-  int total;
-  perm_block_scan(sum, &total, s_warp);
-  if (threadIdx.x == 0) totals[(int64_t)r * p.tiles + t] = total;
-}
-
-// Scan, part 2: one block per row turns its tile totals into exclusive
-// prefixes, in place.
-__global__ void __launch_bounds__(kCycThreads) k_cyc_tile_scan(const __grid_constant__ CycleParams p) {
-  __shared__ int s_warp[33];
-  cyc_enter();
-  if (call_aborted(p.token, p.nverdict)) return;
-  int32_t *totals = p.ws + (3 * (1 - p.fin) + 1) * p.region + (int64_t)blockIdx.x * p.tiles;
-  int carry = 0;
-  for (int t0 = 0; t0 < p.tiles; t0 += blockDim.x) {
-    const int t = t0 + threadIdx.x;
-    const int v = t < p.tiles ? totals[t] : 0;
-    int total;
-    const int excl = perm_block_scan(v, &total, s_warp);
-    if (t < p.tiles) totals[t] = carry + excl;
+  uint32_t *agg = reinterpret_cast<uint32_t *>(p.ws + 3 * p.fin * p.region);
+  unsigned long long carry = 0;
+  for (uint32_t t0 = 0; t0 < p.nagg; t0 += blockDim.x) {
+    const uint32_t t = t0 + threadIdx.x;
+    const unsigned long long v = t < p.nagg ? agg[t] : 0u;
+    unsigned long long total;
+    const unsigned long long excl = cyc_block_scan<unsigned long long>(v, &total, s_warp);
+    if (t < p.nagg) {
+      const uint64_t rt = (uint64_t)t * kCycThreads / (uint64_t)p.n;
+      agg[t] = (uint32_t)(carry + excl - rt * (uint64_t)p.n);
+    }
     carry += total;
   }
 }
 
-// Scan, part 3: every slot's base B = (tile prefix) + (scan within the tile).
+// Every leader's base B (where its cycle starts in its row's layout):
+// the prefix of the lengths before it, written over its min entry.
 __global__ void __launch_bounds__(kCycThreads) k_cyc_bases(const __grid_constant__ CycleParams p) {
-  __shared__ int s_warp[33];
+  __shared__ unsigned long long s_w64[33];
+  __shared__ uint32_t s_w32[33];
   cyc_enter();
   if (call_aborted(p.token, p.nverdict)) return;
-  const uint32_t r = blockIdx.x / (uint32_t)p.tiles, t = blockIdx.x - r * (uint32_t)p.tiles;
-  const int64_t row0 = (int64_t)r * p.n;
-  const int32_t *len = p.ws + (3 * (1 - p.fin) + 2) * p.region + row0;
-  const int32_t *totals = p.ws + (3 * (1 - p.fin) + 1) * p.region;
-  int32_t *B = p.ws + 3 * p.fin * p.region + row0;
-  const int64_t xs = (int64_t)t * kScanTile + (int64_t)threadIdx.x * kScanItems;
-  int v[kScanItems];
-  int sum = 0;
-#pragma unroll
-  for (int u = 0; u < kScanItems; ++u) {
-    v[u] = xs + u < p.n ? len[xs + u] : 0;
-    sum += v[u];
+  const uint32_t t = blockIdx.x;
+  const uint64_t f0 = (uint64_t)t * blockDim.x;
+  const uint64_t rt = f0 / (uint64_t)p.n;
+  const uint32_t *agg = reinterpret_cast<const uint32_t *>(p.ws + 3 * p.fin * p.region);
+  int64_t P;  // lengths before this block, from the start of row rt
+  if (p.agg_scanned) {
+    P = (int64_t)agg[t];
+  } else {
+    unsigned long long s = 0;
+    for (uint32_t i = threadIdx.x; i < t; i += blockDim.x) s += agg[i];
+    unsigned long long sum;
+    cyc_block_scan<unsigned long long>(s, &sum, s_w64);
+    P = (int64_t)(sum - rt * (uint64_t)p.n);
   }
-  int total;
-  int run = totals[(int64_t)r * p.tiles + t] + perm_block_scan(sum, &total, s_warp);
-#pragma unroll
-  for (int u = 0; u < kScanItems; ++u) {
-    if (xs + u < p.n) B[xs + u] = run;
-    run += v[u];
-  }
+  const uint64_t f = f0 + threadIdx.x;
+  const bool valid = f < p.items;
+  const uint32_t r = valid ? (uint32_t)(f / (uint64_t)p.n) : 0u;
+  const uint64_t row0 = (uint64_t)r * (uint64_t)p.n;
+  const int32_t x = (int32_t)(f - row0);
+  int32_t *M = p.ws + (3 * p.fin + 1) * p.region;
+  const int32_t *D = p.ws + (3 * p.fin + 2) * p.region;
+  const bool leader = valid && M[f] == x;
+  const uint32_t len = leader ? (uint32_t)D[row0 + succ_at(p, succ_row(p, r), x)] + 1u : 0u;
+  uint32_t total;
+  const uint32_t excl = cyc_block_scan<uint32_t>(len, &total, s_w32);
+  if (leader) M[f] = (int32_t)(P + (int64_t)excl - (int64_t)(r - rt) * p.n);
 }
 
-// The cycles laid out: order[B(m) + e(x)] = x.
+// The cycles laid out: order[B(m) + e(x)] = x, written as ~x where e = 0
+// (a cycle starts there).
 __global__ void __launch_bounds__(kCycThreads) k_cyc_order(const __grid_constant__ CycleParams p) {
   cyc_enter();
   if (call_aborted(p.token, p.nverdict)) return;
   const uint64_t f = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x;
   if (f >= p.items) return;
   const uint64_t row0 = f - f % (uint64_t)p.n;
-  const int32_t *B = p.ws + 3 * p.fin * p.region, *M = B + p.region, *D = B + 2 * p.region;
+  const int32_t x = (int32_t)(f - row0);
+  const int32_t *M = p.ws + (3 * p.fin + 1) * p.region, *D = M + p.region;
   int32_t *order = p.ws + 3 * (1 - p.fin) * p.region;
-  order[row0 + B[row0 + M[f]] + D[f]] = (int32_t)(f - row0);
+  const int32_t mx = M[f], e = D[f];
+  const int32_t b = e == 0 ? mx : M[row0 + mx];
+  order[row0 + b + e] = e == 0 ? ~x : x;
 }
 
-// The two involutions as target maps: tau1 (e <-> -1 - e, or 1 - e for the
-// inverse) and tau2 (e <-> -e), mod L.
-__global__ void __launch_bounds__(kCycThreads) k_cyc_maps(const __grid_constant__ CycleParams p) {
-  cyc_enter();
-  if (call_aborted(p.token, p.nverdict)) return;
-  const uint64_t f = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x;
-  if (f >= p.items) return;
+// ------------------------------------------------------------ data passes
+// Pass 1 (k_perm_rotate): every row's layout is cut into chunks of kRotK
+// positions; inside a chunk, each maximal run of one cycle (a segment) is
+// rotated by one step in registers: new[s_e] = old[s_(e-1)] (forward: the
+// segment's first slot takes its last slot's row), or new[s_e] = old[s_(e+1)]
+// (inverse: the last slot takes the first's). A cycle inside one chunk is
+// then done. A cycle over ns > 1 segments has one wrong slot per segment:
+// its first (forward) or last (inverse), the "fix" slots F_0 .. F_(ns-1), and
+// F_i holds what F_(i+1) (forward) or F_(i-1) (inverse) needs: the same shift
+// over ns slots. Pass 2 does it with two all-parallel swap passes (k_apply,
+// kind 1) over the target maps written here: in segment coordinates i,
+// tau1: i <-> -1 - i (mod ns) (inverse: 1 - i), then tau2: i <-> -i; every
+// other slot maps to itself.
+struct RotateParams {
+  CycleParams c;
+  Lead lead;       // the buffers' rows
+  uint64_t rows;   // buffer rows
+  uint32_t nblk;   // chunks per row: ceil(n / kRotK)
+  int32_t per_row;
+  int32_t maps;    // this launch also writes the pass-2 target maps
+  int32_t nbuf;
+  BufDesc buf[kMaxBuf];
+};
+
+__device__ __forceinline__ int32_t layout_slot(int32_t v) { return v < 0 ? ~v : v; }
+
+// Segment i's fix slot position: its first (forward) or last (inverse).
+__device__ __forceinline__ int32_t fix_pos(int32_t i, int32_t b, int32_t L, int32_t ns, int32_t b0, bool inverse) {
+  if (!inverse) return i == 0 ? b : (b0 + i) * kRotK;
+  return i == ns - 1 ? b + L - 1 : (b0 + i + 1) * kRotK - 1;
+}
+
+__device__ __forceinline__ void fix_maps_item(const CycleParams &p, uint64_t f) {
   const uint32_t r = (uint32_t)(f / (uint64_t)p.n);
   const uint64_t row0 = (uint64_t)r * (uint64_t)p.n;
-  const int32_t *B = p.ws + 3 * p.fin * p.region, *M = B + p.region, *D = B + 2 * p.region;
-  const int32_t *order = p.ws + 3 * (1 - p.fin) * p.region;
-  int32_t *tm1 = p.ws + (3 * (1 - p.fin) + 1) * p.region, *tm2 = p.ws + (3 * (1 - p.fin) + 2) * p.region;
-  const int32_t m = M[f], e = D[f];
-  const int32_t b = B[row0 + m];
-  const int32_t L = D[row0 + succ_of(p, r, m)] + 1;
-  const int32_t e1 = p.inverse ? (L + 1 - e) % L : L - 1 - e;
-  const int32_t e2 = (L - e) % L;
-  tm1[f] = order[row0 + b + e1];
-  tm2[f] = order[row0 + b + e2];
+  const int32_t x = (int32_t)(f - row0);
+  const int32_t *M = p.ws + (3 * p.fin + 1) * p.region, *D = M + p.region;
+  const int32_t *order = p.ws + 3 * (1 - p.fin) * p.region + row0;
+  int32_t *tm1 = p.ws + (3 * (1 - p.fin) + 1) * p.region, *tm2 = tm1 + p.region;
+  const int32_t mx = M[f], e = D[f];
+  const int32_t m = e == 0 ? x : mx;
+  const int32_t b = e == 0 ? mx : M[row0 + mx];
+  const int32_t L = D[row0 + succ_at(p, succ_row(p, r), m)] + 1;
+  int32_t t1 = x, t2 = x;
+  const int32_t q = b + e, b0 = b / kRotK;
+  const int32_t ns = (b + L - 1) / kRotK - b0 + 1;
+  const bool fix = p.inverse ? (e == L - 1 || q % kRotK == kRotK - 1) : (e == 0 || q % kRotK == 0);
+  if (ns > 1 && fix) {
+    const int32_t i = q / kRotK - b0;
+    const int32_t i1 = p.inverse ? (ns + 1 - i) % ns : ns - 1 - i;
+    const int32_t i2 = (ns - i) % ns;
+    t1 = layout_slot(order[fix_pos(i1, b, L, ns, b0, p.inverse != 0)]);
+    t2 = layout_slot(order[fix_pos(i2, b, L, ns, b0, p.inverse != 0)]);
+  }
+  tm1[f] = t1;
+  tm2[f] = t2;
+}
+
+// One column (a T-sized piece at byte offset `off`) of one chunk: K
+// independent loads, then the K stores of the rotated segments. st: segment
+// starts, en: segment ends, mv: slots that change (segments of 2 or more).
+template <class T>
+__device__ __forceinline__ void rotate_column(char *base, int64_t ns, int64_t off, const int32_t (&x)[kRotK],
+                                              uint32_t st, uint32_t en, uint32_t mv, bool inverse) {
+  T v[kRotK];
+#pragma unroll
+  for (int j = 0; j < kRotK; ++j)
+    if ((mv >> j) & 1u) v[j] = *reinterpret_cast<const T *>(base + (int64_t)x[j] * ns + off);
+  if (!inverse) {
+    T last = v[kRotK - 1];
+#pragma unroll
+    for (int j = kRotK - 1; j >= 0; --j) {
+      if ((en >> j) & 1u) last = v[j];
+      if ((mv >> j) & 1u)
+        *reinterpret_cast<T *>(base + (int64_t)x[j] * ns + off) = ((st >> j) & 1u) ? last : v[j > 0 ? j - 1 : 0];
+    }
+  } else {
+    T first = v[0];
+#pragma unroll
+    for (int j = 0; j < kRotK; ++j) {
+      if ((st >> j) & 1u) first = v[j];
+      if ((mv >> j) & 1u)
+        *reinterpret_cast<T *>(base + (int64_t)x[j] * ns + off) =
+            ((en >> j) & 1u) ? first : v[j < kRotK - 1 ? j + 1 : j];
+    }
+  }
+}
+
+// a / d and a % d, in 32 bits when the dividend allows.
+__device__ __forceinline__ uint64_t divmod_u64(uint64_t a, uint32_t d, uint32_t *rem, bool small) {
+  if (small) {
+    const uint32_t q = (uint32_t)a / d;
+    *rem = (uint32_t)a - q * d;
+    return q;
+  }
+  const uint64_t q = a / d;
+  *rem = (uint32_t)(a - q * d);
+  return q;
+}
+
+// Work units (row, chunk, column), columns fastest: a warp reads a chunk's
+// layout entries once (broadcast) and 16-byte pieces of the same rows.
+template <int VW>
+__device__ __forceinline__ void rotate_buffer(const RotateParams &p, const BufDesc &bd, uint64_t gtid,
+                                              uint64_t step) {
+  typedef typename VecOf<VW>::T V;
+  const uint32_t C = bd.body + (uint32_t)(bd.head + bd.tail);
+  if (C == 0) return;
+  const uint64_t tasks = p.rows * (uint64_t)p.nblk;
+  const uint64_t units = tasks * C;
+  const bool small_u = units <= 0xFFFFFFFFull, small_t = tasks <= 0xFFFFFFFFull;
+  const int32_t *order = p.c.ws + 3 * (1 - p.c.fin) * p.c.region;
+  const int64_t tail0 = (int64_t)bd.head + (int64_t)bd.body * VW;
+  const bool inverse = p.c.inverse != 0;
+  for (uint64_t u = gtid; u < units; u += step) {
+    uint32_t w, j;
+    const uint64_t q = divmod_u64(u, C, &w, small_u);
+    const uint32_t r = (uint32_t)divmod_u64(q, p.nblk, &j, small_t);
+    const int64_t pos0 = (int64_t)j * kRotK;
+    const int32_t *ord = order + (p.per_row ? (int64_t)r * p.c.n : 0) + pos0;
+    const int64_t cnt = min((int64_t)kRotK, p.c.n - pos0);
+    int32_t x[kRotK];
+    uint32_t st = 1u;
+#pragma unroll
+    for (int i = 0; i < kRotK; ++i) {
+      const int32_t v = i < cnt ? __ldg(ord + i) : -1;
+      if (v < 0) st |= 1u << i;
+      x[i] = layout_slot(v);
+    }
+    const uint32_t valid = (1u << cnt) - 1u;
+    const uint32_t en = (st >> 1) | (1u << (kRotK - 1));
+    const uint32_t mv = valid & ~(st & en);
+    if (mv == 0) continue;
+    uint32_t c[kMaxDims];
+    row_coords(p.lead, r, c);
+    char *base = bd.data + row_offset(p.lead, c, bd.lead);
+    if (w < bd.body) {
+      rotate_column<V>(base, bd.n_stride, (int64_t)bd.head + (int64_t)w * VW, x, st, en, mv, inverse);
+    } else {
+      const uint32_t k = w - bd.body;
+      const int64_t off = k < (uint32_t)bd.head ? (int64_t)k : tail0 + (int64_t)(k - (uint32_t)bd.head);
+      rotate_column<unsigned char>(base, bd.n_stride, off, x, st, en, mv, inverse);
+    }
+  }
+}
+
+// One launch per vector width: each instance keeps only its own loads live.
+// Buffers of other widths in the group are left to their own launch.
+template <int VW>
+__global__ void __launch_bounds__(kRotThreads, 1) k_perm_rotate(const __grid_constant__ RotateParams p) {
+  griddep_wait();
+  if (call_aborted(p.c.token, p.c.nverdict)) return;
+  const uint64_t gtid = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x;
+  const uint64_t step = (uint64_t)gridDim.x * blockDim.x;
+  if (p.maps)
+    for (uint64_t f = gtid; f < p.c.items; f += step) fix_maps_item(p.c, f);
+  for (int b = 0; b < p.nbuf; ++b) {
+    const BufDesc &bd = p.buf[b];
+    if (bd.vw == VW) rotate_buffer<VW>(p, bd, gtid, step);
+  }
 }
 
 // ------------------------------------------------------------ ordered plans
@@ -445,12 +692,6 @@ __global__ void __launch_bounds__(kPermThreads) k_group(const __grid_constant__ 
 // ------------------------------------------------------------ host side
 namespace {
 
-int perm_rounds(int64_t n) {
-  int k = 0;
-  while (((int64_t)1 << k) < n) ++k;
-  return k;
-}
-
 // Row-major strides (bytes) of a [plan rows, n] int32 workspace region over
 // the merged lead axes; all zero for a shared plan.
 Strides ws_strides(const Lead &lead, int64_t n, bool per_row) {
@@ -485,13 +726,42 @@ imoe_status check_workspace(const char *fn, int32_t *ws, int64_t elems, int64_t 
   return IMOE_OK;
 }
 
-// The cycle kernels and the two swap passes: buffers [buf_st0, ...) of pl,
-// the permutation `succ` ([plan rows, n]), after the validation of `token`.
+typedef void (*RotateKernel)(RotateParams);
+
+RotateKernel rotate_kernel(int vw) {
+  switch (vw) {
+    case 16: return k_perm_rotate<16>;
+    case 8: return k_perm_rotate<8>;
+    case 4: return k_perm_rotate<4>;
+    case 2: return k_perm_rotate<2>;
+    default: return k_perm_rotate<1>;
+  }
+}
+
+// Blocks of k_perm_rotate<vw> resident per multiprocessor, once per device.
+int rotate_blocks_per_sm(const DevInfo *di, int vw) {
+  static std::atomic<int> cache[kMaxDevices][5];
+  const ptrdiff_t d = di - g_dev;
+  const int k = vw >= 16 ? 4 : vw >= 8 ? 3 : vw >= 4 ? 2 : vw >= 2 ? 1 : 0;
+  const bool cached = d >= 0 && d < kMaxDevices;
+  int v = cached ? cache[d][k].load(std::memory_order_relaxed) : 0;
+  if (v > 0) return v;
+  int nb = 0;
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&nb, rotate_kernel(vw), kRotThreads, 0) != cudaSuccess || nb < 1) {
+    (void)cudaGetLastError();
+    nb = 1;
+  }
+  if (cached) cache[d][k].store(nb, std::memory_order_relaxed);
+  return nb;
+}
+
+// The cycle kernels and the data passes: buffers [buf_st0, ...) of pl, the
+// permutation `succ` ([plan rows, n]), after the validation of `token`.
 imoe_status launch_cycles_and_swaps(const char *fn, const imoe_view *buffers, int32_t num_buffers, const Plan &pl,
                                     size_t buf_st0, const InView &succ, bool per_row, int64_t n, bool inverse,
                                     int32_t *ws, uint32_t token, int nverdict, DevInfo *di, cudaStream_t st,
                                     imoe_error *err) {
-  if (n < 2) return IMOE_OK;  // nothing can move
+  if (n < 2 || num_buffers <= 0) return IMOE_OK;  // nothing can move
   const uint64_t rows = per_row ? pl.R : 1u;
   CycleParams cp;
   memset(&cp, 0, sizeof cp);
@@ -505,34 +775,77 @@ imoe_status launch_cycles_and_swaps(const char *fn, const imoe_view *buffers, in
   cp.inverse = inverse ? 1 : 0;
   cp.token = token;
   cp.nverdict = nverdict;
-  cp.tiles = (int32_t)((n + kScanTile - 1) / kScanTile);
   const uint64_t flat = (cp.items + kCycThreads - 1) / kCycThreads;
-  const uint64_t tiled = rows * (uint64_t)cp.tiles;
-  if (flat > 0x7FFFFFFFull || tiled > 0x7FFFFFFFull || rows > 0x7FFFFFFFull)
+  if (flat > 0x7FFFFFFFull || rows > 0x7FFFFFFFull)
     return fail(err, IMOE_ERR_ARGUMENT, "%s: too many rows for one launch", fn);
-  const int rounds = perm_rounds(n);  // >= 1: the first is k_cyc_init's
+  // k_cyc_init covers a window of kWalk slots; a round multiplies it by its arity
+  int arity[32];
+  int rounds = 0;
+  for (int64_t window = kWalk; window < n; ++rounds) {
+    int a = 2;
+    while (a < kArity && window * a < n) a <<= 1;
+    arity[rounds] = a;
+    window *= a;
+  }
   const bool pdl = di->cc_major >= 9;
+  cp.last = rounds == 0;
+  cp.fin = 0;
   cudaError_t e = launch(k_cyc_init, (unsigned)flat, kCycThreads, 0, st, pdl, cp);
   if (e != cudaSuccess) return cuda_fail(err, fn, "launch of k_cyc_init", e);
   int s = 0;
-  for (int k = 1; k < rounds; ++k) {
+  int64_t window = kWalk;
+  for (int k = 0; k < rounds; ++k) {
     cp.src = s;
-    cp.w = 1 << k;
+    cp.w = (int32_t)window;
+    cp.arity = arity[k];
+    cp.last = k == rounds - 1;
+    cp.fin = 1 - s;
     e = launch(k_cyc_round, (unsigned)flat, kCycThreads, 0, st, pdl, cp);
     if (e != cudaSuccess) return cuda_fail(err, fn, "launch of k_cyc_round", e);
     s = 1 - s;
+    window *= arity[k];
   }
+  cp.last = 0;
   cp.fin = s;
-  if ((e = launch(k_cyc_lengths, (unsigned)tiled, kCycThreads, 0, st, pdl, cp)) != cudaSuccess)
-    return cuda_fail(err, fn, "launch of k_cyc_lengths", e);
-  if ((e = launch(k_cyc_tile_scan, (unsigned)rows, kCycThreads, 0, st, pdl, cp)) != cudaSuccess)
-    return cuda_fail(err, fn, "launch of k_cyc_tile_scan", e);
-  if ((e = launch(k_cyc_bases, (unsigned)tiled, kCycThreads, 0, st, pdl, cp)) != cudaSuccess)
+  cp.nagg = (uint32_t)flat;
+  cp.agg_scanned = flat > kAggDirect;
+  if (cp.agg_scanned && (e = launch(k_cyc_agg_scan, 1u, kCycThreads, 0, st, pdl, cp)) != cudaSuccess)
+    return cuda_fail(err, fn, "launch of k_cyc_agg_scan", e);
+  if ((e = launch(k_cyc_bases, (unsigned)flat, kCycThreads, 0, st, pdl, cp)) != cudaSuccess)
     return cuda_fail(err, fn, "launch of k_cyc_bases", e);
   if ((e = launch(k_cyc_order, (unsigned)flat, kCycThreads, 0, st, pdl, cp)) != cudaSuccess)
     return cuda_fail(err, fn, "launch of k_cyc_order", e);
-  if ((e = launch(k_cyc_maps, (unsigned)flat, kCycThreads, 0, st, pdl, cp)) != cudaSuccess)
-    return cuda_fail(err, fn, "launch of k_cyc_maps", e);
+  // pass 1: rotations inside chunks (and the pass-2 maps), up to kMaxBuf buffers a launch
+  RotateParams rp;
+  memset(&rp, 0, sizeof rp);
+  rp.c = cp;
+  rp.lead = pl.lead;
+  rp.rows = pl.R;
+  rp.nblk = (uint32_t)((n + kRotK - 1) / kRotK);
+  rp.per_row = per_row ? 1 : 0;
+  bool maps = true;
+  for (int g = 0; g < num_buffers; g += kMaxBuf) {
+    rp.nbuf = std::min(kMaxBuf, num_buffers - g);
+    uint64_t work[17] = {0};  // by vector width
+    for (int b = 0; b < rp.nbuf; ++b) {
+      rp.buf[b] = buf_desc(&buffers[g + b], pl.st[buf_st0 + g + b], pl.lead.nd);
+      const uint64_t cols = rp.buf[b].body + (uint64_t)(rp.buf[b].head + rp.buf[b].tail);
+      work[rp.buf[b].vw] += pl.R * (uint64_t)rp.nblk * cols;
+    }
+    for (int vw = 16; vw >= 1; vw >>= 1) {
+      bool present = false;
+      for (int b = 0; b < rp.nbuf; ++b) present = present || rp.buf[b].vw == vw;
+      if (!present) continue;
+      rp.maps = maps ? 1 : 0;
+      const uint64_t need = std::max(work[vw], maps ? cp.items : 0);
+      maps = false;
+      const uint64_t cap = (uint64_t)di->sms * (uint64_t)rotate_blocks_per_sm(di, vw);
+      const uint64_t grid = std::max<uint64_t>(1, std::min(cap, (need + kRotThreads - 1) / kRotThreads));
+      if ((e = launch(rotate_kernel(vw), (unsigned)grid, kRotThreads, 0, st, pdl, rp)) != cudaSuccess)
+        return cuda_fail(err, fn, "launch of k_perm_rotate", e);
+    }
+  }
+  // pass 2: the fix slots, two swap passes
   const int32_t *tm1 = ws + (3 * (1 - s) + 1) * cp.region;
   const int32_t *tm2 = ws + (3 * (1 - s) + 2) * cp.region;
   imoe_status r = launch_apply_groups(fn, buffers, 0, num_buffers, pl, buf_st0, ws_view(tm1, pl.lead, n, per_row),
@@ -592,7 +905,7 @@ imoe_status imoe_cuda_permute(const imoe_view *buffers, int32_t num_buffers, con
   cp.prev_token = cp.token;
   cp.prev_nverdict = grid;
   cp.token = next_token();
-  e = launch(k_perm_unique, (unsigned)grid, kPermCheckThreads, 0, st, false, cp);
+  e = launch(k_perm_unique, (unsigned)grid, kPermCheckThreads, 0, st, di->cc_major >= 9, cp);
   if (e != cudaSuccess) return cuda_fail(err, fn, "launch of k_perm_unique", e);
   return launch_cycles_and_swaps(fn, buffers, num_buffers, pl, 1, cp.perm, per_row, n, inverse != 0, workspace,
                                  cp.token, grid, di, st, err);

@@ -126,6 +126,70 @@ def test_permute_strided_views_and_many_buffers(rng):
     np.testing.assert_array_equal(bits(big[1::2]), untouched)
 
 
+def chunk_edge_perms(n, gen):
+    """Cycles placed around the rotation chunks (16 layout positions): runs of
+    equal cycles of length 15, 16, 17, 33 and 3, 2-cycles shifted by one slot
+    (every chunk boundary cuts one), cycles among fixed points, one long cycle
+    through scattered slots, and a random permutation."""
+    base = torch.arange(n)
+    out = [torch.randperm(n, generator=gen)]
+    for length in (15, 16, 17, 33, 3):
+        p = base.clone()
+        for s in range(0, n - length + 1, length):
+            p[s : s + length] = torch.roll(base[s : s + length], 1)
+        out.append(p)
+    p = base.clone()
+    m = (n - 1) - (n - 1) % 2
+    p[1 : 1 + m : 2], p[2 : 2 + m : 2] = base[2 : 2 + m : 2], base[1 : 1 + m : 2]
+    out.append(p)
+    p = base.clone()
+    picked = torch.randperm(n, generator=gen)[: max(2, n // 3)]
+    p[picked] = picked[torch.roll(torch.arange(len(picked)), 1)]
+    out.append(p)
+    return out
+
+
+@pytest.mark.parametrize("n", [2, 15, 16, 17, 33, 100, 1000, 4099])
+def test_permute_cycles_across_rotation_chunks(n, rng):
+    """One data pass rotates inside chunks of the cycle layout, a second fixes
+    each chunk's first (forward) or last (inverse) slot: cycles shorter than,
+    equal to and longer than a chunk, cut by chunk boundaries, in rows of
+    aligned vectors, of misaligned bytes (head and tail) and of single bytes."""
+    gen = torch.Generator().manual_seed(1000 + n)
+    wide = make_data((2, n, 48), "uint8", "torch", rng).cuda()
+    x = wide[:, :, 1:]  # 47 bytes a row from an odd address: 15 head bytes, 2 vectors
+    y = make_data((2, n, 8), "float32", "torch", rng).cuda()
+    z = make_data((2, n), "uint8", "torch", rng).cuda()
+    before_first = bits(wide[:, :, :1])
+    for p in chunk_edge_perms(n, gen):
+        for shared in (True, False):
+            perm = p.cuda() if shared else torch.stack([p, torch.randperm(n, generator=gen)]).cuda()
+            for inverse in (False, True):
+                want = [torch_gather(t, perm, 1, inverse) for t in (x, y, z)]
+                imoe.permute_([x, y, z], perm, dim=1, inverse=inverse)
+                imoe.check_errors(x)
+                for got, w in zip((x, y, z), want):
+                    np.testing.assert_array_equal(bits(got), bits(w))
+    np.testing.assert_array_equal(bits(wide[:, :, :1]), before_first)
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_permute_many_slots_scans_block_sums_in_a_kernel(shared, rng):
+    """More than 2048 x 256 slots of permutation: the cycle bases come from a
+    separate scan of the block sums."""
+    gen = torch.Generator().manual_seed(11)
+    r, n = (1, 600_001) if shared else (9, 60_013)
+    x = make_data((3, n, 2) if shared else (r, n, 2), "uint8", "torch", rng).cuda()
+    for kind in ("random", "long_cycle", "two_cycles"):
+        perm = random_perms(gen, r, n, kind)
+        perm = perm[0] if shared else perm
+        for inverse in (False, True):
+            want = torch_gather(x, perm, 1, inverse)
+            imoe.permute_(x, perm, dim=1, inverse=inverse)
+            imoe.check_errors(x)
+            np.testing.assert_array_equal(bits(x), bits(want))
+
+
 @pytest.mark.parametrize("case", ["range", "negative", "repeat", "range_and_repeat", "shared_repeat"])
 def test_permute_bad_perm_changes_nothing(case, rng):
     x = make_data((3, 300, 8), "float32", "torch", rng).cuda()

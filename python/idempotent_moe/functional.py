@@ -530,9 +530,10 @@ def permute_(
                x's device). CPU: the plan is the permutation with its cycles
                marked; cycles are rotated in place through a 4 KiB stack
                tile. CUDA: cycle leaders and positions by pointer jumping,
-               then two all-parallel swap passes (the data is read and
-               written twice); no host synchronisation, on the current
-               stream. A bad perm on CUDA changes nothing and is raised by
+               then one pass that rotates the cycles inside chunks of 16
+               slots and two swap passes over the chunk seams (each row is
+               read and written about 1.125 times); no host
+               synchronisation, on the current stream. A bad perm on CUDA changes nothing and is raised by
                `check_errors()`.
     Returns x.
     """
