@@ -266,6 +266,49 @@ def test_ep_bench_quick_runs_both_dispatchers(tmp_path):
     assert text.count("| idempotent_moe |") == 6
 
 
+def _capacity_order_reference(local_ids: list, weights: list) -> list:
+    """Sorted by local expert, then weight descending (NaN below -inf, -0 ==
+    +0), then arrival index: Python's stable sorts, one key at a time."""
+    def rank(w):
+        return (0, 0.0) if math.isnan(w) else (1, w)
+    order = sorted(range(len(weights)), key=lambda i: rank(weights[i]), reverse=True)
+    return sorted(order, key=lambda i: local_ids[i])
+
+
+def _capacity_order_inputs(n: int, local: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    local_ids = torch.randint(0, local, (n,), generator=g)
+    special = torch.tensor([float("nan"), -0.0, 0.0, float("-inf"), float("inf"), 0.25, -0.25, 1.0])
+    pick = torch.randint(0, 3, (n,), generator=g)
+    weights = torch.where(pick == 0, special[torch.randint(0, len(special), (n,), generator=g)],
+                          torch.where(pick == 1, torch.rand(n, generator=g).round(decimals=1),
+                                      torch.rand(n, generator=g)))
+    return local_ids, weights.float()
+
+
+@pytest.mark.parametrize("n,local,seed", [(0, 3, 0), (1, 1, 1), (37, 4, 2), (500, 7, 3), (2000, 128, 4)])
+def test_capacity_order_sorts_by_expert_then_weight_then_arrival(n, local, seed):
+    """The dispatcher's capacity permutation: every local expert's rows
+    together, highest routing weight first, NaN last, -0 tied with +0, ties
+    in arrival order; the result is a permutation of [0, n)."""
+    from idempotent_moe.distributed import capacity_order
+
+    local_ids, weights = _capacity_order_inputs(n, local, seed)
+    perm = capacity_order(local_ids, weights)
+    assert perm.dtype == torch.int64 and perm.shape == (n,)
+    assert perm.tolist() == _capacity_order_reference(local_ids.tolist(), weights.tolist())
+
+
+@pytest.mark.gpu
+def test_capacity_order_on_gpu_matches_cpu():
+    from idempotent_moe.distributed import capacity_order
+
+    local_ids, weights = _capacity_order_inputs(5000, 16, 5)
+    want = capacity_order(local_ids, weights)
+    got = capacity_order(local_ids.cuda(), weights.cuda())
+    assert got.cpu().tolist() == want.tolist()
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
 def test_nccl_two_gpus(tmp_path):

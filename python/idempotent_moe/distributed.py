@@ -18,15 +18,18 @@ One forward, per rank:
 3. all_to_all_single of the tokens (and, in capacity mode, of their fp32
    routing weights) into one receive buffer [N, D], ordered by
    (source rank, local expert, source token);
-4. group the receive buffer by local expert in place: `group_by_expert_` on
-   the CPU (a stable counting sort that permutes the rows in place); on a GPU
-   (not switched to the in-place grouping yet) a counting sort and one gather;
-5. per local expert, capacity mode only: `compact_` (swap mode) moves the
-   expert's C highest-weight rows to the front of its segment in place;
-6. `expert_fn(expert, rows)` runs and its output overwrites its input rows;
-   dropped rows are zeroed; the compaction is undone in place (`restore_`)
-   and so is the grouping (`ungroup_`): the receive buffer now holds every
-   assignment's output in the order it arrived;
+4. dropless: group the receive buffer by local expert in place
+   (`group_by_expert_`, a stable counting sort that permutes the rows in
+   place; on a GPU without the CUDA build, a counting sort and one gather).
+   Capacity mode: one stable sort of the received assignments' keys
+   (local expert ascending, routing weight descending, arrival order) gives
+   one permutation, and `permute_` applies it in place: each local expert's
+   segment then starts with its C kept rows, highest weight first;
+5. `expert_fn(expert, rows)` runs once per local expert and its output
+   overwrites its input rows; dropped rows are zeroed;
+6. the same permutation is undone in place (`ungroup_` / `permute_` with
+   inverse=True): the receive buffer now holds every assignment's output in
+   the order it arrived;
 7. all_to_all_single back, and the combine: out[t] = sum_j w[t, j] * y[t, j],
    summed in a fixed j order (fp32 for half-precision inputs).
 
@@ -52,9 +55,9 @@ import torch
 import torch.distributed as dist
 
 from ._sorting import check_distinct_per_row, counting_sort
-from .functional import compact_, cuda_available, group_by_expert_, restore_, ungroup_
+from .functional import cuda_available, group_by_expert_, permute_, ungroup_
 
-__all__ = ["DispatchStats", "ExpertParallelDispatcher", "expert_capacity"]
+__all__ = ["DispatchStats", "ExpertParallelDispatcher", "capacity_order", "expert_capacity"]
 
 
 def expert_capacity(total_tokens: int, top_k: int, num_experts: int, capacity_factor: float) -> int:
@@ -190,45 +193,46 @@ class ExpertParallelDispatcher:
             dist.all_to_all_single(recv_w, send_w, recv_splits, send_splits, group=self.group)
             del send_w
 
-        # 4. Group by local expert: (rank, expert, token) -> (expert, rank, token).
+        # 4. Group by local expert: (rank, expert, token) -> (expert, rank, token),
+        #    in capacity mode also by descending weight within each expert.
         local_ids = torch.repeat_interleave(
             torch.arange(local, device=device).repeat(world), per_source.reshape(-1).to(device),
             output_size=received)
-        bufs = [recv] if recv_w is None else [recv, recv_w]
-        # In place where our kernels run (the CPU; CUDA with the CUDA build, up
-        # to 1024 local experts); else a counting sort and one gather.
-        in_place = device.type == "cpu" or (cuda_available() and local <= 1024)
-        if in_place:
-            perm = group_by_expert_(bufs, local_ids, local).perm
-            grouped, grouped_w = recv, recv_w
-        else:
-            perm, _, _ = counting_sort(local_ids, local)
-            grouped = recv.index_select(0, perm)
-            grouped_w = None if recv_w is None else recv_w.index_select(0, perm)
-
-        # 5-6. Each local expert: compact (capacity), compute, zero the dropped, undo.
         capacity = None
-        dropped = 0
         if capacity_mode:
             capacity = expert_capacity(total_tokens, top_k, self.num_experts, self.capacity_factor)
+            perm = capacity_order(local_ids, recv_w)
+            permute_(recv, perm, dim=0)
+            grouped, in_place = recv, True
+        else:
+            # In place where our kernels run (the CPU; CUDA with the CUDA
+            # build, up to 1024 local experts); else a counting sort and one gather.
+            in_place = device.type == "cpu" or (cuda_available() and local <= 1024)
+            if in_place:
+                perm = group_by_expert_(recv, local_ids, local).perm
+                grouped = recv
+            else:
+                perm, _, _ = counting_sort(local_ids, local)
+                grouped = recv.index_select(0, perm)
+
+        # 5. Each local expert: compute its (kept) rows, zero the dropped ones.
+        dropped = 0
         start = 0
         for e, n in enumerate(per_expert):
             if n == 0:
                 continue
             seg = grouped.narrow(0, start, n)
-            if capacity_mode:
-                kept = compact_(seg, grouped_w.narrow(0, start, n), capacity, dim=0, mode="swap",
-                                nan="lowest")
-                c = min(capacity, n)
-                dropped += n - c
-                if c:
-                    seg[:c] = expert_fn(self.first_expert + e, seg[:c])
-                seg[c:] = 0
-                restore_(seg, kept.indices, dim=0)
-            else:
-                seg.copy_(expert_fn(self.first_expert + e, seg))
+            c = n if capacity is None else min(capacity, n)
+            dropped += n - c
+            if c:
+                seg[:c] = expert_fn(self.first_expert + e, seg[:c])
+            seg[c:] = 0
             start += n
-        if in_place:
+
+        # 6. Undo the grouping in place.
+        if capacity_mode:
+            permute_(recv, perm, dim=0, inverse=True)
+        elif in_place:
             ungroup_(recv, perm)
         else:
             recv.index_copy_(0, perm, grouped)
@@ -240,6 +244,20 @@ class ExpertParallelDispatcher:
         del recv
         self.last_stats = DispatchStats(send_splits, recv_splits, capacity, dropped, total_tokens)
         return _combine(back, dest.view(num_tokens, top_k), topk_weights, hidden.dtype)
+
+
+def capacity_order(local_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """The permutation that sorts received assignments by (local expert
+    ascending, routing weight descending, arrival index ascending): the
+    first C rows of each expert's segment are then the C it keeps under the
+    capacity rule. Weights are ranked by the C core's order-preserving keys
+    of their float32 values: -0 ties +0, NaN ranks below -inf."""
+    bits = weights.float().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    key = torch.where(bits >= 0x80000000, bits ^ 0xFFFFFFFF, bits | 0x80000000)
+    key = torch.where(bits == 0x80000000, 0x80000000, key)  # -0 -> the key of +0
+    key = torch.where(torch.isnan(weights), 0, key)  # below -inf's key 0x007FFFFF
+    order = (local_ids.to(torch.int64) << 32) | (0xFFFFFFFF - key)
+    return torch.argsort(order, stable=True)
 
 
 def _combine(y: torch.Tensor, dest: torch.Tensor, weights: torch.Tensor, out_dtype: torch.dtype):
