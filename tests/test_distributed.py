@@ -16,6 +16,7 @@ import os
 import socket
 import subprocess
 import sys
+import weakref
 from pathlib import Path
 
 import pytest
@@ -264,6 +265,77 @@ def test_ep_bench_quick_runs_both_dispatchers(tmp_path):
     assert "stale" not in text and text.startswith("before\n") and text.endswith("after\n")
     assert "| model | tokens / GPU | mode | implementation |" in text
     assert text.count("| idempotent_moe |") == 6
+
+
+class _LiveBytes:
+    """A TorchDispatchMode counting the bytes of every storage an op creates
+    (not a view or an in-place result of its inputs) until the tensor that
+    created it is freed; `peak` is the most alive at once. A view keeps its
+    base tensor alive, so a lingering view counts as its whole buffer."""
+
+    def __new__(cls):
+        from torch.utils._python_dispatch import TorchDispatchMode
+        from torch.utils._pytree import tree_leaves
+
+        class Mode(TorchDispatchMode):
+            def __init__(self):
+                super().__init__()
+                self.live = self.peak = 0
+                self._ptrs = set()
+
+            def _release(self, ptr, nbytes):
+                self.live -= nbytes
+                self._ptrs.discard(ptr)
+
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                kwargs = kwargs or {}
+                out = func(*args, **kwargs)
+                inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs))
+                          if isinstance(t, torch.Tensor)}
+                for t in tree_leaves(out):
+                    if not isinstance(t, torch.Tensor):
+                        continue
+                    ptr, nbytes = t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()
+                    if nbytes and ptr not in inputs and ptr not in self._ptrs:
+                        self._ptrs.add(ptr)
+                        self.live += nbytes
+                        self.peak = max(self.peak, self.live)
+                        weakref.finalize(t, self._release, ptr, nbytes)
+                return out
+
+        return Mode()
+
+
+@pytest.mark.parametrize("capacity_factor", [None, 1.0])
+def test_receive_buffer_is_freed_before_the_combine(tmp_path, capacity_factor):
+    """One rank (gloo, world size 1): the dispatcher's peak is that of the
+    combine (the returned rows, the fp32 sum and two [T, D] fp32 terms), not
+    that plus the receive buffer, which an alias or a lingering view of it
+    would keep alive."""
+    import torch.distributed as dist
+    from idempotent_moe.distributed import ExpertParallelDispatcher
+
+    tokens, hidden_size, top_k, experts = 256, 256, 2, 4
+    g = torch.Generator().manual_seed(3)
+    hidden = torch.randn(tokens, hidden_size, generator=g)
+    ids = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(tokens)])
+    weights = torch.rand(tokens, top_k, generator=g)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        dispatcher = ExpertParallelDispatcher(experts, top_k, capacity_factor=capacity_factor)
+        def expert_fn(e, rows):
+            return rows * (1 + e)
+        want = dispatcher(hidden, ids, weights, expert_fn)
+        mode = _LiveBytes()
+        with mode:
+            got = dispatcher(hidden, ids, weights, expert_fn)
+    finally:
+        dist.destroy_process_group()
+    assert torch.equal(got, want)
+    rows = tokens * top_k * hidden_size * 4  # the receive buffer, and the returned rows
+    term = tokens * hidden_size * 4  # one [T, D] fp32 tensor
+    assert mode.peak >= rows + 3 * term  # the combine's own tensors were seen
+    assert mode.peak <= rows + 3 * term + 64 * 1024, mode.peak
 
 
 def _capacity_order_reference(local_ids: list, weights: list) -> list:

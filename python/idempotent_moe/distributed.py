@@ -216,18 +216,7 @@ class ExpertParallelDispatcher:
                 grouped = recv.index_select(0, perm)
 
         # 5. Each local expert: compute its (kept) rows, zero the dropped ones.
-        dropped = 0
-        start = 0
-        for e, n in enumerate(per_expert):
-            if n == 0:
-                continue
-            seg = grouped.narrow(0, start, n)
-            c = n if capacity is None else min(capacity, n)
-            dropped += n - c
-            if c:
-                seg[:c] = expert_fn(self.first_expert + e, seg[:c])
-            seg[c:] = 0
-            start += n
+        dropped = _run_experts(grouped, per_expert, capacity, expert_fn, self.first_expert)
 
         # 6. Undo the grouping in place.
         if capacity_mode:
@@ -236,7 +225,7 @@ class ExpertParallelDispatcher:
             ungroup_(recv, perm)
         else:
             recv.index_copy_(0, perm, grouped)
-            del grouped
+        del grouped  # recv itself when grouped in place: it must be freed before the combine
 
         # 7. Outputs back to the senders, then the weighted combine.
         back = hidden.new_empty(experts.numel(), hidden.shape[1])
@@ -244,6 +233,27 @@ class ExpertParallelDispatcher:
         del recv
         self.last_stats = DispatchStats(send_splits, recv_splits, capacity, dropped, total_tokens)
         return _combine(back, dest.view(num_tokens, top_k), topk_weights, hidden.dtype)
+
+
+def _run_experts(grouped: torch.Tensor, per_expert: list, capacity: int | None,
+                 expert_fn: Callable[[int, torch.Tensor], torch.Tensor], first_expert: int) -> int:
+    """expert_fn over each local expert's segment of `grouped` (its first
+    min(C, n) rows in capacity mode), the output written over its input and
+    the dropped rows zeroed; returns the rows dropped. A function of its own
+    so that no view of the receive buffer outlives it."""
+    dropped = 0
+    start = 0
+    for e, n in enumerate(per_expert):
+        if n == 0:
+            continue
+        seg = grouped.narrow(0, start, n)
+        c = n if capacity is None else min(capacity, n)
+        dropped += n - c
+        if c:
+            seg[:c] = expert_fn(first_expert + e, seg[:c])
+        seg[c:] = 0
+        start += n
+    return dropped
 
 
 def capacity_order(local_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
