@@ -4,7 +4,8 @@
 #   bash benchmarks/profile_select.sh OUT_DIR
 # Writes OUT_DIR/select.ncu-rep (open it in the Nsight Compute GUI), the
 # details page (select-details.txt) and the SASS lines with their stall
-# samples and instruction counts (select-source.csv).
+# samples and instruction counts (select-source.csv; Nsight Compute 2023.1 or
+# newer for --print-source).
 set -euo pipefail
 out=${1:?usage: profile_select.sh OUT_DIR}
 mkdir -p "$out"
