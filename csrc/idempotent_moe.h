@@ -239,11 +239,12 @@ imoe_status imoe_restore(const imoe_view *buffers, int32_t num_buffers,
  * CPU: cycle following; each cycle is rotated through a fixed stack tile (at
  * most 4 KiB of one slot's bytes at a time); the plan is each row's
  * permutation with its cycles marked, rows x N elements.
- * CUDA: the permutation is split into two involutions of disjoint swaps
- * (cycle leaders and positions by pointer jumping over the workspace), each
- * applied by one all-parallel swap pass; 6 x rows x N elements (7 x rows x N
- * when the permutation itself is computed on the device: grouping, ordered
- * compaction). The data is read and written twice.
+ * CUDA: cycle leaders and positions by pointer jumping over the workspace;
+ * one pass rotates every cycle inside chunks of 16 positions, then two
+ * all-parallel swap passes fix the chunk seams (each row is read and written
+ * about 1.125 times for a random permutation); 6 x rows x N elements
+ * (7 x rows x N when the permutation itself is computed on the device:
+ * grouping, ordered compaction).
  * The plan is built and checked for every row before any buffer byte moves
  * (CUDA: a bad permutation is a recorded data error, see
  * imoe_take_device_status).

@@ -203,7 +203,7 @@ class ExpertParallelDispatcher:
             capacity = expert_capacity(total_tokens, top_k, self.num_experts, self.capacity_factor)
             perm = capacity_order(local_ids, recv_w)
             permute_(recv, perm, dim=0)
-            grouped, in_place = recv, True
+            grouped = recv
         else:
             # In place where our kernels run (the CPU; CUDA with the CUDA
             # build, up to 1024 local experts); else a counting sort and one gather.
@@ -251,7 +251,8 @@ def _run_experts(grouped: torch.Tensor, per_expert: list, capacity: int | None,
         dropped += n - c
         if c:
             seg[:c] = expert_fn(first_expert + e, seg[:c])
-        seg[c:] = 0
+        if c < n:
+            seg[c:] = 0
         start += n
     return dropped
 

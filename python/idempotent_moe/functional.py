@@ -533,8 +533,8 @@ def permute_(
                then one pass that rotates the cycles inside chunks of 16
                slots and two swap passes over the chunk seams (each row is
                read and written about 1.125 times); no host
-               synchronisation, on the current stream. A bad perm on CUDA changes nothing and is raised by
-               `check_errors()`.
+               synchronisation, on the current stream. A bad perm on CUDA
+               changes nothing and is raised by `check_errors()`.
     Returns x.
     """
     bufs, _ = _buffers(x)
