@@ -15,12 +15,14 @@ namespace imoe_cu {
 constexpr int kMaxDims = IMOE_MAX_LEAD_DIMS;
 constexpr int kMaxBuf = 16;             // buffers moved by one launch
 constexpr int kSelThreads = 1024;       // select kernel block
+constexpr int kCheckNanThreads = 1024;  // NaN validation block (at most)
 constexpr int kItems = 4;               // consecutive slots per thread in a tile
 constexpr int kTile = kSelThreads * kItems;
 constexpr int kListL = 4096;            // ring refill threshold
 constexpr int kApplyThreads = 256;      // apply kernel block
 constexpr int kCheckThreads = 512;      // validation kernels
 constexpr unsigned kSlots = 64;         // per-call verdict slots
+constexpr int kPhaseBlocks = 1024, kPhases = 12;  // -DIMOE_PHASE_TIMES stamps
 constexpr int kVerdicts = 256;          // most blocks of a validation kernel (one verdict word each)
 // Rows of at most this many slots select with k_select_small: every key in
 // registers, kSelThreads x IPT slots per block (IPT 4, 8 or 16).

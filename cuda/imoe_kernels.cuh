@@ -26,6 +26,24 @@ __device__ unsigned g_verdict[kSlots][kVerdicts];
 
 __device__ __forceinline__ void record_status(int code) { atomicCAS(&g_status, 0, code); }
 
+// Diagnosis only (-DIMOE_PHASE_TIMES, the harness's --phases): thread 0 of
+// each k_select_small block stamps the SM clock and the global timer at the
+// end of each phase; imoe_cuda_phase_read() copies the stamps out.
+#ifdef IMOE_PHASE_TIMES
+__device__ unsigned long long g_phase[kPhaseBlocks][2][kPhases];
+__device__ __forceinline__ void phase_stamp(int k) {
+  if (threadIdx.x == 0 && blockIdx.x < kPhaseBlocks) {
+    unsigned long long gt;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(gt));
+    g_phase[blockIdx.x][0][k] = (unsigned long long)clock64();
+    g_phase[blockIdx.x][1][k] = gt;
+  }
+}
+#define IMOE_PHASE(k) phase_stamp(k)
+#else
+#define IMOE_PHASE(k) ((void)0)
+#endif
+
 // One thread per validation block, at its end.
 __device__ __forceinline__ void write_verdict(uint32_t token, bool bad) {
   if (token) g_verdict[token % kSlots][blockIdx.x] = bad ? token : 0u;
@@ -55,33 +73,73 @@ struct NanParams {
   uint32_t items;  // rows x bpr pieces, grid-strided
   int64_t per;     // slots per piece
   uint32_t token;
+  // vec: rows of whole 16-byte vectors at 16-byte aligned addresses, read as
+  // vpr vectors per row, flat over all rows (8 loads in flight per thread)
+  int32_t vec;
+  uint32_t vpr;
 };
 
-__global__ void __launch_bounds__(256) k_check_nan(const __grid_constant__ NanParams p) {
+// Whether a 16-byte vector of scores holds a NaN.
+__device__ __forceinline__ bool vec_has_nan(const uint4 q, int dt) {
+  const uint32_t w[4] = {q.x, q.y, q.z, q.w};
+  bool bad = false;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    if (dt == IMOE_DTYPE_F32) {
+      bad |= (w[i] & 0x7FFFFFFFu) > 0x7F800000u;
+    } else {
+      const uint32_t inf = dt == IMOE_DTYPE_F16 ? 0x7C00u : 0x7F80u;
+      bad |= (w[i] & 0x7FFFu) > inf || ((w[i] >> 16) & 0x7FFFu) > inf;
+    }
+  }
+  return bad;
+}
+
+__global__ void __launch_bounds__(kCheckNanThreads) k_check_nan(const __grid_constant__ NanParams p) {
   griddep_launch_dependents();
   bool bad = false;
   const bool al = p.scores.aligned != 0;
   const int dt = p.scores.dtype;
-  for (uint32_t it = blockIdx.x; it < p.items; it += gridDim.x) {
-  const uint32_t r = it / p.bpr, s = it - r * p.bpr;
-  uint32_t c[kMaxDims];
-  row_coords(p.lead, r, c);
-  const char *row = p.scores.data + row_offset(p.lead, c, p.scores.lead);
-  const int64_t x0 = (int64_t)s * p.per, x1 = min(x0 + p.per, p.N);
-  for (int64_t xb = x0 + threadIdx.x; xb < x1; xb += 8 * (int64_t)blockDim.x) {
-    uint32_t raw[8];  // eight independent loads in flight
+  if (p.vec) {
+    const uint64_t total = (uint64_t)p.items * p.vpr, G = (uint64_t)gridDim.x * blockDim.x;
+    for (uint64_t v0 = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x; v0 < total; v0 += 8 * G) {
+      uint4 q[8];
 #pragma unroll
-    for (int u = 0; u < 8; ++u) {
-      const int64_t x = xb + (int64_t)u * blockDim.x;
-      raw[u] = x < x1 ? ldg_raw(row + x * p.scores.n_stride, dt, al) : 0u;
-    }
+      for (int u = 0; u < 8; ++u) {
+        const uint64_t v = v0 + (uint64_t)u * G;
+        q[u] = make_uint4(0u, 0u, 0u, 0u);
+        if (v < total) {
+          const uint32_t r = (uint32_t)(v / p.vpr), w = (uint32_t)(v - (uint64_t)r * p.vpr);
+          uint32_t c[kMaxDims];
+          row_coords(p.lead, r, c);
+          q[u] = __ldg(reinterpret_cast<const uint4 *>(p.scores.data + row_offset(p.lead, c, p.scores.lead)) + w);
+        }
+      }
 #pragma unroll
-    for (int u = 0; u < 8; ++u) {
-      if (dt == IMOE_DTYPE_F32) bad |= (raw[u] & 0x7FFFFFFFu) > 0x7F800000u;
-      else if (dt == IMOE_DTYPE_F16) bad |= (raw[u] & 0x7FFFu) > 0x7C00u;
-      else bad |= (raw[u] & 0x7FFFu) > 0x7F80u;
+      for (int u = 0; u < 8; ++u) bad |= vec_has_nan(q[u], dt);
     }
-  }
+  } else {
+    for (uint32_t it = blockIdx.x; it < p.items; it += gridDim.x) {
+      const uint32_t r = it / p.bpr, s = it - r * p.bpr;
+      uint32_t c[kMaxDims];
+      row_coords(p.lead, r, c);
+      const char *row = p.scores.data + row_offset(p.lead, c, p.scores.lead);
+      const int64_t x0 = (int64_t)s * p.per, x1 = min(x0 + p.per, p.N);
+      for (int64_t xb = x0 + threadIdx.x; xb < x1; xb += 8 * (int64_t)blockDim.x) {
+        uint32_t raw[8];  // eight independent loads in flight
+#pragma unroll
+        for (int u = 0; u < 8; ++u) {
+          const int64_t x = xb + (int64_t)u * blockDim.x;
+          raw[u] = x < x1 ? ldg_raw(row + x * p.scores.n_stride, dt, al) : 0u;
+        }
+#pragma unroll
+        for (int u = 0; u < 8; ++u) {
+          if (dt == IMOE_DTYPE_F32) bad |= (raw[u] & 0x7FFFFFFFu) > 0x7F800000u;
+          else if (dt == IMOE_DTYPE_F16) bad |= (raw[u] & 0x7FFFu) > 0x7C00u;
+          else bad |= (raw[u] & 0x7FFFu) > 0x7F80u;
+        }
+      }
+    }
   }
   bad = __syncthreads_or(bad) != 0;
   if (threadIdx.x == 0) {
@@ -701,6 +759,7 @@ __global__ void __launch_bounds__(kSelThreads, 1) k_select_small(const __grid_co
   const int x0 = tid * IPT;
   const int dt = p.scores.dtype;
 
+  IMOE_PHASE(0);
   reinterpret_cast<int *>(s_hist)[tid] = 0;
 
   // ---- read-only part: may overlap the validation kernel (PDL)
@@ -735,7 +794,11 @@ __global__ void __launch_bounds__(kSelThreads, 1) k_select_small(const __grid_co
   bool take_eq = false;        //   (take_eq, or tie rank < Q when needs_rank)
   bool needs_rank = false;
   int Q = 0;
+#ifdef IMOE_PHASE_TIMES
+  if (key[0] == 0xDEADBEEFu) s_res[0][3] = 1;  // waits for the keys
+#endif
   __syncthreads();
+  IMOE_PHASE(1);
   if (!all_kept && Kp > 0) {
     const int noncand = kSelThreads * IPT - (chi - clo);
     int need = Kp;
@@ -783,6 +846,7 @@ __global__ void __launch_bounds__(kSelThreads, 1) k_select_small(const __grid_co
       }
       __syncthreads();
       const int4 res = *reinterpret_cast<const int4 *>(s_res[pass]);
+      IMOE_PHASE(2 + pass);
       need -= res.y;
       prefix |= (uint32_t)res.x << shift;
       if (res.z == need) {  // the whole bin is kept: keep every key >= prefix
@@ -825,6 +889,7 @@ __global__ void __launch_bounds__(kSelThreads, 1) k_select_small(const __grid_co
       }
     }
   }
+  IMOE_PHASE(6);
   uint32_t holem = 0u, tailm = 0u;
 #pragma unroll
   for (int i = 0; i < IPT; ++i) {
@@ -855,10 +920,12 @@ __global__ void __launch_bounds__(kSelThreads, 1) k_select_small(const __grid_co
   // this block's even share of the pairs
   const int qa = (int)((uint32_t)m * bsub / B), qb = (int)((uint32_t)m * (bsub + 1u) / B);
   __syncthreads();  // H and T complete
+  IMOE_PHASE(7);
 
   // ---- from here on the call writes: wait for the validation kernel
   if (p.pdl) griddep_wait();
   if (call_aborted(p.token, p.nverdict)) return;
+  IMOE_PHASE(8);
 
   {  // fixed points of this block's share of the slots
     const int f0 = (int)((uint32_t)N * bsub / B), f1 = (int)((uint32_t)N * (bsub + 1u) / B);
@@ -889,6 +956,7 @@ __global__ void __launch_bounds__(kSelThreads, 1) k_select_small(const __grid_co
       }
     }
   }
+  IMOE_PHASE(9);
   if (p.do_move && qb > qa) {
     RingPairs get;
     get.D = H;
@@ -905,6 +973,10 @@ __global__ void __launch_bounds__(kSelThreads, 1) k_select_small(const __grid_co
       move_pairs(base, &bd, np, p.swap, get);
     }
   }
+#ifdef IMOE_PHASE_TIMES
+  __syncthreads();
+  IMOE_PHASE(10);
+#endif
 }
 
 // ------------------------------------------------------------ apply a map

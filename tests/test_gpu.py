@@ -96,6 +96,39 @@ def test_cuda_nan_in_last_row_changes_nothing(rng):
     np.testing.assert_array_equal(to_numpy(res.indices), ref)
 
 
+@pytest.mark.parametrize("score_dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("shape,where", [
+    ((8, 4096), (0, 0)), ((8, 4096), (7, 4095)), ((8, 4096), (3, 2049)),  # vector scan, free SMs
+    ((8, 1000), (7, 999)),                 # rows not whole 16-byte vectors
+    ((64, 16384), (63, 16383)),            # more scores than the free SMs take
+])
+def test_cuda_nan_found_everywhere(score_dtype, shape, where, rng):
+    """The NaN check before a fused compaction, by the flat vector scan (odd
+    and even 16-bit lanes, first and last slot) and by the per-row scan."""
+    rows, n = shape
+    x = cuda(make_data((rows, n, 16), "float32", "torch", rng))
+    scores = cuda(make_scores(shape, score_dtype, "torch", rng))
+    scores[where] = float("nan")
+    out = torch.full((rows, n // 2), -5, dtype=torch.int64, device="cuda")
+    snaps = [bits(x), bits(out)]
+    imoe.compact_(x, scores, n // 2, mode="move", out_indices=out)
+    with pytest.raises(ValueError, match="NaN"):
+        imoe.check_errors(x)
+    np.testing.assert_array_equal(bits(x), snaps[0])
+    np.testing.assert_array_equal(bits(out), snaps[1])
+    strided = cuda(make_scores((rows, 2 * n), score_dtype, "torch", rng))[:, ::2]
+    strided[where] = float("nan")
+    imoe.compact_(x, strided, n // 2, mode="move", out_indices=out)
+    with pytest.raises(ValueError, match="NaN"):
+        imoe.check_errors(x)
+    np.testing.assert_array_equal(bits(x), snaps[0])
+    scores[where] = 0.5
+    res = imoe.compact_(x, scores, n // 2, mode="move", out_indices=out)
+    imoe.check_errors(x)
+    ref = reference_indices(reference_kept(scores, n // 2), n, n // 2)
+    np.testing.assert_array_equal(to_numpy(res.indices), ref)
+
+
 @pytest.mark.parametrize("case", ["duplicate_active", "range_active", "bad_target_map"])
 def test_cuda_bad_indices_change_nothing(case, rng):
     x = cuda(make_data((2, 64, 16), "float32", "torch", rng))

@@ -845,6 +845,60 @@ struct BenchRow {
 
 static double g_bw = 0;  // bytes read + written per second, device-to-device copy
 
+// --phases (a build with -DIMOE_PHASE_TIMES): where the time of one W1 call
+// goes inside k_select_small, from the stamps of thread 0 of every block.
+static bool g_phases = false;
+#ifdef IMOE_PHASE_TIMES
+extern "C" int imoe_cuda_phase_read(unsigned long long *out, int reset);
+static void print_phases() {
+  const int NB = 1024, NP = 12;
+  std::vector<unsigned long long> st((size_t)NB * 2 * NP);
+  if (imoe_cuda_phase_read(st.data(), 0) != 0) {
+    printf("phases: read failed\n");
+    return;
+  }
+  auto ck = [&](int b, int k) { return st[((size_t)b * 2 + 0) * NP + k]; };
+  auto gt = [&](int b, int k) { return st[((size_t)b * 2 + 1) * NP + k]; };
+  int clock_khz = 0;
+  CK(cudaDeviceGetAttribute(&clock_khz, cudaDevAttrClockRate, 0));
+  std::vector<int> blocks;
+  for (int b = 0; b < NB; ++b)
+    if (ck(b, 0)) blocks.push_back(b);
+  if (blocks.empty()) {
+    printf("phases: no stamps\n");
+    return;
+  }
+  unsigned long long g0 = ~0ull, g0max = 0, g10min = ~0ull, g10max = 0;
+  for (int b : blocks) {
+    g0 = std::min(g0, gt(b, 0));
+    g0max = std::max(g0max, gt(b, 0));
+    if (gt(b, 10)) {
+      g10min = std::min(g10min, gt(b, 10));
+      g10max = std::max(g10max, gt(b, 10));
+    }
+  }
+  printf("phases: %zu blocks, SM clock attribute %.0f MHz; globaltimer: starts spread %.0f ns, ends %.0f..%.0f ns "
+         "after the first start\n",
+         blocks.size(), clock_khz / 1e3, (double)(g0max - g0), (double)(g10min - g0), (double)(g10max - g0));
+  const char *names[11] = {"start",      "keys loaded", "pass 1",      "pass 2",         "pass 3",   "pass 4",
+                           "kept flags", "H, T ready",  "verdict ok",  "indices written", "moves done"};
+  for (int k = 1; k <= 10; ++k) {
+    std::vector<double> c, g;
+    for (int b : blocks)
+      if (ck(b, k)) {
+        c.push_back((double)(ck(b, k) - ck(b, 0)));
+        g.push_back((double)(gt(b, k) - g0));
+      }
+    if (c.empty()) continue;
+    std::sort(c.begin(), c.end());
+    std::sort(g.begin(), g.end());
+    printf("  %-16s %4zu blocks  cycles since block start: median %7.0f max %7.0f | ns since first start: median "
+           "%7.0f max %7.0f\n",
+           names[k], c.size(), c[c.size() / 2], c.back(), g[g.size() / 2], g.back());
+  }
+}
+#endif
+
 static void bench_copy() {
   const size_t bytes = (size_t)1 << 30;
   void *a, *b;
@@ -963,6 +1017,9 @@ static void bench_workload(const char *wname, int nlead, const int64_t *lead, in
       for (int it = 0; it < iters + 10; ++it) {
         for (int b = 0; b < nbuf; ++b)
           CK(cudaMemcpyAsync(bufs[b], pristine[b], buf_bytes, cudaMemcpyDeviceToDevice, g_stream));
+#ifdef IMOE_PHASE_TIMES
+        if (g_phases && it == iters + 9) imoe_cuda_phase_read(nullptr, 1);
+#endif
         flush_l2(flush, flush_bytes);
         CK(cudaEventRecord(e0, g_stream));
         const imoe_status st = imoe_cuda_compact(bv.data(), nbuf, &sel, &iv, nullptr, mode, &ex, &err);
@@ -976,6 +1033,13 @@ static void bench_workload(const char *wname, int nlead, const int64_t *lead, in
         CK(cudaEventElapsedTime(&ms, e0, e1));
         if (it >= 10) t.push_back(ms * 1000.0f);
       }
+#ifdef IMOE_PHASE_TIMES
+      if (g_phases) {
+        printf("%s %s %s: median %.2f us\n", wname, m ? "swap" : "move", np ? "nan=error" : "nan=lowest",
+               median_of(t));
+        print_phases();
+      }
+#endif
       // correctness of the last run: indices and the first buffer
       bool ok = read_status(ex) == 0;
       std::vector<int32_t> got((size_t)(R * Cp));
@@ -1111,10 +1175,19 @@ int main(int argc, char **argv) {
     if (!strcmp(argv[i], "--quick")) quick = true;
     else if (!strcmp(argv[i], "--bench")) bench = true;
     else if (!strcmp(argv[i], "--profile")) profile = true;
+    else if (!strcmp(argv[i], "--phases")) g_phases = true;
     else if (!strcmp(argv[i], "--cases") && i + 1 < argc) ncases = atoi(argv[++i]);
     else if (!strcmp(argv[i], "--seed") && i + 1 < argc) g_rng = strtoull(argv[++i], nullptr, 0);
   }
   if (ncases < 0) ncases = quick ? 40 : 400;
+  if (g_phases) {  // W1 with the phase stamps (a -DIMOE_PHASE_TIMES build)
+    CK(cudaStreamCreateWithFlags(&g_stream, cudaStreamNonBlocking));
+    g_bw = 4.2e12;
+    std::vector<BenchRow> rows;
+    const int64_t w1[1] = {8};
+    bench_workload("W1", 1, w1, 4096, 2048, 1, 2048, 0, rows, 30);
+    return 0;
+  }
   if (profile) {  // a few W1 compactions for ncu to look at, nothing else
     CK(cudaStreamCreateWithFlags(&g_stream, cudaStreamNonBlocking));
     g_bw = 4.2e12;
