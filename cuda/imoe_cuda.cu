@@ -23,7 +23,6 @@ using namespace imoe_cu;
 namespace {
 
 constexpr int kMaxDevices = 64;
-constexpr uint64_t kNanBytesPerSm = 32768;  // scores one NaN-check block scans on a free SM
 constexpr size_t kStaticSmemSelect = 4096;  // upper bound of k_select's static shared memory
 // k_select_small: H and T, min(C', N - C') <= N / 2 entries each
 constexpr int kSmallDynSmem = kSmallMaxN * 4 > 0 ? kSmallMaxN * 4 : 4;
@@ -405,6 +404,46 @@ imoe_status select_and_move(const char *fn, const imoe_view *buffers, int32_t nu
   const bool pdl_ok = di->cc_major >= 9;
   bool pdl = false;
 
+  // ---- validation (read-only)
+  if (validate && scores) {
+    NanParams np;
+    memset(&np, 0, sizeof np);
+    np.lead = pl.lead;
+    np.N = N;
+    np.scores = in_view(scores, pl.st[0], nd);
+    np.per = 2048;
+    np.bpr = (uint32_t)((N + np.per - 1) / np.per);
+    np.token = token;
+    const uint64_t items = pl.R * np.bpr;
+    if (items > 0x7FFFFFFFull) return fail(err, IMOE_ERR_ARGUMENT, "%s: too many rows for one launch", fn);
+    np.items = (uint32_t)items;
+    nverdict = (int)std::min<uint64_t>(items, kVerdicts);
+    const cudaError_t e = launch(k_check_nan, (unsigned)nverdict, 256, 0, st, false, np);
+    if (e != cudaSuccess) return cuda_fail(err, fn, "launch of k_check_nan", e);
+    pdl = pdl_ok;
+  } else if (validate) {
+    RowsParams rp;
+    memset(&rp, 0, sizeof rp);
+    const bool shared = active->lead_ndim == 0;
+    rp.lead = shared ? Lead() : pl.lead;
+    if (shared) memset(&rp.lead, 0, sizeof rp.lead);
+    rp.N = N;
+    rp.M = K;
+    rp.kind = 1;
+    rp.v = in_view(active, pl.st[0], nd);
+    rp.token = token;
+    const int64_t avail_bits = ((int64_t)(di->smem_optin - 1024) * 8) & ~(int64_t)(kTile - 1);
+    const int64_t want = N >= 0 ? ((N + 31) & ~(int64_t)31) : avail_bits;
+    rp.win_bits = (int32_t)std::max<int64_t>(32, std::min(want, avail_bits));
+    rp.rows = shared ? 1u : (uint32_t)pl.R;
+    nverdict = (int)std::min<uint32_t>(rp.rows, kVerdicts);
+    const cudaError_t e =
+        launch(k_check_rows, (unsigned)nverdict, kCheckThreads, (size_t)rp.win_bits / 8, st, false, rp);
+    if (e != cudaSuccess) return cuda_fail(err, fn, "launch of k_check_rows", e);
+    pdl = pdl_ok;
+  }
+
+  if (verdict) *verdict = SelectVerdict{token, nverdict};
 
   // ---- select + map (+ moves when fused)
   SelParams sp;
@@ -423,6 +462,7 @@ imoe_status select_and_move(const char *fn, const imoe_view *buffers, int32_t nu
   if (otm) sp.tm = out_view(otm, pl.st[2], nd);
   sp.swap = mode == IMOE_MODE_SWAP ? 1 : 0;
   sp.token = token;
+  sp.nverdict = nverdict;
   sp.cap = (int32_t)std::max<int64_t>(1, std::min<int64_t>(Cp, kListL + kTile));
   const size_t ring_bytes = (size_t)sp.cap * 8u;
   const size_t dyn_max = (size_t)di->smem_optin - kStaticSmemSelect;
@@ -510,69 +550,9 @@ imoe_status select_and_move(const char *fn, const imoe_view *buffers, int32_t nu
     }
   }
   sp.nblk = (int32_t)nblk;
+  sp.pdl = pdl ? 1 : 0;
   const uint64_t grid = pl.R * (uint64_t)nblk;
   if (grid > 0x7FFFFFFFull) return fail(err, IMOE_ERR_ARGUMENT, "%s: too many rows for one launch", fn);
-
-  // ---- validation (read-only), launched before the select kernel
-  if (validate && scores) {
-    NanParams np;
-    memset(&np, 0, sizeof np);
-    np.lead = pl.lead;
-    np.N = N;
-    np.scores = in_view(scores, pl.st[0], nd);
-    np.per = 2048;
-    np.bpr = (uint32_t)((N + np.per - 1) / np.per);
-    np.token = token;
-    const uint64_t items = pl.R * np.bpr;
-    if (items > 0x7FFFFFFFull) return fail(err, IMOE_ERR_ARGUMENT, "%s: too many rows for one launch", fn);
-    np.items = (uint32_t)items;
-    nverdict = (int)std::min<uint64_t>(items, kVerdicts);
-    unsigned threads = 256;
-    // When the scores fit on the SMs the select kernel leaves free (about
-    // kNanBytesPerSm each: an SM reads ~14 GB/s here, so ~2 us), scan them
-    // there as flat 16-byte vectors: the select blocks then all start at
-    // once instead of waiting on SMs the validation holds.
-    const int64_t es = (int64_t)dtype_size(scores->dtype);
-    bool vec = scores->n_stride == es && (N * es) % 16 == 0 && (uintptr_t)scores->data % 16 == 0;
-    for (int d = 0; d < nd && vec; ++d) vec = pl.st[0].s[d] % 16 == 0;
-    const uint64_t free_sms = grid < (uint64_t)di->sms ? (uint64_t)di->sms - grid : 0;
-    const uint64_t blocks = (pl.R * (uint64_t)(N * es) + kNanBytesPerSm - 1) / kNanBytesPerSm;
-    if (vec && blocks <= std::min<uint64_t>(free_sms, kVerdicts)) {
-      np.vec = 1;
-      np.items = (uint32_t)pl.R;
-      np.vpr = (uint32_t)(N * es / 16);
-      nverdict = (int)std::max<uint64_t>(1, blocks);
-      threads = kCheckNanThreads;
-    }
-    const cudaError_t e = launch(k_check_nan, (unsigned)nverdict, threads, 0, st, false, np);
-    if (e != cudaSuccess) return cuda_fail(err, fn, "launch of k_check_nan", e);
-    pdl = pdl_ok;
-  } else if (validate) {
-    RowsParams rp;
-    memset(&rp, 0, sizeof rp);
-    const bool shared = active->lead_ndim == 0;
-    rp.lead = shared ? Lead() : pl.lead;
-    if (shared) memset(&rp.lead, 0, sizeof rp.lead);
-    rp.N = N;
-    rp.M = K;
-    rp.kind = 1;
-    rp.v = in_view(active, pl.st[0], nd);
-    rp.token = token;
-    const int64_t avail_bits = ((int64_t)(di->smem_optin - 1024) * 8) & ~(int64_t)(kTile - 1);
-    const int64_t want = N >= 0 ? ((N + 31) & ~(int64_t)31) : avail_bits;
-    rp.win_bits = (int32_t)std::max<int64_t>(32, std::min(want, avail_bits));
-    rp.rows = shared ? 1u : (uint32_t)pl.R;
-    nverdict = (int)std::min<uint32_t>(rp.rows, kVerdicts);
-    const cudaError_t e =
-        launch(k_check_rows, (unsigned)nverdict, kCheckThreads, (size_t)rp.win_bits / 8, st, false, rp);
-    if (e != cudaSuccess) return cuda_fail(err, fn, "launch of k_check_rows", e);
-    pdl = pdl_ok;
-  }
-
-  if (verdict) *verdict = SelectVerdict{token, nverdict};
-  sp.nverdict = nverdict;
-  sp.pdl = pdl ? 1 : 0;
-
   cudaError_t e;
   if (src == 0) e = launch(k_select<0>, (unsigned)grid, kSelThreads, smem, st, pdl, sp);
   else if (src == 1) e = launch(k_select<1>, (unsigned)grid, kSelThreads, smem, st, pdl, sp);

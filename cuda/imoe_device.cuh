@@ -15,7 +15,6 @@ namespace imoe_cu {
 constexpr int kMaxDims = IMOE_MAX_LEAD_DIMS;
 constexpr int kMaxBuf = 16;             // buffers moved by one launch
 constexpr int kSelThreads = 1024;       // select kernel block
-constexpr int kCheckNanThreads = 1024;  // NaN validation block (at most)
 constexpr int kItems = 4;               // consecutive slots per thread in a tile
 constexpr int kTile = kSelThreads * kItems;
 constexpr int kListL = 4096;            // ring refill threshold

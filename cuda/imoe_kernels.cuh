@@ -73,73 +73,33 @@ struct NanParams {
   uint32_t items;  // rows x bpr pieces, grid-strided
   int64_t per;     // slots per piece
   uint32_t token;
-  // vec: rows of whole 16-byte vectors at 16-byte aligned addresses, read as
-  // vpr vectors per row, flat over all rows (8 loads in flight per thread)
-  int32_t vec;
-  uint32_t vpr;
 };
 
-// Whether a 16-byte vector of scores holds a NaN.
-__device__ __forceinline__ bool vec_has_nan(const uint4 q, int dt) {
-  const uint32_t w[4] = {q.x, q.y, q.z, q.w};
-  bool bad = false;
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    if (dt == IMOE_DTYPE_F32) {
-      bad |= (w[i] & 0x7FFFFFFFu) > 0x7F800000u;
-    } else {
-      const uint32_t inf = dt == IMOE_DTYPE_F16 ? 0x7C00u : 0x7F80u;
-      bad |= (w[i] & 0x7FFFu) > inf || ((w[i] >> 16) & 0x7FFFu) > inf;
-    }
-  }
-  return bad;
-}
-
-__global__ void __launch_bounds__(kCheckNanThreads) k_check_nan(const __grid_constant__ NanParams p) {
+__global__ void __launch_bounds__(256) k_check_nan(const __grid_constant__ NanParams p) {
   griddep_launch_dependents();
   bool bad = false;
   const bool al = p.scores.aligned != 0;
   const int dt = p.scores.dtype;
-  if (p.vec) {
-    const uint64_t total = (uint64_t)p.items * p.vpr, G = (uint64_t)gridDim.x * blockDim.x;
-    for (uint64_t v0 = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x; v0 < total; v0 += 8 * G) {
-      uint4 q[8];
+  for (uint32_t it = blockIdx.x; it < p.items; it += gridDim.x) {
+  const uint32_t r = it / p.bpr, s = it - r * p.bpr;
+  uint32_t c[kMaxDims];
+  row_coords(p.lead, r, c);
+  const char *row = p.scores.data + row_offset(p.lead, c, p.scores.lead);
+  const int64_t x0 = (int64_t)s * p.per, x1 = min(x0 + p.per, p.N);
+  for (int64_t xb = x0 + threadIdx.x; xb < x1; xb += 8 * (int64_t)blockDim.x) {
+    uint32_t raw[8];  // eight independent loads in flight
 #pragma unroll
-      for (int u = 0; u < 8; ++u) {
-        const uint64_t v = v0 + (uint64_t)u * G;
-        q[u] = make_uint4(0u, 0u, 0u, 0u);
-        if (v < total) {
-          const uint32_t r = (uint32_t)(v / p.vpr), w = (uint32_t)(v - (uint64_t)r * p.vpr);
-          uint32_t c[kMaxDims];
-          row_coords(p.lead, r, c);
-          q[u] = __ldg(reinterpret_cast<const uint4 *>(p.scores.data + row_offset(p.lead, c, p.scores.lead)) + w);
-        }
-      }
-#pragma unroll
-      for (int u = 0; u < 8; ++u) bad |= vec_has_nan(q[u], dt);
+    for (int u = 0; u < 8; ++u) {
+      const int64_t x = xb + (int64_t)u * blockDim.x;
+      raw[u] = x < x1 ? ldg_raw(row + x * p.scores.n_stride, dt, al) : 0u;
     }
-  } else {
-    for (uint32_t it = blockIdx.x; it < p.items; it += gridDim.x) {
-      const uint32_t r = it / p.bpr, s = it - r * p.bpr;
-      uint32_t c[kMaxDims];
-      row_coords(p.lead, r, c);
-      const char *row = p.scores.data + row_offset(p.lead, c, p.scores.lead);
-      const int64_t x0 = (int64_t)s * p.per, x1 = min(x0 + p.per, p.N);
-      for (int64_t xb = x0 + threadIdx.x; xb < x1; xb += 8 * (int64_t)blockDim.x) {
-        uint32_t raw[8];  // eight independent loads in flight
 #pragma unroll
-        for (int u = 0; u < 8; ++u) {
-          const int64_t x = xb + (int64_t)u * blockDim.x;
-          raw[u] = x < x1 ? ldg_raw(row + x * p.scores.n_stride, dt, al) : 0u;
-        }
-#pragma unroll
-        for (int u = 0; u < 8; ++u) {
-          if (dt == IMOE_DTYPE_F32) bad |= (raw[u] & 0x7FFFFFFFu) > 0x7F800000u;
-          else if (dt == IMOE_DTYPE_F16) bad |= (raw[u] & 0x7FFFu) > 0x7C00u;
-          else bad |= (raw[u] & 0x7FFFu) > 0x7F80u;
-        }
-      }
+    for (int u = 0; u < 8; ++u) {
+      if (dt == IMOE_DTYPE_F32) bad |= (raw[u] & 0x7FFFFFFFu) > 0x7F800000u;
+      else if (dt == IMOE_DTYPE_F16) bad |= (raw[u] & 0x7FFFu) > 0x7C00u;
+      else bad |= (raw[u] & 0x7FFFu) > 0x7F80u;
     }
+  }
   }
   bad = __syncthreads_or(bad) != 0;
   if (threadIdx.x == 0) {
