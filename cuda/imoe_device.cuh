@@ -83,6 +83,7 @@ __device__ __forceinline__ void row_coords(const Lead &L, uint32_t r, uint32_t (
 
 __device__ __forceinline__ int64_t row_offset(const Lead &L, const uint32_t (&c)[kMaxDims],
                                               const Strides &st) {
+  if (L.nd <= 1) return L.nd ? (int64_t)c[0] * st.s[0] : 0;  // uniform: most calls have one lead axis
   int64_t o = 0;
 #pragma unroll
   for (int d = 0; d < kMaxDims; ++d)

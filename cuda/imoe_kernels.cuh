@@ -704,16 +704,9 @@ __global__ void __launch_bounds__(kSelThreads, 1) k_select_small(const __grid_co
   const int tid = threadIdx.x, lane = tid & 31;
   const uint32_t r = blockIdx.x / (uint32_t)p.nblk;
   const uint32_t bsub = blockIdx.x - r * (uint32_t)p.nblk;
-  const char *srow;
-  char *irow;
-  char *trow;
-  {
-    uint32_t c[kMaxDims];
-    row_coords(p.lead, r, c);
-    srow = p.scores.data + row_offset(p.lead, c, p.scores.lead);
-    irow = p.has_idx ? p.idx.data + row_offset(p.lead, c, p.idx.lead) : nullptr;
-    trow = p.has_tm ? p.tm.data + row_offset(p.lead, c, p.tm.lead) : nullptr;
-  }
+  uint32_t rc[kMaxDims];
+  row_coords(p.lead, r, rc);
+  const char *srow = p.scores.data + row_offset(p.lead, rc, p.scores.lead);
   const int N = (int)p.N, Cp = (int)p.Cp;
   const int clo = (int)p.P, chi = N - (int)p.W;
   const int x0 = tid * IPT;
@@ -723,6 +716,8 @@ __global__ void __launch_bounds__(kSelThreads, 1) k_select_small(const __grid_co
   reinterpret_cast<int *>(s_hist)[tid] = 0;
 
   // ---- read-only part: may overlap the validation kernel (PDL)
+  char *irow;
+  char *trow;
   uint32_t key[IPT];  // non-candidates (protected, window, padding) hold 0
   {
     const int es = dt == IMOE_DTYPE_F32 ? 4 : 2;
@@ -730,6 +725,9 @@ __global__ void __launch_bounds__(kSelThreads, 1) k_select_small(const __grid_co
     const bool vec = p.scores.aligned && p.scores.n_stride == es && ((uintptr_t)srow & (vb - 1)) == 0;
     uint32_t raw[IPT];
     load_raw_row<IPT>(srow, x0, N, dt, p.scores.aligned != 0, p.scores.n_stride, vec, raw);
+    // the outputs' rows while the keys are on their way
+    irow = p.has_idx ? p.idx.data + row_offset(p.lead, rc, p.idx.lead) : nullptr;
+    trow = p.has_tm ? p.tm.data + row_offset(p.lead, rc, p.tm.lead) : nullptr;
     // one uniform branch on the dtype, then straight-line conversions
     if (dt == IMOE_DTYPE_F32) {
 #pragma unroll
