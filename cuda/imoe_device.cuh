@@ -68,6 +68,12 @@ struct BufDesc {
 
 // ---------------------------------------------------------------- rows
 __device__ __forceinline__ void row_coords(const Lead &L, uint32_t r, uint32_t (&c)[kMaxDims]) {
+  if (L.nd == 1) {  // uniform: one lead axis, and r < its length unless a caller overruns
+#pragma unroll
+    for (int d = 1; d < kMaxDims; ++d) c[d] = 0;
+    c[0] = r < L.shape[0] ? r : r % L.shape[0];
+    return;
+  }
 #pragma unroll
   for (int d = kMaxDims - 1; d >= 0; --d) {
     if (d < L.nd) {
