@@ -251,13 +251,16 @@ __device__ __forceinline__ void move_body(char *base, int64_t ns, int64_t off0, 
   constexpr int UNR = SWAP ? 2 : 4;
   if (U == 0 || np == 0) return;
   const uint32_t nt = blockDim.x;
-  const uint32_t maxp = max(1u, 0x40000000u / U);
+  // U is often a power of two (rows of 2^k bytes): shifts instead of divisions
+  const bool pow2 = (U & (U - 1u)) == 0u;
+  const int sh = __ffs(U) - 1;
+  const uint32_t maxp = max(1u, pow2 ? 0x40000000u >> sh : 0x40000000u / U);
   for (uint32_t p0 = 0; p0 < np; p0 += maxp) {
     const uint32_t pb = min(maxp, np - p0);
     const uint32_t total = pb * U;
     // unit u = q * U + w; advance (q, w) by nt per step without dividing
-    const uint32_t dq = nt / U, dw = nt - dq * U;
-    uint32_t q = threadIdx.x / U, w = threadIdx.x - q * U;
+    const uint32_t dq = pow2 ? nt >> sh : nt / U, dw = nt - dq * U;
+    uint32_t q = pow2 ? threadIdx.x >> sh : threadIdx.x / U, w = threadIdx.x - q * U;
     for (uint32_t u0 = threadIdx.x; u0 < total; u0 += UNR * nt) {
       V a[UNR], b[UNR];
       char *pd[UNR];

@@ -826,13 +826,13 @@ __global__ void __launch_bounds__(kSelThreads, 1) k_select_small(const __grid_co
 
   // ---- kept flags, then holes in [0, C') and kept tails in [C', N)
   uint32_t keptm = 0u, eqm = 0u;
+  // a kept candidate has key >= lo (64 bits: lo = 2^32 keeps none)
+  const uint64_t lo = all_kept ? 0ull : (uint64_t)thr + (take_eq ? 0u : 1u);
 #pragma unroll
   for (int i = 0; i < IPT; ++i) {
     const int x = x0 + i;
     const bool cand = x >= clo && x < chi;
-    bool k;
-    if (all_kept) k = x < N;
-    else k = x < N && (!cand || key[i] > thr || (take_eq && key[i] == thr));
+    const bool k = x < N && (!cand || (uint64_t)key[i] >= lo);
     if (k) keptm |= 1u << i;
     if (needs_rank && cand && key[i] == thr) eqm |= 1u << i;
   }
