@@ -241,9 +241,10 @@ struct VecOf<1> {
   typedef unsigned char T;
 };
 
-// Moves (or swaps) np rows inside one buffer row: get(q) = {dst slot, src
-// slot}. Flat (pair, vector) work spread over the block; four independent
-// loads in flight per thread before the stores.
+// Moves (or swaps) np rows of a buffer: get(q, ns) = the byte offsets from
+// base of pair q's destination and source rows, ns the buffer's slot stride.
+// Flat (pair, vector) work spread over the block; four independent loads in
+// flight per thread before the stores.
 template <int VW, bool SWAP, class G>
 __device__ __forceinline__ void move_body(char *base, int64_t ns, int64_t off0, uint32_t U,
                                           uint32_t np, const G &get) {
@@ -269,10 +270,10 @@ __device__ __forceinline__ void move_body(char *base, int64_t ns, int64_t off0, 
       for (int k = 0; k < UNR; ++k) {
         pd[k] = nullptr;
         if (q < pb) {
-          const int2 pr = get(p0 + q);
+          const longlong2 pr = get(p0 + q, ns);
           const int64_t o = off0 + (int64_t)w * VW;
-          pd[k] = base + (int64_t)pr.x * ns + o;
-          const char *src = base + (int64_t)pr.y * ns + o;
+          pd[k] = base + pr.x + o;
+          const char *src = base + pr.y + o;
           a[k] = *reinterpret_cast<const V *>(src);
           if (SWAP) {
             ps[k] = const_cast<char *>(src);
@@ -307,9 +308,9 @@ __device__ __forceinline__ void move_edges(char *base, const BufDesc &B, uint32_
     const uint32_t q = u / E;
     const uint32_t k = u - q * E;
     const int64_t o = k < (uint32_t)B.head ? (int64_t)k : tail0 + (k - B.head);
-    const int2 pr = get(q);
-    char *pd = base + (int64_t)pr.x * B.n_stride + o;
-    char *ps = base + (int64_t)pr.y * B.n_stride + o;
+    const longlong2 pr = get(q, B.n_stride);
+    char *pd = base + pr.x + o;
+    char *ps = base + pr.y + o;
     const char a = *ps;
     if (SWAP) {
       const char b = *pd;
@@ -324,16 +325,21 @@ __device__ __forceinline__ void move_edges(char *base, const BufDesc &B, uint32_
 struct RingPairs {
   const int32_t *D;  // S = D + s_off (both rings in one shared-memory block)
   int s_off, a0, b0, cap;
-  __device__ __forceinline__ int2 operator()(uint32_t q) const {
+  __device__ __forceinline__ int2 slots(uint32_t q) const {
     int a = a0 + (int)q, b = b0 + (int)q;
     if (a >= cap) a -= cap;
     if (b >= cap) b -= cap;
     return make_int2(D[a], D[s_off + b]);
   }
+  __device__ __forceinline__ longlong2 operator()(uint32_t q, int64_t ns) const {
+    const int2 s = slots(q);
+    return make_longlong2((int64_t)s.x * ns, (int64_t)s.y * ns);
+  }
 };
 
-template <bool SWAP>
-__device__ __forceinline__ void move_pairs_t(char *base, const BufDesc &B, uint32_t np, const RingPairs &get) {
+// Moves (or swaps) np pairs of rows of one buffer row (get: see move_body).
+template <bool SWAP, class G>
+__device__ __forceinline__ void move_pairs_t(char *base, const BufDesc &B, uint32_t np, const G &get) {
   switch (B.vw) {
     case 16: move_body<16, SWAP>(base, B.n_stride, B.head, B.body, np, get); break;
     case 8: move_body<8, SWAP>(base, B.n_stride, B.head, B.body, np, get); break;

@@ -599,7 +599,7 @@ __global__ void __launch_bounds__(kSelThreads, 1) k_select(const __grid_constant
         get.cap = cap;
         if (irow || trow) {
           for (uint32_t q = tid; q < np; q += nt) {
-            const int2 pr = get(q);
+            const int2 pr = get.slots(q);
             if (irow) store_index(irow + (int64_t)pr.x * ins, idt, ial, pr.y);
             if (trow) {
               store_index(trow + (int64_t)pr.x * tns, tdt, tal, pr.y);

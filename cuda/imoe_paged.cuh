@@ -173,83 +173,16 @@ struct PagedApplyParams {
   BufDesc buf[kMaxBuf];      // lead: the pool's strides of the inner axes
 };
 
-// Pair q of the block: (dst block, dst offset, src block, src offset).
-template <int VW, bool SWAP>
-__device__ __forceinline__ void paged_move_body(char *base, int64_t bstr, int64_t ns, int64_t off0, uint32_t U,
-                                                uint32_t np, const int4 *pairs) {
-  typedef typename VecOf<VW>::T V;
-  constexpr int UNR = SWAP ? 2 : 4;
-  if (U == 0 || np == 0) return;
-  const uint32_t nt = blockDim.x;
-  const uint32_t total = np * U;  // np <= kPagedSegMax, U <= 2^20 (rows < 16 MiB): fits
-  const uint32_t dq = nt / U, dw = nt - dq * U;
-  uint32_t q = threadIdx.x / U, w = threadIdx.x - q * U;
-  for (uint32_t u0 = threadIdx.x; u0 < total; u0 += UNR * nt) {
-    V a[UNR], b[UNR];
-    char *pd[UNR];
-    char *ps[UNR];
-#pragma unroll
-    for (int k = 0; k < UNR; ++k) {
-      pd[k] = nullptr;
-      if (q < np) {
-        const int4 pr = pairs[q];
-        const int64_t o = off0 + (int64_t)w * VW;
-        pd[k] = base + (int64_t)pr.x * bstr + (int64_t)pr.y * ns + o;
-        const char *src = base + (int64_t)pr.z * bstr + (int64_t)pr.w * ns + o;
-        a[k] = *reinterpret_cast<const V *>(src);
-        if (SWAP) {
-          ps[k] = const_cast<char *>(src);
-          b[k] = *reinterpret_cast<const V *>(pd[k]);
-        }
-      }
-      q += dq;
-      w += dw;
-      if (w >= U) {
-        w -= U;
-        ++q;
-      }
-    }
-#pragma unroll
-    for (int k = 0; k < UNR; ++k) {
-      if (pd[k] != nullptr) {
-        *reinterpret_cast<V *>(pd[k]) = a[k];
-        if (SWAP) *reinterpret_cast<V *>(ps[k]) = b[k];
-      }
-    }
-  }
-}
-
-template <bool SWAP>
-__device__ __forceinline__ void paged_move_edges(char *base, int64_t bstr, const BufDesc &B, uint32_t np,
-                                                 const int4 *pairs) {
-  const uint32_t E = (uint32_t)(B.head + B.tail);
-  if (E == 0 || np == 0) return;
-  const int64_t tail0 = (int64_t)B.head + (int64_t)B.body * B.vw;
-  for (uint32_t u = threadIdx.x; u < np * E; u += blockDim.x) {
-    const uint32_t q = u / E;
-    const uint32_t k = u - q * E;
-    const int64_t o = k < (uint32_t)B.head ? (int64_t)k : tail0 + (k - B.head);
+// Pair q of the block: (dst block, dst offset, src block, src offset) in a
+// pool whose blocks are bstr bytes apart.
+struct PagedPairs {
+  const int4 *pairs;
+  int64_t bstr;
+  __device__ __forceinline__ longlong2 operator()(uint32_t q, int64_t ns) const {
     const int4 pr = pairs[q];
-    char *pd = base + (int64_t)pr.x * bstr + (int64_t)pr.y * B.n_stride + o;
-    char *ps = base + (int64_t)pr.z * bstr + (int64_t)pr.w * B.n_stride + o;
-    const char a = *ps;
-    if (SWAP) *ps = *pd;
-    *pd = a;
+    return make_longlong2((int64_t)pr.x * bstr + (int64_t)pr.y * ns, (int64_t)pr.z * bstr + (int64_t)pr.w * ns);
   }
-}
-
-template <bool SWAP>
-__device__ __forceinline__ void paged_move(char *base, int64_t bstr, const BufDesc &B, uint32_t np,
-                                           const int4 *pairs) {
-  switch (B.vw) {
-    case 16: paged_move_body<16, SWAP>(base, bstr, B.n_stride, B.head, B.body, np, pairs); break;
-    case 8: paged_move_body<8, SWAP>(base, bstr, B.n_stride, B.head, B.body, np, pairs); break;
-    case 4: paged_move_body<4, SWAP>(base, bstr, B.n_stride, B.head, B.body, np, pairs); break;
-    case 2: paged_move_body<2, SWAP>(base, bstr, B.n_stride, B.head, B.body, np, pairs); break;
-    default: paged_move_body<1, SWAP>(base, bstr, B.n_stride, B.head, B.body, np, pairs); break;
-  }
-  paged_move_edges<SWAP>(base, bstr, B, np, pairs);
-}
+};
 
 __global__ void __launch_bounds__(kPagedThreads) k_paged_apply(const __grid_constant__ PagedApplyParams p) {
   extern __shared__ __align__(16) unsigned char dsm[];
@@ -287,10 +220,13 @@ __global__ void __launch_bounds__(kPagedThreads) k_paged_apply(const __grid_cons
   for (int b = 0; b < p.nbuf; ++b) {
     const BufDesc &bd = p.buf[b];
     char *base = bd.data + row_offset(p.inner, c, bd.lead);
+    PagedPairs get;
+    get.pairs = s_pairs;
+    get.bstr = p.bstride[b];
     if (p.swap)
-      paged_move<true>(base, p.bstride[b], bd, n, s_pairs);
+      move_pairs_t<true>(base, bd, n, get);
     else
-      paged_move<false>(base, p.bstride[b], bd, n, s_pairs);
+      move_pairs_t<false>(base, bd, n, get);
   }
 }
 
