@@ -1,6 +1,9 @@
 // tests/cuda/harness.cu: standalone test + benchmark of the CUDA launchers.
 //
 //   harness [--quick] [--bench] [--cases N] [--seed S]
+//   harness --profile        a few W1 calls for Nsight Compute
+//   harness --phases         W1 with per-phase stamps (a -DIMOE_PHASE_TIMES build:
+//                            ARCH=sm_90 and the nvcc line of run.sh plus that flag)
 //
 // (1) A plain CPU reference of select + map + apply (sort-based, written
 //     here, independent of the kernels' radix select and key tricks).
