@@ -241,10 +241,10 @@ struct VecOf<1> {
   typedef unsigned char T;
 };
 
-// Moves (or swaps) np rows of a buffer: get(q, ns) = the byte offsets from
-// base of pair q's destination and source rows, ns the buffer's slot stride.
-// Flat (pair, vector) work spread over the block; four independent loads in
-// flight per thread before the stores.
+// Moves (or swaps) np pairs of rows of a buffer: get(q, ns) = the byte
+// offsets from base of pair q's destination and source rows, ns the buffer's
+// slot stride. Flat (pair, vector) work spread over the block; four
+// independent loads in flight per thread before the stores.
 template <int VW, bool SWAP, class G>
 __device__ __forceinline__ void move_body(char *base, int64_t ns, int64_t off0, uint32_t U,
                                           uint32_t np, const G &get) {
@@ -337,7 +337,7 @@ struct RingPairs {
   }
 };
 
-// Moves (or swaps) np pairs of rows of one buffer row (get: see move_body).
+// Moves (or swaps) np pairs of rows of one buffer (get: see move_body).
 template <bool SWAP, class G>
 __device__ __forceinline__ void move_pairs_t(char *base, const BufDesc &B, uint32_t np, const G &get) {
   switch (B.vw) {
