@@ -1183,20 +1183,12 @@ int main(int argc, char **argv) {
     else if (!strcmp(argv[i], "--seed") && i + 1 < argc) g_rng = strtoull(argv[++i], nullptr, 0);
   }
   if (ncases < 0) ncases = quick ? 40 : 400;
-  if (g_phases) {  // W1 with the phase stamps (a -DIMOE_PHASE_TIMES build)
+  if (g_phases || profile) {  // W1 only: with the phase stamps, or a few calls for ncu
     CK(cudaStreamCreateWithFlags(&g_stream, cudaStreamNonBlocking));
     g_bw = 4.2e12;
     std::vector<BenchRow> rows;
     const int64_t w1[1] = {8};
-    bench_workload("W1", 1, w1, 4096, 2048, 1, 2048, 0, rows, 30);
-    return 0;
-  }
-  if (profile) {  // a few W1 compactions for ncu to look at, nothing else
-    CK(cudaStreamCreateWithFlags(&g_stream, cudaStreamNonBlocking));
-    g_bw = 4.2e12;
-    std::vector<BenchRow> rows;
-    const int64_t w1[1] = {8};
-    bench_workload("W1", 1, w1, 4096, 2048, 1, 2048, 0, rows, 1);
+    bench_workload("W1", 1, w1, 4096, 2048, 1, 2048, 0, rows, g_phases ? 30 : 1);
     return 0;
   }
   cudaDeviceProp prop;
