@@ -640,6 +640,13 @@ __global__ void __launch_bounds__(kSelThreads, 1) k_select(const __grid_constant
 }
 
 // ------------------------------------------------------------ select + map, short rows
+// Bits [max(a - x0, 0), min(b - x0, ipt)) of a thread's ipt-slot mask: its
+// slots x0 + i that lie in [a, b).
+__device__ __forceinline__ uint32_t slot_bits(int x0, int a, int b, int ipt) {
+  const int lo = min(max(a - x0, 0), ipt), hi = min(max(b - x0, 0), ipt);
+  return lo >= hi ? 0u : ((1u << hi) - 1u) & ~((1u << lo) - 1u);
+}
+
 // N <= kSelThreads * IPT. Thread t holds slots [t*IPT, t*IPT + IPT) of the
 // row in registers, as keys, so a radix pass is IPT register compares and a
 // few shared atomics into that pass's own (pre-zeroed) histogram. Barriers:
@@ -824,19 +831,24 @@ __global__ void __launch_bounds__(kSelThreads, 1) k_select_small(const __grid_co
     }
   }
 
-  // ---- kept flags, then holes in [0, C') and kept tails in [C', N)
-  uint32_t keptm = 0u, eqm = 0u;
-  // a kept candidate has key >= lo (64 bits: lo = 2^32 keeps none)
-  const uint64_t lo = all_kept ? 0ull : (uint64_t)thr + (take_eq ? 0u : 1u);
+  // ---- kept flags, then holes in [0, C') and kept tails in [C', N); bit i
+  // of a mask stands for slot x0 + i
+  const uint32_t inrow = slot_bits(x0, 0, N, IPT), cand = slot_bits(x0, clo, chi, IPT);
+  const uint32_t below = slot_bits(x0, 0, Cp, IPT);
+  uint32_t keptm = inrow & ~cand;  // protected and window slots
+  if (all_kept || Kp > 0) {        // else no candidate is kept
+    // a kept candidate has key >= lo (thr < 0xFFFFFFFF here: no overflow)
+    const uint32_t lo = all_kept ? 0u : thr + (take_eq ? 0u : 1u);
+    uint32_t ge = 0u;
 #pragma unroll
-  for (int i = 0; i < IPT; ++i) {
-    const int x = x0 + i;
-    const bool cand = x >= clo && x < chi;
-    const bool k = x < N && (!cand || (uint64_t)key[i] >= lo);
-    if (k) keptm |= 1u << i;
-    if (needs_rank && cand && key[i] == thr) eqm |= 1u << i;
+    for (int i = 0; i < IPT; ++i) ge |= (key[i] >= lo ? 1u : 0u) << i;
+    keptm |= inrow & cand & ge;
   }
   if (needs_rank) {  // uniform
+    uint32_t eqm = 0u;
+#pragma unroll
+    for (int i = 0; i < IPT; ++i) eqm |= (key[i] == thr ? 1u : 0u) << i;
+    eqm &= cand & inrow;
     int tot;
     int rk = block_excl_scan_1sync(__popc(eqm), &tot, s_wsum[0]);
 #pragma unroll
@@ -848,30 +860,25 @@ __global__ void __launch_bounds__(kSelThreads, 1) k_select_small(const __grid_co
     }
   }
   IMOE_PHASE(6);
-  uint32_t holem = 0u, tailm = 0u;
-#pragma unroll
-  for (int i = 0; i < IPT; ++i) {
-    const int x = x0 + i;
-    const bool k = (keptm >> i) & 1u;
-    if (x < N) {
-      if (x < Cp) {
-        if (!k) holem |= 1u << i;
-      } else if (k) {
-        tailm |= 1u << i;
-      }
-    }
-  }
+  const uint32_t holem = below & inrow & ~keptm, tailm = ~below & keptm;
   int tot;
   const int ex = block_excl_scan_1sync(__popc(holem) | (__popc(tailm) << 16), &tot, s_wsum[1]);
   const int m = tot & 0xFFFF;  // holes == kept tails
   int32_t *H = reinterpret_cast<int32_t *>(dsm);
   int32_t *T = H + p.cap;
-  {
-    int hr = ex & 0xFFFF, tr = ex >> 16;
+  {  // shared-space addresses computed once, not per predicated store
+    uint32_t ah = (uint32_t)__cvta_generic_to_shared(H) + 4u * (uint32_t)(ex & 0xFFFF);
+    uint32_t at = (uint32_t)__cvta_generic_to_shared(T) + 4u * (uint32_t)(ex >> 16);
 #pragma unroll
     for (int i = 0; i < IPT; ++i) {
-      if ((holem >> i) & 1u) H[hr++] = x0 + i;
-      if ((tailm >> i) & 1u) T[tr++] = x0 + i;
+      if ((holem >> i) & 1u) {
+        asm volatile("st.shared.u32 [%0], %1;" ::"r"(ah), "r"(x0 + i) : "memory");
+        ah += 4u;
+      }
+      if ((tailm >> i) & 1u) {
+        asm volatile("st.shared.u32 [%0], %1;" ::"r"(at), "r"(x0 + i) : "memory");
+        at += 4u;
+      }
     }
   }
   const uint32_t B = (uint32_t)p.nblk;
