@@ -156,21 +156,28 @@ int occupancy(DevInfo *di, int src, size_t smem) {
   return nb;
 }
 
+// pdl: programmatic dependent launch after the previous kernel; coop: a
+// cooperative launch (every block resident at once, or the launch fails).
 template <class P>
 cudaError_t launch(void (*kernel)(P), unsigned grid, unsigned block, size_t smem, cudaStream_t st, bool pdl,
-                   const P &params) {
+                   const P &params, bool coop = false) {
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(grid, 1, 1);
   cfg.blockDim = dim3(block, 1, 1);
   cfg.dynamicSmemBytes = smem;
   cfg.stream = st;
-  cudaLaunchAttribute attr[1];
+  cudaLaunchAttribute attr[2];
+  unsigned n = 0;
   if (pdl) {
-    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[0].val.programmaticStreamSerializationAllowed = 1;
-    cfg.attrs = attr;
-    cfg.numAttrs = 1;
+    attr[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[n++].val.programmaticStreamSerializationAllowed = 1;
   }
+  if (coop) {
+    attr[n].id = cudaLaunchAttributeCooperative;
+    attr[n++].val.cooperative = 1;
+  }
+  cfg.attrs = n ? attr : nullptr;
+  cfg.numAttrs = n;
   return cudaLaunchKernelEx(&cfg, kernel, params);
 }
 
@@ -351,6 +358,26 @@ imoe_status launch_apply_groups(const char *fn, const imoe_view *buffers, int fi
   return IMOE_OK;
 }
 
+// The NaN check kernel of a call (read-only): every score of every row.
+imoe_status launch_nan_check(const char *fn, const Plan &pl, int64_t N, const imoe_view *scores, uint32_t token,
+                             cudaStream_t st, int *nverdict, imoe_error *err) {
+  NanParams np;
+  memset(&np, 0, sizeof np);
+  np.lead = pl.lead;
+  np.N = N;
+  np.scores = in_view(scores, pl.st[0], pl.lead.nd);
+  np.per = 2048;
+  np.bpr = (uint32_t)((N + np.per - 1) / np.per);
+  np.token = token;
+  const uint64_t items = pl.R * np.bpr;
+  if (items > 0x7FFFFFFFull) return fail(err, IMOE_ERR_ARGUMENT, "%s: too many rows for one launch", fn);
+  np.items = (uint32_t)items;
+  *nverdict = (int)std::min<uint64_t>(items, kVerdicts);
+  const cudaError_t e = launch(k_check_nan, (unsigned)*nverdict, 256, 0, st, false, np);
+  if (e != cudaSuccess) return cuda_fail(err, fn, "launch of k_check_nan", e);
+  return IMOE_OK;
+}
+
 // The validation verdict of a select_and_move call: later kernels of the
 // same call (ordered compaction) read it with call_aborted(token, nverdict).
 struct SelectVerdict {
@@ -404,22 +431,14 @@ imoe_status select_and_move(const char *fn, const imoe_view *buffers, int32_t nu
   const bool pdl_ok = di->cc_major >= 9;
   bool pdl = false;
 
-  // ---- validation (read-only)
-  if (validate && scores) {
-    NanParams np;
-    memset(&np, 0, sizeof np);
-    np.lead = pl.lead;
-    np.N = N;
-    np.scores = in_view(scores, pl.st[0], nd);
-    np.per = 2048;
-    np.bpr = (uint32_t)((N + np.per - 1) / np.per);
-    np.token = token;
-    const uint64_t items = pl.R * np.bpr;
-    if (items > 0x7FFFFFFFull) return fail(err, IMOE_ERR_ARGUMENT, "%s: too many rows for one launch", fn);
-    np.items = (uint32_t)items;
-    nverdict = (int)std::min<uint64_t>(items, kVerdicts);
-    const cudaError_t e = launch(k_check_nan, (unsigned)nverdict, 256, 0, st, false, np);
-    if (e != cudaSuccess) return cuda_fail(err, fn, "launch of k_check_nan", e);
+  // ---- validation (read-only). A NaN check that k_select_small can do
+  // itself is decided below, once the select's grid is known.
+  bool nan_pending = false;
+  if (validate && scores && N <= kSmallMaxN && verdict == nullptr) {
+    nan_pending = true;
+  } else if (validate && scores) {
+    s = launch_nan_check(fn, pl, N, scores, token, st, &nverdict, err);
+    if (s != IMOE_OK) return s;
     pdl = pdl_ok;
   } else if (validate) {
     RowsParams rp;
@@ -550,17 +569,51 @@ imoe_status select_and_move(const char *fn, const imoe_view *buffers, int32_t nu
     }
   }
   sp.nblk = (int32_t)nblk;
-  sp.pdl = pdl ? 1 : 0;
   const uint64_t grid = pl.R * (uint64_t)nblk;
   if (grid > 0x7FFFFFFFull) return fail(err, IMOE_ERR_ARGUMENT, "%s: too many rows for one launch", fn);
-  cudaError_t e;
-  if (src == 0) e = launch(k_select<0>, (unsigned)grid, kSelThreads, smem, st, pdl, sp);
-  else if (src == 1) e = launch(k_select<1>, (unsigned)grid, kSelThreads, smem, st, pdl, sp);
-  else if (src == 2) e = launch(k_select<2>, (unsigned)grid, kSelThreads, smem, st, pdl, sp);
-  else if (src == 3) e = launch(k_select_small<4>, (unsigned)grid, kSelThreads, smem, st, pdl, sp);
-  else if (src == 4) e = launch(k_select_small<8>, (unsigned)grid, kSelThreads, smem, st, pdl, sp);
-  else e = launch(k_select_small<16>, (unsigned)grid, kSelThreads, smem, st, pdl, sp);
-  if (e != cudaSuccess) return cuda_fail(err, fn, "launch of k_select", e);
+  cudaError_t e = cudaSuccess;
+  bool launched = false;
+  if (nan_pending) {
+    // Short rows: each select block checks its own row's scores (in its
+    // registers anyway) and the blocks meet at a grid barrier before
+    // anything is written, instead of a check kernel whose blocks would
+    // keep select blocks off their SMs. The barrier needs every block
+    // resident at once: a cooperative launch, where the grid fits.
+    const uint64_t fit = (uint64_t)di->sms * (uint64_t)occupancy(di, src, smem);
+    if (grid <= fit && grid < 32768u) {  // NaN counts stay below 2^16 (see g_gridbar)
+      sp.fused_nan = 1;
+      sp.nverdict = 0;
+      sp.pdl = 0;
+      if (src == 3) e = launch(k_select_small<4>, (unsigned)grid, kSelThreads, smem, st, false, sp, true);
+      else if (src == 4) e = launch(k_select_small<8>, (unsigned)grid, kSelThreads, smem, st, false, sp, true);
+      else e = launch(k_select_small<16>, (unsigned)grid, kSelThreads, smem, st, false, sp, true);
+      if (e == cudaSuccess) {
+        launched = true;
+        nverdict = 1;  // block 0 writes the verdict word for the call's later kernels
+      } else if (e == cudaErrorCooperativeLaunchTooLarge) {
+        (void)cudaGetLastError();
+      } else {
+        return cuda_fail(err, fn, "launch of k_select_small", e);
+      }
+    }
+    if (!launched) {  // a check kernel first, as for long rows
+      sp.fused_nan = 0;
+      s = launch_nan_check(fn, pl, N, scores, token, st, &nverdict, err);
+      if (s != IMOE_OK) return s;
+      pdl = pdl_ok;
+      sp.nverdict = nverdict;
+    }
+  }
+  if (!launched) {
+    sp.pdl = pdl ? 1 : 0;
+    if (src == 0) e = launch(k_select<0>, (unsigned)grid, kSelThreads, smem, st, pdl, sp);
+    else if (src == 1) e = launch(k_select<1>, (unsigned)grid, kSelThreads, smem, st, pdl, sp);
+    else if (src == 2) e = launch(k_select<2>, (unsigned)grid, kSelThreads, smem, st, pdl, sp);
+    else if (src == 3) e = launch(k_select_small<4>, (unsigned)grid, kSelThreads, smem, st, pdl, sp);
+    else if (src == 4) e = launch(k_select_small<8>, (unsigned)grid, kSelThreads, smem, st, pdl, sp);
+    else e = launch(k_select_small<16>, (unsigned)grid, kSelThreads, smem, st, pdl, sp);
+    if (e != cudaSuccess) return cuda_fail(err, fn, "launch of k_select", e);
+  }
 
   // ---- remaining buffers (or all, unfused): apply the indices just written
   if (do_move && num_buffers > 0) {

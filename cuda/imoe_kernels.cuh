@@ -23,6 +23,21 @@ __device__ int g_status_taken;  // staging for imoe_cuda_read_device_status
 // a replay of a captured call starts from its own verdicts (no clearing, no
 // counters). The validation grid has at most kVerdicts blocks (grid-stride).
 __device__ unsigned g_verdict[kSlots][kVerdicts];
+// Per call slot: the grid barrier of k_select_small's own NaN check (a
+// cooperative launch, see select_and_move). Bits 32-63: a sense-reversing
+// arrival counter (block 0 adds 2^31 - (grid - 1), every other block 1, so
+// bit 63 flips once every block has arrived and bits 32-62 return to their
+// value). Bits 0-15 and 16-31: blocks that found a NaN, for launches whose
+// bit 63 was 0 and 1 before they arrived; a launch clears the half its
+// successor on the slot will use. The count travels in the arrival's own
+// atomic, so the value that shows the flip shows every block's finding.
+__device__ unsigned long long g_gridbar[kSlots];
+
+__device__ __forceinline__ unsigned long long ld_relaxed_u64(const unsigned long long *p) {
+  unsigned long long v;
+  asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
 
 __device__ __forceinline__ void record_status(int code) { atomicCAS(&g_status, 0, code); }
 
@@ -54,17 +69,28 @@ __device__ __forceinline__ void write_verdict(uint32_t token, bool bad) {
 // or stream order), past L1. Every thread of the block must call it (one
 // barrier); the answer is uniform. Only kernels after a validation kernel
 // have a token.
-__device__ __forceinline__ bool call_aborted(uint32_t token, int nv) {
+// This thread's verdict word of call `token` (thread t reads word t).
+__device__ __forceinline__ bool verdict_bad(uint32_t token, int nv) {
   static_assert(kVerdicts <= kApplyThreads && kVerdicts <= kSelThreads, "one word per thread");
-  if (!token) return false;
   const int t = threadIdx.x;
-  const bool bad = t < nv && __ldcg(&g_verdict[token % kSlots][t]) == token;
-  return __syncthreads_or(bad) != 0;
+  return token && t < nv && __ldcg(&g_verdict[token % kSlots][t]) == token;
+}
+__device__ __forceinline__ bool call_aborted(uint32_t token, int nv) {
+  if (!token) return false;
+  return __syncthreads_or(verdict_bad(token, nv)) != 0;
 }
 
 __global__ void k_take_status() { g_status_taken = atomicExch(&g_status, 0); }
 
 // ------------------------------------------------------------ validation
+// Whether a raw score holds a NaN (16-bit types: the low half; a 32-bit word
+// of two 16-bit scores: either half).
+__device__ __forceinline__ bool word_has_nan(uint32_t w, int dt) {
+  if (dt == IMOE_DTYPE_F32) return (w & 0x7FFFFFFFu) > 0x7F800000u;
+  const uint32_t lim = dt == IMOE_DTYPE_F16 ? 0x7C00u : 0x7F80u;
+  return (w & 0x7FFFu) > lim || ((w >> 16) & 0x7FFFu) > lim;
+}
+
 struct NanParams {
   Lead lead;
   int64_t N;
@@ -235,6 +261,7 @@ struct SelParams {
   int32_t do_move, swap, nbuf;
   int32_t pdl;
   int32_t nverdict;     // blocks of the validation kernel (verdict words)
+  int32_t fused_nan;    // k_select_small checks every row for NaN itself (cooperative launch)
   uint32_t token;
   InView scores, active;
   OutView idx, tm;
@@ -706,6 +733,7 @@ __global__ void __launch_bounds__(kSelThreads, 1) k_select_small(const __grid_co
   __shared__ __align__(16) int s_hist[4][256];  // one per radix pass
   __shared__ __align__(16) int s_res[4][4];     // per pass: digit, keys above it, keys in it
   __shared__ int s_wsum[2][32];
+  __shared__ int s_phase;  // fused NaN check: this launch's barrier phase
   static_assert(kSelThreads == 4 * 256, "one histogram word per thread to zero");
 
   const int tid = threadIdx.x, lane = tid & 31;
@@ -721,6 +749,12 @@ __global__ void __launch_bounds__(kSelThreads, 1) k_select_small(const __grid_co
 
   IMOE_PHASE(0);
   reinterpret_cast<int *>(s_hist)[tid] = 0;
+  // fused NaN check: the barrier word before this launch's arrivals (its
+  // bit 63, the phase, says which NaN half is this launch's), read while the
+  // keys load
+  unsigned long long bar = 0ull;
+  if (p.fused_nan && tid == 0) bar = ld_relaxed_u64(&g_gridbar[p.token % kSlots]);
+  bool nan_here = false;
 
   // ---- read-only part: may overlap the validation kernel (PDL)
   char *irow;
@@ -732,6 +766,10 @@ __global__ void __launch_bounds__(kSelThreads, 1) k_select_small(const __grid_co
     const bool vec = p.scores.aligned && p.scores.n_stride == es && ((uintptr_t)srow & (vb - 1)) == 0;
     uint32_t raw[IPT];
     load_raw_row<IPT>(srow, x0, N, dt, p.scores.aligned != 0, p.scores.n_stride, vec, raw);
+    if (p.fused_nan) {  // every slot of the row, as k_check_nan (slots >= N read as 0)
+#pragma unroll
+      for (int i = 0; i < IPT; ++i) nan_here |= word_has_nan(raw[i], dt);
+    }
     // the outputs' rows while the keys are on their way
     irow = p.has_idx ? p.idx.data + row_offset(p.lead, rc, p.idx.lead) : nullptr;
     trow = p.has_tm ? p.tm.data + row_offset(p.lead, rc, p.tm.lead) : nullptr;
@@ -762,7 +800,20 @@ __global__ void __launch_bounds__(kSelThreads, 1) k_select_small(const __grid_co
 #ifdef IMOE_PHASE_TIMES
   if (key[0] == 0xDEADBEEFu) s_res[0][3] = 1;  // waits for the keys
 #endif
-  __syncthreads();
+  if (p.fused_nan) {  // uniform: arrive, with this row's finding
+    const bool row_nan = __syncthreads_or(nan_here) != 0;
+    if (tid == 0) {
+      // bit 63 flips only once this block has arrived: the phase of this launch
+      const int ph = (int)(bar >> 63);
+      s_phase = ph;
+      const unsigned long long G = gridDim.x;
+      unsigned long long inc = blockIdx.x == 0 ? (0x80000000ull - (G - 1ull)) << 32 : 1ull << 32;
+      if (row_nan) inc += 1ull << (16 * ph);
+      atomicAdd(&g_gridbar[p.token % kSlots], inc);  // no wait: the result is not used
+    }
+  } else {
+    __syncthreads();
+  }
   IMOE_PHASE(1);
   if (!all_kept && Kp > 0) {
     const int noncand = kSelThreads * IPT - (chi - clo);
@@ -884,12 +935,36 @@ __global__ void __launch_bounds__(kSelThreads, 1) k_select_small(const __grid_co
   const uint32_t B = (uint32_t)p.nblk;
   // this block's even share of the pairs
   const int qa = (int)((uint32_t)m * bsub / B), qb = (int)((uint32_t)m * (bsub + 1u) / B);
+  // fused NaN check: most likely every block arrived long ago; the read is
+  // in flight across the barrier below
+  unsigned long long seen = 0ull;
+  if (p.fused_nan && tid == 0) seen = ld_relaxed_u64(&g_gridbar[p.token % kSlots]);
   __syncthreads();  // H and T complete
   IMOE_PHASE(7);
 
-  // ---- from here on the call writes: wait for the validation kernel
-  if (p.pdl) griddep_wait();
-  if (call_aborted(p.token, p.nverdict)) return;
+  // ---- from here on the call writes: wait for the validation (one barrier
+  // either way: the verdict words of the check kernel, or the grid barrier)
+  bool bad = false;
+  if (p.fused_nan) {
+    if (tid == 0) {
+      unsigned long long *gbar = &g_gridbar[p.token % kSlots];
+      const int ph = s_phase;
+      while ((int)(seen >> 63) == ph) {  // not every block has arrived
+        __nanosleep(100);
+        seen = ld_relaxed_u64(gbar);
+      }
+      bad = ((seen >> (16 * ph)) & 0xFFFFull) != 0ull;
+      if (blockIdx.x == 0) {
+        atomicAnd(gbar, ~(0xFFFFull << (16 * (ph ^ 1))));  // the next launch's half
+        if (bad) record_status(IMOE_ERR_NAN);
+        g_verdict[p.token % kSlots][0] = bad ? p.token : 0u;  // for the call's later kernels
+      }
+    }
+  } else {
+    if (p.pdl) griddep_wait();
+    bad = verdict_bad(p.token, p.nverdict);
+  }
+  if (__syncthreads_or(bad)) return;
   IMOE_PHASE(8);
 
   {  // fixed points of this block's share of the slots

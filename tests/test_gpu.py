@@ -103,8 +103,10 @@ def test_cuda_nan_in_last_row_changes_nothing(rng):
     ((64, 16384), (63, 16383)),            # more scores than the free SMs take
 ])
 def test_cuda_nan_found_everywhere(score_dtype, shape, where, rng):
-    """The NaN check before a fused compaction, by the flat vector scan (odd
-    and even 16-bit lanes, first and last slot) and by the per-row scan."""
+    """The NaN check of rows of at most 16384 slots, which the select kernel
+    does itself (every block its own row, then a grid barrier): odd and even
+    16-bit lanes, the first and last slot, rows that are not whole 16-byte
+    vectors, contiguous and strided scores."""
     rows, n = shape
     x = cuda(make_data((rows, n, 16), "float32", "torch", rng))
     scores = cuda(make_scores(shape, score_dtype, "torch", rng))
@@ -127,6 +129,34 @@ def test_cuda_nan_found_everywhere(score_dtype, shape, where, rng):
     imoe.check_errors(x)
     ref = reference_indices(reference_kept(scores, n // 2), n, n // 2)
     np.testing.assert_array_equal(to_numpy(res.indices), ref)
+
+
+def test_cuda_nan_verdicts_in_sequence(rng):
+    """Calls one after another, with and without a NaN, on grids of 1 to
+    hundreds of blocks (the select's own NaN check keeps its barrier state on
+    the device from call to call, per call slot; grids that cannot all be
+    resident at once take the check kernel): each call's own verdict, every
+    time, and a refused call changes nothing."""
+    torch.manual_seed(5)
+    for i in range(160):
+        rows = int(rng.choice([1, 2, 3, 7, 8, 9, 40, 128, 300]))
+        n = int(rng.choice([m for m in (64, 1000, 4096, 8192, 16384) if rows * m <= 1 << 20]))
+        row = int(rng.choice([4, 64])) if rows * n <= 1 << 16 else 4
+        x = torch.randn(rows, n, row, device="cuda")
+        scores = torch.rand(rows, n, device="cuda")
+        bad = bool(rng.integers(2))
+        if bad:
+            scores[int(rng.integers(rows)), int(rng.integers(n))] = float("nan")
+        before = bits(x)
+        res = imoe.compact_(x, scores, n // 2, mode="move")
+        if bad:
+            with pytest.raises(ValueError, match="NaN"):
+                imoe.check_errors(x)
+            np.testing.assert_array_equal(bits(x), before, err_msg=f"call {i}")
+        else:
+            imoe.check_errors(x)
+            ref = reference_indices(reference_kept(scores, n // 2), n, n // 2)
+            np.testing.assert_array_equal(to_numpy(res.indices), ref, err_msg=f"call {i}")
 
 
 @pytest.mark.parametrize("case", ["duplicate_active", "range_active", "bad_target_map"])
@@ -214,6 +244,42 @@ def test_cuda_allocates_nothing_with_out_indices(rng):
     torch.cuda.synchronize()
     assert torch.cuda.max_memory_allocated() == allocated
     assert torch.cuda.memory_reserved() == reserved
+
+
+def test_cuda_graph_replays_nan_verdicts(rng):
+    """A captured call keeps its call slot on every replay: each replay's NaN
+    verdict is its own (clean, NaN, NaN, clean, ...), whatever the one before."""
+    x = cuda(make_data((8, 2048, 64), "float16", "torch", rng))
+    scores = cuda(make_scores((8, 2048), "float32", "torch", rng, ties=False))
+    out = torch.empty((8, 512), dtype=torch.int64, device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up outside the capture
+        imoe.compact_(x, scores, 512, out_indices=out, mode="move")
+    torch.cuda.current_stream().wait_stream(side)
+    imoe.check_errors(x)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        imoe.compact_(x, scores, 512, out_indices=out, mode="move")
+    for step, nan in enumerate([False, True, True, False, True, False, False, True]):
+        fresh = cuda(make_data((8, 2048, 64), "float16", "torch", rng))
+        x.copy_(fresh)
+        scores.copy_(cuda(make_scores((8, 2048), "float32", "torch", rng, ties=False)))
+        if nan:
+            scores[step % 8, (step * 997) % 2048] = float("nan")
+        out.fill_(-1)
+        graph.replay()
+        torch.cuda.synchronize()
+        if nan:
+            with pytest.raises(ValueError, match="NaN"):
+                imoe.check_errors(x)
+            np.testing.assert_array_equal(bits(x), bits(fresh), err_msg=f"replay {step}")
+            assert bool((out == -1).all()), f"replay {step}"
+        else:
+            imoe.check_errors(x)
+            ref = reference_indices(reference_kept(scores, 512), 2048, 512)
+            np.testing.assert_array_equal(to_numpy(out), ref, err_msg=f"replay {step}")
+            np.testing.assert_array_equal(bits(x), expected_after(bits(fresh), 1, ref, "move"))
 
 
 def test_cuda_graph_capture(rng):
