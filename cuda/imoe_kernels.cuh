@@ -684,7 +684,9 @@ __device__ __forceinline__ uint32_t slot_bits(int x0, int a, int b, int ipt) {
 // (shared memory) straight from one packed scan (holes | tails << 16).
 // Several blocks per row (nblk) each recompute the selection and take an
 // even share of the fixed-point slots and of the pairs, which they move at
-// once.
+// once. Under nan=raise (p.fused_nan, a cooperative launch) each block also
+// checks its own row's scores and the blocks meet at a grid barrier word
+// before anything is written (g_gridbar; cuda/NOTES.md, runs 33-37).
 template <int IPT>
 __device__ __forceinline__ void load_raw_row(const char *srow, int x0, int N, int dt, bool al, int64_t ns,
                                              bool vec, uint32_t (&raw)[IPT]) {
