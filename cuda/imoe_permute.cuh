@@ -860,6 +860,44 @@ int check_grid(uint64_t items) {
   return (int)std::max<uint64_t>(1, std::min<uint64_t>(want, kVerdicts));
 }
 
+// The start shared by a permutation and an ordered apply: the device and
+// stream, N < 2^31, the plan over the map (perm or indices) and the buffers,
+// the map's rows (1 when it is shared by every row) and the workspace check.
+// c->empty: nothing to do (no rows or no slots).
+struct PermCall {
+  DevInfo *di;
+  cudaStream_t st;
+  Plan pl;
+  int64_t n;
+  bool per_row;
+  uint64_t rows;
+  bool empty;
+};
+
+imoe_status start_perm_call(const char *fn, const imoe_view *buffers, int32_t num_buffers, const imoe_view *map,
+                            imoe_plan_kind kind, int32_t *workspace, int64_t workspace_elems, const imoe_exec *exec,
+                            imoe_error *err, DeviceGuard *guard, PermCall *c) {
+  c->di = nullptr;
+  c->empty = true;
+  imoe_status s = enter(exec, fn, err, guard, &c->di);
+  if (s != IMOE_OK) return s;
+  c->st = static_cast<cudaStream_t>(exec->stream);
+  c->n = buffers[0].n;
+  if (c->n >= 0x7FFFFFFFLL)
+    return fail(err, IMOE_ERR_ARGUMENT, "%s: N = %lld slots: the CUDA path takes N < 2^31", fn, (long long)c->n);
+  std::vector<const imoe_view *> views;
+  views.push_back(map);
+  for (int b = 0; b < num_buffers; ++b) views.push_back(&buffers[b]);
+  if (!make_plan(&buffers[0], views, &c->pl)) return fail(err, IMOE_ERR_ARGUMENT, "%s: more than 2^32 - 1 rows", fn);
+  c->per_row = map->lead_ndim > 0;
+  c->rows = c->per_row ? c->pl.R : 1u;
+  s = check_workspace(fn, workspace, workspace_elems,
+                      imoe_plan_workspace_elems(kind, IMOE_DEVICE_CUDA, (int64_t)c->rows, c->n), err);
+  if (s != IMOE_OK) return s;
+  c->empty = c->pl.R == 0 || c->n == 0;
+  return IMOE_OK;
+}
+
 }  // namespace
 
 extern "C" {
@@ -869,46 +907,32 @@ imoe_status imoe_cuda_permute(const imoe_view *buffers, int32_t num_buffers, con
                               imoe_error *err) {
   const char *fn = "imoe_cuda_permute";
   DeviceGuard guard;
-  DevInfo *di = nullptr;
-  imoe_status s = enter(exec, fn, err, &guard, &di);
-  if (s != IMOE_OK) return s;
-  cudaStream_t st = static_cast<cudaStream_t>(exec->stream);
-  const int64_t n = buffers[0].n;
-  if (n >= 0x7FFFFFFFLL)
-    return fail(err, IMOE_ERR_ARGUMENT, "%s: N = %lld slots: the CUDA path takes N < 2^31", fn, (long long)n);
-  std::vector<const imoe_view *> views;
-  views.push_back(perm);
-  for (int b = 0; b < num_buffers; ++b) views.push_back(&buffers[b]);
-  Plan pl;
-  if (!make_plan(&buffers[0], views, &pl)) return fail(err, IMOE_ERR_ARGUMENT, "%s: more than 2^32 - 1 rows", fn);
-  const bool per_row = perm->lead_ndim > 0;
-  const uint64_t rows = per_row ? pl.R : 1u;
-  s = check_workspace(fn, workspace, workspace_elems,
-                      imoe_plan_workspace_elems(IMOE_PLAN_PERMUTE, IMOE_DEVICE_CUDA, (int64_t)rows, n), err);
-  if (s != IMOE_OK) return s;
-  if (pl.R == 0 || n == 0) return IMOE_OK;
-  const int nd = pl.lead.nd;
+  PermCall c;
+  imoe_status s = start_perm_call(fn, buffers, num_buffers, perm, IMOE_PLAN_PERMUTE, workspace, workspace_elems,
+                                  exec, err, &guard, &c);
+  if (s != IMOE_OK || c.empty) return s;
+  const int nd = c.pl.lead.nd;
   PermCheckParams cp;
   memset(&cp, 0, sizeof cp);
-  cp.lead = pl.lead;
-  if (!per_row) memset(&cp.lead, 0, sizeof cp.lead);
-  cp.n = n;
-  cp.m = n;
-  cp.items = rows * (uint64_t)n;
+  cp.lead = c.pl.lead;
+  if (!c.per_row) memset(&cp.lead, 0, sizeof cp.lead);
+  cp.n = c.n;
+  cp.m = c.n;
+  cp.items = c.rows * (uint64_t)c.n;
   cp.scatter_items = cp.items;
-  cp.perm = in_view(perm, pl.st[0], nd);
-  cp.scatter = workspace + 3 * (int64_t)rows * n;
+  cp.perm = in_view(perm, c.pl.st[0], nd);
+  cp.scatter = workspace + 3 * (int64_t)c.rows * c.n;
   const int grid = check_grid(cp.items);
   cp.token = next_token();
-  cudaError_t e = launch(k_perm_range, (unsigned)grid, kPermCheckThreads, 0, st, false, cp);
+  cudaError_t e = launch(k_perm_range, (unsigned)grid, kPermCheckThreads, 0, c.st, false, cp);
   if (e != cudaSuccess) return cuda_fail(err, fn, "launch of k_perm_range", e);
   cp.prev_token = cp.token;
   cp.prev_nverdict = grid;
   cp.token = next_token();
-  e = launch(k_perm_unique, (unsigned)grid, kPermCheckThreads, 0, st, di->cc_major >= 9, cp);
+  e = launch(k_perm_unique, (unsigned)grid, kPermCheckThreads, 0, c.st, c.di->cc_major >= 9, cp);
   if (e != cudaSuccess) return cuda_fail(err, fn, "launch of k_perm_unique", e);
-  return launch_cycles_and_swaps(fn, buffers, num_buffers, pl, 1, cp.perm, per_row, n, inverse != 0, workspace,
-                                 cp.token, grid, di, st, err);
+  return launch_cycles_and_swaps(fn, buffers, num_buffers, c.pl, 1, cp.perm, c.per_row, c.n, inverse != 0, workspace,
+                                 cp.token, grid, c.di, c.st, err);
 }
 
 imoe_status imoe_cuda_apply_ordered(const imoe_view *buffers, int32_t num_buffers, const imoe_view *indices,
@@ -916,63 +940,50 @@ imoe_status imoe_cuda_apply_ordered(const imoe_view *buffers, int32_t num_buffer
                                     const imoe_exec *exec, imoe_error *err) {
   const char *fn = restore ? "imoe_cuda_restore_ordered" : "imoe_cuda_apply_ordered";
   DeviceGuard guard;
-  DevInfo *di = nullptr;
-  imoe_status s = enter(exec, fn, err, &guard, &di);
-  if (s != IMOE_OK) return s;
-  cudaStream_t st = static_cast<cudaStream_t>(exec->stream);
-  const int64_t n = buffers[0].n, kept = indices->n;
-  if (n >= 0x7FFFFFFFLL)
-    return fail(err, IMOE_ERR_ARGUMENT, "%s: N = %lld slots: the CUDA path takes N < 2^31", fn, (long long)n);
-  std::vector<const imoe_view *> views;
-  views.push_back(indices);
-  for (int b = 0; b < num_buffers; ++b) views.push_back(&buffers[b]);
-  Plan pl;
-  if (!make_plan(&buffers[0], views, &pl)) return fail(err, IMOE_ERR_ARGUMENT, "%s: more than 2^32 - 1 rows", fn);
-  const bool per_row = indices->lead_ndim > 0;
-  const uint64_t rows = per_row ? pl.R : 1u;
-  s = check_workspace(fn, workspace, workspace_elems,
-                      imoe_plan_workspace_elems(IMOE_PLAN_ORDERED, IMOE_DEVICE_CUDA, (int64_t)rows, n), err);
-  if (s != IMOE_OK) return s;
-  if (pl.R == 0 || n == 0) return IMOE_OK;
-  if (rows > 0x7FFFFFFFull) return fail(err, IMOE_ERR_ARGUMENT, "%s: too many rows for one launch", fn);
-  const int nd = pl.lead.nd;
-  Lead plead = pl.lead;
-  if (!per_row) memset(&plead, 0, sizeof plead);
+  PermCall c;
+  imoe_status s = start_perm_call(fn, buffers, num_buffers, indices, IMOE_PLAN_ORDERED, workspace, workspace_elems,
+                                  exec, err, &guard, &c);
+  if (s != IMOE_OK || c.empty) return s;
+  const int64_t kept = indices->n;
+  if (c.rows > 0x7FFFFFFFull) return fail(err, IMOE_ERR_ARGUMENT, "%s: too many rows for one launch", fn);
+  const int nd = c.pl.lead.nd;
+  Lead plead = c.pl.lead;
+  if (!c.per_row) memset(&plead, 0, sizeof plead);
   // the indices: in [0, N), then distinct (IMOE_ERR_BAD_MAP, as the CPU core)
   PermCheckParams cp;
   memset(&cp, 0, sizeof cp);
   cp.lead = plead;
-  cp.n = n;
+  cp.n = c.n;
   cp.m = kept;
-  cp.items = rows * (uint64_t)kept;
-  cp.scatter_items = rows * (uint64_t)n;
-  cp.perm = in_view(indices, pl.st[0], nd);
-  cp.scatter = workspace + 3 * (int64_t)rows * n;
+  cp.items = c.rows * (uint64_t)kept;
+  cp.scatter_items = c.rows * (uint64_t)c.n;
+  cp.perm = in_view(indices, c.pl.st[0], nd);
+  cp.scatter = workspace + 3 * (int64_t)c.rows * c.n;
   const int nverdict = check_grid(std::max(cp.items, cp.scatter_items));
   cp.token = next_token();
-  cudaError_t e = launch(k_perm_range, (unsigned)nverdict, kPermCheckThreads, 0, st, false, cp);
+  cudaError_t e = launch(k_perm_range, (unsigned)nverdict, kPermCheckThreads, 0, c.st, false, cp);
   if (e != cudaSuccess) return cuda_fail(err, fn, "launch of k_perm_range", e);
   cp.prev_token = cp.token;
   cp.prev_nverdict = nverdict;
   cp.token = next_token();
-  e = launch(k_perm_unique, (unsigned)nverdict, kPermCheckThreads, 0, st, false, cp);
+  e = launch(k_perm_unique, (unsigned)nverdict, kPermCheckThreads, 0, c.st, false, cp);
   if (e != cudaSuccess) return cuda_fail(err, fn, "launch of k_perm_unique", e);
   const uint32_t token = cp.token;
   OrderedPlanParams op;
   memset(&op, 0, sizeof op);
   op.lead = plead;
-  op.n = n;
+  op.n = c.n;
   op.kept = kept;
-  op.region = (int64_t)rows * n;
+  op.region = (int64_t)c.rows * c.n;
   op.idx = cp.perm;
   op.ws = workspace;
   op.token = token;
   op.nverdict = nverdict;
-  e = launch(k_ordered_plan, (unsigned)rows, kPermThreads, 0, st, false, op);
+  e = launch(k_ordered_plan, (unsigned)c.rows, kPermThreads, 0, c.st, false, op);
   if (e != cudaSuccess) return cuda_fail(err, fn, "launch of k_ordered_plan", e);
-  const InView plan = ws_view(workspace + 6 * op.region, pl.lead, n, per_row);
-  return launch_cycles_and_swaps(fn, buffers, num_buffers, pl, 1, plan, per_row, n, restore != 0, workspace, token,
-                                 nverdict, di, st, err);
+  const InView plan = ws_view(workspace + 6 * op.region, c.pl.lead, c.n, c.per_row);
+  return launch_cycles_and_swaps(fn, buffers, num_buffers, c.pl, 1, plan, c.per_row, c.n, restore != 0, workspace,
+                                 token, nverdict, c.di, c.st, err);
 }
 
 imoe_status imoe_cuda_group_by_expert(const imoe_view *buffers, int32_t num_buffers, const imoe_view *expert_ids,
