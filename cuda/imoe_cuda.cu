@@ -33,6 +33,7 @@ struct DevInfo {
   int smem_optin;  // per block, opt-in
   int smem_sm;     // per multiprocessor
   int cc_major;
+  int coop;  // cooperative launches (the select's own NaN check)
   size_t occ_smem[6];  // k_select<0..2>, k_select_small<4, 8, 16>
   int occ_val[6];
 };
@@ -95,11 +96,11 @@ imoe_status enter(const imoe_exec *exec, const char *fn, imoe_error *err, Device
   DevInfo *di = &g_dev[dev];
   std::lock_guard<std::mutex> lock(g_mu);
   if (!di->init) {
-    int v[4];
-    const cudaDeviceAttr attrs[4] = {cudaDevAttrMultiProcessorCount, cudaDevAttrMaxSharedMemoryPerBlockOptin,
+    int v[5];
+    const cudaDeviceAttr attrs[5] = {cudaDevAttrMultiProcessorCount, cudaDevAttrMaxSharedMemoryPerBlockOptin,
                                      cudaDevAttrMaxSharedMemoryPerMultiprocessor,
-                                     cudaDevAttrComputeCapabilityMajor};
-    for (int i = 0; i < 4; ++i) {
+                                     cudaDevAttrComputeCapabilityMajor, cudaDevAttrCooperativeLaunch};
+    for (int i = 0; i < 5; ++i) {
       e = cudaDeviceGetAttribute(&v[i], attrs[i], dev);
       if (e != cudaSuccess) return cuda_fail(err, fn, "cudaDeviceGetAttribute", e);
     }
@@ -107,6 +108,7 @@ imoe_status enter(const imoe_exec *exec, const char *fn, imoe_error *err, Device
     di->smem_optin = v[1];
     di->smem_sm = v[2];
     di->cc_major = v[3];
+    di->coop = v[4];
     // One shared-memory carveout for every kernel: a kernel launched early
     // (PDL) can then share a multiprocessor with the one before it.
     const int carve = cudaSharedmemCarveoutMaxShared;
@@ -580,7 +582,7 @@ imoe_status select_and_move(const char *fn, const imoe_view *buffers, int32_t nu
     // keep select blocks off their SMs. The barrier needs every block
     // resident at once: a cooperative launch, where the grid fits.
     const uint64_t fit = (uint64_t)di->sms * (uint64_t)occupancy(di, src, smem);
-    if (grid <= fit && grid < 32768u) {  // NaN counts stay below 2^16 (see g_gridbar)
+    if (di->coop && grid <= fit && grid < 32768u) {  // NaN counts stay below 2^16 (see g_gridbar)
       sp.fused_nan = 1;
       sp.nverdict = 0;
       sp.pdl = 0;
@@ -590,10 +592,11 @@ imoe_status select_and_move(const char *fn, const imoe_view *buffers, int32_t nu
       if (e == cudaSuccess) {
         launched = true;
         nverdict = 1;  // block 0 writes the verdict word for the call's later kernels
-      } else if (e == cudaErrorCooperativeLaunchTooLarge) {
-        (void)cudaGetLastError();
       } else {
-        return cuda_fail(err, fn, "launch of k_select_small", e);
+        // refused (more blocks than can be resident now, say under MPS): the
+        // check kernel instead; an error that is not about the launch's
+        // shape shows again in the launches below and is reported there
+        (void)cudaGetLastError();
       }
     }
     if (!launched) {  // a check kernel first, as for long rows
