@@ -124,35 +124,32 @@ static void move_pair(const imoe_apply_plan *plan, item_rows *rows, int64_t dst,
   }
 }
 
-imoe_status imoe_apply_indices_item(const void *ctx, int64_t item, unsigned char *workspace,
-                                    imoe_error *err) {
-  const imoe_apply_plan *plan = ctx;
+/* One item of a map's rows: indices (slot i takes slot idx[i] when they
+ * differ) or a target map (each 2-cycle x <-> tm[x] once, from its lower
+ * slot). */
+static void apply_map_item(const imoe_apply_plan *plan, int64_t item, int target_map) {
   const int64_t stride = plan->map->n_stride;
   const imoe_dtype dtype = plan->map->dtype;
   item_rows rows;
+  locate(plan, item, &rows);
+  for (int64_t x = rows.lo; x < rows.hi; x++) {
+    const int64_t v = imoe_load_index(rows.map + x * stride, dtype);
+    if (target_map ? x < v : v != x) move_pair(plan, &rows, x, v);
+  }
+}
+
+imoe_status imoe_apply_indices_item(const void *ctx, int64_t item, unsigned char *workspace,
+                                    imoe_error *err) {
   (void)workspace;
   (void)err;
-  locate(plan, item, &rows);
-  for (int64_t i = rows.lo; i < rows.hi; i++) {
-    const int64_t src = imoe_load_index(rows.map + i * stride, dtype);
-    if (src != i) move_pair(plan, &rows, i, src);
-  }
+  apply_map_item(ctx, item, 0);
   return IMOE_OK;
 }
 
 imoe_status imoe_apply_target_map_item(const void *ctx, int64_t item, unsigned char *workspace,
                                        imoe_error *err) {
-  const imoe_apply_plan *plan = ctx;
-  const int64_t stride = plan->map->n_stride;
-  const imoe_dtype dtype = plan->map->dtype;
-  item_rows rows;
   (void)workspace;
   (void)err;
-  locate(plan, item, &rows);
-  /* Each 2-cycle is handled once, from its lower slot. */
-  for (int64_t x = rows.lo; x < rows.hi; x++) {
-    const int64_t t = imoe_load_index(rows.map + x * stride, dtype);
-    if (x < t) move_pair(plan, &rows, x, t);
-  }
+  apply_map_item(ctx, item, 1);
   return IMOE_OK;
 }
