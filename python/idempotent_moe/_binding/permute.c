@@ -128,6 +128,20 @@ done:
   return result;
 }
 
+/* The rest of an ordered selection's arguments, after any buffers: the
+ * selection, out_indices and the workspace; then the call's checks. */
+static int import_ordered_selection(imoe_py_call *c, PyObject *scores, PyObject *active,
+                                    long long capacity, long long prefix, long long window,
+                                    int nan_lowest, PyObject *out_indices, PyObject *workspace,
+                                    imoe_view *sel_view, imoe_selection *sel, imoe_view *idx) {
+  if (import_selection(c, scores, active, capacity, prefix, window, nan_lowest, sel_view, sel) < 0 ||
+      imoe_py_call_import_typed(c, out_indices, "out_indices", 1, INDEX_DTYPES, INDEX_NAMES, idx) <
+          0 ||
+      imoe_py_call_import_workspace(c, workspace) < 0 || imoe_py_call_finish(c) < 0)
+    return -1;
+  return 0;
+}
+
 PyObject *imoe_py_compact_ordered(PyObject *self, PyObject *args) {
   (void)self;
   PyObject *buffers, *dims, *row_ndims, *scores, *active, *out_indices, *workspace;
@@ -144,11 +158,8 @@ PyObject *imoe_py_compact_ordered(PyObject *self, PyObject *args) {
   imoe_view sel_view, idx;
   imoe_selection sel;
   if (imoe_py_call_import_buffers(c, buffers, dims, row_ndims) < 0 ||
-      import_selection(c, scores, active, capacity, prefix, window, nan_lowest, &sel_view, &sel) <
-          0 ||
-      imoe_py_call_import_typed(c, out_indices, "out_indices", 1, INDEX_DTYPES, INDEX_NAMES,
-                                &idx) < 0 ||
-      imoe_py_call_import_workspace(c, workspace) < 0 || imoe_py_call_finish(c) < 0)
+      import_ordered_selection(c, scores, active, capacity, prefix, window, nan_lowest,
+                               out_indices, workspace, &sel_view, &sel, &idx) < 0)
     goto done;
   imoe_error err = {{0}};
   imoe_status status;
@@ -176,11 +187,8 @@ PyObject *imoe_py_build_map_ordered(PyObject *self, PyObject *args) {
   if (c == NULL) return NULL;
   imoe_view sel_view, idx;
   imoe_selection sel;
-  if (import_selection(c, scores, active, capacity, prefix, window, nan_lowest, &sel_view, &sel) <
-          0 ||
-      imoe_py_call_import_typed(c, out_indices, "out_indices", 1, INDEX_DTYPES, INDEX_NAMES,
-                                &idx) < 0 ||
-      imoe_py_call_import_workspace(c, workspace) < 0 || imoe_py_call_finish(c) < 0)
+  if (import_ordered_selection(c, scores, active, capacity, prefix, window, nan_lowest,
+                               out_indices, workspace, &sel_view, &sel, &idx) < 0)
     goto done;
   imoe_error err = {{0}};
   imoe_status status;
