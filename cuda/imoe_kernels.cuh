@@ -83,12 +83,10 @@ __device__ __forceinline__ bool call_aborted(uint32_t token, int nv) {
 __global__ void k_take_status() { g_status_taken = atomicExch(&g_status, 0); }
 
 // ------------------------------------------------------------ validation
-// Whether a raw score holds a NaN (16-bit types: the low half; a 32-bit word
-// of two 16-bit scores: either half).
-__device__ __forceinline__ bool word_has_nan(uint32_t w, int dt) {
-  if (dt == IMOE_DTYPE_F32) return (w & 0x7FFFFFFFu) > 0x7F800000u;
-  const uint32_t lim = dt == IMOE_DTYPE_F16 ? 0x7C00u : 0x7F80u;
-  return (w & 0x7FFFu) > lim || ((w >> 16) & 0x7FFFu) > lim;
+// Whether a raw score (as ldg_raw reads it: 16-bit types zero-extended) is NaN.
+__device__ __forceinline__ bool raw_is_nan(uint32_t raw, int dt) {
+  if (dt == IMOE_DTYPE_F32) return (raw & 0x7FFFFFFFu) > 0x7F800000u;
+  return (raw & 0x7FFFu) > (dt == IMOE_DTYPE_F16 ? 0x7C00u : 0x7F80u);
 }
 
 struct NanParams {
@@ -120,11 +118,7 @@ __global__ void __launch_bounds__(256) k_check_nan(const __grid_constant__ NanPa
       raw[u] = x < x1 ? ldg_raw(row + x * p.scores.n_stride, dt, al) : 0u;
     }
 #pragma unroll
-    for (int u = 0; u < 8; ++u) {
-      if (dt == IMOE_DTYPE_F32) bad |= (raw[u] & 0x7FFFFFFFu) > 0x7F800000u;
-      else if (dt == IMOE_DTYPE_F16) bad |= (raw[u] & 0x7FFFu) > 0x7C00u;
-      else bad |= (raw[u] & 0x7FFFu) > 0x7F80u;
-    }
+    for (int u = 0; u < 8; ++u) bad |= raw_is_nan(raw[u], dt);
   }
   }
   bad = __syncthreads_or(bad) != 0;
@@ -770,7 +764,7 @@ __global__ void __launch_bounds__(kSelThreads, 1) k_select_small(const __grid_co
     load_raw_row<IPT>(srow, x0, N, dt, p.scores.aligned != 0, p.scores.n_stride, vec, raw);
     if (p.fused_nan) {  // every slot of the row, as k_check_nan (slots >= N read as 0)
 #pragma unroll
-      for (int i = 0; i < IPT; ++i) nan_here |= word_has_nan(raw[i], dt);
+      for (int i = 0; i < IPT; ++i) nan_here |= raw_is_nan(raw[i], dt);
     }
     // the outputs' rows while the keys are on their way
     irow = p.has_idx ? p.idx.data + row_offset(p.lead, rc, p.idx.lead) : nullptr;
