@@ -246,21 +246,27 @@ def test_cuda_allocates_nothing_with_out_indices(rng):
     assert torch.cuda.memory_reserved() == reserved
 
 
+def captured(call):
+    """`call` warmed up once on a side stream, then captured in a CUDA graph."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up outside the capture
+        call()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    return graph
+
+
 def test_cuda_graph_replays_nan_verdicts(rng):
     """A captured call keeps its call slot on every replay: each replay's NaN
     verdict is its own (clean, NaN, NaN, clean, ...), whatever the one before."""
     x = cuda(make_data((8, 2048, 64), "float16", "torch", rng))
     scores = cuda(make_scores((8, 2048), "float32", "torch", rng, ties=False))
     out = torch.empty((8, 512), dtype=torch.int64, device="cuda")
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up outside the capture
-        imoe.compact_(x, scores, 512, out_indices=out, mode="move")
-    torch.cuda.current_stream().wait_stream(side)
-    imoe.check_errors(x)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        imoe.compact_(x, scores, 512, out_indices=out, mode="move")
+    graph = captured(lambda: imoe.compact_(x, scores, 512, out_indices=out, mode="move"))
+    imoe.check_errors(x)  # the warm-up's clean call recorded nothing
     for step, nan in enumerate([False, True, True, False, True, False, False, True]):
         fresh = cuda(make_data((8, 2048, 64), "float16", "torch", rng))
         x.copy_(fresh)
@@ -286,14 +292,7 @@ def test_cuda_graph_capture(rng):
     x = cuda(make_data((8, 2048, 64), "float16", "torch", rng))
     scores = cuda(make_scores((8, 2048), "float32", "torch", rng, ties=False))
     out = torch.empty((8, 512), dtype=torch.int64, device="cuda")
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up outside the capture
-        imoe.compact_(x, scores, 512, out_indices=out)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        imoe.compact_(x, scores, 512, out_indices=out)
+    graph = captured(lambda: imoe.compact_(x, scores, 512, out_indices=out))
     for _ in range(2):
         fresh = cuda(make_data((8, 2048, 64), "float16", "torch", rng))
         x.copy_(fresh)
