@@ -15,6 +15,9 @@ namespace imoe_cu {
 constexpr int kMaxDims = IMOE_MAX_LEAD_DIMS;
 constexpr int kMaxBuf = 16;             // buffers moved by one launch
 constexpr int kSelThreads = 1024;       // select kernel block
+constexpr int kSmallDigit = 11;         // k_select_small: radix digit bits,
+constexpr int kSmallBins = 1 << kSmallDigit;  // bins per pass,
+constexpr int kSmallPasses = 3;         // and passes (3 x 11 >= 32)
 constexpr int kItems = 4;               // consecutive slots per thread in a tile
 constexpr int kTile = kSelThreads * kItems;
 constexpr int kListL = 4096;            // ring refill threshold
@@ -174,6 +177,17 @@ __device__ __forceinline__ void griddep_launch_dependents() {
 }
 
 // ---------------------------------------------------------------- scans
+// Sum of v over lanes >= this lane.
+__device__ __forceinline__ int warp_suffix_sum(int v) {
+  const int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const int n = __shfl_down_sync(0xFFFFFFFFu, v, o);
+    if (lane + o < 32) v += n;
+  }
+  return v;
+}
+
 __device__ __forceinline__ int warp_incl_scan(int v) {
   const int lane = threadIdx.x & 31;
 #pragma unroll

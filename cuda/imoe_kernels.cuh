@@ -726,11 +726,13 @@ __device__ __forceinline__ void load_raw_row(const char *srow, int x0, int N, in
 template <int IPT>
 __global__ void __launch_bounds__(kSelThreads, 1) k_select_small(const __grid_constant__ SelParams p) {
   extern __shared__ __align__(16) unsigned char dsm[];
-  __shared__ __align__(16) int s_hist[4][256];  // one per radix pass
-  __shared__ __align__(16) int s_res[4][4];     // per pass: digit, keys above it, keys in it
+  __shared__ __align__(16) int s_hist[kSmallPasses][kSmallBins];  // one per radix pass
+  __shared__ int s_part[kSmallPasses][32];  // per pass: keys in each warp's 64 bins
+  __shared__ uint32_t s_mm[2][32];          // per warp: least and greatest candidate key
   __shared__ int s_wsum[2][32];
   __shared__ int s_phase;  // fused NaN check: this launch's barrier phase
-  static_assert(kSelThreads == 4 * 256, "one histogram word per thread to zero");
+  static_assert(kSelThreads == 32 * 32 && kSmallBins == 32 * 64, "warp w sums bins [64 w, 64 w + 64)");
+  static_assert(kSmallPasses * kSmallBins == 6 * kSelThreads, "six histogram words per thread to zero");
 
   const int tid = threadIdx.x, lane = tid & 31;
   const uint32_t r = blockIdx.x / (uint32_t)p.nblk;
@@ -744,7 +746,11 @@ __global__ void __launch_bounds__(kSelThreads, 1) k_select_small(const __grid_co
   const int dt = p.scores.dtype;
 
   IMOE_PHASE(0);
-  reinterpret_cast<int *>(s_hist)[tid] = 0;
+  {
+    int4 *hz = reinterpret_cast<int4 *>(&s_hist[0][0]);
+    hz[tid] = make_int4(0, 0, 0, 0);
+    if (tid < kSelThreads / 2) hz[tid + kSelThreads] = make_int4(0, 0, 0, 0);
+  }
   // fused NaN check: the barrier word before this launch's arrivals (its
   // bit 63, the phase, says which NaN half is this launch's), read while the
   // keys load
@@ -781,10 +787,23 @@ __global__ void __launch_bounds__(kSelThreads, 1) k_select_small(const __grid_co
 #pragma unroll
       for (int i = 0; i < IPT; ++i) key[i] = key_of_bits(raw[i] << 16);
     }
+    // the candidates' least and greatest key: the first pass bins that range
+    uint32_t kmn = 0xFFFFFFFFu, kmx = 0u;
 #pragma unroll
     for (int i = 0; i < IPT; ++i) {
       const int x = x0 + i;
-      if (x < clo || x >= chi) key[i] = 0u;
+      if (x < clo || x >= chi) {
+        key[i] = 0u;
+      } else {
+        kmn = min(kmn, key[i]);
+        kmx = max(kmx, key[i]);
+      }
+    }
+    kmn = __reduce_min_sync(0xFFFFFFFFu, kmn);
+    kmx = __reduce_max_sync(0xFFFFFFFFu, kmx);
+    if (lane == 0) {
+      s_mm[0][tid >> 5] = kmn;
+      s_mm[1][tid >> 5] = kmx;
     }
   }
   const bool all_kept = Cp >= N;
@@ -794,7 +813,7 @@ __global__ void __launch_bounds__(kSelThreads, 1) k_select_small(const __grid_co
   bool needs_rank = false;
   int Q = 0;
 #ifdef IMOE_PHASE_TIMES
-  if (key[0] == 0xDEADBEEFu) s_res[0][3] = 1;  // waits for the keys
+  if (key[0] == 0xDEADBEEFu) s_wsum[0][0] = 1;  // waits for the keys
 #endif
   if (p.fused_nan) {  // uniform: arrive, with this row's finding
     const bool row_nan = __syncthreads_or(nan_here) != 0;
@@ -813,68 +832,70 @@ __global__ void __launch_bounds__(kSelThreads, 1) k_select_small(const __grid_co
   IMOE_PHASE(1);
   if (!all_kept && Kp > 0) {
     const int noncand = kSelThreads * IPT - (chi - clo);
+    const int warp = tid >> 5;
     int need = Kp;
-    uint32_t prefix = 0;
+    // Keys in play lie in [base, base + span]; a pass bins them by
+    // (key - base) >> sh into at most kSmallBins bins. The first pass spans
+    // the candidates' keys only, so scores that share their high bits (say
+    // all in [0, 1)) resolve in two passes; any keys resolve in three.
+    uint32_t base = __reduce_min_sync(0xFFFFFFFFu, s_mm[0][lane]);
+    uint32_t span = __reduce_max_sync(0xFFFFFFFFu, s_mm[1][lane]) - base;
+    int sh = max(0, 32 - __clz(span) - kSmallDigit);
 #pragma unroll 1
-    for (int pass = 0; pass < 4; ++pass) {
-      const int shift = 24 - 8 * pass;
-      const uint32_t hmask = pass == 0 ? 0u : (0xFFFFFFFFu << (shift + 8));
+    for (int pass = 0; pass < kSmallPasses; ++pass) {
       int *hist = s_hist[pass];
 #pragma unroll
-      for (int i = 0; i < IPT; ++i)
-        if ((key[i] & hmask) == prefix) atomicAdd(&hist[(key[i] >> shift) & 255u], 1);
-      __syncthreads();
-      if (tid < 32) {  // warp 0 finds the digit; lane l holds bins 8l .. 8l+7
-        const int4 qa = *reinterpret_cast<const int4 *>(hist + lane * 8);
-        const int4 qb = *reinterpret_cast<const int4 *>(hist + lane * 8 + 4);
-        int h[8] = {qa.x, qa.y, qa.z, qa.w, qb.x, qb.y, qb.z, qb.w};
-        if (lane == 0 && prefix == 0u) h[0] -= noncand;  // the non-candidates all sit in bin 0
-        int s = 0;
-#pragma unroll
-        for (int j = 0; j < 8; ++j) s += h[j];
-        int suf = s;  // keys in bins >= 8 * lane
-#pragma unroll
-        for (int o = 1; o < 32; o <<= 1) {
-          const int n = __shfl_down_sync(0xFFFFFFFFu, suf, o);
-          if (lane + o < 32) suf += n;
-        }
-        const int above = suf - s;
-        if (above < need && need <= suf) {  // exactly one lane
-          // S_j = keys in bins >= 8 lane + j, non-increasing in j; the digit
-          // is the largest j with S_j >= need
-          int run = above, cnt = 0, below = above, at = 0x7FFFFFFF;
-#pragma unroll
-          for (int j = 7; j >= 0; --j) {
-            run += h[j];
-            const bool ge = run >= need;
-            cnt += ge ? 1 : 0;
-            below = ge ? below : max(below, run);
-            at = ge ? min(at, run) : at;
-          }
-          s_res[pass][0] = lane * 8 + cnt - 1;
-          s_res[pass][1] = below;       // keys in higher bins
-          s_res[pass][2] = at - below;  // keys in the digit's bin
-        }
+      for (int i = 0; i < IPT; ++i) {
+        const uint32_t d = key[i] - base;
+        if (d <= span) atomicAdd(&hist[d >> sh], 1);
       }
       __syncthreads();
-      const int4 res = *reinterpret_cast<const int4 *>(s_res[pass]);
+      // the non-candidates (key 0) are in play, in bin 0, when base is 0
+      const int drop0 = base == 0u ? noncand : 0;
+      {  // warp w sums bins [64 w, 64 w + 64)
+        const int2 h = *reinterpret_cast<const int2 *>(hist + 64 * warp + 2 * lane);
+        const int v = __reduce_add_sync(0xFFFFFFFFu, h.x + h.y - (tid == 0 ? drop0 : 0));
+        if (lane == 0) s_part[pass][warp] = v;
+      }
+      __syncthreads();
+      // every warp finds the digit itself (no third barrier): the group of
+      // 64 bins that holds the need-th key from the top, then the bin
+      const int g = s_part[pass][lane];
+      const int sg = warp_suffix_sum(g);  // keys in groups >= lane
+      const int G = 31 - __clz(__ballot_sync(0xFFFFFFFFu, sg >= need));
+      const int above_g = __shfl_sync(0xFFFFFFFFu, sg - g, G);
+      const int2 h = *reinterpret_cast<const int2 *>(hist + 64 * G + 2 * lane);
+      const int h0 = h.x - (G == 0 && lane == 0 ? drop0 : 0);
+      const int v = h0 + h.y;
+      const int sv = warp_suffix_sum(v) + above_g;  // keys in bins >= 64 G + 2 lane
+      const int L = 31 - __clz(__ballot_sync(0xFFFFFFFFu, sv >= need));
+      const int a = sv - v;  // keys above this lane's two bins
+      const bool up = a + h.y >= need;
+      const int dg = 64 * G + 2 * lane + (up ? 1 : 0);
+      const int bl = up ? a : a + h.y;  // keys in higher bins
+      const int at = up ? h.y : h0;     // keys in the digit's bin
+      const uint32_t digit = (uint32_t)__shfl_sync(0xFFFFFFFFu, dg, L);
+      need -= __shfl_sync(0xFFFFFFFFu, bl, L);
+      const int inbin = __shfl_sync(0xFFFFFFFFu, at, L);
       IMOE_PHASE(2 + pass);
-      need -= res.y;
-      prefix |= (uint32_t)res.x << shift;
-      if (res.z == need) {  // the whole bin is kept: keep every key >= prefix
-        if (prefix) {
-          thr = prefix - 1u;
+      base += digit << sh;
+      if (inbin == need) {  // the whole bin is kept: keep every key >= base
+        if (base) {
+          thr = base - 1u;
         } else {
           thr = 0u;
           take_eq = true;
         }
         break;
       }
-      if (pass == 3) {  // exact threshold; `need` of its ties, lowest index first
-        thr = prefix;
+      if (sh == 0) {  // exact threshold; `need` of its ties, lowest index first
+        thr = base;
         Q = need;
         needs_rank = true;
+        break;
       }
+      span = (1u << sh) - 1u;
+      sh = max(sh - kSmallDigit, 0);
     }
   }
 
