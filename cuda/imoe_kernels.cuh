@@ -899,6 +899,11 @@ __global__ void __launch_bounds__(kSelThreads, 1) k_select_small(const __grid_co
     }
   }
 
+  // fused NaN check: every block arrived long ago, most likely; the read is
+  // in flight while the flags, ranks and H, T are built
+  unsigned long long seen = 0ull;
+  if (p.fused_nan && tid == 0) seen = ld_relaxed_u64(&g_gridbar[p.token % kSlots]);
+
   // ---- kept flags, then holes in [0, C') and kept tails in [C', N); bit i
   // of a mask stands for slot x0 + i
   const uint32_t inrow = slot_bits(x0, 0, N, IPT), cand = slot_bits(x0, clo, chi, IPT);
@@ -952,15 +957,11 @@ __global__ void __launch_bounds__(kSelThreads, 1) k_select_small(const __grid_co
   const uint32_t B = (uint32_t)p.nblk;
   // this block's even share of the pairs
   const int qa = (int)((uint32_t)m * bsub / B), qb = (int)((uint32_t)m * (bsub + 1u) / B);
-  // fused NaN check: most likely every block arrived long ago; the read is
-  // in flight across the barrier below
-  unsigned long long seen = 0ull;
-  if (p.fused_nan && tid == 0) seen = ld_relaxed_u64(&g_gridbar[p.token % kSlots]);
-  __syncthreads();  // H and T complete
   IMOE_PHASE(7);
 
-  // ---- from here on the call writes: wait for the validation (one barrier
-  // either way: the verdict words of the check kernel, or the grid barrier)
+  // ---- from here on the call writes: wait for the validation (the verdict
+  // words of the check kernel, or the grid barrier), then one barrier: H and
+  // T complete, and the verdict
   bool bad = false;
   if (p.fused_nan) {
     if (tid == 0) {
