@@ -827,16 +827,86 @@ __global__ void k_flush_read(const uint4 *p, size_t n, uint4 *sink) {
   if ((acc.x & acc.y & acc.z & acc.w) == 0xFFFFFFFFu && threadIdx.x == 1023) *sink = acc;
 }
 __global__ void k_empty() {}
+// One thread spinning for `cycles` SM cycles (as torch.cuda._sleep).
+__global__ void k_spin(long long cycles) {
+  const long long t0 = clock64();
+  while (clock64() - t0 < cycles) {
+  }
+}
 static void flush_l2(void *flush, size_t bytes) {
   static const bool off = getenv("IMOE_BENCH_NOFLUSH") != nullptr;  // diagnosis only: warm L2
+  // diagnosis only: a spin of one thread between the flush and the timed call
+  static const long long spin = getenv("IMOE_BENCH_SPIN") ? atoll(getenv("IMOE_BENCH_SPIN")) : 0;
   if (off) return;
   k_flush_read<<<1056, 256, 0, g_stream>>>((const uint4 *)flush, bytes / 16, (uint4 *)flush);
   CK(cudaGetLastError());
+  if (spin > 0) k_spin<<<1, 1, 0, g_stream>>>(spin);
 }
 
 static float median_of(std::vector<float> v) {
   std::sort(v.begin(), v.end());
   return v[v.size() / 2];
+}
+
+// --launch (diagnosis): what a launch itself costs in event time after the
+// flush, by block shape, shared memory, carveout and cooperative launch.
+__global__ void k_empty_a() {
+  extern __shared__ int sm_a[];
+  if (threadIdx.x == 1u << 30) sm_a[0] = 1;
+}
+__global__ void k_empty_b() {
+  extern __shared__ int sm_b[];
+  if (threadIdx.x == 1u << 30) sm_b[0] = 1;
+}
+static void bench_launch() {
+  const size_t flush_bytes = (size_t)256 << 20;
+  void *flush;
+  CK(cudaMalloc(&flush, flush_bytes));
+  CK(cudaMemset(flush, 0x5A, flush_bytes));
+  const int dyn = 88 << 10;
+  CK(cudaFuncSetAttribute(k_empty_a, cudaFuncAttributeMaxDynamicSharedMemorySize, dyn));
+  CK(cudaFuncSetAttribute(k_empty_a, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared));
+  CK(cudaFuncSetAttribute(k_empty_b, cudaFuncAttributeMaxDynamicSharedMemorySize, dyn));
+  cudaEvent_t e0, e1;
+  CK(cudaEventCreate(&e0));
+  CK(cudaEventCreate(&e1));
+  const char *names[6] = {"empty 1x32", "empty 128x1024", "128x1024 88 KB, carveout max shared",
+                          "128x1024 88 KB, carveout default", "128x1024 88 KB max shared, cooperative",
+                          "128x1024 88 KB max shared, twice"};
+  for (int rep = 0; rep < 2; ++rep)
+    for (int v = 0; v < 6; ++v) {
+      std::vector<float> t;
+      for (int it = 0; it < 210; ++it) {
+        flush_l2(flush, flush_bytes);
+        CK(cudaEventRecord(e0, g_stream));
+        if (v == 0) k_empty<<<1, 32, 0, g_stream>>>();
+        else if (v == 1) k_empty_b<<<128, 1024, 0, g_stream>>>();
+        else if (v == 2 || v == 5) k_empty_a<<<128, 1024, dyn, g_stream>>>();
+        else if (v == 3) k_empty_b<<<128, 1024, dyn, g_stream>>>();
+        else {
+          cudaLaunchConfig_t cfg = {};
+          cudaLaunchAttribute at[1];
+          at[0].id = cudaLaunchAttributeCooperative;
+          at[0].val.cooperative = 1;
+          cfg.gridDim = dim3(128);
+          cfg.blockDim = dim3(1024);
+          cfg.dynamicSmemBytes = dyn;
+          cfg.stream = g_stream;
+          cfg.attrs = at;
+          cfg.numAttrs = 1;
+          CK(cudaLaunchKernelEx(&cfg, k_empty_a));
+        }
+        if (v == 5) k_empty_a<<<128, 1024, dyn, g_stream>>>();
+        CK(cudaEventRecord(e1, g_stream));
+        CK(cudaEventSynchronize(e1));
+        float ms;
+        CK(cudaEventElapsedTime(&ms, e0, e1));
+        if (it >= 10) t.push_back(ms * 1000.0f);
+      }
+      printf("launch: %-44s median %.2f us, min %.2f us\n", names[v], median_of(t),
+             *std::min_element(t.begin(), t.end()));
+    }
+  CK(cudaFree(flush));
 }
 
 struct BenchRow {
@@ -948,11 +1018,14 @@ static void bench_workload(const char *wname, int nlead, const int64_t *lead, in
   std::vector<float> hs((size_t)(R * N));
   for (auto &v : hs) v = (float)runif();
   float *scores;
-  int32_t *idx;
+  void *idx;
   CK(cudaMalloc(&scores, hs.size() * 4));
   CK(cudaMemcpy(scores, hs.data(), hs.size() * 4, cudaMemcpyHostToDevice));
   const int64_t Cp = std::min(C, N);
-  CK(cudaMalloc(&idx, (size_t)(R * Cp) * 4));
+  // IMOE_BENCH_IDX64=1: int64 indices, as torch callers pass them
+  const bool idx64 = getenv("IMOE_BENCH_IDX64") != nullptr;
+  const int ies = idx64 ? 8 : 4;
+  CK(cudaMalloc(&idx, (size_t)(R * Cp) * ies));
   const size_t flush_bytes = (size_t)256 << 20;
   void *flush;
   CK(cudaMalloc(&flush, flush_bytes));
@@ -978,7 +1051,7 @@ static void bench_workload(const char *wname, int nlead, const int64_t *lead, in
   std::vector<imoe_view> bv;
   for (int b = 0; b < nbuf; ++b) bv.push_back(view(bufs[b], N, row_bytes, IMOE_DTYPE_BYTES));
   imoe_view sv = view(scores, N, 4, IMOE_DTYPE_F32);
-  imoe_view iv = view(idx, Cp, 4, IMOE_DTYPE_I32);
+  imoe_view iv = view(idx, Cp, ies, idx64 ? IMOE_DTYPE_I64 : IMOE_DTYPE_I32);
   imoe_exec ex;
   memset(&ex, 0, sizeof ex);
   ex.device = IMOE_DEVICE_CUDA;
@@ -1046,7 +1119,13 @@ static void bench_workload(const char *wname, int nlead, const int64_t *lead, in
       // correctness of the last run: indices and the first buffer
       bool ok = read_status(ex) == 0;
       std::vector<int32_t> got((size_t)(R * Cp));
-      CK(cudaMemcpy(got.data(), idx, got.size() * 4, cudaMemcpyDeviceToHost));
+      if (idx64) {
+        std::vector<int64_t> got64(got.size());
+        CK(cudaMemcpy(got64.data(), idx, got64.size() * 8, cudaMemcpyDeviceToHost));
+        for (size_t j = 0; j < got.size(); ++j) got[j] = (int32_t)got64[j];
+      } else {
+        CK(cudaMemcpy(got.data(), idx, got.size() * 4, cudaMemcpyDeviceToHost));
+      }
       ok = ok && got == want_idx;
       std::vector<uint8_t> out(buf_bytes), orig(buf_bytes);
       CK(cudaMemcpy(out.data(), bufs[0], buf_bytes, cudaMemcpyDeviceToHost));
@@ -1179,6 +1258,11 @@ int main(int argc, char **argv) {
     else if (!strcmp(argv[i], "--bench")) bench = true;
     else if (!strcmp(argv[i], "--profile")) profile = true;
     else if (!strcmp(argv[i], "--phases")) g_phases = true;
+    else if (!strcmp(argv[i], "--launch")) {
+      CK(cudaStreamCreateWithFlags(&g_stream, cudaStreamNonBlocking));
+      bench_launch();
+      return 0;
+    }
     else if (!strcmp(argv[i], "--cases") && i + 1 < argc) ncases = atoi(argv[++i]);
     else if (!strcmp(argv[i], "--seed") && i + 1 < argc) g_rng = strtoull(argv[++i], nullptr, 0);
   }
