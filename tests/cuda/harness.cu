@@ -4,6 +4,16 @@
 //   harness --profile        a few W1 calls for Nsight Compute
 //   harness --phases         W1 with per-phase stamps (a -DIMOE_PHASE_TIMES build:
 //                            ARCH=sm_90 and the nvcc line of run.sh plus that flag)
+//   harness --launch         what a launch costs in event time, by block shape,
+//                            shared memory, carveout and cooperative launch
+//
+// Diagnosis only, for --bench and --phases (environment variables):
+//   IMOE_BENCH_NOFLUSH=1     no L2 flush between calls (a warm L2)
+//   IMOE_BENCH_SPIN=C        one thread spins C cycles after the flush, before
+//                            the timed call (as the Python benchmark's spin)
+//   IMOE_BENCH_IDX64=1       int64 indices, as torch callers pass them
+//   IMOE_BENCH_SCORES=FILE   float32 scores [R, N] from FILE for the workload of
+//                            that size (say the Python benchmark's draw)
 //
 // (1) A plain CPU reference of select + map + apply (sort-based, written
 //     here, independent of the kernels' radix select and key tricks).
