@@ -360,21 +360,32 @@ imoe_status launch_apply_groups(const char *fn, const imoe_view *buffers, int fi
   return IMOE_OK;
 }
 
+// The grid of a check kernel that works in pieces (k_check_nan, k_check_tm):
+// R rows of n entries in pieces of `per`, grid-strided over at most
+// kVerdicts blocks, one verdict word each. Fills q's shape fields and the
+// block count; false when the pieces do not fit one launch.
+template <class P>
+bool plan_pieces(const Plan &pl, int64_t n, int64_t per, uint32_t token, P *q, int *nverdict) {
+  q->lead = pl.lead;
+  q->N = n;
+  q->per = per;
+  q->bpr = (uint32_t)((n + per - 1) / per);
+  q->token = token;
+  const uint64_t items = pl.R * q->bpr;
+  if (items > 0x7FFFFFFFull) return false;
+  q->items = (uint32_t)items;
+  *nverdict = (int)std::min<uint64_t>(items, kVerdicts);
+  return true;
+}
+
 // The NaN check kernel of a call (read-only): every score of every row.
 imoe_status launch_nan_check(const char *fn, const Plan &pl, int64_t N, const imoe_view *scores, uint32_t token,
                              cudaStream_t st, int *nverdict, imoe_error *err) {
   NanParams np;
   memset(&np, 0, sizeof np);
-  np.lead = pl.lead;
-  np.N = N;
   np.scores = in_view(scores, pl.st[0], pl.lead.nd);
-  np.per = 2048;
-  np.bpr = (uint32_t)((N + np.per - 1) / np.per);
-  np.token = token;
-  const uint64_t items = pl.R * np.bpr;
-  if (items > 0x7FFFFFFFull) return fail(err, IMOE_ERR_ARGUMENT, "%s: too many rows for one launch", fn);
-  np.items = (uint32_t)items;
-  *nverdict = (int)std::min<uint64_t>(items, kVerdicts);
+  if (!plan_pieces(pl, N, 2048, token, &np, nverdict))
+    return fail(err, IMOE_ERR_ARGUMENT, "%s: too many rows for one launch", fn);
   const cudaError_t e = launch(k_check_nan, (unsigned)*nverdict, 256, 0, st, false, np);
   if (e != cudaSuccess) return cuda_fail(err, fn, "launch of k_check_nan", e);
   return IMOE_OK;
@@ -670,16 +681,9 @@ imoe_status apply_map(const char *fn, const imoe_view *buffers, int32_t num_buff
   } else {
     TmParams tp;
     memset(&tp, 0, sizeof tp);
-    tp.lead = pl.lead;
-    tp.N = M;
     tp.tm = mv;
-    tp.per = 4096;
-    tp.bpr = (uint32_t)((M + tp.per - 1) / tp.per);
-    tp.token = token;
-    const uint64_t items = pl.R * tp.bpr;
-    if (items > 0x7FFFFFFFull) return fail(err, IMOE_ERR_ARGUMENT, "%s: too many rows for one launch", fn);
-    tp.items = (uint32_t)items;
-    nverdict = (int)std::min<uint64_t>(items, kVerdicts);
+    if (!plan_pieces(pl, M, 4096, token, &tp, &nverdict))
+      return fail(err, IMOE_ERR_ARGUMENT, "%s: too many rows for one launch", fn);
     e = launch(k_check_tm, (unsigned)nverdict, 256, 0, st, false, tp);
     if (e != cudaSuccess) return cuda_fail(err, fn, "launch of k_check_tm", e);
   }

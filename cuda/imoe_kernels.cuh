@@ -734,7 +734,7 @@ __global__ void __launch_bounds__(kSelThreads, 1) k_select_small(const __grid_co
   static_assert(kSelThreads == 32 * 32 && kSmallBins == 32 * 64, "warp w sums bins [64 w, 64 w + 64)");
   static_assert(kSmallPasses * kSmallBins == 6 * kSelThreads, "six histogram words per thread to zero");
 
-  const int tid = threadIdx.x, lane = tid & 31;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const uint32_t r = blockIdx.x / (uint32_t)p.nblk;
   const uint32_t bsub = blockIdx.x - r * (uint32_t)p.nblk;
   uint32_t rc[kMaxDims];
@@ -802,8 +802,8 @@ __global__ void __launch_bounds__(kSelThreads, 1) k_select_small(const __grid_co
     kmn = __reduce_min_sync(0xFFFFFFFFu, kmn);
     kmx = __reduce_max_sync(0xFFFFFFFFu, kmx);
     if (lane == 0) {
-      s_mm[0][tid >> 5] = kmn;
-      s_mm[1][tid >> 5] = kmx;
+      s_mm[0][warp] = kmn;
+      s_mm[1][warp] = kmx;
     }
   }
   const bool all_kept = Cp >= N;
@@ -832,7 +832,6 @@ __global__ void __launch_bounds__(kSelThreads, 1) k_select_small(const __grid_co
   IMOE_PHASE(1);
   if (!all_kept && Kp > 0) {
     const int noncand = kSelThreads * IPT - (chi - clo);
-    const int warp = tid >> 5;
     int need = Kp;
     // Keys in play lie in [base, base + span]; a pass bins them by
     // (key - base) >> sh into at most kSmallBins bins. The first pass spans
