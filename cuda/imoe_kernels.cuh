@@ -43,7 +43,8 @@ __device__ __forceinline__ void record_status(int code) { atomicCAS(&g_status, 0
 
 // Diagnosis only (-DIMOE_PHASE_TIMES, the harness's --phases): thread 0 of
 // each k_select_small block stamps the SM clock and the global timer at the
-// end of each phase; imoe_cuda_phase_read() copies the stamps out.
+// end of each phase, and in the spare stamp its SM and its number of pairs;
+// imoe_cuda_phase_read() copies the stamps out.
 #ifdef IMOE_PHASE_TIMES
 __device__ unsigned long long g_phase[kPhaseBlocks][2][kPhases];
 __device__ __forceinline__ void phase_stamp(int k) {
@@ -52,6 +53,11 @@ __device__ __forceinline__ void phase_stamp(int k) {
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(gt));
     g_phase[blockIdx.x][0][k] = (unsigned long long)clock64();
     g_phase[blockIdx.x][1][k] = gt;
+    if (k == 0) {  // the block's SM, in the spare stamp
+      unsigned smid;
+      asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
+      g_phase[blockIdx.x][0][kPhases - 1] = smid;
+    }
   }
 }
 #define IMOE_PHASE(k) phase_stamp(k)
@@ -957,6 +963,9 @@ __global__ void __launch_bounds__(kSelThreads, 1) k_select_small(const __grid_co
   // this block's even share of the pairs
   const int qa = (int)((uint32_t)m * bsub / B), qb = (int)((uint32_t)m * (bsub + 1u) / B);
   IMOE_PHASE(7);
+#ifdef IMOE_PHASE_TIMES
+  if (tid == 0 && blockIdx.x < kPhaseBlocks) g_phase[blockIdx.x][1][kPhases - 1] = (unsigned long long)(qb - qa);
+#endif
 
   // ---- from here on the call writes: wait for the validation (the verdict
   // words of the check kernel, or the grid barrier), then one barrier: H and

@@ -14,6 +14,8 @@
 //   IMOE_BENCH_IDX64=1       int64 indices, as torch callers pass them
 //   IMOE_BENCH_SCORES=FILE   float32 scores [R, N] from FILE for the workload of
 //                            that size (say the Python benchmark's draw)
+//   IMOE_PHASE_DUMP=1        --phases also prints every block's stamps, SM and
+//                            number of pairs
 //
 // (1) A plain CPU reference of select + map + apply (sort-based, written
 //     here, independent of the kernels' radix select and key tricks).
@@ -978,6 +980,18 @@ static void print_phases() {
     printf("  %-16s %4zu blocks  cycles since block start: median %7.0f max %7.0f | ns since first start: median "
            "%7.0f max %7.0f\n",
            names[k], c.size(), c[c.size() / 2], c.back(), g[g.size() / 2], g.back());
+  }
+  // IMOE_PHASE_DUMP=1: every block's stamps (ns since the first start), its
+  // SM and its number of pairs (k_select_small writes both in the spare stamp)
+  if (getenv("IMOE_PHASE_DUMP")) {
+    printf("  block sm pairs:");
+    for (int k = 0; k <= 10; ++k) printf(" %s;", names[k]);
+    printf("\n");
+    for (int b : blocks) {
+      printf("  %d %llu %llu:", b, ck(b, NP - 1), gt(b, NP - 1));
+      for (int k = 0; k <= 10; ++k) printf(" %lld", gt(b, k) ? (long long)(gt(b, k) - g0) : -1ll);
+      printf("\n");
+    }
   }
 }
 #endif
