@@ -34,7 +34,7 @@ struct DevInfo {
   int smem_sm;     // per multiprocessor
   int cc_major;
   int coop;  // cooperative launches (the select's own NaN check)
-  size_t occ_smem[6];  // k_select<0..2>, k_select_small<4, 8, 16>
+  size_t occ_smem[6];  // k_select<0..2>, k_select_small<4, 8, 16> (either mover)
   int occ_val[6];
 };
 
@@ -74,6 +74,17 @@ struct DeviceGuard {
     if (switched) cudaSetDevice(prev);
   }
 };
+
+// k_select_small for rows of at most 4096, 8192 and 16384 slots (src 3, 4,
+// 5). Calls that move (not swap) take the kernels whose movers keep five
+// loads in flight per thread: a separate function for ptxas to allocate, so
+// neither loop spills (cuda/NOTES.md, run 63).
+typedef void (*SmallKernel)(SelParams);
+SmallKernel small_kernel(int src, bool move5) {
+  if (src == 3) return move5 ? k_select_small<4, true> : k_select_small<4, false>;
+  if (src == 4) return move5 ? k_select_small<8, true> : k_select_small<8, false>;
+  return move5 ? k_select_small<16, true> : k_select_small<16, false>;
+}
 
 template <class K>
 cudaError_t raise_smem(K kernel, int bytes) {
@@ -115,20 +126,20 @@ imoe_status enter(const imoe_exec *exec, const char *fn, imoe_error *err, Device
     if ((e = cudaFuncSetAttribute(k_select<0>, cudaFuncAttributePreferredSharedMemoryCarveout, carve)) != cudaSuccess ||
         (e = cudaFuncSetAttribute(k_select<1>, cudaFuncAttributePreferredSharedMemoryCarveout, carve)) != cudaSuccess ||
         (e = cudaFuncSetAttribute(k_select<2>, cudaFuncAttributePreferredSharedMemoryCarveout, carve)) != cudaSuccess ||
-        (e = cudaFuncSetAttribute(k_select_small<4>, cudaFuncAttributePreferredSharedMemoryCarveout, carve)) != cudaSuccess ||
-        (e = cudaFuncSetAttribute(k_select_small<8>, cudaFuncAttributePreferredSharedMemoryCarveout, carve)) != cudaSuccess ||
-        (e = cudaFuncSetAttribute(k_select_small<16>, cudaFuncAttributePreferredSharedMemoryCarveout, carve)) != cudaSuccess ||
         (e = cudaFuncSetAttribute(k_check_rows, cudaFuncAttributePreferredSharedMemoryCarveout, carve)) != cudaSuccess ||
         (e = cudaFuncSetAttribute(k_check_nan, cudaFuncAttributePreferredSharedMemoryCarveout, carve)) != cudaSuccess ||
         (e = cudaFuncSetAttribute(k_check_tm, cudaFuncAttributePreferredSharedMemoryCarveout, carve)) != cudaSuccess ||
         (e = cudaFuncSetAttribute(k_apply, cudaFuncAttributePreferredSharedMemoryCarveout, carve)) != cudaSuccess)
       return cuda_fail(err, fn, "cudaFuncSetAttribute", e);
+    for (int k = 0; k < 6; ++k) {
+      const SmallKernel sk = small_kernel(3 + k % 3, k >= 3);
+      if ((e = cudaFuncSetAttribute(sk, cudaFuncAttributePreferredSharedMemoryCarveout, carve)) != cudaSuccess ||
+          (e = raise_smem(sk, kSmallDynSmem)) != cudaSuccess)
+        return cuda_fail(err, fn, "cudaFuncSetAttribute", e);
+    }
     const int dyn = di->smem_optin - (int)kStaticSmemSelect;
     if ((e = raise_smem(k_select<0>, dyn)) != cudaSuccess || (e = raise_smem(k_select<1>, dyn)) != cudaSuccess ||
         (e = raise_smem(k_select<2>, dyn)) != cudaSuccess ||
-        (e = raise_smem(k_select_small<4>, kSmallDynSmem)) != cudaSuccess ||
-        (e = raise_smem(k_select_small<8>, kSmallDynSmem)) != cudaSuccess ||
-        (e = raise_smem(k_select_small<16>, kSmallDynSmem)) != cudaSuccess ||
         (e = raise_smem(k_check_rows, di->smem_optin - 1024)) != cudaSuccess)
       return cuda_fail(err, fn, "cudaFuncSetAttribute", e);
     for (int i = 0; i < 6; ++i) di->occ_smem[i] = (size_t)-1;
@@ -146,9 +157,7 @@ int occupancy(DevInfo *di, int src, size_t smem) {
   if (src == 0) e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&nb, k_select<0>, kSelThreads, smem);
   else if (src == 1) e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&nb, k_select<1>, kSelThreads, smem);
   else if (src == 2) e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&nb, k_select<2>, kSelThreads, smem);
-  else if (src == 3) e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&nb, k_select_small<4>, kSelThreads, smem);
-  else if (src == 4) e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&nb, k_select_small<8>, kSelThreads, smem);
-  else e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&nb, k_select_small<16>, kSelThreads, smem);
+  else e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&nb, small_kernel(src, false), kSelThreads, smem);
   if (e != cudaSuccess || nb < 1) {
     (void)cudaGetLastError();
     nb = 1;
@@ -597,9 +606,7 @@ imoe_status select_and_move(const char *fn, const imoe_view *buffers, int32_t nu
       sp.fused_nan = 1;
       sp.nverdict = 0;
       sp.pdl = 0;
-      if (src == 3) e = launch(k_select_small<4>, (unsigned)grid, kSelThreads, smem, st, false, sp, true);
-      else if (src == 4) e = launch(k_select_small<8>, (unsigned)grid, kSelThreads, smem, st, false, sp, true);
-      else e = launch(k_select_small<16>, (unsigned)grid, kSelThreads, smem, st, false, sp, true);
+      e = launch(small_kernel(src, sp.do_move && !sp.swap), (unsigned)grid, kSelThreads, smem, st, false, sp, true);
       if (e == cudaSuccess) {
         launched = true;
         nverdict = 1;  // block 0 writes the verdict word for the call's later kernels
@@ -623,9 +630,7 @@ imoe_status select_and_move(const char *fn, const imoe_view *buffers, int32_t nu
     if (src == 0) e = launch(k_select<0>, (unsigned)grid, kSelThreads, smem, st, pdl, sp);
     else if (src == 1) e = launch(k_select<1>, (unsigned)grid, kSelThreads, smem, st, pdl, sp);
     else if (src == 2) e = launch(k_select<2>, (unsigned)grid, kSelThreads, smem, st, pdl, sp);
-    else if (src == 3) e = launch(k_select_small<4>, (unsigned)grid, kSelThreads, smem, st, pdl, sp);
-    else if (src == 4) e = launch(k_select_small<8>, (unsigned)grid, kSelThreads, smem, st, pdl, sp);
-    else e = launch(k_select_small<16>, (unsigned)grid, kSelThreads, smem, st, pdl, sp);
+    else e = launch(small_kernel(src, sp.do_move && !sp.swap), (unsigned)grid, kSelThreads, smem, st, pdl, sp);
     if (e != cudaSuccess) return cuda_fail(err, fn, "launch of k_select", e);
   }
 

@@ -259,11 +259,11 @@ struct VecOf<1> {
 // offsets from base of pair q's destination and source rows, ns the buffer's
 // slot stride. Flat (pair, vector) work spread over the block; four
 // independent loads in flight per thread before the stores.
-template <int VW, bool SWAP, class G>
+template <int VW, bool SWAP, class G, int MU = 4>
 __device__ __forceinline__ void move_body(char *base, int64_t ns, int64_t off0, uint32_t U,
                                           uint32_t np, const G &get) {
   typedef typename VecOf<VW>::T V;
-  constexpr int UNR = SWAP ? 2 : 4;
+  constexpr int UNR = SWAP ? 2 : MU;
   if (U == 0 || np == 0) return;
   const uint32_t nt = blockDim.x;
   // U is often a power of two (rows of 2^k bytes): shifts instead of divisions
@@ -352,14 +352,14 @@ struct RingPairs {
 };
 
 // Moves (or swaps) np pairs of rows of one buffer (get: see move_body).
-template <bool SWAP, class G>
+template <bool SWAP, class G, int MU = 4>
 __device__ __forceinline__ void move_pairs_t(char *base, const BufDesc &B, uint32_t np, const G &get) {
   switch (B.vw) {
-    case 16: move_body<16, SWAP>(base, B.n_stride, B.head, B.body, np, get); break;
-    case 8: move_body<8, SWAP>(base, B.n_stride, B.head, B.body, np, get); break;
-    case 4: move_body<4, SWAP>(base, B.n_stride, B.head, B.body, np, get); break;
-    case 2: move_body<2, SWAP>(base, B.n_stride, B.head, B.body, np, get); break;
-    default: move_body<1, SWAP>(base, B.n_stride, B.head, B.body, np, get); break;
+    case 16: move_body<16, SWAP, G, MU>(base, B.n_stride, B.head, B.body, np, get); break;
+    case 8: move_body<8, SWAP, G, MU>(base, B.n_stride, B.head, B.body, np, get); break;
+    case 4: move_body<4, SWAP, G, MU>(base, B.n_stride, B.head, B.body, np, get); break;
+    case 2: move_body<2, SWAP, G, MU>(base, B.n_stride, B.head, B.body, np, get); break;
+    default: move_body<1, SWAP, G, MU>(base, B.n_stride, B.head, B.body, np, get); break;
   }
   move_edges<SWAP>(base, B, np, get);
 }
@@ -374,11 +374,16 @@ __device__ __forceinline__ void move_pairs_inline(char *base, const BufDesc &B, 
 
 // Not inlined on purpose: the movers get their own register budget, and the
 // caller's live state is saved once per call instead of spilling in the loop.
+// MU: 16-byte moves in flight per thread (k_select_small's MOVE5 kernels
+// take 5; each kernel has its own copy of this function, and in the MOVE5
+// ones ptxas keeps the five-load move loop unspilled, while their swap loop
+// spills a little more: the host sends swaps to the other kernels).
+template <int MU = 4>
 __device__ __noinline__ void move_pairs(char *base, const BufDesc *B, uint32_t np, int swap, RingPairs get) {
   if (swap)
     move_pairs_t<true>(base, *B, np, get);
   else
-    move_pairs_t<false>(base, *B, np, get);
+    move_pairs_t<false, RingPairs, MU>(base, *B, np, get);
 }
 
 }  // namespace imoe_cu

@@ -639,7 +639,7 @@ __global__ void __launch_bounds__(kSelThreads, 1) k_select(const __grid_constant
           row_coords(p.lead, r, c);
           for (int b = 0; b < p.nbuf; ++b) {
             const BufDesc &bd = p.buf[b];
-            move_pairs(bd.data + row_offset(p.lead, c, bd.lead), &bd, np, p.swap, get);
+            move_pairs<>(bd.data + row_offset(p.lead, c, bd.lead), &bd, np, p.swap, get);
           }
         }
       }
@@ -729,7 +729,11 @@ __device__ __forceinline__ void load_raw_row(const char *srow, int x0, int N, in
   }
 }
 
-template <int IPT>
+// MOVE5: the movers keep five 16-byte loads in flight per thread instead of
+// four (the host takes these kernels for moves, not swaps): a W1 block of
+// 65-67 pairs of 2 KiB (8,320-8,576 vectors for 1024 threads) then moves
+// in two rounds, not three (cuda/NOTES.md, run 63).
+template <int IPT, bool MOVE5>
 __global__ void __launch_bounds__(kSelThreads, 1) k_select_small(const __grid_constant__ SelParams p) {
   extern __shared__ __align__(16) unsigned char dsm[];
   __shared__ __align__(16) int s_hist[kSmallPasses][kSmallBins];  // one per radix pass
@@ -1036,7 +1040,7 @@ __global__ void __launch_bounds__(kSelThreads, 1) k_select_small(const __grid_co
     for (int b = 0; b < p.nbuf; ++b) {
       const BufDesc &bd = p.buf[b];
       char *base = bd.data + row_offset(p.lead, c, bd.lead);
-      move_pairs(base, &bd, np, p.swap, get);
+      move_pairs<MOVE5 ? 5 : 4>(base, &bd, np, p.swap, get);
     }
   }
 #ifdef IMOE_PHASE_TIMES
