@@ -257,8 +257,8 @@ struct VecOf<1> {
 
 // Moves (or swaps) np pairs of rows of a buffer: get(q, ns) = the byte
 // offsets from base of pair q's destination and source rows, ns the buffer's
-// slot stride. Flat (pair, vector) work spread over the block; four
-// independent loads in flight per thread before the stores.
+// slot stride. Flat (pair, vector) work spread over the block; MU (a swap:
+// two pairs of) independent loads in flight per thread before the stores.
 template <int VW, bool SWAP, class G, int MU = 4>
 __device__ __forceinline__ void move_body(char *base, int64_t ns, int64_t off0, uint32_t U,
                                           uint32_t np, const G &get) {
@@ -374,10 +374,10 @@ __device__ __forceinline__ void move_pairs_inline(char *base, const BufDesc &B, 
 
 // Not inlined on purpose: the movers get their own register budget, and the
 // caller's live state is saved once per call instead of spilling in the loop.
-// MU: 16-byte moves in flight per thread (k_select_small's MOVE5 kernels
-// take 5; each kernel has its own copy of this function, and in the MOVE5
-// ones ptxas keeps the five-load move loop unspilled, while their swap loop
-// spills a little more: the host sends swaps to the other kernels).
+// MU: moves in flight per thread (k_select_small's MOVE5 kernels take 5;
+// each kernel has its own copy of this function, and in the MOVE5 ones
+// ptxas keeps the five-load 16-byte move loop unspilled while their swap
+// loop spills more, so the host sends swaps to the other kernels).
 template <int MU = 4>
 __device__ __noinline__ void move_pairs(char *base, const BufDesc *B, uint32_t np, int swap, RingPairs get) {
   if (swap)

@@ -729,8 +729,8 @@ __device__ __forceinline__ void load_raw_row(const char *srow, int x0, int N, in
   }
 }
 
-// MOVE5: the movers keep five 16-byte loads in flight per thread instead of
-// four (the host takes these kernels for moves, not swaps): a W1 block of
+// MOVE5: the movers keep five loads in flight per thread instead of four
+// (the host takes these kernels for moves, not swaps): a W1 block of
 // 65-67 pairs of 2 KiB (8,320-8,576 vectors for 1024 threads) then moves
 // in two rounds, not three (cuda/NOTES.md, run 63).
 template <int IPT, bool MOVE5>
