@@ -77,8 +77,9 @@ struct DeviceGuard {
 
 // k_select_small for rows of at most 4096, 8192 and 16384 slots (src 3, 4,
 // 5). Calls that move (not swap) take the kernels whose movers keep five
-// loads in flight per thread: a separate function for ptxas to allocate, so
-// neither loop spills (cuda/NOTES.md, run 63).
+// loads in flight per thread: each kernel has its own copy of the mover,
+// allocated by ptxas on its own, so neither loop spills (cuda/NOTES.md,
+// run 63).
 typedef void (*SmallKernel)(SelParams);
 SmallKernel small_kernel(int src, bool move5) {
   if (src == 3) return move5 ? k_select_small<4, true> : k_select_small<4, false>;
@@ -595,6 +596,7 @@ imoe_status select_and_move(const char *fn, const imoe_view *buffers, int32_t nu
   if (grid > 0x7FFFFFFFull) return fail(err, IMOE_ERR_ARGUMENT, "%s: too many rows for one launch", fn);
   cudaError_t e = cudaSuccess;
   bool launched = false;
+  const bool move5 = sp.do_move && !sp.swap;  // k_select_small: the five-load movers
   if (nan_pending) {
     // Short rows: each select block checks its own row's scores (in its
     // registers anyway) and the blocks meet at a grid barrier before
@@ -606,7 +608,7 @@ imoe_status select_and_move(const char *fn, const imoe_view *buffers, int32_t nu
       sp.fused_nan = 1;
       sp.nverdict = 0;
       sp.pdl = 0;
-      e = launch(small_kernel(src, sp.do_move && !sp.swap), (unsigned)grid, kSelThreads, smem, st, false, sp, true);
+      e = launch(small_kernel(src, move5), (unsigned)grid, kSelThreads, smem, st, false, sp, true);
       if (e == cudaSuccess) {
         launched = true;
         nverdict = 1;  // block 0 writes the verdict word for the call's later kernels
@@ -630,7 +632,7 @@ imoe_status select_and_move(const char *fn, const imoe_view *buffers, int32_t nu
     if (src == 0) e = launch(k_select<0>, (unsigned)grid, kSelThreads, smem, st, pdl, sp);
     else if (src == 1) e = launch(k_select<1>, (unsigned)grid, kSelThreads, smem, st, pdl, sp);
     else if (src == 2) e = launch(k_select<2>, (unsigned)grid, kSelThreads, smem, st, pdl, sp);
-    else e = launch(small_kernel(src, sp.do_move && !sp.swap), (unsigned)grid, kSelThreads, smem, st, pdl, sp);
+    else e = launch(small_kernel(src, move5), (unsigned)grid, kSelThreads, smem, st, pdl, sp);
     if (e != cudaSuccess) return cuda_fail(err, fn, "launch of k_select", e);
   }
 
