@@ -17,6 +17,7 @@
 
 #include "imoe_cuda.h"
 #include "imoe_kernels.cuh"
+#include "imoe_wide.cuh"
 
 using namespace imoe_cu;
 
@@ -24,6 +25,7 @@ namespace {
 
 constexpr int kMaxDevices = 64;
 constexpr size_t kStaticSmemSelect = 4096;  // upper bound of k_select's static shared memory
+constexpr int kStaticSmemWide = 24576;      // ... and of k_select_wide's
 // k_select_small: H and T, min(C', N - C') <= N / 2 entries each
 constexpr int kSmallDynSmem = kSmallMaxN * 4 > 0 ? kSmallMaxN * 4 : 4;
 
@@ -33,7 +35,8 @@ struct DevInfo {
   int smem_optin;  // per block, opt-in
   int smem_sm;     // per multiprocessor
   int cc_major;
-  int coop;  // cooperative launches (the select's own NaN check)
+  int coop;  // cooperative launches (the select's own NaN check, k_select_wide)
+  int wide_cap;  // k_select_wide: pairs a block holds at once (H and T in shared memory)
   size_t occ_smem[6];  // k_select<0..2>, k_select_small<4, 8, 16> (either mover)
   int occ_val[6];
 };
@@ -121,6 +124,7 @@ imoe_status enter(const imoe_exec *exec, const char *fn, imoe_error *err, Device
     di->smem_sm = v[2];
     di->cc_major = v[3];
     di->coop = v[4];
+    di->wide_cap = std::max(1, std::min(kWideMaxCap, (di->smem_optin - kStaticSmemWide - 4 * kWideSub) / 8));
     // One shared-memory carveout for every kernel: a kernel launched early
     // (PDL) can then share a multiprocessor with the one before it.
     const int carve = cudaSharedmemCarveoutMaxShared;
@@ -130,7 +134,9 @@ imoe_status enter(const imoe_exec *exec, const char *fn, imoe_error *err, Device
         (e = cudaFuncSetAttribute(k_check_rows, cudaFuncAttributePreferredSharedMemoryCarveout, carve)) != cudaSuccess ||
         (e = cudaFuncSetAttribute(k_check_nan, cudaFuncAttributePreferredSharedMemoryCarveout, carve)) != cudaSuccess ||
         (e = cudaFuncSetAttribute(k_check_tm, cudaFuncAttributePreferredSharedMemoryCarveout, carve)) != cudaSuccess ||
-        (e = cudaFuncSetAttribute(k_apply, cudaFuncAttributePreferredSharedMemoryCarveout, carve)) != cudaSuccess)
+        (e = cudaFuncSetAttribute(k_apply, cudaFuncAttributePreferredSharedMemoryCarveout, carve)) != cudaSuccess ||
+        (e = cudaFuncSetAttribute(k_select_wide, cudaFuncAttributePreferredSharedMemoryCarveout, carve)) != cudaSuccess ||
+        (e = raise_smem(k_select_wide, 8 * di->wide_cap + 4 * kWideSub)) != cudaSuccess)
       return cuda_fail(err, fn, "cudaFuncSetAttribute", e);
     for (int k = 0; k < 6; ++k) {
       const SmallKernel sk = small_kernel(3 + k % 3, k >= 3);
@@ -450,6 +456,11 @@ imoe_status select_and_move(const char *fn, const imoe_view *buffers, int32_t nu
 
   const bool validate = scores ? sel->nan_policy == IMOE_NAN_ERROR : true;
   const uint32_t token = validate ? next_token() : 0u;
+  // A few long rows: k_select_wide spreads each row over the GPU (cooperative
+  // launch; it checks for NaN itself). Ordered compactions keep the check
+  // kernel, whose verdict words their later kernels read.
+  const bool wide_try = scores && N > kSmallMaxN && Cp > 0 && Cp < N && di->coop &&
+                        pl.R <= (uint64_t)std::min(kWideMaxRows, di->sms) && (verdict == nullptr || !validate);
   int nverdict = 0;
   const bool pdl_ok = di->cc_major >= 9;
   bool pdl = false;
@@ -457,7 +468,7 @@ imoe_status select_and_move(const char *fn, const imoe_view *buffers, int32_t nu
   // ---- validation (read-only). A NaN check that k_select_small can do
   // itself is decided below, once the select's grid is known.
   bool nan_pending = false;
-  if (validate && scores && N <= kSmallMaxN && verdict == nullptr) {
+  if (validate && scores && (N <= kSmallMaxN || wide_try) && verdict == nullptr) {
     nan_pending = true;
   } else if (validate && scores) {
     s = launch_nan_check(fn, pl, N, scores, token, st, &nverdict, err);
@@ -547,7 +558,7 @@ imoe_status select_and_move(const char *fn, const imoe_view *buffers, int32_t nu
   const bool trivial = N >= 0 && (Cp <= 0 || Cp >= N);
   if (trivial) num_buffers = 0;
   bool fused = do_move && num_buffers > 0;
-  if (fused) {
+  if (fused) {  // first: every buffer disjoint from the selection and the outputs
     uintptr_t slo, shi;
     std::vector<std::pair<uintptr_t, uintptr_t>> ro;
     const imoe_view *selv = scores ? scores : active;
@@ -568,13 +579,38 @@ imoe_status select_and_move(const char *fn, const imoe_view *buffers, int32_t nu
       for (auto &x : ro)
         if (overlaps(blo, bhi, x.first, x.second)) fused = false;
     }
-    if (src == 1 || src == 2) {
-      if (pl.R < 2u * (uint64_t)di->sms) fused = false;
+  }
+  cudaError_t e = cudaSuccess;
+  bool launched = false;
+  if (wide_try) {
+    // nblk blocks per row, one per SM; each holds at most cap pairs at once
+    const int64_t nblk_w = std::max<int64_t>(1, std::min<int64_t>(di->sms, kWideMaxBlocks) / (int64_t)pl.R);
+    const int64_t per = (std::min(Cp, N - Cp) + nblk_w - 1) / nblk_w;
+    SelParams wp = sp;
+    wp.nblk = (int32_t)nblk_w;
+    wp.cap = (int32_t)std::max<int64_t>(1, std::min<int64_t>(per, di->wide_cap));
+    wp.wslot = (int32_t)((token ? token : next_token()) % kWideSlots);
+    wp.fused_nan = nan_pending ? 1 : 0;
+    wp.nverdict = 0;
+    wp.pdl = 0;
+    if (fused) {
+      wp.do_move = 1;
+      wp.nbuf = std::min(num_buffers, kMaxBuf);
+      for (int b = 0; b < wp.nbuf; ++b) wp.buf[b] = buf_desc(&buffers[b], pl.st[3 + b], nd);
+    }
+    e = launch(k_select_wide, (unsigned)(pl.R * (uint64_t)nblk_w), kSelThreads, (size_t)wp.cap * 8u + 4u * kWideSub, st, false, wp,
+               true);
+    if (e == cudaSuccess) {
+      launched = true;
+      if (nan_pending) nverdict = 1;  // block 0 writes the verdict word
+    } else {
+      (void)cudaGetLastError();  // refused: the paths below
     }
   }
+  if (fused && !launched && (src == 1 || src == 2) && pl.R < 2u * (uint64_t)di->sms) fused = false;
 
   int64_t nblk = 1;
-  if (fused) {
+  if (fused && !launched) {
     sp.do_move = 1;
     sp.nbuf = std::min(num_buffers, kMaxBuf);
     for (int b = 0; b < sp.nbuf; ++b) sp.buf[b] = buf_desc(&buffers[b], pl.st[3 + b], nd);
@@ -594,16 +630,14 @@ imoe_status select_and_move(const char *fn, const imoe_view *buffers, int32_t nu
   sp.nblk = (int32_t)nblk;
   const uint64_t grid = pl.R * (uint64_t)nblk;
   if (grid > 0x7FFFFFFFull) return fail(err, IMOE_ERR_ARGUMENT, "%s: too many rows for one launch", fn);
-  cudaError_t e = cudaSuccess;
-  bool launched = false;
   const bool move5 = sp.do_move && !sp.swap;  // k_select_small: the five-load movers
-  if (nan_pending) {
+  if (nan_pending && !launched) {
     // Short rows: each select block checks its own row's scores (in its
     // registers anyway) and the blocks meet at a grid barrier before
     // anything is written, instead of a check kernel whose blocks would
     // keep select blocks off their SMs. The barrier needs every block
     // resident at once: a cooperative launch, where the grid fits.
-    const uint64_t fit = (uint64_t)di->sms * (uint64_t)occupancy(di, src, smem);
+    const uint64_t fit = src >= 3 ? (uint64_t)di->sms * (uint64_t)occupancy(di, src, smem) : 0u;
     if (di->coop && grid <= fit && grid < 32768u) {  // NaN counts stay below 2^16 (see g_gridbar)
       sp.fused_nan = 1;
       sp.nverdict = 0;

@@ -266,6 +266,7 @@ struct SelParams {
   InView scores, active;
   OutView idx, tm;
   BufDesc buf[kMaxBuf];
+  int32_t wslot;  // k_select_wide: its slot of module memory (imoe_wide.cuh)
 };
 
 // SRC 0: scores, keys cached in shared memory. SRC 1: scores, keys re-read
@@ -666,6 +667,36 @@ __global__ void __launch_bounds__(kSelThreads, 1) k_select(const __grid_constant
 #undef tns
 }
 
+// ------------------------------------------------------------ fused NaN check
+// (k_select_small and k_select_wide; the protocol: g_gridbar above)
+// The fused NaN check's arrival (thread 0): this block's finding goes into
+// the half of the grid barrier word that bit 63 (read before arriving) names.
+__device__ __forceinline__ void nan_arrive(unsigned long long *gbar, int ph, bool row_nan) {
+  const unsigned long long G = gridDim.x;
+  unsigned long long inc = blockIdx.x == 0 ? (0x80000000ull - (G - 1ull)) << 32 : 1ull << 32;
+  if (row_nan) inc += 1ull << (16 * ph);
+  atomicAdd(gbar, inc);
+}
+
+// The fused NaN check's verdict (thread 0), from `seen`, a read of the word
+// made after arriving: waits until every block has arrived; true when some
+// block found a NaN. Block 0 clears the half the next launch on the slot
+// uses, records the status and writes verdict word 0.
+__device__ __forceinline__ bool nan_verdict(unsigned long long *gbar, int ph, uint32_t token,
+                                            unsigned long long seen) {
+  while ((int)(seen >> 63) == ph) {  // not every block has arrived
+    __nanosleep(100);
+    seen = ld_relaxed_u64(gbar);
+  }
+  const bool bad = ((seen >> (16 * ph)) & 0xFFFFull) != 0ull;
+  if (blockIdx.x == 0) {
+    atomicAnd(gbar, ~(0xFFFFull << (16 * (ph ^ 1))));  // the next launch's half
+    if (bad) record_status(IMOE_ERR_NAN);
+    g_verdict[token % kSlots][0] = bad ? token : 0u;  // for the call's later kernels
+  }
+  return bad;
+}
+
 // ------------------------------------------------------------ select + map, short rows
 // Bits [max(a - x0, 0), min(b - x0, ipt)) of a thread's ipt-slot mask: its
 // slots x0 + i that lie in [a, b).
@@ -831,10 +862,7 @@ __global__ void __launch_bounds__(kSelThreads, 1) k_select_small(const __grid_co
       // bit 63 flips only once this block has arrived: the phase of this launch
       const int ph = (int)(bar >> 63);
       s_phase = ph;
-      const unsigned long long G = gridDim.x;
-      unsigned long long inc = blockIdx.x == 0 ? (0x80000000ull - (G - 1ull)) << 32 : 1ull << 32;
-      if (row_nan) inc += 1ull << (16 * ph);
-      atomicAdd(&g_gridbar[p.token % kSlots], inc);  // no wait: the result is not used
+      nan_arrive(&g_gridbar[p.token % kSlots], ph, row_nan);
     }
   } else {
     __syncthreads();
@@ -976,20 +1004,7 @@ __global__ void __launch_bounds__(kSelThreads, 1) k_select_small(const __grid_co
   // T complete, and the verdict
   bool bad = false;
   if (p.fused_nan) {
-    if (tid == 0) {
-      unsigned long long *gbar = &g_gridbar[p.token % kSlots];
-      const int ph = s_phase;
-      while ((int)(seen >> 63) == ph) {  // not every block has arrived
-        __nanosleep(100);
-        seen = ld_relaxed_u64(gbar);
-      }
-      bad = ((seen >> (16 * ph)) & 0xFFFFull) != 0ull;
-      if (blockIdx.x == 0) {
-        atomicAnd(gbar, ~(0xFFFFull << (16 * (ph ^ 1))));  // the next launch's half
-        if (bad) record_status(IMOE_ERR_NAN);
-        g_verdict[p.token % kSlots][0] = bad ? p.token : 0u;  // for the call's later kernels
-      }
-    }
+    if (tid == 0) bad = nan_verdict(&g_gridbar[p.token % kSlots], s_phase, p.token, seen);
   } else {
     if (p.pdl) griddep_wait();
     bad = verdict_bad(p.token, p.nverdict);

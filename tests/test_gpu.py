@@ -14,6 +14,7 @@ from conftest import (
     make_scores,
     reference_indices,
     reference_kept,
+    target_map_from_indices,
     to_numpy,
     torch,
 )
@@ -129,6 +130,55 @@ def test_cuda_nan_found_everywhere(score_dtype, shape, where, rng):
     imoe.check_errors(x)
     ref = reference_indices(reference_kept(scores, n // 2), n, n // 2)
     np.testing.assert_array_equal(to_numpy(res.indices), ref)
+
+
+@pytest.mark.parametrize("rows,n,capacity", [
+    (1, 131072, 65536), (2, 65536, 20000), (5, 40000, 39990), (3, 16385, 8),
+    (1, 1 << 20, 300000), (64, 20000, 10000),
+])
+@pytest.mark.parametrize("ties", [True, False])
+@pytest.mark.parametrize("mode", ["move", "swap"])
+def test_cuda_long_rows_spread_over_the_gpu(rows, n, capacity, ties, mode, rng):
+    """Rows longer than 16384 slots, few of them: every row is cut into
+    chunks, one block each, that meet at row barriers. Ties at the threshold
+    (the lowest indices kept), a protected prefix and a recent window; the
+    indices and the target map, the moved data, and a second call on the
+    same slot of module memory."""
+    x = cuda(make_data((rows, n, 12), "uint8", "torch", rng))
+    dtype = "bfloat16" if ties else "float32"
+    for _ in range(2):
+        scores = cuda(make_scores((rows, n), dtype, "torch", rng, ties=ties))
+        before = bits(x)
+        tm = torch.full((rows, n), -7, dtype=torch.int32, device="cuda")
+        res = imoe.compact_(x, scores, capacity, mode=mode, protected_prefix=3, recent_window=5,
+                            out_target_map=tm)
+        ref = reference_indices(reference_kept(scores, capacity, 3, 5), n, capacity)
+        np.testing.assert_array_equal(to_numpy(res.indices), ref)
+        np.testing.assert_array_equal(to_numpy(tm), target_map_from_indices(ref, n))
+        np.testing.assert_array_equal(bits(x), expected_after(before, 1, ref, mode))
+
+
+@pytest.mark.parametrize("where", [(0, 0), (1, 65535), (1, 30000)])
+def test_cuda_long_rows_nan_changes_nothing(where, rng):
+    """A NaN anywhere in a long row (nan=raise): no block writes, whichever
+    chunk holds it; the next call is exact."""
+    x = cuda(make_data((2, 65536, 16), "float16", "torch", rng))
+    scores = cuda(make_scores((2, 65536), "float32", "torch", rng, ties=False))
+    scores[where] = float("nan")
+    out = torch.full((2, 30000), -5, dtype=torch.int64, device="cuda")
+    snaps = [bits(x), bits(out)]
+    imoe.compact_(x, scores, 30000, mode="move", out_indices=out)
+    with pytest.raises(ValueError, match="NaN"):
+        imoe.check_errors(x)
+    np.testing.assert_array_equal(bits(x), snaps[0])
+    np.testing.assert_array_equal(bits(out), snaps[1])
+    scores[where] = 0.25
+    res = imoe.compact_(x, scores, 30000, mode="move", out_indices=out)
+    imoe.check_errors(x)
+    ref = reference_indices(reference_kept(scores, 30000), 65536, 30000)
+    np.testing.assert_array_equal(to_numpy(res.indices), ref)
+    np.testing.assert_array_equal(bits(x), expected_after(snaps[0], 1, ref, "move"))
+
 
 
 def test_cuda_nan_verdicts_in_sequence(rng):

@@ -12,6 +12,7 @@
 //   IMOE_BENCH_SPIN=C        one thread spins C cycles after the flush, before
 //                            the timed call (as the Python benchmark's spin)
 //   IMOE_BENCH_IDX64=1       int64 indices, as torch callers pass them
+//   IMOE_PHASE_LONG=1        --phases times one row of 131072 slots (k_select_wide)
 //   IMOE_BENCH_SCORES=FILE   float32 scores [R, N] from FILE for the workload of
 //                            that size (say the Python benchmark's draw)
 //   IMOE_PHASE_DUMP=1        --phases also prints every block's stamps, SM and
@@ -1308,8 +1309,11 @@ int main(int argc, char **argv) {
     CK(cudaStreamCreateWithFlags(&g_stream, cudaStreamNonBlocking));
     g_bw = 4.2e12;
     std::vector<BenchRow> rows;
-    const int64_t w1[1] = {8};
-    bench_workload("W1", 1, w1, 4096, 2048, 1, 2048, 0, rows, g_phases ? 30 : 1);
+    const int64_t w1[1] = {8}, one[1] = {1};
+    if (getenv("IMOE_PHASE_LONG"))  // k_select_wide: one row of 131072 slots
+      bench_workload("W5 long row", 1, one, 131072, 2048, 1, 65536, 0, rows, g_phases ? 30 : 1);
+    else
+      bench_workload("W1", 1, w1, 4096, 2048, 1, 2048, 0, rows, g_phases ? 30 : 1);
     return 0;
   }
   cudaDeviceProp prop;
@@ -1384,6 +1388,9 @@ int main(int argc, char **argv) {
     bench_workload("W2 K,V [1,32,8192,128] f16 C=4096 P=4", 2, w2, 8192, 256, 2, 4096, 4, rows, iters);
     const int64_t w3[1] = {32};
     bench_workload("W3 [32,1024,7168] bf16 C=512", 1, w3, 1024, 14336, 1, 512, 0, rows, iters);
+    const int64_t l1[1] = {1}, l2[1] = {2};  // few long rows (k_select_wide)
+    bench_workload("W5 [1,131072,1024] f16 C=65536", 1, l1, 131072, 2048, 1, 65536, 0, rows, iters);
+    bench_workload("W5 [2,65536,1024] f16 C=32768", 1, l2, 65536, 2048, 1, 32768, 0, rows, iters);
     printf("\n%-58s %10s %10s %10s %8s %8s\n", "workload (one compaction, end to end)", "median us", "min us",
            "floor us", "x floor", "correct");
     for (auto &r : rows)
