@@ -135,7 +135,8 @@ imoe_status enter(const imoe_exec *exec, const char *fn, imoe_error *err, Device
         (e = cudaFuncSetAttribute(k_check_nan, cudaFuncAttributePreferredSharedMemoryCarveout, carve)) != cudaSuccess ||
         (e = cudaFuncSetAttribute(k_check_tm, cudaFuncAttributePreferredSharedMemoryCarveout, carve)) != cudaSuccess ||
         (e = cudaFuncSetAttribute(k_apply, cudaFuncAttributePreferredSharedMemoryCarveout, carve)) != cudaSuccess ||
-        (e = cudaFuncSetAttribute(k_select_wide, cudaFuncAttributePreferredSharedMemoryCarveout, carve)) != cudaSuccess ||
+        (e = cudaFuncSetAttribute(k_select_wide, cudaFuncAttributePreferredSharedMemoryCarveout, carve)) !=
+            cudaSuccess ||
         (e = raise_smem(k_select_wide, 8 * di->wide_cap + 4 * kWideSub)) != cudaSuccess)
       return cuda_fail(err, fn, "cudaFuncSetAttribute", e);
     for (int k = 0; k < 6; ++k) {
@@ -598,8 +599,8 @@ imoe_status select_and_move(const char *fn, const imoe_view *buffers, int32_t nu
       wp.nbuf = std::min(num_buffers, kMaxBuf);
       for (int b = 0; b < wp.nbuf; ++b) wp.buf[b] = buf_desc(&buffers[b], pl.st[3 + b], nd);
     }
-    e = launch(k_select_wide, (unsigned)(pl.R * (uint64_t)nblk_w), kSelThreads, (size_t)wp.cap * 8u + 4u * kWideSub, st, false, wp,
-               true);
+    const size_t smem_w = (size_t)wp.cap * 8u + 4u * kWideSub;  // H, T and the batch of scores
+    e = launch(k_select_wide, (unsigned)(pl.R * (uint64_t)nblk_w), kSelThreads, smem_w, st, false, wp, true);
     if (e == cudaSuccess) {
       launched = true;
       if (nan_pending) nverdict = 1;  // block 0 writes the verdict word

@@ -23,8 +23,9 @@ __device__ int g_status_taken;  // staging for imoe_cuda_read_device_status
 // a replay of a captured call starts from its own verdicts (no clearing, no
 // counters). The validation grid has at most kVerdicts blocks (grid-stride).
 __device__ unsigned g_verdict[kSlots][kVerdicts];
-// Per call slot: the grid barrier of k_select_small's own NaN check (a
-// cooperative launch, see select_and_move). Bits 32-63: a sense-reversing
+// Per call slot: the grid barrier of the NaN check that k_select_small and
+// k_select_wide make themselves (a cooperative launch, see select_and_move;
+// the helpers nan_arrive and nan_verdict). Bits 32-63: a sense-reversing
 // arrival counter (block 0 adds 2^31 - (grid - 1), every other block 1, so
 // bit 63 flips once every block has arrived and bits 32-62 return to their
 // value). Bits 0-15 and 16-31: blocks that found a NaN, for launches whose

@@ -18,8 +18,9 @@
 //   3. block b takes pairs [m b / nblk, m (b + 1) / nblk) (m pairs in the
 //      row), finds their holes and tails again in the chunks that hold them
 //      (their scores loaded into shared memory in batches of 8,192, then a
-//      block scan per chunk), writes their indices and moves them. The j-th hole pairs with the j-th kept tail, as on the
-//      CPU, and the threshold's ties keep the lowest indices.
+//      block scan per chunk), writes their indices and moves them. The
+//      j-th hole pairs with the j-th kept tail, as on the CPU, and the
+//      threshold's ties keep the lowest indices.
 // Under nan=raise each block also checks its chunk for NaN during the first
 // pass and the blocks meet at the call's grid barrier word before anything
 // is written, as k_select_small does (g_gridbar).
@@ -132,7 +133,8 @@ __global__ void __launch_bounds__(kSelThreads, 1) k_select_wide(const __grid_con
       if (nan_pass) nan_here |= raw_is_nan(raw, dt);
       if (!done && x >= clo && x < chi) {
         const uint32_t key = key_of_raw(raw, dt);
-        if (pass == 0 || (key >> (shift + 8)) == (prefix >> (shift + 8))) atomicAdd(&s_h[pass][(key >> shift) & 255u], 1);
+        if (pass == 0 || (key >> (shift + 8)) == (prefix >> (shift + 8)))
+          atomicAdd(&s_h[pass][(key >> shift) & 255u], 1);
       }
     }
     if (nan_pass) {
