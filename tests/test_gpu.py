@@ -226,10 +226,12 @@ def test_cuda_bad_indices_change_nothing(case, rng):
     np.testing.assert_array_equal(bits(x), before)
 
 
-def test_cuda_two_streams_at_once(rng):
-    """Two compactions in flight on two streams, each on its own buffers."""
-    xs = [cuda(make_data((8, 4096, 256), "float16", "torch", rng)) for _ in range(2)]
-    ss = [cuda(make_scores((8, 4096), "float32", "torch", rng, ties=False)) for _ in range(2)]
+@pytest.mark.parametrize("rows,n", [(8, 4096), (2, 65536)])
+def test_cuda_two_streams_at_once(rows, n, rng):
+    """Two compactions in flight on two streams, each on its own buffers (and,
+    for long rows, its own slot of module memory)."""
+    xs = [cuda(make_data((rows, n, 256), "float16", "torch", rng)) for _ in range(2)]
+    ss = [cuda(make_scores((rows, n), "float32", "torch", rng, ties=False)) for _ in range(2)]
     befores = [bits(x) for x in xs]
     streams = [torch.cuda.Stream() for _ in range(2)]
     torch.cuda.synchronize()
@@ -240,7 +242,7 @@ def test_cuda_two_streams_at_once(rng):
             results.append(imoe.compact_(x, s, 1000))
     torch.cuda.synchronize()
     for x, s, before, res in zip(xs, ss, befores, results):
-        ref = reference_indices(reference_kept(s, 1000), 4096, 1000)
+        ref = reference_indices(reference_kept(s, 1000), n, 1000)
         np.testing.assert_array_equal(to_numpy(res.indices), ref)
         np.testing.assert_array_equal(bits(x), expected_after(before, 1, ref, "swap"))
 
