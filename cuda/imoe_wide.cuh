@@ -41,6 +41,7 @@ constexpr int kWideMaxBlocks = 1024;  // one chunk per thread in the rank scans
 static_assert(kWideMaxBlocks <= kSelThreads, "a thread per chunk");
 constexpr int kWideIpt = 8;                 // slots per thread in one block scan
 constexpr int kWideSub = kSelThreads * kWideIpt;
+constexpr int kWidePieces = 32;             // pieces of slots per batch
 constexpr int kWideMaxCap = 16384;          // pairs a block holds at once (H and T: 128 KiB)
 // The scratch: see above (2 MiB of histograms, 4 KiB of barrier words,
 // 256 KiB of count records).
@@ -82,6 +83,12 @@ __global__ void __launch_bounds__(kSelThreads, 1) k_select_wide(const __grid_con
   __shared__ int s_pick[3];    // digit, keys in higher bins, keys in the digit's bin
   __shared__ int s_cnt[4];     // holes, kept tails (ties aside), ties, ties below C'
   __shared__ int s_run[4];     // first and last chunk holding a round's holes, and kept tails
+  // a batch of pieces: offset in kbuf (entry npc: the batch's size), first
+  // slot, mode, the task's first tie rank (-1: a task's later piece) and
+  // first selected rank
+  __shared__ int s_pc_off[kWidePieces + 1], s_pc_x[kWidePieces], s_pc_mode[kWidePieces], s_pc_tie[kWidePieces],
+      s_pc_sel[kWidePieces];
+  __shared__ int s_npc;
   __shared__ int s_wsum[4][32];
   // per chunk of the row: rank of its first hole, kept tail and tie; its
   // ties below C' (entry nblk: the row's totals)
@@ -319,102 +326,121 @@ __global__ void __launch_bounds__(kSelThreads, 1) k_select_wide(const __grid_con
       tie0 = s_tq[k] + (mode ? s_tlo[k] : 0);
       sel0 = mode ? s_tpre[k] : s_hpre[k];
     };
-    // Batches: the raw scores of as many tasks as fit in kbuf are loaded at
-    // once (every load in flight together), then the same pieces are
-    // visited from shared memory in order, one block scan per piece.
-    int t = first && fixed ? -1 : 0, run_tie = 0, run_sel = 0;
-    int64_t sx = -1;  // next slot of task t (-1: its start)
+    // Batches of at most kWidePieces pieces and kWideSub slots. Thread 0
+    // alone cuts the tasks into the batch's pieces (their scalar work would
+    // otherwise run on all 32 warps); every thread then loads its slots of
+    // the batch, kWideIpt independent loads, into shared memory, and the
+    // pieces are visited in order, a block scan each. A task longer than
+    // what is left of a batch goes on in the next.
+    int cur_t = first && fixed ? -1 : 0;  // thread 0's cursor: task and slot
+    int64_t cur_x = -1;                    //   (-1: the task's start)
+    int run_tie = 0, run_sel = 0;
 #pragma unroll 1
-    while (t < te) {
-      {
-        int ct = t, off = 0;
-        int64_t cs = sx;
-#pragma unroll 1
-        while (ct < te && off < kWideSub) {
+    for (;;) {
+      if (tid == 0) {
+        int npc = 0, off = 0;
+        while (cur_t < te && off < kWideSub && npc < kWidePieces) {
           int64_t a, e;
           int mode, tie0, sel0;
-          task(ct, a, e, mode, tie0, sel0);
-          if (cs < 0) cs = a;
-          const int len = (int)max((int64_t)0, min(e - cs, (int64_t)(kWideSub - off)));
-          for (int i = tid; i < len; i += nt) kbuf[off + i] = ldg_raw(srow + (cs + i) * sns, dt, sal);
+          task(cur_t, a, e, mode, tie0, sel0);
+          const bool head = cur_x < 0;
+          if (head) cur_x = a;
+          const int len = (int)max((int64_t)0, min(e - cur_x, (int64_t)(kWideSub - off)));
+          if (len > 0) {
+            s_pc_off[npc] = off;
+            s_pc_x[npc] = (int)cur_x;
+            s_pc_mode[npc] = mode;
+            s_pc_tie[npc] = head ? tie0 : -1;
+            s_pc_sel[npc] = sel0;
+            ++npc;
+          }
           off += len;
-          cs += len;
-          if (cs < e) break;  // the buffer is full: the task goes on in the next batch
-          ++ct;
-          cs = -1;
+          cur_x += len;
+          if (cur_x < e) break;
+          ++cur_t;
+          cur_x = -1;
         }
+        s_pc_off[npc] = off;
+        s_npc = npc;
       }
       __syncthreads();
-      int off = 0;
-#pragma unroll 1
-      while (t < te && off < kWideSub) {
-        int64_t a, e;
-        int mode, tie0, sel0;
-        task(t, a, e, mode, tie0, sel0);
-        if (sx < 0) {
-          sx = a;
-          run_tie = tie0;
-          run_sel = sel0;
-        }
-        const int len = (int)max((int64_t)0, min(e - sx, (int64_t)(kWideSub - off)));
-        if (len > 0) {  // uniform: slots [sx, sx + len), g consecutive ones per thread
-          const int g = (len + nt - 1) / nt;
-          const int j0 = tid * g;
-          uint32_t inm = 0u, keptm = 0u, tiem = 0u;
+      if (s_npc == 0) break;  // uniform: every task is done
+      const int npc = s_npc, total = s_pc_off[npc];
+      {  // element j of the batch: piece p's slot x + (j - off); j rises with i
+        uint32_t rv[kWideIpt];
+        int pc = 0;
 #pragma unroll
-          for (int i = 0; i < kWideIpt; ++i) {
-            if (i < g && j0 + i < len) {
-              inm |= 1u << i;
-              const int c = cls(sx + j0 + i, kbuf[off + j0 + i]);
-              keptm |= (c == kKept ? 1u : 0u) << i;
-              tiem |= (c == kTie ? 1u : 0u) << i;
-            }
+        for (int i = 0; i < kWideIpt; ++i) {
+          const int j = tid + i * nt;
+          rv[i] = 0u;
+          if (j < total) {
+            while (s_pc_off[pc + 1] <= j) ++pc;
+            rv[i] = ldg_raw(srow + ((int64_t)s_pc_x[pc] + (j - s_pc_off[pc])) * sns, dt, sal);
           }
-          if (rank) {  // uniform: the row's first Q ties are kept
-            int tot;
-            const int ex = block_excl_scan_1sync(__popc(tiem), &tot, s_wsum[(it & 1) * 2]);
-            const int nk = min(max(Q - (run_tie + ex), 0), __popc(tiem));  // this thread's kept ties: its first nk
-            uint32_t tm_ = tiem;
-#pragma unroll 1
-            for (int j = 0; j < nk; ++j) {
-              keptm |= tm_ & (0u - tm_);
-              tm_ &= tm_ - 1u;
-            }
-            run_tie += tot;
-          }
-          const int64_t xs = sx + j0;
-          if (mode == 2) {
-#pragma unroll 1
-            for (uint32_t w = inm; w; w &= w - 1u) {
-              const int i = __ffs(w) - 1;
-              const int64_t x = xs + i;
-              const bool k = (keptm >> i) & 1u;
-              if (x < Cp && k) {
-                if (irow) store_index(irow + x * p.idx.n_stride, p.idx.dtype, p.idx.aligned != 0, x);
-                if (trow) store_index(trow + x * p.tm.n_stride, p.tm.dtype, p.tm.aligned != 0, x);
-              } else if (x >= Cp && !k) {
-                if (trow) store_index(trow + x * p.tm.n_stride, p.tm.dtype, p.tm.aligned != 0, x);
-              }
-            }
-          } else {
-            int32_t *out = mode ? T : H;
-            const uint32_t selm = mode == 0 ? inm & ~keptm : keptm;
-            int tot;
-            int q = run_sel + block_excl_scan_1sync(__popc(selm), &tot, s_wsum[(it & 1) * 2 + 1]);
-#pragma unroll 1
-            for (uint32_t w = selm; w; w &= w - 1u, ++q)
-              if (q >= ra && q < rb) out[q - ra] = (int32_t)(xs + __ffs(w) - 1);
-            run_sel += tot;
-          }
-          ++it;
         }
-        off += len;
-        sx += len;
-        if (sx < e) break;
-        ++t;
-        sx = -1;
+#pragma unroll
+        for (int i = 0; i < kWideIpt; ++i)
+          if (tid + i * nt < total) kbuf[tid + i * nt] = rv[i];
       }
-      __syncthreads();  // kbuf is refilled next
+      __syncthreads();
+#pragma unroll 1
+      for (int pc = 0; pc < npc; ++pc) {
+        const int off = s_pc_off[pc], len = s_pc_off[pc + 1] - off, mode = s_pc_mode[pc];
+        if (s_pc_tie[pc] >= 0) {  // a task's first piece
+          run_tie = s_pc_tie[pc];
+          run_sel = s_pc_sel[pc];
+        }
+        // slots x0 + [0, len), g consecutive ones per thread
+        const int g = (len + nt - 1) / nt;
+        const int j0 = tid * g;
+        const int gi = max(0, min(g, len - j0));
+        const int64_t xs = (int64_t)s_pc_x[pc] + j0;
+        uint32_t keptm = 0u, tiem = 0u;
+#pragma unroll 1
+        for (int i = 0; i < gi; ++i) {
+          const int c = cls(xs + i, kbuf[off + j0 + i]);
+          keptm |= (c == kKept ? 1u : 0u) << i;
+          tiem |= (c == kTie ? 1u : 0u) << i;
+        }
+        const uint32_t inm = gi > 0 ? (gi >= 32 ? 0xFFFFFFFFu : (1u << gi) - 1u) : 0u;
+        if (rank) {  // uniform: the row's first Q ties are kept
+          int tot;
+          const int ex = block_excl_scan_1sync(__popc(tiem), &tot, s_wsum[(it & 1) * 2]);
+          const int nk = min(max(Q - (run_tie + ex), 0), __popc(tiem));  // this thread's kept ties: its first nk
+          uint32_t tm_ = tiem;
+#pragma unroll 1
+          for (int j = 0; j < nk; ++j) {
+            keptm |= tm_ & (0u - tm_);
+            tm_ &= tm_ - 1u;
+          }
+          run_tie += tot;
+        }
+        if (mode == 2) {
+#pragma unroll 1
+          for (uint32_t w = inm; w; w &= w - 1u) {
+            const int i = __ffs(w) - 1;
+            const int64_t x = xs + i;
+            const bool k = (keptm >> i) & 1u;
+            if (x < Cp && k) {
+              if (irow) store_index(irow + x * p.idx.n_stride, p.idx.dtype, p.idx.aligned != 0, x);
+              if (trow) store_index(trow + x * p.tm.n_stride, p.tm.dtype, p.tm.aligned != 0, x);
+            } else if (x >= Cp && !k) {
+              if (trow) store_index(trow + x * p.tm.n_stride, p.tm.dtype, p.tm.aligned != 0, x);
+            }
+          }
+        } else {
+          int32_t *out = mode ? T : H;
+          const uint32_t selm = mode == 0 ? inm & ~keptm : keptm;
+          int tot;
+          int q = run_sel + block_excl_scan_1sync(__popc(selm), &tot, s_wsum[(it & 1) * 2 + 1]);
+#pragma unroll 1
+          for (uint32_t w = selm; w; w &= w - 1u, ++q)
+            if (q >= ra && q < rb) out[q - ra] = (int32_t)(xs + __ffs(w) - 1);
+          run_sel += tot;
+        }
+        ++it;
+      }
+      __syncthreads();  // thread 0 refills the pieces, every thread kbuf
     }
     if (first) IMOE_PHASE(8);
     const int np = rb - ra;
