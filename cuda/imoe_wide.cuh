@@ -115,6 +115,7 @@ __global__ void __launch_bounds__(kSelThreads, 1) k_select_wide(const __grid_con
   const bool leader = b == 0;
 
   IMOE_PHASE(0);
+  static_assert(kSelThreads == 4 * 256, "one thread per histogram word");
   s_h[tid >> 8][tid & 255] = 0;
   if (tid < 4) s_cnt[tid] = 0;
   unsigned long long *gbar = &g_gridbar[p.token % kSlots];
