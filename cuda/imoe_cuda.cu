@@ -37,8 +37,8 @@ struct DevInfo {
   int cc_major;
   int coop;  // cooperative launches (the select's own NaN check, k_select_wide)
   int wide_cap;  // k_select_wide: pairs a block holds at once (H and T in shared memory)
-  size_t occ_smem[6];  // k_select<0..2>, k_select_small<4, 8, 16> (either mover)
-  int occ_val[6];
+  size_t occ_smem[8];  // k_select<0..2>, k_select_small (src 3..7; either mover)
+  int occ_val[8];
 };
 
 std::mutex g_mu;
@@ -79,16 +79,21 @@ struct DeviceGuard {
 };
 
 // k_select_small for rows of at most 4096, 8192 and 16384 slots (src 3, 4,
-// 5). Calls that move (not swap) take the kernels whose movers keep five
-// loads in flight per thread: each kernel has its own copy of the mover,
-// allocated by ptxas on its own, so neither loop spills (cuda/NOTES.md,
-// run 63).
+// 5: 1024 threads), and for many rows of at most 4096 and 8192 slots (src
+// 6, 7: 256 and 512 threads, several blocks per multiprocessor). Calls that
+// move (not swap) take the kernels whose movers keep five loads in flight
+// per thread: each kernel has its own copy of the mover, allocated by ptxas
+// on its own, so neither loop spills (cuda/NOTES.md, run 63).
+constexpr int kSmallKernels = 5;  // src 3 .. 7
 typedef void (*SmallKernel)(SelParams);
 SmallKernel small_kernel(int src, bool move5) {
   if (src == 3) return move5 ? k_select_small<4, true> : k_select_small<4, false>;
   if (src == 4) return move5 ? k_select_small<8, true> : k_select_small<8, false>;
+  if (src == 6) return move5 ? k_select_small<16, true, 256> : k_select_small<16, false, 256>;
+  if (src == 7) return move5 ? k_select_small<16, true, 512> : k_select_small<16, false, 512>;
   return move5 ? k_select_small<16, true> : k_select_small<16, false>;
 }
+int small_threads(int src) { return src == 6 ? 256 : (src == 7 ? 512 : kSelThreads); }
 
 template <class K>
 cudaError_t raise_smem(K kernel, int bytes) {
@@ -139,8 +144,8 @@ imoe_status enter(const imoe_exec *exec, const char *fn, imoe_error *err, Device
             cudaSuccess ||
         (e = raise_smem(k_select_wide, 8 * di->wide_cap + 4 * kWideSub)) != cudaSuccess)
       return cuda_fail(err, fn, "cudaFuncSetAttribute", e);
-    for (int k = 0; k < 6; ++k) {
-      const SmallKernel sk = small_kernel(3 + k % 3, k >= 3);
+    for (int k = 0; k < 2 * kSmallKernels; ++k) {
+      const SmallKernel sk = small_kernel(3 + k % kSmallKernels, k >= kSmallKernels);
       if ((e = cudaFuncSetAttribute(sk, cudaFuncAttributePreferredSharedMemoryCarveout, carve)) != cudaSuccess ||
           (e = raise_smem(sk, kSmallDynSmem)) != cudaSuccess)
         return cuda_fail(err, fn, "cudaFuncSetAttribute", e);
@@ -150,7 +155,7 @@ imoe_status enter(const imoe_exec *exec, const char *fn, imoe_error *err, Device
         (e = raise_smem(k_select<2>, dyn)) != cudaSuccess ||
         (e = raise_smem(k_check_rows, di->smem_optin - 1024)) != cudaSuccess)
       return cuda_fail(err, fn, "cudaFuncSetAttribute", e);
-    for (int i = 0; i < 6; ++i) di->occ_smem[i] = (size_t)-1;
+    for (int i = 0; i < 3 + kSmallKernels; ++i) di->occ_smem[i] = (size_t)-1;
     di->init = true;
   }
   *out = di;
@@ -165,7 +170,7 @@ int occupancy(DevInfo *di, int src, size_t smem) {
   if (src == 0) e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&nb, k_select<0>, kSelThreads, smem);
   else if (src == 1) e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&nb, k_select<1>, kSelThreads, smem);
   else if (src == 2) e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&nb, k_select<2>, kSelThreads, smem);
-  else e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&nb, small_kernel(src, false), kSelThreads, smem);
+  else e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&nb, small_kernel(src, false), small_threads(src), smem);
   if (e != cudaSuccess || nb < 1) {
     (void)cudaGetLastError();
     nb = 1;
@@ -527,6 +532,8 @@ imoe_status select_and_move(const char *fn, const imoe_view *buffers, int32_t nu
     // short rows: keys in registers, holes and tails in two arrays of
     // min(C', N - C') entries (the number of pairs is at most that)
     src = N <= 4 * kSelThreads ? 3 : (N <= 8 * kSelThreads ? 4 : 5);
+    // many rows: a row per 256 (512) threads, several rows per multiprocessor
+    if (pl.R >= 2u * (uint64_t)di->sms && N <= 8192) src = N <= 4096 ? 6 : 7;
     sp.cap = (int32_t)std::max<int64_t>(1, std::min<int64_t>(Cp, N - Cp));
     smem = (size_t)sp.cap * 8u;
   } else if (scores) {
@@ -643,7 +650,7 @@ imoe_status select_and_move(const char *fn, const imoe_view *buffers, int32_t nu
       sp.fused_nan = 1;
       sp.nverdict = 0;
       sp.pdl = 0;
-      e = launch(small_kernel(src, move5), (unsigned)grid, kSelThreads, smem, st, false, sp, true);
+      e = launch(small_kernel(src, move5), (unsigned)grid, small_threads(src), smem, st, false, sp, true);
       if (e == cudaSuccess) {
         launched = true;
         nverdict = 1;  // block 0 writes the verdict word for the call's later kernels
@@ -667,7 +674,7 @@ imoe_status select_and_move(const char *fn, const imoe_view *buffers, int32_t nu
     if (src == 0) e = launch(k_select<0>, (unsigned)grid, kSelThreads, smem, st, pdl, sp);
     else if (src == 1) e = launch(k_select<1>, (unsigned)grid, kSelThreads, smem, st, pdl, sp);
     else if (src == 2) e = launch(k_select<2>, (unsigned)grid, kSelThreads, smem, st, pdl, sp);
-    else e = launch(small_kernel(src, move5), (unsigned)grid, kSelThreads, smem, st, pdl, sp);
+    else e = launch(small_kernel(src, move5), (unsigned)grid, small_threads(src), smem, st, pdl, sp);
     if (e != cudaSuccess) return cuda_fail(err, fn, "launch of k_select", e);
   }
 

@@ -188,6 +188,31 @@ __device__ __forceinline__ int warp_suffix_sum(int v) {
   return v;
 }
 
+// One warp (the block's first) over a 256-bin histogram h, bins counted
+// from the top: the bin that holds the need-th key (1 <= need <= keys in h),
+// written to out as {bin, keys in higher bins, keys in the bin}. The caller
+// synchronises before (h complete) and after (out read).
+__device__ __forceinline__ void find_bin256(const int *h, int need, int *out) {
+  const int lane = threadIdx.x & 31;
+  int s = 0;
+#pragma unroll
+  for (int j = 0; j < 8; ++j) s += h[8 * lane + j];
+  const int suf = warp_suffix_sum(s);
+  int acc = suf - s;
+  if (acc < need && need <= suf) {
+    for (int j = 7; j >= 0; --j) {
+      const int c = h[8 * lane + j];
+      if (acc + c >= need) {
+        out[0] = 8 * lane + j;
+        out[1] = acc;
+        out[2] = c;
+        break;
+      }
+      acc += c;
+    }
+  }
+}
+
 __device__ __forceinline__ int warp_incl_scan(int v) {
   const int lane = threadIdx.x & 31;
 #pragma unroll

@@ -278,7 +278,7 @@ __global__ void __launch_bounds__(kSelThreads, 1) k_select(const __grid_constant
   __shared__ int s_hist[256];
   __shared__ int s_hist_lo[256];
   __shared__ int s_tmp[32];
-  __shared__ long long s_b[2];
+  __shared__ int s_b[3];  // the digit, keys in higher bins, keys in its bin
   __shared__ unsigned long long s_max;
 
   const int tid = threadIdx.x, nt = blockDim.x;
@@ -421,33 +421,10 @@ __global__ void __launch_bounds__(kSelThreads, 1) k_select(const __grid_constant
             }
           }
           __syncthreads();
-          if (tid < 32) {
-            int s = 0;
-#pragma unroll
-            for (int j = 0; j < 8; ++j) s += s_hist[tid * 8 + j];
-            int suf = s;
-#pragma unroll
-            for (int o = 1; o < 32; o <<= 1) {
-              const int n = __shfl_down_sync(0xFFFFFFFFu, suf, o);
-              if (tid + o < 32) suf += n;
-            }
-            const int above = suf - s;
-            if (above < need && need <= suf) {
-              int acc = above;
-              for (int j = 7; j >= 0; --j) {
-                const int h = s_hist[tid * 8 + j];
-                if (acc + h >= need) {
-                  s_b[0] = tid * 8 + j;
-                  s_b[1] = acc;
-                  break;
-                }
-                acc += h;
-              }
-            }
-          }
+          if (tid < 32) find_bin256(s_hist, need, s_b);
           __syncthreads();
-          const int d = (int)s_b[0];
-          need -= (int)s_b[1];
+          const int d = s_b[0];
+          need -= s_b[1];
           prefix |= (uint32_t)d << shift;
           const int E = s_hist[d];
           const int lo_cnt = s_hist_lo[d];
@@ -765,16 +742,22 @@ __device__ __forceinline__ void load_raw_row(const char *srow, int x0, int N, in
 // (the host takes these kernels for moves, not swaps): a W1 block of
 // 65-67 pairs of 2 KiB (8,320-8,576 vectors for 1024 threads) then moves
 // in two rounds, not three (cuda/NOTES.md, run 63).
-template <int IPT, bool MOVE5>
-__global__ void __launch_bounds__(kSelThreads, 1) k_select_small(const __grid_constant__ SelParams p) {
+// NT: threads per block. 1024 by default; many short rows take 256 or 512
+// (16 keys each) so that several rows select at once on one
+// multiprocessor, each block hiding the others' latency (NOTES, run 78).
+template <int IPT, bool MOVE5, int NT = kSelThreads>
+__global__ void __launch_bounds__(NT, kSelThreads / NT) k_select_small(const __grid_constant__ SelParams p) {
   extern __shared__ __align__(16) unsigned char dsm[];
   __shared__ __align__(16) int s_hist[kSmallPasses][kSmallBins];  // one per radix pass
-  __shared__ int s_part[kSmallPasses][32];  // per pass: keys in each warp's 64 bins
+  __shared__ int s_part[kSmallPasses][32];  // per pass: keys in each group of 64 bins
   __shared__ uint32_t s_mm[2][32];          // per warp: least and greatest candidate key
   __shared__ int s_wsum[2][32];
   __shared__ int s_phase;  // fused NaN check: this launch's barrier phase
-  static_assert(kSelThreads == 32 * 32 && kSmallBins == 32 * 64, "warp w sums bins [64 w, 64 w + 64)");
+  constexpr int NW = NT / 32;  // warps; warp w sums the groups w, w + NW, ...
+  static_assert(NT % 32 == 0 && 32 % NW == 0 && kSmallBins == 32 * 64, "32 groups of 64 bins");
   static_assert(kSmallPasses * kSmallBins == 6 * kSelThreads, "six histogram words per thread to zero");
+  static_assert(NT == kSelThreads || kSmallPasses * kSmallBins / 4 % NT == 0, "whole rounds of 16-byte zeroing stores");
+  static_assert(kVerdicts <= NT, "verdict_bad: one verdict word per thread");
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const uint32_t r = blockIdx.x / (uint32_t)p.nblk;
@@ -790,8 +773,13 @@ __global__ void __launch_bounds__(kSelThreads, 1) k_select_small(const __grid_co
   IMOE_PHASE(0);
   {
     int4 *hz = reinterpret_cast<int4 *>(&s_hist[0][0]);
-    hz[tid] = make_int4(0, 0, 0, 0);
-    if (tid < kSelThreads / 2) hz[tid + kSelThreads] = make_int4(0, 0, 0, 0);
+    if constexpr (NT == kSelThreads) {
+      hz[tid] = make_int4(0, 0, 0, 0);
+      if (tid < kSelThreads / 2) hz[tid + kSelThreads] = make_int4(0, 0, 0, 0);
+    } else {
+#pragma unroll
+      for (int i = 0; i < kSmallPasses * kSmallBins / 4; i += NT) hz[i + tid] = make_int4(0, 0, 0, 0);
+    }
   }
   // fused NaN check: the barrier word before this launch's arrivals (its
   // bit 63, the phase, says which NaN half is this launch's), read while the
@@ -870,14 +858,14 @@ __global__ void __launch_bounds__(kSelThreads, 1) k_select_small(const __grid_co
   }
   IMOE_PHASE(1);
   if (!all_kept && Kp > 0) {
-    const int noncand = kSelThreads * IPT - (chi - clo);
+    const int noncand = NT * IPT - (chi - clo);
     int need = Kp;
     // Keys in play lie in [base, base + span]; a pass bins them by
     // (key - base) >> sh into at most kSmallBins bins. The first pass spans
     // the candidates' keys only, so scores that share their high bits (say
     // all in [0, 1)) resolve in two passes; any keys resolve in three.
-    uint32_t base = __reduce_min_sync(0xFFFFFFFFu, s_mm[0][lane]);
-    uint32_t span = __reduce_max_sync(0xFFFFFFFFu, s_mm[1][lane]) - base;
+    uint32_t base = __reduce_min_sync(0xFFFFFFFFu, NW == 32 || lane < NW ? s_mm[0][lane] : 0xFFFFFFFFu);
+    uint32_t span = __reduce_max_sync(0xFFFFFFFFu, NW == 32 || lane < NW ? s_mm[1][lane] : 0u) - base;
     int sh = max(0, 32 - __clz(span) - kSmallDigit);
 #pragma unroll 1
     for (int pass = 0; pass < kSmallPasses; ++pass) {
@@ -890,10 +878,12 @@ __global__ void __launch_bounds__(kSelThreads, 1) k_select_small(const __grid_co
       __syncthreads();
       // the non-candidates (key 0) are in play, in bin 0, when base is 0
       const int drop0 = base == 0u ? noncand : 0;
-      {  // warp w sums bins [64 w, 64 w + 64)
-        const int2 h = *reinterpret_cast<const int2 *>(hist + 64 * warp + 2 * lane);
-        const int v = __reduce_add_sync(0xFFFFFFFFu, h.x + h.y - (tid == 0 ? drop0 : 0));
-        if (lane == 0) s_part[pass][warp] = v;
+#pragma unroll
+      for (int gi = 0; gi < 32 / NW; ++gi) {  // group g: bins [64 g, 64 g + 64)
+        const int g = warp + gi * NW;
+        const int2 h = *reinterpret_cast<const int2 *>(hist + 64 * g + 2 * lane);
+        const int v = __reduce_add_sync(0xFFFFFFFFu, h.x + h.y - (gi == 0 && tid == 0 ? drop0 : 0));
+        if (lane == 0) s_part[pass][g] = v;
       }
       __syncthreads();
       // every warp finds the digit itself (no third barrier): the group of
@@ -1033,7 +1023,7 @@ __global__ void __launch_bounds__(kSelThreads, 1) k_select_small(const __grid_co
     }
   }
   if (irow || trow) {
-    for (int q = qa + tid; q < qb; q += kSelThreads) {
+    for (int q = qa + tid; q < qb; q += NT) {
       const int hx = H[q], tx = T[q];
       if (irow) store_index(irow + (int64_t)hx * p.idx.n_stride, p.idx.dtype, p.idx.aligned != 0, tx);
       if (trow) {

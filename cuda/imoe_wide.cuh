@@ -165,25 +165,7 @@ __global__ void __launch_bounds__(kSelThreads, 1) k_select_wide(const __grid_con
     row_sync(rbar, (unsigned)nblk, leader);
     if (tid < 256) s_g[tid] = __ldcg(&G[pass & 1][tid]);
     __syncthreads();
-    if (tid < 32) {  // the bin that holds the need-th key from the top
-      int s = 0;
-#pragma unroll
-      for (int j = 0; j < 8; ++j) s += s_g[8 * lane + j];
-      const int suf = warp_suffix_sum(s);
-      int acc = suf - s;
-      if (acc < need && need <= suf) {
-        for (int j = 7; j >= 0; --j) {
-          const int h = s_g[8 * lane + j];
-          if (acc + h >= need) {
-            s_pick[0] = 8 * lane + j;
-            s_pick[1] = acc;
-            s_pick[2] = h;
-            break;
-          }
-          acc += h;
-        }
-      }
-    }
+    if (tid < 32) find_bin256(s_g, need, s_pick);  // the bin that holds the need-th key from the top
     __syncthreads();
     IMOE_PHASE(2 + pass);
     prefix |= (uint32_t)s_pick[0] << shift;

@@ -158,6 +158,52 @@ def test_cuda_long_rows_spread_over_the_gpu(rows, n, capacity, ties, mode, rng):
         np.testing.assert_array_equal(bits(x), expected_after(before, 1, ref, mode))
 
 
+@pytest.mark.parametrize("rows,n,capacity", [
+    (300, 4096, 2048), (1000, 256, 100), (600, 5000, 2500), (280, 8192, 7000), (4096, 64, 10),
+    (264, 4097, 1),
+])
+@pytest.mark.parametrize("ties", [True, False])
+@pytest.mark.parametrize("mode", ["move", "swap"])
+def test_cuda_many_rows_several_per_multiprocessor(rows, n, capacity, ties, mode, rng):
+    """Many rows of at most 8192 slots: a row per 256 or 512 threads, several
+    rows selecting at once on one multiprocessor. Ties at the threshold, a
+    protected prefix and a recent window; the indices, the target map and the
+    moved data."""
+    x = cuda(make_data((rows, n, 6), "uint8", "torch", rng))
+    scores = cuda(make_scores((rows, n), "bfloat16" if ties else "float32", "torch", rng, ties=ties))
+    before = bits(x)
+    tm = torch.full((rows, n), -7, dtype=torch.int64, device="cuda")
+    res = imoe.compact_(x, scores, capacity, mode=mode, protected_prefix=3, recent_window=5,
+                        out_target_map=tm)
+    ref = reference_indices(reference_kept(scores, capacity, 3, 5), n, capacity)
+    np.testing.assert_array_equal(to_numpy(res.indices), ref)
+    np.testing.assert_array_equal(to_numpy(tm), target_map_from_indices(ref, n))
+    np.testing.assert_array_equal(bits(x), expected_after(before, 1, ref, mode))
+
+
+@pytest.mark.parametrize("rows,n", [(300, 4096), (2000, 4096), (600, 8192)])
+def test_cuda_many_rows_nan_changes_nothing(rows, n, rng):
+    """A NaN in the last row of many short rows (nan=raise): 300 rows fit on
+    the GPU at once and check themselves at a grid barrier; 2000 take the
+    check kernel. Nothing is written; the next call is exact."""
+    x = cuda(make_data((rows, n, 4), "float16", "torch", rng))
+    scores = cuda(make_scores((rows, n), "float32", "torch", rng, ties=False))
+    scores[rows - 1, n - 1] = float("nan")
+    out = torch.full((rows, n // 2), -5, dtype=torch.int64, device="cuda")
+    snaps = [bits(x), bits(out)]
+    imoe.compact_(x, scores, n // 2, mode="move", out_indices=out)
+    with pytest.raises(ValueError, match="NaN"):
+        imoe.check_errors(x)
+    np.testing.assert_array_equal(bits(x), snaps[0])
+    np.testing.assert_array_equal(bits(out), snaps[1])
+    scores[rows - 1, n - 1] = 0.75
+    res = imoe.compact_(x, scores, n // 2, mode="move", out_indices=out)
+    imoe.check_errors(x)
+    ref = reference_indices(reference_kept(scores, n // 2), n, n // 2)
+    np.testing.assert_array_equal(to_numpy(res.indices), ref)
+    np.testing.assert_array_equal(bits(x), expected_after(snaps[0], 1, ref, "move"))
+
+
 @pytest.mark.parametrize("where", [(0, 0), (1, 65535), (1, 30000)])
 def test_cuda_long_rows_nan_changes_nothing(where, rng):
     """A NaN anywhere in a long row (nan=raise): no block writes, whichever

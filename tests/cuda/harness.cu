@@ -647,7 +647,7 @@ static void run_bad_map_case(int variant) {
 
 static CaseCfg random_case(bool quick) {
   CaseCfg c;
-  static const std::vector<int64_t> Rs = {1, 1, 2, 3, 7, 8, 32, 100, 4096};
+  static const std::vector<int64_t> Rs = {1, 1, 2, 3, 7, 8, 32, 100, 300, 4096};
   static const std::vector<int64_t> Ns = {1,    2,    3,    5,    17,    100,   1000,  2047,  2048,
                                           2049, 4096, 5000, 8192, 40000, 70000, 300000, 1 << 20};
   static const std::vector<int64_t> rowbs = {1, 2, 3, 4, 7, 8, 16, 24, 100, 256, 1000, 2048, 14336, 65536};
