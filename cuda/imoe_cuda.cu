@@ -406,9 +406,30 @@ imoe_status launch_nan_check(const char *fn, const Plan &pl, int64_t N, const im
   NanParams np;
   memset(&np, 0, sizeof np);
   np.scores = in_view(scores, pl.st[0], pl.lead.nd);
-  if (!plan_pieces(pl, N, 2048, token, &np, nverdict))
+  // Dense scores (slots contiguous, rows one after another, 16-byte aligned
+  // 16- or 32-bit): one flat row of R x N scores, read as 16-byte vectors.
+  const int64_t es = dtype_size(scores->dtype);
+  bool dense = (es == 2 || es == 4) && scores->n_stride == es && (uintptr_t)scores->data % 16 == 0;
+  int64_t next = N * es;
+  for (int d = pl.lead.nd - 1; d >= 0 && dense; --d) {
+    if (pl.lead.shape[d] > 1 && pl.st[0].s[d] != next) dense = false;
+    next *= (int64_t)pl.lead.shape[d];
+  }
+  if (dense) {
+    Plan flat;
+    flat.lead = Lead();
+    memset(&flat.lead, 0, sizeof flat.lead);
+    flat.R = 1;
+    np.vec = 1;
+    np.scores.lead = Strides();
+    memset(&np.scores.lead, 0, sizeof np.scores.lead);
+    if (!plan_pieces(flat, (int64_t)pl.R * N, 32768, token, &np, nverdict))
+      return fail(err, IMOE_ERR_ARGUMENT, "%s: too many scores for one launch", fn);
+  } else if (!plan_pieces(pl, N, 2048, token, &np, nverdict)) {
     return fail(err, IMOE_ERR_ARGUMENT, "%s: too many rows for one launch", fn);
-  const cudaError_t e = launch(k_check_nan, (unsigned)*nverdict, 256, 0, st, false, np);
+  }
+  // 1024 threads of dense scores keep 128 KiB of loads in flight per multiprocessor
+  const cudaError_t e = launch(k_check_nan, (unsigned)*nverdict, dense ? 1024 : 256, 0, st, false, np);
   if (e != cudaSuccess) return cuda_fail(err, fn, "launch of k_check_nan", e);
   return IMOE_OK;
 }

@@ -160,7 +160,7 @@ def test_cuda_long_rows_spread_over_the_gpu(rows, n, capacity, ties, mode, rng):
 
 @pytest.mark.parametrize("rows,n,capacity", [
     (300, 4096, 2048), (1000, 256, 100), (600, 5000, 2500), (280, 8192, 7000), (4096, 64, 10),
-    (264, 4097, 1),
+    (264, 4097, 9),
 ])
 @pytest.mark.parametrize("ties", [True, False])
 @pytest.mark.parametrize("mode", ["move", "swap"])
@@ -172,7 +172,7 @@ def test_cuda_many_rows_several_per_multiprocessor(rows, n, capacity, ties, mode
     x = cuda(make_data((rows, n, 6), "uint8", "torch", rng))
     scores = cuda(make_scores((rows, n), "bfloat16" if ties else "float32", "torch", rng, ties=ties))
     before = bits(x)
-    tm = torch.full((rows, n), -7, dtype=torch.int64, device="cuda")
+    tm = torch.full((rows, n), -7, dtype=torch.int32, device=x.device)
     res = imoe.compact_(x, scores, capacity, mode=mode, protected_prefix=3, recent_window=5,
                         out_target_map=tm)
     ref = reference_indices(reference_kept(scores, capacity, 3, 5), n, capacity)
@@ -181,25 +181,34 @@ def test_cuda_many_rows_several_per_multiprocessor(rows, n, capacity, ties, mode
     np.testing.assert_array_equal(bits(x), expected_after(before, 1, ref, mode))
 
 
-@pytest.mark.parametrize("rows,n", [(300, 4096), (2000, 4096), (600, 8192)])
-def test_cuda_many_rows_nan_changes_nothing(rows, n, rng):
-    """A NaN in the last row of many short rows (nan=raise): 300 rows fit on
-    the GPU at once and check themselves at a grid barrier; 2000 take the
-    check kernel. Nothing is written; the next call is exact."""
+@pytest.mark.parametrize("score_dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("rows,n,where", [
+    (300, 4096, "last"), (2000, 4096, "last"), (2000, 4096, "first"), (2000, 1001, "middle"),
+    (600, 8192, "middle"), (100, 20000, "last"),
+])
+def test_cuda_many_rows_nan_changes_nothing(score_dtype, rows, n, where, rng):
+    """A NaN among many rows (nan=raise): 300 rows of 4096 fit on the GPU at
+    once and check themselves at a grid barrier; the others take the check
+    kernel, which reads dense scores as one flat range of 16-byte vectors
+    (rows of 1001 bfloat16 scores end mid-vector) and strided scores row by
+    row. Nothing is written; the next call is exact."""
+    at = {"last": (rows - 1, n - 1), "first": (0, 0), "middle": (rows // 2, n // 2 + 1)}[where]
     x = cuda(make_data((rows, n, 4), "float16", "torch", rng))
-    scores = cuda(make_scores((rows, n), "float32", "torch", rng, ties=False))
-    scores[rows - 1, n - 1] = float("nan")
-    out = torch.full((rows, n // 2), -5, dtype=torch.int64, device="cuda")
+    dense = cuda(make_scores((rows, n), score_dtype, "torch", rng, ties=False))
+    strided = cuda(make_scores((rows, 2 * n), score_dtype, "torch", rng, ties=False))[:, ::2]
+    out = torch.full((rows, n // 2), -5, dtype=torch.int64, device=x.device)
     snaps = [bits(x), bits(out)]
-    imoe.compact_(x, scores, n // 2, mode="move", out_indices=out)
-    with pytest.raises(ValueError, match="NaN"):
-        imoe.check_errors(x)
-    np.testing.assert_array_equal(bits(x), snaps[0])
-    np.testing.assert_array_equal(bits(out), snaps[1])
-    scores[rows - 1, n - 1] = 0.75
-    res = imoe.compact_(x, scores, n // 2, mode="move", out_indices=out)
+    for scores in (dense, strided):
+        scores[at] = float("nan")
+        imoe.compact_(x, scores, n // 2, mode="move", out_indices=out)
+        with pytest.raises(ValueError, match="NaN"):
+            imoe.check_errors(x)
+        np.testing.assert_array_equal(bits(x), snaps[0])
+        np.testing.assert_array_equal(bits(out), snaps[1])
+    dense[at] = 0.75
+    res = imoe.compact_(x, dense, n // 2, mode="move", out_indices=out)
     imoe.check_errors(x)
-    ref = reference_indices(reference_kept(scores, n // 2), n, n // 2)
+    ref = reference_indices(reference_kept(dense, n // 2), n, n // 2)
     np.testing.assert_array_equal(to_numpy(res.indices), ref)
     np.testing.assert_array_equal(bits(x), expected_after(snaps[0], 1, ref, "move"))
 
