@@ -158,18 +158,19 @@ def test_cuda_long_rows_spread_over_the_gpu(rows, n, capacity, ties, mode, rng):
         np.testing.assert_array_equal(bits(x), expected_after(before, 1, ref, mode))
 
 
-@pytest.mark.parametrize("rows,n,capacity", [
-    (300, 4096, 2048), (1000, 256, 100), (600, 5000, 2500), (280, 8192, 7000), (4096, 64, 10),
-    (264, 4097, 9),
+@pytest.mark.parametrize("rows,n,capacity,row", [
+    (300, 4096, 2048, 6), (1000, 256, 100, 6), (600, 5000, 2500, 6), (280, 8192, 7000, 6),
+    (4096, 64, 10, 6), (264, 4097, 9, 6),
+    (264, 4096, 2048, 64),  # two blocks per row, each recomputing the row's selection
 ])
 @pytest.mark.parametrize("ties", [True, False])
 @pytest.mark.parametrize("mode", ["move", "swap"])
-def test_cuda_many_rows_several_per_multiprocessor(rows, n, capacity, ties, mode, rng):
+def test_cuda_many_rows_several_per_multiprocessor(rows, n, capacity, row, ties, mode, rng):
     """Many rows of at most 8192 slots: a row per 256 or 512 threads, several
     rows selecting at once on one multiprocessor. Ties at the threshold, a
     protected prefix and a recent window; the indices, the target map and the
     moved data."""
-    x = cuda(make_data((rows, n, 6), "uint8", "torch", rng))
+    x = cuda(make_data((rows, n, row), "uint8", "torch", rng))
     scores = cuda(make_scores((rows, n), "bfloat16" if ties else "float32", "torch", rng, ties=ties))
     before = bits(x)
     tm = torch.full((rows, n), -7, dtype=torch.int32, device=x.device)
