@@ -210,6 +210,23 @@ __device__ __forceinline__ void load_index8(const char *row, int64_t kb, int nt,
   }
 }
 
+// f(k, row[k]) for this thread's entries k of a row of m indices (k = tid,
+// tid + nt, ...), eight loads in flight at a time.
+template <class F>
+__device__ __forceinline__ void for_each_index(const char *row, int64_t m, const InView &iv, bool al, F &&f) {
+  const int nt = blockDim.x;
+  for (int64_t kb = threadIdx.x; kb < m; kb += 8 * (int64_t)nt) {
+    int64_t vv[8];
+    load_index8(row, kb, nt, m, iv, al, vv);
+#pragma unroll
+    for (int u = 0; u < 8; ++u) {
+      const int64_t k = kb + (int64_t)u * nt;
+      if (k >= m) break;
+      f(k, vv[u]);
+    }
+  }
+}
+
 __global__ void __launch_bounds__(kCheckThreads) k_check_rows(const __grid_constant__ RowsParams p) {
   extern __shared__ __align__(16) unsigned char dsm[];
   uint32_t *bits = reinterpret_cast<uint32_t *>(dsm);
@@ -231,22 +248,15 @@ __global__ void __launch_bounds__(kCheckThreads) k_check_rows(const __grid_const
   __syncthreads();
   int code = 0;
   unsigned long long mx = 0;
-  for (int64_t kb = tid; kb < p.M; kb += 8 * (int64_t)nt) {
-    int64_t vv[8];
-    load_index8(row, kb, nt, p.M, p.v, al, vv);
-#pragma unroll
-    for (int u = 0; u < 8; ++u) {
-      const int64_t k = kb + (int64_t)u * nt, v = vv[u];
-      if (k >= p.M) break;
-      if (p.kind == 1) {
-        if (v < 0 || (p.N >= 0 && v >= p.N) || v >= 0x7FFFFFFFLL) code = IMOE_ERR_INDEX_RANGE;
-        else if ((unsigned long long)v + 1 > mx) mx = (unsigned long long)v + 1;
-      } else if (v != k) {
-        if (v < 0 || v >= p.N) code = IMOE_ERR_INDEX_RANGE;
-        else if (v < p.M) code = IMOE_ERR_BAD_MAP;
-      }
+  for_each_index(row, p.M, p.v, al, [&](int64_t k, int64_t v) {
+    if (p.kind == 1) {
+      if (v < 0 || (p.N >= 0 && v >= p.N) || v >= 0x7FFFFFFFLL) code = IMOE_ERR_INDEX_RANGE;
+      else if ((unsigned long long)v + 1 > mx) mx = (unsigned long long)v + 1;
+    } else if (v != k) {
+      if (v < 0 || v >= p.N) code = IMOE_ERR_INDEX_RANGE;
+      else if (v < p.M) code = IMOE_ERR_BAD_MAP;
     }
-  }
+  });
   if (code) atomicCAS(&s_code, 0, code);
   if (mx) atomicMax(&s_max, mx);
   __syncthreads();
@@ -256,21 +266,13 @@ __global__ void __launch_bounds__(kCheckThreads) k_check_rows(const __grid_const
   for (int64_t w0 = lo; w0 < N && s_code == 0; w0 += p.win_bits) {
     for (int i = tid; i < wwords; i += nt) bits[i] = 0u;
     __syncthreads();
-    for (int64_t kb = tid; kb < p.M; kb += 8 * (int64_t)nt) {
-      int64_t vv[8];
-      load_index8(row, kb, nt, p.M, p.v, al, vv);
-#pragma unroll
-      for (int u = 0; u < 8; ++u) {
-        const int64_t k = kb + (int64_t)u * nt, v = vv[u];
-        if (k >= p.M) break;
-        if (p.kind == 2 && v == k) continue;
-        const int64_t d = v - w0;
-        if (d >= 0 && d < p.win_bits) {
-          const uint32_t b = 1u << (d & 31);
-          if (atomicOr(&bits[d >> 5], b) & b) atomicCAS(&s_code, 0, dup_code);
-        }
+    for_each_index(row, p.M, p.v, al, [&](int64_t k, int64_t v) {
+      const int64_t d = v - w0;
+      if ((p.kind != 2 || v != k) && d >= 0 && d < p.win_bits) {
+        const uint32_t b = 1u << (d & 31);
+        if (atomicOr(&bits[d >> 5], b) & b) atomicCAS(&s_code, 0, dup_code);
       }
-    }
+    });
     __syncthreads();
   }
   if (tid == 0 && s_code) {

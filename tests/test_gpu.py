@@ -132,6 +132,21 @@ def test_cuda_nan_found_everywhere(score_dtype, shape, where, rng):
     np.testing.assert_array_equal(to_numpy(res.indices), ref)
 
 
+def _check_with_prefix_and_window(x, scores, capacity, mode):
+    """One compaction of x [rows, n, row] with a protected prefix of 3 and a
+    recent window of 5: the indices, the target map and the data, bit for
+    bit against the reference."""
+    rows, n = scores.shape
+    before = bits(x)
+    tm = torch.full((rows, n), -7, dtype=torch.int32, device=x.device)
+    res = imoe.compact_(x, scores, capacity, mode=mode, protected_prefix=3, recent_window=5,
+                        out_target_map=tm)
+    ref = reference_indices(reference_kept(scores, capacity, 3, 5), n, capacity)
+    np.testing.assert_array_equal(to_numpy(res.indices), ref)
+    np.testing.assert_array_equal(to_numpy(tm), target_map_from_indices(ref, n))
+    np.testing.assert_array_equal(bits(x), expected_after(before, 1, ref, mode))
+
+
 @pytest.mark.parametrize("rows,n,capacity", [
     (1, 131072, 65536), (2, 65536, 20000), (5, 40000, 39990), (3, 16385, 8),
     (1, 1 << 20, 300000), (64, 20000, 10000),
@@ -148,14 +163,7 @@ def test_cuda_long_rows_spread_over_the_gpu(rows, n, capacity, ties, mode, rng):
     dtype = "bfloat16" if ties else "float32"
     for _ in range(2):
         scores = cuda(make_scores((rows, n), dtype, "torch", rng, ties=ties))
-        before = bits(x)
-        tm = torch.full((rows, n), -7, dtype=torch.int32, device="cuda")
-        res = imoe.compact_(x, scores, capacity, mode=mode, protected_prefix=3, recent_window=5,
-                            out_target_map=tm)
-        ref = reference_indices(reference_kept(scores, capacity, 3, 5), n, capacity)
-        np.testing.assert_array_equal(to_numpy(res.indices), ref)
-        np.testing.assert_array_equal(to_numpy(tm), target_map_from_indices(ref, n))
-        np.testing.assert_array_equal(bits(x), expected_after(before, 1, ref, mode))
+        _check_with_prefix_and_window(x, scores, capacity, mode)
 
 
 @pytest.mark.parametrize("rows,n,capacity,row", [
@@ -172,14 +180,7 @@ def test_cuda_many_rows_several_per_multiprocessor(rows, n, capacity, row, ties,
     moved data."""
     x = cuda(make_data((rows, n, row), "uint8", "torch", rng))
     scores = cuda(make_scores((rows, n), "bfloat16" if ties else "float32", "torch", rng, ties=ties))
-    before = bits(x)
-    tm = torch.full((rows, n), -7, dtype=torch.int32, device=x.device)
-    res = imoe.compact_(x, scores, capacity, mode=mode, protected_prefix=3, recent_window=5,
-                        out_target_map=tm)
-    ref = reference_indices(reference_kept(scores, capacity, 3, 5), n, capacity)
-    np.testing.assert_array_equal(to_numpy(res.indices), ref)
-    np.testing.assert_array_equal(to_numpy(tm), target_map_from_indices(ref, n))
-    np.testing.assert_array_equal(bits(x), expected_after(before, 1, ref, mode))
+    _check_with_prefix_and_window(x, scores, capacity, mode)
 
 
 @pytest.mark.parametrize("score_dtype", ["float32", "bfloat16"])
