@@ -27,7 +27,8 @@ constexpr unsigned kSlots = 64;         // per-call verdict slots
 constexpr int kPhaseBlocks = 1024, kPhases = 12;  // -DIMOE_PHASE_TIMES stamps
 constexpr int kVerdicts = 256;          // most blocks of a validation kernel (one verdict word each)
 // Rows of at most this many slots select with k_select_small: every key in
-// registers, kSelThreads x IPT slots per block (IPT 4, 8 or 16).
+// registers, NT x IPT slots per block (NT = kSelThreads with IPT 4, 8 or 16;
+// for many rows NT = 256 or 512 with IPT 16, several blocks per SM).
 #ifndef IMOE_SMALL_MAX_N
 #define IMOE_SMALL_MAX_N 16384
 #endif
