@@ -1099,6 +1099,18 @@ static void bench_workload(const char *wname, int nlead, const int64_t *lead, in
   cudaEvent_t e0, e1;
   CK(cudaEventCreate(&e0));
   CK(cudaEventCreate(&e1));
+  // the indices of the last call, as int32 whatever their dtype
+  auto read_indices = [&]() {
+    std::vector<int32_t> got((size_t)(R * Cp));
+    if (idx64) {
+      std::vector<int64_t> got64(got.size());
+      CK(cudaMemcpy(got64.data(), idx, got64.size() * 8, cudaMemcpyDeviceToHost));
+      for (size_t j = 0; j < got.size(); ++j) got[j] = (int32_t)got64[j];
+    } else {
+      CK(cudaMemcpy(got.data(), idx, got.size() * 4, cudaMemcpyDeviceToHost));
+    }
+    return got;
+  };
 
   // pairs per the reference (host), for the floor and the check
   int64_t pairs = 0;
@@ -1156,14 +1168,7 @@ static void bench_workload(const char *wname, int nlead, const int64_t *lead, in
 #endif
       // correctness of the last run: indices and the first buffer
       bool ok = read_status(ex) == 0;
-      std::vector<int32_t> got((size_t)(R * Cp));
-      if (idx64) {
-        std::vector<int64_t> got64(got.size());
-        CK(cudaMemcpy(got64.data(), idx, got64.size() * 8, cudaMemcpyDeviceToHost));
-        for (size_t j = 0; j < got.size(); ++j) got[j] = (int32_t)got64[j];
-      } else {
-        CK(cudaMemcpy(got.data(), idx, got.size() * 4, cudaMemcpyDeviceToHost));
-      }
+      const std::vector<int32_t> got = read_indices();
       ok = ok && got == want_idx;
       std::vector<uint8_t> out(buf_bytes), orig(buf_bytes);
       CK(cudaMemcpy(out.data(), bufs[0], buf_bytes, cudaMemcpyDeviceToHost));
@@ -1217,8 +1222,7 @@ static void bench_workload(const char *wname, int nlead, const int64_t *lead, in
       CK(cudaEventElapsedTime(&ms, e0, e1));
       if (it >= 10) t.push_back(ms * 1000.0f);
     }
-    std::vector<int32_t> got((size_t)(R * Cp));
-    CK(cudaMemcpy(got.data(), idx, got.size() * 4, cudaMemcpyDeviceToHost));
+    const std::vector<int32_t> got = read_indices();
     const double bytes = (double)pairs * (double)row_bytes * nbuf * (m ? 4.0 : 2.0);
     BenchRow br;
     br.name = std::string(wname) + (m ? " swap nan=error graph" : " move nan=error graph");
