@@ -22,6 +22,7 @@ def _ep_docs(path: str, json_path: str) -> None:
     with open(json_path) as f:
         ep.replace_docs(path, json.load(f))
 
+
 # (document, result JSON, the renderer that rewrites the document's section)
 TABLES = [
     ("README.md", "main-cpu.json", report.readme_from_json),
@@ -45,5 +46,6 @@ def test_table_is_its_json(doc, result, render, tmp_path):
     with open(path) as f:
         committed = f.read()
     assert copy.read_text() == committed, (
-        f"{doc}: the table of {result} differs from what its JSON renders; regenerate it "
-        f"(python -m idempotent_moe readme / kv / permute / w4 --from-json ... --doc {doc})")
+        f"{doc}: the table of {result} differs from what its JSON renders; regenerate it from "
+        f"benchmarks/results/{result} (`python -m idempotent_moe readme JSON` for the main job, "
+        f"`kv`, `permute` or `w4 --from-json JSON --doc {doc}`, `benchmarks/ep_bench.py` for EP)")
