@@ -828,6 +828,7 @@ __global__ void __launch_bounds__(NT, kSelThreads / NT) k_select_small(const __g
   __shared__ uint32_t s_mm[2][32];          // per warp: least and greatest candidate key
   __shared__ int s_wsum[2][32];
   __shared__ int s_phase;  // fused NaN check: this launch's barrier phase
+  __shared__ uint32_t s_sink[4];
   constexpr int NW = NT / 32;  // warps; warp w sums the groups w, w + NW, ...
   static_assert(NT % 32 == 0 && 32 % NW == 0 && kSmallBins == 32 * 64, "32 groups of 64 bins");
   static_assert(kSmallPasses * kSmallBins == 6 * kSelThreads, "six histogram words per thread to zero");
@@ -873,6 +874,16 @@ __global__ void __launch_bounds__(NT, kSelThreads / NT) k_select_small(const __g
     const bool vec = p.scores.aligned && p.scores.n_stride == es && ((uintptr_t)srow & (vb - 1)) == 0;
     uint32_t raw[IPT];
     load_raw_row<IPT>(srow, x0, N, dt, p.scores.aligned != 0, p.scores.n_stride, vec, raw);
+    // the constant-bank words the write phase reads first (the outputs'
+    // views, the first buffer's descriptor), read by one lane of warps 1-4
+    // (one per scheduler) while the keys load, values dropped
+    if (lane == 0 && warp >= 1 && warp <= 4) {
+      uint64_t v = (uint64_t)p.idx.n_stride ^ (uint64_t)p.tm.n_stride ^ (uint64_t)(uintptr_t)p.buf[0].data ^
+                   (uint64_t)p.buf[0].n_stride;
+      v ^= (uint32_t)(p.idx.dtype ^ p.idx.aligned ^ p.tm.dtype ^ p.tm.aligned ^ p.do_move ^ p.nbuf ^ p.swap ^
+                      p.buf[0].vw ^ (int)p.buf[0].body);
+      *(volatile uint32_t *)&s_sink[warp - 1] = (uint32_t)v ^ (uint32_t)(v >> 32);  // keeps the reads
+    }
     if (p.fused_nan) {  // every slot of the row, as k_check_nan (slots >= N read as 0)
 #pragma unroll
       for (int i = 0; i < IPT; ++i) nan_here |= raw_is_nan(raw[i], dt);
