@@ -1093,6 +1093,27 @@ __global__ void __launch_bounds__(NT, kSelThreads / NT) k_select_small(const __g
   if (__syncthreads_or(bad)) return;
   IMOE_PHASE(8);
 
+  // ---- MOVE5: the first round of buffer 0's moves (whole pairs of 16-byte
+  // vectors) is loaded into registers before the index writes, so that its
+  // latency overlaps them. Not before the verdict: a barrier waits for the
+  // loads its threads have in flight (NOTES, run 99).
+  constexpr int PU = 5;  // vectors per thread, the mover's round
+  uint4 pre[PU];
+  int npre = 0;  // pairs of this block's share held in `pre`
+  uint32_t pU = 1u;
+  if (MOVE5 && p.do_move && qb > qa && p.buf[0].vw == 16 && p.buf[0].head == 0 && p.buf[0].tail == 0 &&
+      p.buf[0].body <= (uint32_t)(PU * NT)) {  // uniform
+    pU = p.buf[0].body;
+    npre = min(qb - qa, (int)((uint32_t)(PU * NT) / pU));
+    const char *b0 = p.buf[0].data + row_offset(p.lead, rc, p.buf[0].lead);
+    const int64_t ns0 = p.buf[0].n_stride;
+#pragma unroll
+    for (int k = 0; k < PU; ++k) {
+      const uint32_t u = (uint32_t)(tid + k * NT), q = u / pU, w = u - q * pU;
+      if (q < (uint32_t)npre) pre[k] = reinterpret_cast<const uint4 *>(b0 + (int64_t)T[qa + (int)q] * ns0)[w];
+    }
+  }
+
   {  // fixed points of this block's share of the slots
     const int f0 = (int)((uint32_t)N * bsub / B), f1 = (int)((uint32_t)N * (bsub + 1u) / B);
     if (x0 < f1 && x0 + IPT > f0) {
@@ -1123,20 +1144,30 @@ __global__ void __launch_bounds__(NT, kSelThreads / NT) k_select_small(const __g
     }
   }
   IMOE_PHASE(9);
+  if (npre > 0) {  // the preloaded round's stores
+    char *b0 = p.buf[0].data + row_offset(p.lead, rc, p.buf[0].lead);
+    const int64_t ns0 = p.buf[0].n_stride;
+#pragma unroll
+    for (int k = 0; k < PU; ++k) {
+      const uint32_t u = (uint32_t)(tid + k * NT), q = u / pU, w = u - q * pU;
+      if (q < (uint32_t)npre) reinterpret_cast<uint4 *>(b0 + (int64_t)H[qa + (int)q] * ns0)[w] = pre[k];
+    }
+  }
   if (p.do_move && qb > qa) {
     RingPairs get;
     get.D = H;
     get.s_off = p.cap;
-    get.a0 = qa;
-    get.b0 = qa;
     get.cap = 0x7FFFFFFF;
-    const uint32_t np = (uint32_t)(qb - qa);
     uint32_t c[kMaxDims];
     row_coords(p.lead, r, c);
     for (int b = 0; b < p.nbuf; ++b) {
+      const int done = b == 0 ? npre : 0;  // pairs the preloaded round moved
+      if (qb - qa == done) continue;
+      get.a0 = qa + done;
+      get.b0 = qa + done;
       const BufDesc &bd = p.buf[b];
       char *base = bd.data + row_offset(p.lead, c, bd.lead);
-      move_pairs<MOVE5 ? 5 : 4>(base, &bd, np, p.swap, get);
+      move_pairs<MOVE5 ? 5 : 4>(base, &bd, (uint32_t)(qb - qa - done), p.swap, get);
     }
   }
 #ifdef IMOE_PHASE_TIMES
