@@ -828,7 +828,7 @@ __global__ void __launch_bounds__(NT, kSelThreads / NT) k_select_small(const __g
   __shared__ uint32_t s_mm[2][32];          // per warp: least and greatest candidate key
   __shared__ int s_wsum[2][32];
   __shared__ int s_phase;  // fused NaN check: this launch's barrier phase
-  __shared__ uint32_t s_sink[4];
+  __shared__ uint32_t s_sink[4];  // written, never read (the parameter reads below)
   constexpr int NW = NT / 32;  // warps; warp w sums the groups w, w + NW, ...
   static_assert(NT % 32 == 0 && 32 % NW == 0 && kSmallBins == 32 * 64, "32 groups of 64 bins");
   static_assert(kSmallPasses * kSmallBins == 6 * kSelThreads, "six histogram words per thread to zero");
@@ -876,13 +876,14 @@ __global__ void __launch_bounds__(NT, kSelThreads / NT) k_select_small(const __g
     load_raw_row<IPT>(srow, x0, N, dt, p.scores.aligned != 0, p.scores.n_stride, vec, raw);
     // the constant-bank words the write phase reads first (the outputs'
     // views, the first buffer's descriptor), read by one lane of warps 1-4
-    // (one per scheduler) while the keys load, values dropped
+    // (one per scheduler) while the keys load; the volatile shared store
+    // keeps the reads (cuda/NOTES.md, run 98)
     if (lane == 0 && warp >= 1 && warp <= 4) {
       uint64_t v = (uint64_t)p.idx.n_stride ^ (uint64_t)p.tm.n_stride ^ (uint64_t)(uintptr_t)p.buf[0].data ^
                    (uint64_t)p.buf[0].n_stride;
       v ^= (uint32_t)(p.idx.dtype ^ p.idx.aligned ^ p.tm.dtype ^ p.tm.aligned ^ p.do_move ^ p.nbuf ^ p.swap ^
                       p.buf[0].vw ^ (int)p.buf[0].body);
-      *(volatile uint32_t *)&s_sink[warp - 1] = (uint32_t)v ^ (uint32_t)(v >> 32);  // keeps the reads
+      *(volatile uint32_t *)&s_sink[warp - 1] = (uint32_t)v ^ (uint32_t)(v >> 32);
     }
     if (p.fused_nan) {  // every slot of the row, as k_check_nan (slots >= N read as 0)
 #pragma unroll
@@ -1093,16 +1094,17 @@ __global__ void __launch_bounds__(NT, kSelThreads / NT) k_select_small(const __g
   if (__syncthreads_or(bad)) return;
   IMOE_PHASE(8);
 
-  // ---- MOVE5: the first round of buffer 0's moves (whole pairs of 16-byte
-  // vectors) is loaded into registers before the index writes, so that its
-  // latency overlaps them. Not before the verdict: a barrier waits for the
-  // loads its threads have in flight (NOTES, run 99).
+  // ---- MOVE5, one buffer: the first round of its moves (whole pairs of
+  // 16-byte vectors) is loaded into registers before the index writes, so
+  // that its latency overlaps them. Not before the verdict: a barrier waits
+  // for the loads its threads have in flight. Two buffers (W2) measured
+  // slower with it through the API (cuda/NOTES.md, runs 98-100).
   constexpr int PU = 5;  // vectors per thread, the mover's round
   uint4 pre[PU];
   int npre = 0;  // pairs of this block's share held in `pre`
   uint32_t pU = 1u;
-  if (MOVE5 && p.do_move && qb > qa && p.buf[0].vw == 16 && p.buf[0].head == 0 && p.buf[0].tail == 0 &&
-      p.buf[0].body <= (uint32_t)(PU * NT)) {  // uniform
+  if (MOVE5 && p.do_move && p.nbuf == 1 && qb > qa && p.buf[0].vw == 16 && p.buf[0].head == 0 &&
+      p.buf[0].tail == 0 && p.buf[0].body <= (uint32_t)(PU * NT)) {  // uniform
     pU = p.buf[0].body;
     npre = min(qb - qa, (int)((uint32_t)(PU * NT) / pU));
     const char *b0 = p.buf[0].data + row_offset(p.lead, rc, p.buf[0].lead);

@@ -183,6 +183,25 @@ def test_cuda_many_rows_several_per_multiprocessor(rows, n, capacity, row, ties,
     _check_with_prefix_and_window(x, scores, capacity, mode)
 
 
+@pytest.mark.parametrize("rows,n,capacity,row", [
+    (8, 4096, 2048, 2048),   # W1's shape, smaller rows: 40 of ~64 pairs per block loaded early
+    (4, 1024, 512, 14336),   # rows of 896 vectors (not a power of two): 5 pairs per block
+    (2, 512, 256, 2048),     # every pair of a block in the early round
+    (3, 4096, 1000, 16),     # one vector per row
+    (2, 300, 150, 81936),    # a row longer than the round: no early round
+])
+def test_cuda_moves_first_round_loaded_before_the_index_writes(rows, n, capacity, row, rng):
+    """Moves of one buffer of 16-byte vectors load their first round into
+    registers between the verdict and the index writes, then the mover takes
+    the block's other pairs: the indices, the target map and the data, bit
+    for bit, whether the early round holds some, all or none of the pairs."""
+    x = cuda(make_data((rows, n, row), "uint8", "torch", rng))
+    assert x.data_ptr() % 16 == 0
+    for _ in range(2):
+        scores = cuda(make_scores((rows, n), "float32", "torch", rng))
+        _check_with_prefix_and_window(x, scores, capacity, "move")
+
+
 @pytest.mark.parametrize("score_dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("rows,n,where", [
     (300, 4096, "last"), (2000, 4096, "last"), (2000, 4096, "first"), (2000, 1001, "middle"),
