@@ -1103,16 +1103,24 @@ __global__ void __launch_bounds__(NT, kSelThreads / NT) k_select_small(const __g
   uint4 pre[PU];
   int npre = 0;  // pairs of this block's share held in `pre`
   uint32_t pU = 1u;
+  // vector k of this thread's round in buffer 0's row b0: false past the
+  // round, else *v = vector w of slot S[qa + q] (S: T to load, H to store)
+  auto round_vec = [&](char *b0, int k, const int32_t *S, uint4 *&v) -> bool {
+    const uint32_t u = (uint32_t)(tid + k * NT), q = u / pU, w = u - q * pU;
+    if (q >= (uint32_t)npre) return false;
+    v = reinterpret_cast<uint4 *>(b0 + (int64_t)S[qa + (int)q] * p.buf[0].n_stride) + w;
+    return true;
+  };
+  auto buf0_row = [&]() { return p.buf[0].data + row_offset(p.lead, rc, p.buf[0].lead); };
   if (MOVE5 && p.do_move && p.nbuf == 1 && qb > qa && p.buf[0].vw == 16 && p.buf[0].head == 0 &&
       p.buf[0].tail == 0 && p.buf[0].body <= (uint32_t)(PU * NT)) {  // uniform
     pU = p.buf[0].body;
     npre = min(qb - qa, (int)((uint32_t)(PU * NT) / pU));
-    const char *b0 = p.buf[0].data + row_offset(p.lead, rc, p.buf[0].lead);
-    const int64_t ns0 = p.buf[0].n_stride;
+    char *b0 = buf0_row();
 #pragma unroll
     for (int k = 0; k < PU; ++k) {
-      const uint32_t u = (uint32_t)(tid + k * NT), q = u / pU, w = u - q * pU;
-      if (q < (uint32_t)npre) pre[k] = reinterpret_cast<const uint4 *>(b0 + (int64_t)T[qa + (int)q] * ns0)[w];
+      uint4 *v;
+      if (round_vec(b0, k, T, v)) pre[k] = *v;
     }
   }
 
@@ -1147,12 +1155,11 @@ __global__ void __launch_bounds__(NT, kSelThreads / NT) k_select_small(const __g
   }
   IMOE_PHASE(9);
   if (npre > 0) {  // the preloaded round's stores
-    char *b0 = p.buf[0].data + row_offset(p.lead, rc, p.buf[0].lead);
-    const int64_t ns0 = p.buf[0].n_stride;
+    char *b0 = buf0_row();
 #pragma unroll
     for (int k = 0; k < PU; ++k) {
-      const uint32_t u = (uint32_t)(tid + k * NT), q = u / pU, w = u - q * pU;
-      if (q < (uint32_t)npre) reinterpret_cast<uint4 *>(b0 + (int64_t)H[qa + (int)q] * ns0)[w] = pre[k];
+      uint4 *v;
+      if (round_vec(b0, k, H, v)) *v = pre[k];
     }
   }
   if (p.do_move && qb > qa) {
