@@ -74,6 +74,7 @@ class BuildExt(build_ext):
                 ext.extra_link_args.append("-fopenmp")
             if nvcc and cu_sources:
                 self._add_cuda(ext, nvcc, cu_sources)
+                ext.sources.remove(NO_CUDA_BACKEND)
         super().build_extensions()
 
     def _add_cuda(self, ext, nvcc, cu_sources):
@@ -88,15 +89,13 @@ class BuildExt(build_ext):
         for src in cu_sources:
             obj = os.path.join(obj_dir, os.path.basename(src) + ".o")
             cmd = [nvcc, "-c", src, "-o", obj, "-O3", "-std=c++17", "-Xcompiler", "-fPIC",
-                   "--expt-relaxed-constexpr", "--threads", "0", "-Icsrc", "-Icuda", *gencode]
+                   "--expt-relaxed-constexpr", "--threads", "0", "-Icsrc", *gencode]
             print(" ".join(cmd))
             subprocess.check_call(cmd, cwd=ROOT)
             ext.extra_objects.append(obj)
         lib_dirs = [os.path.join(cuda_home, d) for d in ("lib64", "lib", "targets/x86_64-linux/lib")]
         ext.library_dirs.extend(d for d in lib_dirs if os.path.isdir(d))
         ext.libraries.extend(["cudart_static", "rt", "dl", "pthread", "stdc++"])
-        ext.define_macros.append(("IMOE_WITH_CUDA", "1"))
-        ext.include_dirs.append("cuda")
 
 
 def _numpy_include():
@@ -105,6 +104,8 @@ def _numpy_include():
     return numpy.get_include()
 
 
+# The device backend of a build without nvcc; the CUDA launchers replace it.
+NO_CUDA_BACKEND = os.path.join("csrc", "backend_none.c")
 _debug = os.environ.get("IMOE_DEBUG", "0") not in ("", "0")
 ext = Extension(
     "idempotent_moe._C",
@@ -113,7 +114,7 @@ ext = Extension(
     define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_22_API_VERSION")],
     extra_compile_args=["-std=c11", "-O0" if _debug else "-O3", "-g" if _debug else "-g0",
                         "-Wall", "-Wextra", "-Wno-unused-parameter", "-Wno-missing-field-initializers"],
-    depends=_rel("csrc/*.h") + _rel("python/idempotent_moe/_binding/*.h") + _rel("cuda/*.h"),
+    depends=_rel("csrc/*.h") + _rel("python/idempotent_moe/_binding/*.h") + _rel("cuda/*.cuh"),
 )
 
 if sys.platform == "win32":

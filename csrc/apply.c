@@ -4,9 +4,7 @@
 
 #include "imoe_internal.h"
 
-#ifdef IMOE_WITH_CUDA
-#include "imoe_cuda.h"
-#endif
+#include "imoe_backend.h"
 
 typedef struct map_ctx {
   const imoe_view *map;
@@ -56,12 +54,10 @@ static imoe_status apply_map(const imoe_view *buffers, int32_t num_buffers, cons
   const imoe_status st =
       check_map_args(buffers, num_buffers, map, name, is_indices, mode, exec, err);
   if (st != IMOE_OK) return st;
-#ifdef IMOE_WITH_CUDA
   if (imoe_on_cuda(exec)) {
     return is_indices ? imoe_cuda_apply_indices(buffers, num_buffers, map, mode, exec, err)
                       : imoe_cuda_apply_target_map(buffers, num_buffers, map, mode, exec, err);
   }
-#endif
 
   const map_ctx ctx = {map, buffers[0].n};
   const int64_t rows = imoe_view_rows(map);

@@ -3,17 +3,15 @@
 #include <inttypes.h>
 #include <stdio.h>
 
+#include "imoe_backend.h"
 #include "imoe_internal.h"
 
 imoe_status imoe_check_exec(const imoe_exec *exec, imoe_error *err) {
   if (exec == NULL || exec->device == IMOE_DEVICE_CPU) return IMOE_OK;
   if (exec->device == IMOE_DEVICE_CUDA) {
-#ifdef IMOE_WITH_CUDA
-    return IMOE_OK;
-#else
+    if (imoe_backend_has_cuda()) return IMOE_OK;
     return imoe_fail(err, IMOE_ERR_UNSUPPORTED,
                      "exec: this build of idempotent_moe has no CUDA support");
-#endif
   }
   return imoe_fail(err, IMOE_ERR_ARGUMENT, "exec: device %d is not an imoe_device_type",
                    (int)exec->device);

@@ -4,9 +4,7 @@
 
 #include "imoe_internal.h"
 
-#ifdef IMOE_WITH_CUDA
-#include "imoe_cuda.h"
-#endif
+#include "imoe_backend.h"
 
 typedef struct select_ctx {
   const imoe_selection *sel;
@@ -73,9 +71,7 @@ imoe_status imoe_build_map(const imoe_selection *sel, const imoe_view *out_indic
   }
   if (st == IMOE_OK) st = imoe_check_exec(exec, err);
   if (st != IMOE_OK) return st;
-#ifdef IMOE_WITH_CUDA
   if (imoe_on_cuda(exec)) return imoe_cuda_build_map(sel, out_indices, out_target_map, exec, err);
-#endif
 
   const int64_t rows = imoe_view_rows(ref);
   const imoe_stage stages[] = {
@@ -105,12 +101,10 @@ imoe_status imoe_compact(const imoe_view *buffers, int32_t num_buffers, const im
   if (st == IMOE_OK) st = imoe_check_mode(mode, err);
   if (st == IMOE_OK) st = imoe_check_exec(exec, err);
   if (st != IMOE_OK) return st;
-#ifdef IMOE_WITH_CUDA
   if (imoe_on_cuda(exec)) {
     return imoe_cuda_compact(buffers, num_buffers, sel, out_indices, out_target_map, mode, exec,
                              err);
   }
-#endif
 
   const int64_t rows = imoe_view_rows(&buffers[0]);
   const int threads = imoe_thread_count(exec, imoe_buffers_bytes(buffers, num_buffers),
@@ -209,12 +203,10 @@ imoe_status imoe_build_map_ordered(const imoe_selection *sel, imoe_order order, 
   if (imoe_on_cuda(exec) && order == IMOE_ORDER_INPLACE) {
     return imoe_build_map(sel, out_indices, out_target_map, exec, err);
   }
-#ifdef IMOE_WITH_CUDA
   if (imoe_on_cuda(exec)) {
     return imoe_cuda_build_map_ordered(sel, order, n, out_indices, workspace, workspace_elems, exec,
                                        err);
   }
-#endif
   (void)workspace; /* the CPU allocates its per-thread workspace itself */
   (void)workspace_elems;
   const int64_t rows = imoe_view_rows(ref);
@@ -257,12 +249,10 @@ imoe_status imoe_compact_ordered(const imoe_view *buffers, int32_t num_buffers,
   if (st == IMOE_OK) st = imoe_check_mode(mode, err);
   if (st == IMOE_OK) st = imoe_check_exec(exec, err);
   if (st != IMOE_OK) return st;
-#ifdef IMOE_WITH_CUDA
   if (imoe_on_cuda(exec)) {
     return imoe_cuda_compact_ordered(buffers, num_buffers, sel, order, out_indices, workspace,
                                      workspace_elems, exec, err);
   }
-#endif
 
   const int64_t rows = imoe_view_rows(&buffers[0]), n = ctx.sel.n;
   int32_t *owned;

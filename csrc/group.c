@@ -7,9 +7,7 @@
 
 #include "imoe_internal.h"
 
-#ifdef IMOE_WITH_CUDA
-#include "imoe_cuda.h"
-#endif
+#include "imoe_backend.h"
 
 typedef struct group_ctx {
   const imoe_view *ids;
@@ -108,13 +106,11 @@ imoe_status imoe_group_by_expert(const imoe_view *buffers, int32_t num_buffers,
   if (st == IMOE_OK) st = imoe_check_exec(exec, err);
   if (st != IMOE_OK) return st;
   if (imoe_on_cuda(exec)) {
-#ifdef IMOE_WITH_CUDA
     st = imoe_check_cuda_workspace(workspace, workspace_elems, IMOE_PLAN_GROUP,
                                    imoe_view_rows(&buffers[0]), n, err);
     if (st != IMOE_OK) return st;
     return imoe_cuda_group_by_expert(buffers, num_buffers, expert_ids, num_experts, out_offsets,
                                      out_perm, workspace, workspace_elems, exec, err);
-#endif
   }
 
   const int64_t rows = imoe_view_rows(&buffers[0]);

@@ -97,11 +97,11 @@ static inline void imoe_store_index(char *p, imoe_dtype dtype, int64_t value) {
 
 /* ---- argument checks shared by the entry points (args.c) ---------------- */
 
-/* exec NULL or CPU: IMOE_OK. CUDA: IMOE_OK in a build with IMOE_WITH_CUDA,
- * else IMOE_ERR_UNSUPPORTED. Any other device: IMOE_ERR_ARGUMENT. */
+/* exec NULL or CPU: IMOE_OK. CUDA: IMOE_OK when the CUDA backend is linked
+ * (imoe_backend.h), else IMOE_ERR_UNSUPPORTED. Any other device: IMOE_ERR_ARGUMENT. */
 imoe_status imoe_check_exec(const imoe_exec *exec, imoe_error *err);
 
-/* After the argument checks, a CUDA call goes to cuda/imoe_cuda.h; the data
+/* After the argument checks, a CUDA call goes to the backend (imoe_backend.h); the data
  * checks and the writes then happen on the device. */
 static inline int imoe_on_cuda(const imoe_exec *exec) {
   return exec != NULL && exec->device == IMOE_DEVICE_CUDA;

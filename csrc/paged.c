@@ -8,9 +8,7 @@
 #include <stdlib.h>
 
 #include "imoe_internal.h"
-#ifdef IMOE_WITH_CUDA
-#include "imoe_cuda.h"
-#endif
+#include "imoe_backend.h"
 
 typedef struct paged_plan {
   const imoe_view *pools; /* [num_blocks, lead..., block_size, row] */
@@ -233,12 +231,10 @@ imoe_status imoe_paged_apply_target_map(const imoe_view *buffers, int32_t num_bu
     st = check_workspace(buffers, block_tables, workspace, workspace_elems, exec, err);
   }
   if (st != IMOE_OK) return st;
-#ifdef IMOE_WITH_CUDA
   if (imoe_on_cuda(exec)) {
     return imoe_cuda_paged_apply_target_map(buffers, num_buffers, block_tables, target_map, mode,
                                             workspace, workspace_elems, exec, err);
   }
-#endif
 
   paged_plan p;
   memset(&p, 0, sizeof p);

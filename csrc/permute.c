@@ -28,9 +28,7 @@
 
 #include "imoe_internal.h"
 
-#ifdef IMOE_WITH_CUDA
-#include "imoe_cuda.h"
-#endif
+#include "imoe_backend.h"
 
 #if defined(__GNUC__)
 #define IMOE_ALWAYS_INLINE inline __attribute__((always_inline))
@@ -438,13 +436,11 @@ imoe_status imoe_permute(const imoe_view *buffers, int32_t num_buffers, const im
   if (st == IMOE_OK) st = imoe_check_exec(exec, err);
   if (st != IMOE_OK) return st;
   if (imoe_on_cuda(exec)) {
-#ifdef IMOE_WITH_CUDA
     st = imoe_check_cuda_workspace(workspace, workspace_elems, IMOE_PLAN_PERMUTE,
                                    imoe_view_rows(perm), buffers[0].n, err);
     if (st != IMOE_OK) return st;
     return imoe_cuda_permute(buffers, num_buffers, perm, inverse, workspace, workspace_elems, exec,
                              err);
-#endif
   }
   plan_ctx ctx = {perm, "perm", 0, NULL, inverse != 0};
   return run_planned(buffers, num_buffers, &ctx, plan_perm_row, 0, buffers[0].n, workspace,
@@ -460,13 +456,11 @@ static imoe_status ordered(const imoe_view *buffers, int32_t num_buffers, const 
   if (st == IMOE_OK) st = imoe_check_exec(exec, err);
   if (st != IMOE_OK) return st;
   if (imoe_on_cuda(exec)) {
-#ifdef IMOE_WITH_CUDA
     st = imoe_check_cuda_workspace(workspace, workspace_elems, IMOE_PLAN_ORDERED,
                                    imoe_view_rows(indices), buffers[0].n, err);
     if (st != IMOE_OK) return st;
     return imoe_cuda_apply_ordered(buffers, num_buffers, indices, restore, workspace,
                                    workspace_elems, exec, err);
-#endif
   }
   plan_ctx ctx = {indices, "indices", 0, NULL, restore};
   const int64_t limit = mode == IMOE_MODE_MOVE ? indices->n : buffers[0].n;

@@ -1,9 +1,7 @@
 /* status.c: names of the status codes, and what this build contains. */
 #include "imoe_internal.h"
 
-#ifdef IMOE_WITH_CUDA
-#include "imoe_cuda.h"
-#endif
+#include "imoe_backend.h"
 
 const char *imoe_status_string(imoe_status status) {
   switch (status) {
@@ -32,11 +30,7 @@ const char *imoe_status_string(imoe_status status) {
 }
 
 int imoe_cuda_compiled(void) {
-#ifdef IMOE_WITH_CUDA
-  return 1;
-#else
-  return 0;
-#endif
+  return imoe_backend_has_cuda();
 }
 
 imoe_status imoe_take_device_status(const imoe_exec *exec, imoe_status *recorded,
@@ -45,11 +39,9 @@ imoe_status imoe_take_device_status(const imoe_exec *exec, imoe_status *recorded
   *recorded = IMOE_OK;
   imoe_status status = imoe_check_exec(exec, err);
   if (status != IMOE_OK || exec == NULL || !imoe_on_cuda(exec)) return status;
-#ifdef IMOE_WITH_CUDA
   int32_t word = IMOE_OK;
   status = imoe_cuda_read_device_status(exec, &word);
   if (status != IMOE_OK) return imoe_fail(err, status, "reading the device status failed");
   *recorded = (imoe_status)word;
-#endif
   return IMOE_OK;
 }

@@ -1,4 +1,4 @@
-// imoe_cuda.cu: the extern "C" launchers of cuda/imoe_cuda.h.
+// imoe_cuda.cu: the extern "C" launchers of csrc/imoe_backend.h.
 //
 // Host side of the CUDA path: turn the validated views into kernel
 // parameters (lead axes merged where contiguous, vector widths picked per
@@ -15,7 +15,7 @@
 #include <mutex>
 #include <vector>
 
-#include "imoe_cuda.h"
+#include "imoe_backend.h"
 #include "imoe_kernels.cuh"
 #include "imoe_wide.cuh"
 
@@ -768,6 +768,8 @@ imoe_status apply_map(const char *fn, const imoe_view *buffers, int32_t num_buff
 #include "imoe_ordered.cuh"
 
 extern "C" {
+
+int imoe_backend_has_cuda(void) { return 1; }
 
 imoe_status imoe_cuda_build_map(const imoe_selection *sel, const imoe_view *out_indices,
                                 const imoe_view *out_target_map, const imoe_exec *exec, imoe_error *err) {

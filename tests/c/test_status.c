@@ -218,11 +218,11 @@ static void build_map_paths(void) {
   EXPECT("target map n != N", imoe_build_map(&w.sel, idx, &v2, NULL, err), IMOE_ERR_ARGUMENT,
          "out_target_map");
 
-#ifndef IMOE_WITH_CUDA
-  ex = w.exec, ex.device = IMOE_DEVICE_CUDA;
-  EXPECT("CUDA exec", imoe_build_map(&w.sel, idx, tm, &ex, err), IMOE_ERR_UNSUPPORTED,
-         "no CUDA support");
-#endif
+  if (!imoe_cuda_compiled()) {
+    ex = w.exec, ex.device = IMOE_DEVICE_CUDA;
+    EXPECT("CUDA exec", imoe_build_map(&w.sel, idx, tm, &ex, err), IMOE_ERR_UNSUPPORTED,
+           "no CUDA support");
+  }
   ex = w.exec, ex.device = (imoe_device_type)7;
   EXPECT("bad device", imoe_build_map(&w.sel, idx, tm, &ex, err), IMOE_ERR_ARGUMENT, "exec");
 
@@ -318,12 +318,12 @@ static void compact_paths(void) {
   sel = w.sel, v = *w.sel.scores, sel.scores = &v, v.n = 9;
   EXPECT("scores n != N", imoe_compact(w.buffers, 2, &sel, idx, tm, IMOE_MODE_SWAP, NULL, err),
          IMOE_ERR_ARGUMENT, "scores");
-#ifndef IMOE_WITH_CUDA
-  imoe_exec ex = w.exec;
-  ex.device = IMOE_DEVICE_CUDA;
-  EXPECT("CUDA compact", imoe_compact(w.buffers, 2, &w.sel, idx, tm, IMOE_MODE_SWAP, &ex, err),
-         IMOE_ERR_UNSUPPORTED, "CUDA");
-#endif
+  if (!imoe_cuda_compiled()) {
+    imoe_exec ex = w.exec;
+    ex.device = IMOE_DEVICE_CUDA;
+    EXPECT("CUDA compact", imoe_compact(w.buffers, 2, &w.sel, idx, tm, IMOE_MODE_SWAP, &ex, err),
+           IMOE_ERR_UNSUPPORTED, "CUDA");
+  }
   CHECK(imoe_compact(w.buffers, 2, &w.sel, NULL, NULL, IMOE_MODE_SWAP, NULL, NULL) ==
             IMOE_ERR_ARGUMENT,
         "err NULL");
@@ -400,12 +400,12 @@ static void apply_paths(void) {
   EXPECT("apply 0 buffers",
          imoe_apply_indices(w.buffers, 0, &idx_in->view, IMOE_MODE_SWAP, NULL, err),
          IMOE_ERR_ARGUMENT, "num_buffers");
-#ifndef IMOE_WITH_CUDA
-  imoe_exec ex = w.exec;
-  ex.device = IMOE_DEVICE_CUDA;
-  EXPECT("CUDA restore", imoe_restore(w.buffers, 2, &idx_in->view, &ex, err), IMOE_ERR_UNSUPPORTED,
-         "CUDA");
-#endif
+  if (!imoe_cuda_compiled()) {
+    imoe_exec ex = w.exec;
+    ex.device = IMOE_DEVICE_CUDA;
+    EXPECT("CUDA restore", imoe_restore(w.buffers, 2, &idx_in->view, &ex, err), IMOE_ERR_UNSUPPORTED,
+           "CUDA");
+  }
 
   /* Target maps: a 2-cycle of the last row, broken one way or another. */
   int64_t x = 0;

@@ -36,7 +36,7 @@
 #include <string>
 #include <vector>
 
-#include "imoe_cuda.h"
+#include "imoe_backend.h"
 
 #define CK(x)                                                                                    \
   do {                                                                                           \

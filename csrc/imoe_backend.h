@@ -1,9 +1,16 @@
 /*
- * imoe_cuda.h: the CUDA launchers of idempotent-moe.
+ * imoe_backend.h: the device backend the C API dispatches to.
  *
- * The C API (csrc/) calls these when exec->device == IMOE_DEVICE_CUDA, after
- * it has validated every shape, stride, dtype and option on the host. The
- * semantics are those of the matching imoe_* function in idempotent_moe.h,
+ * The public entry points (csrc/) validate every shape, stride, dtype and
+ * option on the host, then run on the CPU core or, when exec->device ==
+ * IMOE_DEVICE_CUDA, call these launchers. The core defines this interface and
+ * the backend implements it, so dependencies point one way: cuda/ includes
+ * this header, csrc/ includes nothing from cuda/. A build with nvcc links the
+ * launchers of cuda/; a build without it links csrc/backend_none.c, where
+ * imoe_backend_has_cuda() is 0 and every launcher answers
+ * IMOE_ERR_UNSUPPORTED (never reached: imoe_check_exec refuses CUDA first).
+ *
+ * The semantics are those of the matching imoe_* function in idempotent_moe.h,
  * bit for bit. This header needs no CUDA header: exec->stream is a
  * cudaStream_t passed as void *.
  *
@@ -22,16 +29,19 @@
  *   - A launch failure returns IMOE_ERR_DEVICE with the CUDA error string in
  *     err->message.
  *
- * Limits (documented in cuda/NOTES.md): at most 2^32 - 1 rows; N < 2^31.
+ * Limits: at most 2^32 - 1 rows; N < 2^31.
  */
-#ifndef IMOE_CUDA_H
-#define IMOE_CUDA_H
+#ifndef IMOE_BACKEND_H
+#define IMOE_BACKEND_H
 
 #include "idempotent_moe.h"
 
 #ifdef __cplusplus
 extern "C" {
 #endif
+
+/* 1 when the CUDA launchers are linked into this build, else 0. */
+int imoe_backend_has_cuda(void);
 
 /* imoe_build_map on the device: writes out_indices and/or out_target_map. */
 imoe_status imoe_cuda_build_map(const imoe_selection *sel, const imoe_view *out_indices,
@@ -119,4 +129,4 @@ imoe_status imoe_cuda_group_by_expert(const imoe_view *buffers, int32_t num_buff
 }
 #endif
 
-#endif /* IMOE_CUDA_H */
+#endif /* IMOE_BACKEND_H */
