@@ -13,14 +13,14 @@ imoe_status imoe_check_active_row(const imoe_view *active, int64_t row, int64_t 
     const int64_t slot = imoe_load_index(base + j * stride, active->dtype);
     if (slot < 0 || slot >= n) {
       st = imoe_fail(err, IMOE_ERR_INDEX_RANGE,
-                     "active: row %" PRId64 ", position %" PRId64 " holds %" PRId64
+                     "active_indices: row %" PRId64 ", position %" PRId64 " holds %" PRId64
                      ", outside [0, %" PRId64 ")",
                      row, j, slot, n);
       break;
     }
     if (seen[slot]) {
       st = imoe_fail(err, IMOE_ERR_INDEX_DUPLICATE,
-                     "active: row %" PRId64 ", position %" PRId64 " repeats slot %" PRId64, row, j,
+                     "active_indices: row %" PRId64 ", position %" PRId64 " repeats slot %" PRId64, row, j,
                      slot);
       break;
     }

@@ -1,5 +1,6 @@
 /* apply.c: imoe_apply_indices, imoe_apply_target_map, imoe_restore: apply a
- * caller-given map, after checking every row of it. */
+ * caller-given map, after checking every row of it. Orders STABLE and SCORE
+ * go to the permutation engine (permute.c). */
 #include <inttypes.h>
 
 #include "imoe_internal.h"
@@ -75,8 +76,15 @@ static imoe_status apply_map(const imoe_view *buffers, int32_t num_buffers, cons
 }
 
 imoe_status imoe_apply_indices(const imoe_view *buffers, int32_t num_buffers,
-                               const imoe_view *indices, imoe_mode mode, const imoe_exec *exec,
-                               imoe_error *err) {
+                               const imoe_view *indices, imoe_order order, imoe_mode mode,
+                               int32_t *workspace, int64_t workspace_elems,
+                               const imoe_exec *exec, imoe_error *err) {
+  imoe_status st = imoe_check_order(order, 1, err);
+  if (st != IMOE_OK) return st;
+  if (order != IMOE_ORDER_INPLACE) {
+    return imoe_apply_kept_order(buffers, num_buffers, indices, mode, 0, workspace,
+                                 workspace_elems, exec, err);
+  }
   return apply_map(buffers, num_buffers, indices, 1, mode, exec, err);
 }
 
@@ -87,6 +95,13 @@ imoe_status imoe_apply_target_map(const imoe_view *buffers, int32_t num_buffers,
 }
 
 imoe_status imoe_restore(const imoe_view *buffers, int32_t num_buffers, const imoe_view *indices,
+                         imoe_order order, int32_t *workspace, int64_t workspace_elems,
                          const imoe_exec *exec, imoe_error *err) {
+  imoe_status st = imoe_check_order(order, 1, err);
+  if (st != IMOE_OK) return st;
+  if (order != IMOE_ORDER_INPLACE) {
+    return imoe_apply_kept_order(buffers, num_buffers, indices, IMOE_MODE_SWAP, 1, workspace,
+                                 workspace_elems, exec, err);
+  }
   return apply_map(buffers, num_buffers, indices, 1, IMOE_MODE_SWAP, exec, err);
 }

@@ -22,6 +22,17 @@ imoe_status imoe_check_mode(imoe_mode mode, imoe_error *err) {
   return imoe_fail(err, IMOE_ERR_ARGUMENT, "mode: %d is not an imoe_mode", (int)mode);
 }
 
+imoe_status imoe_check_order(imoe_order order, int has_scores, imoe_error *err) {
+  if (imoe_option_name(IMOE_OPTION_ORDER, (int)order) == NULL) {
+    return imoe_fail(err, IMOE_ERR_ARGUMENT, "order: %d is not an imoe_order", (int)order);
+  }
+  if (order == IMOE_ORDER_SCORE && !has_scores) {
+    return imoe_fail(err, IMOE_ERR_ARGUMENT,
+                     "order='score' needs scores; with active_indices use 'stable' or 'inplace'");
+  }
+  return IMOE_OK;
+}
+
 imoe_status imoe_check_buffers(const imoe_view *buffers, int32_t num_buffers, imoe_error *err) {
   if (buffers == NULL) return imoe_fail(err, IMOE_ERR_ARGUMENT, "buffers is NULL");
   if (num_buffers < 1 || num_buffers > IMOE_MAX_BUFFERS) {
@@ -62,11 +73,11 @@ static imoe_status check_options(const imoe_selection *sel, imoe_error *err) {
                      " exceeds capacity %" PRId64,
                      p, w, c);
   }
-  if (sel->nan_policy != IMOE_NAN_ERROR && sel->nan_policy != IMOE_NAN_LOWEST) {
+  if (imoe_option_name(IMOE_OPTION_NAN, (int)sel->nan_policy) == NULL) {
     return imoe_fail(err, IMOE_ERR_ARGUMENT, "nan_policy %d is not an imoe_nan_policy",
                      (int)sel->nan_policy);
   }
-  return IMOE_OK;
+  return imoe_check_order(sel->order, sel->scores != NULL, err);
 }
 
 static imoe_status check_scores(const imoe_view *scores, const imoe_view *ref, const char *ref_name,
@@ -84,20 +95,22 @@ static imoe_status check_scores(const imoe_view *scores, const imoe_view *ref, c
 static imoe_status check_active(const imoe_selection *sel, const imoe_view *ref,
                                 const char *ref_name, imoe_error *err) {
   const imoe_view *active = sel->active;
-  imoe_status st = imoe_check_view(active, "active", err);
-  if (st == IMOE_OK) st = imoe_check_typed(active, "active", IMOE_INDEX_DTYPES, err);
+  imoe_status st = imoe_check_view(active, "active_indices", err);
+  if (st == IMOE_OK) st = imoe_check_typed(active, "active_indices", IMOE_INDEX_DTYPES, err);
   /* lead_ndim 0 is the shared [K] form, valid for any lead shape. */
   if (st == IMOE_OK && active->lead_ndim != 0) {
-    st = imoe_check_same_lead(active, "active", ref, ref_name, err);
+    st = imoe_check_same_lead(active, "active_indices", ref, ref_name, err);
   }
   if (st != IMOE_OK) return st;
   if (active->n != sel->capacity) {
-    return imoe_fail(err, IMOE_ERR_ARGUMENT, "active: K = %" PRId64 " must equal capacity %" PRId64,
-                     active->n, sel->capacity);
+    return imoe_fail(err, IMOE_ERR_ARGUMENT,
+                     "capacity (%" PRId64 ") must equal the number of active_indices per row (%" PRId64
+                     ")",
+                     sel->capacity, active->n);
   }
   if (sel->protected_prefix != 0 || sel->recent_window != 0) {
     return imoe_fail(err, IMOE_ERR_ARGUMENT,
-                     "active: protected_prefix and recent_window must be 0 with active indices");
+                     "protected_prefix and recent_window must be 0 with active_indices");
   }
   return IMOE_OK;
 }
@@ -106,10 +119,15 @@ imoe_status imoe_check_selection(const imoe_selection *sel, const imoe_view *ref
                                  const char *ref_name, int64_t n, int64_t *kept, imoe_error *err) {
   if (sel == NULL) return imoe_fail(err, IMOE_ERR_ARGUMENT, "sel is NULL");
   if ((sel->scores == NULL) == (sel->active == NULL)) {
-    return imoe_fail(err, IMOE_ERR_ARGUMENT, "sel: exactly one of scores and active must be set");
+    return imoe_fail(err, IMOE_ERR_ARGUMENT, "give exactly one of scores and active_indices");
   }
   imoe_status st = check_options(sel, err);
   if (st != IMOE_OK) return st;
+  if (sel->num_slots != 0 && sel->num_slots != n) {
+    return imoe_fail(err, IMOE_ERR_ARGUMENT,
+                     "num_slots = %" PRId64 " differs from N = %" PRId64 " of %s", sel->num_slots,
+                     n, sel->scores ? "scores" : ref_name);
+  }
   st = sel->scores ? check_scores(sel->scores, ref, ref_name, n, err)
                    : check_active(sel, ref, ref_name, err);
   if (st != IMOE_OK) return st;

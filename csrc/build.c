@@ -41,85 +41,6 @@ static int64_t rows_to_check(const imoe_selection *sel, int64_t rows) {
   return sel->active->lead_ndim == 0 ? 1 : rows;
 }
 
-imoe_status imoe_build_map(const imoe_selection *sel, const imoe_view *out_indices,
-                           const imoe_view *out_target_map, const imoe_exec *exec,
-                           imoe_error *err) {
-  if (sel == NULL) return imoe_fail(err, IMOE_ERR_ARGUMENT, "sel is NULL");
-  if ((sel->scores == NULL) == (sel->active == NULL)) {
-    return imoe_fail(err, IMOE_ERR_ARGUMENT, "sel: exactly one of scores and active must be set");
-  }
-  if (out_indices == NULL && out_target_map == NULL) {
-    return imoe_fail(err, IMOE_ERR_ARGUMENT,
-                     "out_indices and out_target_map are both NULL: give at least one");
-  }
-  if (sel->active != NULL && out_target_map == NULL) {
-    /* Only scores or the target map carry N, which active indices need for
-     * their range check. */
-    return imoe_fail(err, IMOE_ERR_ARGUMENT,
-                     "out_target_map is NULL: with active indices it is required (it gives N)");
-  }
-  const imoe_view *ref = out_indices ? out_indices : out_target_map;
-  const char *ref_name = out_indices ? "out_indices" : "out_target_map";
-  imoe_status st = imoe_check_view(ref, ref_name, err);
-  if (st != IMOE_OK) return st;
-
-  select_ctx ctx = {sel, sel->scores ? sel->scores->n : out_target_map->n, 0, out_indices,
-                    out_target_map};
-  st = imoe_check_selection(sel, ref, ref_name, ctx.n, &ctx.kept, err);
-  if (st == IMOE_OK) {
-    st = imoe_check_map_outputs(out_indices, out_target_map, ref, ref_name, ctx.n, ctx.kept, err);
-  }
-  if (st == IMOE_OK) st = imoe_check_exec(exec, err);
-  if (st != IMOE_OK) return st;
-  if (imoe_on_cuda(exec)) return imoe_cuda_build_map(sel, out_indices, out_target_map, exec, err);
-
-  const int64_t rows = imoe_view_rows(ref);
-  const imoe_stage stages[] = {
-      {check_row, &ctx, rows_to_check(sel, rows)},
-      {select_row, &ctx, rows},
-  };
-  const int64_t elements = rows * ctx.n; /* fits: checked with the output views */
-  const int threads =
-      imoe_thread_count(exec, elements > INT64_MAX / 8 ? INT64_MAX : elements * 8, rows);
-  return imoe_run_stages(stages, 2, imoe_row_workspace_bytes(ctx.n, 1), threads, err);
-}
-
-imoe_status imoe_compact(const imoe_view *buffers, int32_t num_buffers, const imoe_selection *sel,
-                         const imoe_view *out_indices, const imoe_view *out_target_map,
-                         imoe_mode mode, const imoe_exec *exec, imoe_error *err) {
-  imoe_status st = imoe_check_buffers(buffers, num_buffers, err);
-  if (st != IMOE_OK) return st;
-  select_ctx ctx = {sel, buffers[0].n, 0, out_indices, out_target_map};
-  st = imoe_check_selection(sel, &buffers[0], "buffers[0]", ctx.n, &ctx.kept, err);
-  if (st == IMOE_OK && out_indices == NULL) {
-    st = imoe_fail(err, IMOE_ERR_ARGUMENT, "out_indices is NULL: imoe_compact requires it");
-  }
-  if (st == IMOE_OK) {
-    st = imoe_check_map_outputs(out_indices, out_target_map, &buffers[0], "buffers[0]", ctx.n,
-                                ctx.kept, err);
-  }
-  if (st == IMOE_OK) st = imoe_check_mode(mode, err);
-  if (st == IMOE_OK) st = imoe_check_exec(exec, err);
-  if (st != IMOE_OK) return st;
-  if (imoe_on_cuda(exec)) {
-    return imoe_cuda_compact(buffers, num_buffers, sel, out_indices, out_target_map, mode, exec,
-                             err);
-  }
-
-  const int64_t rows = imoe_view_rows(&buffers[0]);
-  const int threads = imoe_thread_count(exec, imoe_buffers_bytes(buffers, num_buffers),
-                                        rows * (ctx.kept > 1 ? ctx.kept : 1));
-  /* The apply stage reads back the indices the select stage wrote. */
-  imoe_apply_plan plan;
-  imoe_apply_plan_init(&plan, buffers, num_buffers, out_indices, mode, threads);
-  const imoe_stage stages[] = {
-      {check_row, &ctx, rows_to_check(sel, rows)},
-      {select_row, &ctx, rows},
-      {imoe_apply_indices_item, &plan, imoe_apply_plan_items(&plan)},
-  };
-  return imoe_run_stages(stages, 3, imoe_row_workspace_bytes(ctx.n, 1), threads, err);
-}
-
 /* ---- ordered compaction: kept slots in STABLE or SCORE order ------------- */
 
 typedef struct ordered_ctx {
@@ -155,120 +76,149 @@ static imoe_status select_ordered_row(const void *vctx, int64_t row, unsigned ch
   return IMOE_OK;
 }
 
-static imoe_status check_order(imoe_order order, const imoe_selection *sel, imoe_error *err) {
-  if (order != IMOE_ORDER_INPLACE && order != IMOE_ORDER_STABLE && order != IMOE_ORDER_SCORE) {
-    return imoe_fail(err, IMOE_ERR_ARGUMENT, "order: %d is not an imoe_order", (int)order);
-  }
-  if (order == IMOE_ORDER_SCORE && sel != NULL && sel->scores == NULL) {
-    return imoe_fail(err, IMOE_ERR_ARGUMENT,
-                     "order: SCORE needs scores; with active indices use STABLE or INPLACE");
-  }
-  return IMOE_OK;
-}
-
 static size_t ordered_workspace_bytes(int64_t n, imoe_order order) {
   return imoe_row_workspace_bytes(n, 1) + imoe_order_extra_bytes(n, order);
 }
 
-imoe_status imoe_build_map_ordered(const imoe_selection *sel, imoe_order order, int64_t n,
-                                   const imoe_view *out_indices, const imoe_view *out_target_map,
-                                   int32_t *workspace, int64_t workspace_elems,
-                                   const imoe_exec *exec, imoe_error *err) {
+/* N of a build_map call: the scores', else out_target_map's, else the
+ * caller's num_slots (active indices alone do not say it). */
+static int64_t build_map_slots(const imoe_selection *sel, const imoe_view *out_target_map) {
+  if (sel->scores != NULL) return sel->scores->n;
+  return out_target_map != NULL ? out_target_map->n : sel->num_slots;
+}
+
+imoe_status imoe_build_map(const imoe_selection *sel, const imoe_view *out_indices,
+                           const imoe_view *out_target_map, int32_t *workspace,
+                           int64_t workspace_elems, const imoe_exec *exec, imoe_error *err) {
   if (sel == NULL) return imoe_fail(err, IMOE_ERR_ARGUMENT, "sel is NULL");
-  imoe_status st = check_order(order, sel, err);
-  if (st != IMOE_OK) return st;
-  if (n < 0 || n > IMOE_MAX_SLOTS) {
-    return imoe_fail(err, IMOE_ERR_ARGUMENT, "n = %" PRId64 " is outside [0, %" PRId64 "]", n,
-                     (int64_t)IMOE_MAX_SLOTS);
-  }
-  if (order != IMOE_ORDER_INPLACE && out_target_map != NULL) {
-    return imoe_fail(err, IMOE_ERR_ARGUMENT,
-                     "out_target_map: only order INPLACE has a target-map form; pass NULL");
-  }
   if (out_indices == NULL && out_target_map == NULL) {
-    return imoe_fail(err, IMOE_ERR_ARGUMENT, "out_indices is NULL");
+    return imoe_fail(err, IMOE_ERR_ARGUMENT,
+                     "out_indices and out_target_map are both missing: give at least one");
+  }
+  if (sel->order != IMOE_ORDER_INPLACE && out_target_map != NULL) {
+    return imoe_fail(err, IMOE_ERR_ARGUMENT,
+                     "out_target_map: only order='inplace' has a target-map form");
   }
   const imoe_view *ref = out_indices ? out_indices : out_target_map;
   const char *ref_name = out_indices ? "out_indices" : "out_target_map";
-  st = imoe_check_view(ref, ref_name, err);
+  imoe_status st = imoe_check_view(ref, ref_name, err);
   if (st != IMOE_OK) return st;
-  /* imoe_check_selection holds scores to n. */
-  ordered_ctx ctx = {{sel, n, 0, out_indices, out_target_map}, order, NULL};
+  const int64_t n = build_map_slots(sel, out_target_map);
+  if (sel->scores == NULL && out_target_map == NULL) {
+    if (sel->active != NULL && sel->active->n > 0 && n == 0) {
+      return imoe_fail(err, IMOE_ERR_ARGUMENT,
+                       "num_slots: active_indices do not say N; give num_slots (or out_target_map)");
+    }
+    if (n < 0 || n > IMOE_MAX_SLOTS) {
+      return imoe_fail(err, IMOE_ERR_ARGUMENT,
+                       "num_slots = %" PRId64 " is outside [0, %" PRId64 "]", n,
+                       (int64_t)IMOE_MAX_SLOTS);
+    }
+  }
+  ordered_ctx ctx = {{sel, n, 0, out_indices, out_target_map}, sel->order, NULL};
   st = imoe_check_selection(sel, ref, ref_name, n, &ctx.sel.kept, err);
   if (st == IMOE_OK) {
     st = imoe_check_map_outputs(out_indices, out_target_map, ref, ref_name, n, ctx.sel.kept, err);
   }
   if (st == IMOE_OK) st = imoe_check_exec(exec, err);
   if (st != IMOE_OK) return st;
-  if (imoe_on_cuda(exec) && order == IMOE_ORDER_INPLACE) {
-    return imoe_build_map(sel, out_indices, out_target_map, exec, err);
-  }
   if (imoe_on_cuda(exec)) {
-    return imoe_cuda_build_map_ordered(sel, order, n, out_indices, workspace, workspace_elems, exec,
-                                       err);
+    if (sel->order != IMOE_ORDER_INPLACE) {
+      return imoe_cuda_build_map_ordered(sel, sel->order, n, out_indices, workspace,
+                                         workspace_elems, exec, err);
+    }
+    if (sel->active != NULL && out_target_map == NULL) {
+      return imoe_fail(err, IMOE_ERR_ARGUMENT,
+                       "out_target_map: on CUDA, active_indices with order='inplace' take N from "
+                       "it; pass one");
+    }
+    return imoe_cuda_build_map(sel, out_indices, out_target_map, exec, err);
   }
-  (void)workspace; /* the CPU allocates its per-thread workspace itself */
-  (void)workspace_elems;
+
   const int64_t rows = imoe_view_rows(ref);
   const imoe_stage stages[] = {
       {check_row, &ctx.sel, rows_to_check(sel, rows)},
-      order == IMOE_ORDER_INPLACE ? (imoe_stage){select_row, &ctx.sel, rows}
-                                  : (imoe_stage){select_ordered_row, &ctx, rows},
+      sel->order == IMOE_ORDER_INPLACE ? (imoe_stage){select_row, &ctx.sel, rows}
+                                       : (imoe_stage){select_ordered_row, &ctx, rows},
   };
   const int64_t elements = rows * n; /* fits: checked with the output views */
   const int threads =
       imoe_thread_count(exec, elements > INT64_MAX / 8 ? INT64_MAX : elements * 8, rows);
-  return imoe_run_stages(stages, 2, ordered_workspace_bytes(n, order), threads, err);
+  return imoe_run_stages(stages, 2, ordered_workspace_bytes(n, sel->order), threads, err);
 }
 
-imoe_status imoe_compact_ordered(const imoe_view *buffers, int32_t num_buffers,
-                                 const imoe_selection *sel, imoe_order order,
-                                 const imoe_view *out_indices, const imoe_view *out_target_map,
-                                 imoe_mode mode, int32_t *workspace, int64_t workspace_elems,
-                                 const imoe_exec *exec, imoe_error *err) {
-  imoe_status st = check_order(order, sel, err);
+/* The CPU compaction in order STABLE or SCORE: select and order each row,
+ * plan its permutation P, then move every buffer through the plans. */
+static imoe_status compact_in_order(const imoe_view *buffers, int32_t num_buffers,
+                                    ordered_ctx *ctx, imoe_mode mode, int32_t *workspace,
+                                    int64_t workspace_elems, const imoe_exec *exec,
+                                    imoe_error *err) {
+  const int64_t rows = imoe_view_rows(&buffers[0]), n = ctx->sel.n;
+  int32_t *owned;
+  imoe_status st =
+      imoe_plan_workspace(workspace, workspace_elems, rows * n, &ctx->plans, &owned, err);
   if (st != IMOE_OK) return st;
-  if (order == IMOE_ORDER_INPLACE) {
-    return imoe_compact(buffers, num_buffers, sel, out_indices, out_target_map, mode, exec, err);
-  }
-  st = imoe_check_buffers(buffers, num_buffers, err);
+  const int threads = imoe_thread_count(exec, imoe_buffers_bytes(buffers, num_buffers),
+                                        rows * (n > 1 ? n : 1));
+  imoe_cycle_mover mover;
+  imoe_cycle_mover_init(&mover, buffers, num_buffers, ctx->plans, rows,
+                        mode == IMOE_MODE_MOVE ? ctx->sel.kept : n, threads);
+  const imoe_stage stages[] = {
+      {check_row, &ctx->sel, rows_to_check(ctx->sel.sel, rows)},
+      {select_ordered_row, ctx, rows},
+      {imoe_cycle_move_item, &mover, imoe_cycle_mover_items(&mover)},
+  };
+  st = imoe_run_stages(stages, 3, ordered_workspace_bytes(n, ctx->order), threads, err);
+  free(owned);
+  return st;
+}
+
+imoe_status imoe_compact(const imoe_view *buffers, int32_t num_buffers, const imoe_selection *sel,
+                         const imoe_view *out_indices, const imoe_view *out_target_map,
+                         imoe_mode mode, int32_t *workspace, int64_t workspace_elems,
+                         const imoe_exec *exec, imoe_error *err) {
+  imoe_status st = imoe_check_buffers(buffers, num_buffers, err);
   if (st != IMOE_OK) return st;
-  ordered_ctx ctx = {{sel, buffers[0].n, 0, out_indices, NULL}, order, NULL};
+  if (sel == NULL) return imoe_fail(err, IMOE_ERR_ARGUMENT, "sel is NULL");
+  ordered_ctx ctx = {{sel, buffers[0].n, 0, out_indices, out_target_map}, sel->order, NULL};
   st = imoe_check_selection(sel, &buffers[0], "buffers[0]", ctx.sel.n, &ctx.sel.kept, err);
   if (st == IMOE_OK && out_indices == NULL) {
-    st = imoe_fail(err, IMOE_ERR_ARGUMENT, "out_indices is NULL: imoe_compact_ordered requires it");
+    st = imoe_fail(err, IMOE_ERR_ARGUMENT, "out_indices is missing: a compaction writes it");
   }
-  if (st == IMOE_OK && out_target_map != NULL) {
+  if (st == IMOE_OK && sel->order != IMOE_ORDER_INPLACE && out_target_map != NULL) {
     st = imoe_fail(err, IMOE_ERR_ARGUMENT,
-                   "out_target_map: only order INPLACE has a target-map form; pass NULL");
+                   "out_target_map: only order='inplace' has a target-map form");
   }
   if (st == IMOE_OK) {
-    st = imoe_check_map_outputs(out_indices, NULL, &buffers[0], "buffers[0]", ctx.sel.n,
+    st = imoe_check_map_outputs(out_indices, out_target_map, &buffers[0], "buffers[0]", ctx.sel.n,
                                 ctx.sel.kept, err);
   }
   if (st == IMOE_OK) st = imoe_check_mode(mode, err);
   if (st == IMOE_OK) st = imoe_check_exec(exec, err);
   if (st != IMOE_OK) return st;
   if (imoe_on_cuda(exec)) {
-    return imoe_cuda_compact_ordered(buffers, num_buffers, sel, order, out_indices, workspace,
-                                     workspace_elems, exec, err);
+    if (sel->order != IMOE_ORDER_INPLACE) {
+      return imoe_cuda_compact_ordered(buffers, num_buffers, sel, sel->order, out_indices,
+                                       workspace, workspace_elems, exec, err);
+    }
+    return imoe_cuda_compact(buffers, num_buffers, sel, out_indices, out_target_map, mode, exec,
+                             err);
+  }
+  if (sel->order != IMOE_ORDER_INPLACE) {
+    return compact_in_order(buffers, num_buffers, &ctx, mode, workspace, workspace_elems, exec,
+                            err);
   }
 
-  const int64_t rows = imoe_view_rows(&buffers[0]), n = ctx.sel.n;
-  int32_t *owned;
-  st = imoe_plan_workspace(workspace, workspace_elems, rows * n, &ctx.plans, &owned, err);
-  if (st != IMOE_OK) return st;
+  const int64_t rows = imoe_view_rows(&buffers[0]);
   const int threads = imoe_thread_count(exec, imoe_buffers_bytes(buffers, num_buffers),
-                                        rows * (n > 1 ? n : 1));
-  imoe_cycle_mover mover;
-  imoe_cycle_mover_init(&mover, buffers, num_buffers, ctx.plans, rows,
-                        mode == IMOE_MODE_MOVE ? ctx.sel.kept : n, threads);
+                                        rows * (ctx.sel.kept > 1 ? ctx.sel.kept : 1));
+  /* The apply stage reads back the indices the select stage wrote. */
+  imoe_apply_plan plan;
+  imoe_apply_plan_init(&plan, buffers, num_buffers, out_indices, mode, threads);
   const imoe_stage stages[] = {
       {check_row, &ctx.sel, rows_to_check(sel, rows)},
-      {select_ordered_row, &ctx, rows},
-      {imoe_cycle_move_item, &mover, imoe_cycle_mover_items(&mover)},
+      {select_row, &ctx.sel, rows},
+      {imoe_apply_indices_item, &plan, imoe_apply_plan_items(&plan)},
   };
-  st = imoe_run_stages(stages, 3, ordered_workspace_bytes(n, order), threads, err);
-  free(owned);
-  return st;
+  return imoe_run_stages(stages, 3, imoe_row_workspace_bytes(ctx.sel.n, 1), threads, err);
 }

@@ -40,11 +40,13 @@ extern "C" {
 #endif
 
 #define IMOE_VERSION_MAJOR 0
-#define IMOE_VERSION_MINOR 1
+#define IMOE_VERSION_MINOR 2
 #define IMOE_VERSION_PATCH 0
 
 /* Most lead axes a view may have. */
 #define IMOE_MAX_LEAD_DIMS 8
+/* Most buffers one call moves. */
+#define IMOE_MAX_BUFFERS 64
 
 typedef enum imoe_status {
   IMOE_OK = 0,
@@ -67,6 +69,9 @@ typedef enum imoe_dtype {
   IMOE_DTYPE_I32 = 4,
   IMOE_DTYPE_I64 = 5
 } imoe_dtype;
+
+/* A set of dtypes as a bit mask. */
+#define IMOE_DTYPE_BIT(d) (1u << (unsigned)(d))
 
 typedef enum imoe_device_type {
   IMOE_DEVICE_CPU = 0,
@@ -92,9 +97,11 @@ typedef enum imoe_mode {
  *   P = [indices[0], ..., indices[C'-1]] ++ [the dropped slots, ascending],
  * new slot i holding old slot P[i]: swap mode applies all of P (dropped
  * tokens end in [C', N) in their original order); move mode writes only
- * [0, C') and leaves [C', N) unspecified. P depends on indices alone, so
- * indices suffice to apply it again (imoe_apply_ordered) or to undo it
- * (imoe_restore_ordered).
+ * [0, C') and leaves [C', N) unspecified (on CUDA it applies all of P). P
+ * depends on indices alone, so indices suffice to apply it again
+ * (imoe_apply_indices with the order) or to undo it (imoe_restore).
+ * STABLE and SCORE need an int32 plan workspace (imoe_plan_workspace_elems,
+ * IMOE_PLAN_ORDERED); INPLACE needs none.
  */
 typedef enum imoe_order {
   IMOE_ORDER_INPLACE = 0,
@@ -152,6 +159,11 @@ typedef struct imoe_exec {
  *          I32/I64, each row's entries distinct and in [0, N). The kept set
  *          is exactly the listed slots, in any order; capacity must equal K
  *          and P and W must be 0.
+ * order    the order of the kept slots in [0, C') (imoe_order; a zeroed
+ *          struct is INPLACE). SCORE needs scores.
+ * num_slots  N where no view of the call gives it: imoe_build_map with
+ *          active indices and no out_target_map. Elsewhere 0, or equal to
+ *          the N that the scores, the buffers or out_target_map give.
  */
 typedef struct imoe_selection {
   const imoe_view *scores;
@@ -160,6 +172,8 @@ typedef struct imoe_selection {
   int64_t protected_prefix;
   int64_t recent_window;
   imoe_nan_policy nan_policy;
+  imoe_order order;
+  int64_t num_slots;
 } imoe_selection;
 
 typedef struct imoe_error {
@@ -173,43 +187,93 @@ const char *imoe_status_string(imoe_status status);
 int imoe_cuda_compiled(void);
 
 /*
- * Select the kept set of every row and write the idempotent map, in either
- * or both forms (at least one output must be given):
+ * The options' names, one table for every layer above the C API (the Python
+ * API takes mode="swap", order="stable", nan="lowest", ...):
+ *   IMOE_OPTION_MODE   imoe_mode         "swap", "move"
+ *   IMOE_OPTION_ORDER  imoe_order        "inplace", "stable", "score"
+ *   IMOE_OPTION_NAN    imoe_nan_policy   "raise", "lowest"
+ *   IMOE_OPTION_PLAN   imoe_plan_kind    "permute", "ordered", "group"
+ * imoe_option_name: the name of a value, NULL outside the enum (also for a
+ * value past the last: iterate from 0 until NULL).
+ * imoe_option_from_name: the value of a name, or IMOE_ERR_ARGUMENT with a
+ * message naming the option and every accepted name.
+ */
+typedef enum imoe_option {
+  IMOE_OPTION_MODE = 0,
+  IMOE_OPTION_ORDER = 1,
+  IMOE_OPTION_NAN = 2,
+  IMOE_OPTION_PLAN = 3
+} imoe_option;
+
+const char *imoe_option_name(imoe_option option, int value);
+imoe_status imoe_option_from_name(imoe_option option, const char *name, int *value,
+                                  imoe_error *err);
+
+/*
+ * Plan workspaces. Orders STABLE and SCORE, imoe_permute and
+ * imoe_group_by_expert apply a general permutation in place; they take an
+ * int32 workspace of imoe_plan_workspace_elems(...) elements (see the
+ * permutation section below). `workspace` NULL with `workspace_elems` 0:
+ * the CPU allocates it inside the call; CUDA requires it (device memory;
+ * nothing is allocated on the device). Calls that need none ignore both.
+ */
+
+/*
+ * Select the kept set of every row and write the map, in either or both
+ * forms (at least one output must be given):
  *   out_indices     [lead..., C'] I32/I64: the original slot held by each of
- *                   the first C' slots after compaction.
+ *                   the first C' slots after compaction, in sel->order.
  *   out_target_map  [lead..., N] I32: the involution; target_map[x] is the
  *                   slot x is exchanged with (x itself for a fixed point).
+ *                   INPLACE order only.
  * The lead shape is that of the outputs; the selection's views must match
  * it (a shared [K] active view matches any lead shape). Reads the
- * selection, writes only the outputs. N is scores' n; with `active`, N is
- * out_target_map's n, so out_target_map is then required
- * (IMOE_ERR_ARGUMENT without it).
+ * selection, writes only the outputs. N is the scores' n; with active
+ * indices, out_target_map's n or sel->num_slots (on CUDA, INPLACE order
+ * with active indices takes N from out_target_map, which is then required).
+ * Workspace: CUDA with STABLE or SCORE (IMOE_PLAN_ORDERED, rows of the
+ * outputs); there a NaN under IMOE_NAN_ERROR or bad active indices is a
+ * recorded data error and out_indices keeps its contents.
  */
 imoe_status imoe_build_map(const imoe_selection *sel, const imoe_view *out_indices,
-                           const imoe_view *out_target_map, const imoe_exec *exec,
-                           imoe_error *err);
+                           const imoe_view *out_target_map, int32_t *workspace,
+                           int64_t workspace_elems, const imoe_exec *exec, imoe_error *err);
 
 /*
  * Select, build the map and apply it to every buffer: the fused entry point.
  *   buffers[b]      [lead..., N, row_b] BYTES, written in place; all buffers
  *                   share lead shape and N, row_b may differ.
- *   out_indices     [lead..., C'] I32/I64, required.
- *   out_target_map  [lead..., N] I32, optional (NULL).
- * CPU workspace: O(N) bytes per thread, allocated here.
+ *   out_indices     [lead..., C'] I32/I64, required: the kept slots in
+ *                   sel->order.
+ *   out_target_map  [lead..., N] I32, optional (NULL); INPLACE order only.
+ * CPU: O(N) bytes per thread, allocated here. STABLE and SCORE apply the
+ * permutation P (see imoe_order) with the plan workspace
+ * (IMOE_PLAN_ORDERED, rows of the buffers: R x N int32 on the CPU, 7 x R x
+ * N on CUDA). On CUDA a NaN under IMOE_NAN_ERROR or bad active indices is a
+ * recorded data error that leaves out_indices and every buffer as they were.
  */
 imoe_status imoe_compact(const imoe_view *buffers, int32_t num_buffers,
                          const imoe_selection *sel, const imoe_view *out_indices,
-                         const imoe_view *out_target_map, imoe_mode mode,
-                         const imoe_exec *exec, imoe_error *err);
+                         const imoe_view *out_target_map, imoe_mode mode, int32_t *workspace,
+                         int64_t workspace_elems, const imoe_exec *exec, imoe_error *err);
 
 /*
- * Apply a map built by imoe_build_map / imoe_compact to every buffer.
- *   indices [lead..., C'] I32/I64: for each slot i < C', indices[i] == i or
- *   indices[i] >= C', and the entries >= C' are distinct and < N. Swap mode
- *   with the same indices a second time restores the buffers (imoe_restore).
+ * Apply the map of an earlier compaction, given its indices, to every buffer.
+ *   indices [C'] shared by every row (orders STABLE and SCORE only) or
+ *   [lead..., C'], I32/I64, C' <= N.
+ *   order INPLACE: for each slot i < C', indices[i] == i or indices[i] >=
+ *     C', and the entries >= C' are distinct and < N (IMOE_ERR_BAD_MAP
+ *     otherwise). Swap mode with the same indices a second time restores the
+ *     buffers (imoe_restore).
+ *   order STABLE or SCORE (alike here): each row's entries distinct
+ *     (IMOE_ERR_BAD_MAP) and in [0, N) (IMOE_ERR_INDEX_RANGE), in any order;
+ *     the permutation P of imoe_order is applied (move mode writes [0, C')
+ *     only; on CUDA it applies all of P), with the plan workspace
+ *     (IMOE_PLAN_ORDERED, rows of indices).
  */
 imoe_status imoe_apply_indices(const imoe_view *buffers, int32_t num_buffers,
-                               const imoe_view *indices, imoe_mode mode,
+                               const imoe_view *indices, imoe_order order, imoe_mode mode,
+                               int32_t *workspace, int64_t workspace_elems,
                                const imoe_exec *exec, imoe_error *err);
 
 /*
@@ -221,9 +285,13 @@ imoe_status imoe_apply_target_map(const imoe_view *buffers, int32_t num_buffers,
                                   const imoe_view *target_map, imoe_mode mode,
                                   const imoe_exec *exec, imoe_error *err);
 
-/* Undo a swap compaction: imoe_apply_indices in swap mode. */
+/* Undo a swap compaction of that order, given its indices: the buffers
+ * come back bit for bit. INPLACE: imoe_apply_indices in swap mode (an
+ * involution); STABLE and SCORE: P^-1, with the plan workspace as for
+ * imoe_apply_indices. */
 imoe_status imoe_restore(const imoe_view *buffers, int32_t num_buffers,
-                         const imoe_view *indices, const imoe_exec *exec, imoe_error *err);
+                         const imoe_view *indices, imoe_order order, int32_t *workspace,
+                         int64_t workspace_elems, const imoe_exec *exec, imoe_error *err);
 
 /* ---- permutations ------------------------------------------------------
  *
@@ -252,8 +320,9 @@ imoe_status imoe_restore(const imoe_view *buffers, int32_t num_buffers,
 
 typedef enum imoe_plan_kind {
   IMOE_PLAN_PERMUTE = 0, /* imoe_permute: rows = rows of perm */
-  IMOE_PLAN_ORDERED = 1, /* imoe_apply_ordered / imoe_restore_ordered (rows of indices),
-                            imoe_compact_ordered (rows of the buffers) */
+  IMOE_PLAN_ORDERED = 1, /* orders STABLE and SCORE: imoe_apply_indices / imoe_restore
+                            (rows of indices), imoe_compact (rows of the buffers),
+                            imoe_build_map on CUDA (rows of out_indices) */
   IMOE_PLAN_GROUP = 2    /* imoe_group_by_expert: rows of the buffers, n = T */
 } imoe_plan_kind;
 
@@ -277,57 +346,6 @@ int64_t imoe_plan_workspace_elems(imoe_plan_kind kind, imoe_device_type device, 
 imoe_status imoe_permute(const imoe_view *buffers, int32_t num_buffers, const imoe_view *perm,
                          int32_t inverse, int32_t *workspace, int64_t workspace_elems,
                          const imoe_exec *exec, imoe_error *err);
-
-/*
- * imoe_build_map with an order: out_indices [lead..., C'] I32/I64 receives
- * the kept slots in `order`. n is N, the slots per row (it must equal the
- * scores' n; with active indices it is required). out_target_map is taken
- * for IMOE_ORDER_INPLACE only (NULL otherwise), where this is imoe_build_map.
- * Workspace: CUDA with STABLE or SCORE only (else unused; may be NULL):
- * imoe_plan_workspace_elems(IMOE_PLAN_ORDERED, rows(out_indices), N) int32
- * elements of device memory. A NaN under IMOE_NAN_ERROR or bad active
- * indices is then a recorded data error (imoe_take_device_status) and
- * out_indices keeps its contents.
- */
-imoe_status imoe_build_map_ordered(const imoe_selection *sel, imoe_order order, int64_t n,
-                                   const imoe_view *out_indices, const imoe_view *out_target_map,
-                                   int32_t *workspace, int64_t workspace_elems,
-                                   const imoe_exec *exec, imoe_error *err);
-
-/*
- * imoe_compact with an order. IMOE_ORDER_INPLACE is imoe_compact (the
- * workspace is not used). STABLE and SCORE apply the permutation P above:
- * out_indices receives the kept slots in order, out_target_map must be NULL.
- * Workspace: imoe_plan_workspace_elems(IMOE_PLAN_ORDERED, R, N) (R: the rows
- * of the buffers): R x N int32 on the CPU, 7 x R x N on CUDA (required
- * there). On CUDA, move mode applies all of P (as imoe_apply_ordered), and a
- * NaN under IMOE_NAN_ERROR or bad active indices is a recorded data error
- * that leaves out_indices and every buffer as they were.
- */
-imoe_status imoe_compact_ordered(const imoe_view *buffers, int32_t num_buffers,
-                                 const imoe_selection *sel, imoe_order order,
-                                 const imoe_view *out_indices, const imoe_view *out_target_map,
-                                 imoe_mode mode, int32_t *workspace, int64_t workspace_elems,
-                                 const imoe_exec *exec, imoe_error *err);
-
-/*
- * Apply the permutation P of an ordered compaction, given its indices:
- *   indices  [C'] shared by every row, or [lead..., C'], I32/I64; each row's
- *            entries distinct (IMOE_ERR_BAD_MAP) and in [0, N)
- *            (IMOE_ERR_INDEX_RANGE), in any order; C' <= N.
- * Swap mode applies P; move mode writes [0, C') only (on CUDA it applies
- * all of P). Workspace: imoe_plan_workspace_elems(IMOE_PLAN_ORDERED,
- * rows(indices), N).
- */
-imoe_status imoe_apply_ordered(const imoe_view *buffers, int32_t num_buffers,
-                               const imoe_view *indices, imoe_mode mode, int32_t *workspace,
-                               int64_t workspace_elems, const imoe_exec *exec, imoe_error *err);
-
-/* Undo a swap-mode ordered compaction (apply P^-1), given its indices:
- * the buffers come back bit for bit. Same arguments as imoe_apply_ordered. */
-imoe_status imoe_restore_ordered(const imoe_view *buffers, int32_t num_buffers,
-                                 const imoe_view *indices, int32_t *workspace,
-                                 int64_t workspace_elems, const imoe_exec *exec, imoe_error *err);
 
 /*
  * Dropless grouping: per row, move the T slots of every buffer so that the

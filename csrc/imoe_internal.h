@@ -36,9 +36,7 @@
 
 /* Slot indices travel through int32 maps and uint32 histograms. */
 #define IMOE_MAX_SLOTS INT32_MAX
-#define IMOE_MAX_BUFFERS 64
 
-#define IMOE_DTYPE_BIT(d) (1u << (unsigned)(d))
 #define IMOE_SCORE_DTYPES                                            \
   (IMOE_DTYPE_BIT(IMOE_DTYPE_F32) | IMOE_DTYPE_BIT(IMOE_DTYPE_F16) | \
    IMOE_DTYPE_BIT(IMOE_DTYPE_BF16))
@@ -107,11 +105,13 @@ static inline int imoe_on_cuda(const imoe_exec *exec) {
   return exec != NULL && exec->device == IMOE_DEVICE_CUDA;
 }
 imoe_status imoe_check_mode(imoe_mode mode, imoe_error *err);
+/* order is an imoe_order; SCORE only when has_scores. */
+imoe_status imoe_check_order(imoe_order order, int has_scores, imoe_error *err);
 /* 1 <= num_buffers <= IMOE_MAX_BUFFERS; every buffer a writable view with
  * the lead shape and n of buffers[0]. */
 imoe_status imoe_check_buffers(const imoe_view *buffers, int32_t num_buffers, imoe_error *err);
-/* The selection against the lead shape of ref and n slots per row; sets
- * *kept = C' = min(C, n). */
+/* The selection against the lead shape of ref and n slots per row (its
+ * options, order and num_slots included); sets *kept = C' = min(C, n). */
 imoe_status imoe_check_selection(const imoe_selection *sel, const imoe_view *ref,
                                  const char *ref_name, int64_t n, int64_t *kept, imoe_error *err);
 /* Optional map outputs (NULL skips the view): indices [lead..., kept]
@@ -241,6 +241,13 @@ void imoe_swap_bytes(char *a, char *b, size_t n);
  * slot of the cycle holds ~p[x] (< 0). Fixed points hold themselves.
  * The leader is the largest slot so that in move mode (writes limited to
  * [0, C')) a cycle that reaches the tail starts there and needs no tile. */
+
+/* imoe_apply_indices (restore 0) and imoe_restore (restore 1) with order
+ * STABLE or SCORE: the permutation P of the indices, or its inverse. */
+imoe_status imoe_apply_kept_order(const imoe_view *buffers, int32_t num_buffers,
+                                  const imoe_view *indices, imoe_mode mode, int restore,
+                                  int32_t *workspace, int64_t workspace_elems,
+                                  const imoe_exec *exec, imoe_error *err);
 
 /* Marks the cycles of a valid permutation held in plan[0, n). O(n). */
 void imoe_plan_encode(int32_t *plan, int64_t n);

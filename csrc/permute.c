@@ -447,9 +447,10 @@ imoe_status imoe_permute(const imoe_view *buffers, int32_t num_buffers, const im
                      workspace_elems, exec, err);
 }
 
-static imoe_status ordered(const imoe_view *buffers, int32_t num_buffers, const imoe_view *indices,
-                           imoe_mode mode, int restore, int32_t *workspace,
-                           int64_t workspace_elems, const imoe_exec *exec, imoe_error *err) {
+imoe_status imoe_apply_kept_order(const imoe_view *buffers, int32_t num_buffers,
+                                  const imoe_view *indices, imoe_mode mode, int restore,
+                                  int32_t *workspace, int64_t workspace_elems,
+                                  const imoe_exec *exec, imoe_error *err) {
   imoe_status st = imoe_check_buffers(buffers, num_buffers, err);
   if (st == IMOE_OK) st = check_plan_source(indices, "indices", buffers, 0, err);
   if (st == IMOE_OK) st = imoe_check_mode(mode, err);
@@ -467,17 +468,4 @@ static imoe_status ordered(const imoe_view *buffers, int32_t num_buffers, const 
   return run_planned(buffers, num_buffers, &ctx, plan_ordered_row,
                      imoe_row_workspace_bytes(buffers[0].n, 0), limit, workspace,
                      workspace_elems, exec, err);
-}
-
-imoe_status imoe_apply_ordered(const imoe_view *buffers, int32_t num_buffers,
-                               const imoe_view *indices, imoe_mode mode, int32_t *workspace,
-                               int64_t workspace_elems, const imoe_exec *exec, imoe_error *err) {
-  return ordered(buffers, num_buffers, indices, mode, 0, workspace, workspace_elems, exec, err);
-}
-
-imoe_status imoe_restore_ordered(const imoe_view *buffers, int32_t num_buffers,
-                                 const imoe_view *indices, int32_t *workspace,
-                                 int64_t workspace_elems, const imoe_exec *exec, imoe_error *err) {
-  return ordered(buffers, num_buffers, indices, IMOE_MODE_SWAP, 1, workspace, workspace_elems,
-                 exec, err);
 }

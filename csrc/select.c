@@ -99,7 +99,7 @@ imoe_status imoe_check_scores_row(const imoe_view *scores, int64_t row, imoe_err
   if (slot < 0) return IMOE_OK;
   return imoe_fail(
       err, IMOE_ERR_NAN,
-      "scores: row %" PRId64 ", slot %" PRId64 " is NaN (nan_policy is IMOE_NAN_ERROR)", row, slot);
+      "scores: row %" PRId64 ", slot %" PRId64 " is NaN (nan='raise'; nan='lowest' ranks NaN last)", row, slot);
 }
 
 void imoe_select_scores_row(const imoe_selection *sel, int64_t row, int64_t n,

@@ -12,7 +12,7 @@ const char *imoe_status_string(imoe_status status) {
     case IMOE_ERR_DTYPE:
       return "IMOE_ERR_DTYPE: a view has a dtype the operation does not take";
     case IMOE_ERR_NAN:
-      return "IMOE_ERR_NAN: a score is NaN and the NaN policy is IMOE_NAN_ERROR";
+      return "IMOE_ERR_NAN: a score is NaN and NaN scores are an error (nan='raise')";
     case IMOE_ERR_INDEX_RANGE:
       return "IMOE_ERR_INDEX_RANGE: an index lies outside [0, N)";
     case IMOE_ERR_INDEX_DUPLICATE:

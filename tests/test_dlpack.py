@@ -36,14 +36,14 @@ from dlpack_producer import (
 _C = pytest.importorskip("idempotent_moe._C")
 
 R, N, D, C = 3, 10, 4, 4
-SWAP, MOVE = 0, 1
+SWAP, MOVE = "swap", "move"
 
 
 def compact(buffers, scores, out, capacity=C, *, target_map=None, mode=SWAP, active=None):
     """_C.compact on [R, N, D] buffers, slot axis 1, one row axis."""
     k = len(buffers)
-    return _C.compact(buffers, (1,) * k, (1,) * k, scores, active, out, target_map, capacity,
-                      0, 0, False, mode, 0)
+    return _C.compact(buffers, (1,) * k, (1,) * k, scores=scores, active_indices=active,
+                      out_indices=out, out_target_map=target_map, capacity=capacity, mode=mode)
 
 
 def problem(rng):
@@ -151,7 +151,7 @@ def test_target_map_capsule_and_restore(rng):
     check_deleters(*producers)
     # restore through a fresh capsule over the same memory
     producer = Producer(data)
-    _C.restore([producer.capsule], (1,), (1,), out, 0)
+    _C.restore([producer.capsule], (1,), (1,), indices=out)
     np.testing.assert_array_equal(bits(data), before)
     check_deleters(producer)
 
@@ -258,8 +258,8 @@ def test_build_map_with_capsules(rng):
     _, scores, out, ref = problem(rng)
     tm = np.full((R, N), -1, dtype=np.int32)
     producers = [Producer(scores, versioned=False), Producer(out), Producer(tm)]
-    _C.build_map(producers[0].capsule, None, producers[1].capsule, producers[2].capsule, C,
-                 0, 0, False, 0)
+    _C.build_map(scores=producers[0].capsule, out_indices=producers[1].capsule,
+                 out_target_map=producers[2].capsule, capacity=C)
     np.testing.assert_array_equal(out, ref)
     assert all(p.consumed for p in producers)
     check_deleters(*producers)
@@ -387,8 +387,8 @@ def test_refcounts_unchanged_after_many_calls(make_args, rng):
     for _ in range(1000):
         compact([data], scores, out, target_map=tm)
     for _ in range(200):
-        _C.apply_indices([data], (1,), (1,), out, SWAP, 0)
-        _C.restore([data], (1,), (1,), out, 0)
+        _C.apply_indices([data], (1,), (1,), indices=out, mode=SWAP)
+        _C.restore([data], (1,), (1,), indices=out)
         imoe.compact_(data, scores, C, out_indices=out)
     gc.collect()
     after = _refcounts(data, scores, out, tm)
@@ -480,6 +480,6 @@ def test_a_tensor_that_requires_grad_still_goes_through_dlpack_and_is_refused():
     from idempotent_moe._native import native
 
     with pytest.raises(BufferError, match="require gradient"):
-        native().compact([x], [0], [1], torch.rand(6), None, torch.empty(2, dtype=torch.int64), None,
-                         2, 0, 0, 0, 1, 0, None)
+        native().compact([x], [0], [1], scores=torch.rand(6), capacity=2,
+                         out_indices=torch.empty(2, dtype=torch.int64), mode="move")
     assert Counted.calls == 1 and torch.equal(x.detach(), before)

@@ -23,7 +23,7 @@ transformers = pytest.importorskip("transformers")
 if int(transformers.__version__.split(".")[0]) < 5:
     pytest.skip("the cache targets transformers 5.x", allow_module_level=True)
 
-from idempotent_moe import functional  # noqa: E402
+from idempotent_moe._native import native  # noqa: E402
 from idempotent_moe.integrations.hf_cache import (  # noqa: E402
     InplaceEvictionCache,
     InplaceEvictionLayer,
@@ -32,7 +32,7 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM  # noqa: E4
 from transformers.cache_utils import Cache, CacheLayerMixin  # noqa: E402
 
 FLT_MAX = float(torch.finfo(torch.float32).max)
-ORDERS = functional.ORDERS  # "stable" and "score" join when compact_ offers them
+ORDERS = native().ORDERS
 
 
 def tiny_llama(attn="sdpa", kv_heads=2, layers=2, seed=0):

@@ -321,17 +321,19 @@ def test_binding_rejects_bad_axes_dtypes_and_modes(rng):
     before = bits(pool)
     c = native()
     with pytest.raises(ValueError, match="block axis"):
-        c.paged_apply_target_map([pool], [0], [2], tables, tm, 1, 0)
+        c.paged_apply_target_map([pool], [0], [2], tables, tm, "move")
     with pytest.raises(ValueError, match="mode"):
-        c.paged_apply_target_map([pool], [1], [2], tables, tm, 7, 0)
+        c.paged_apply_target_map([pool], [1], [2], tables, tm, "sweep")
+    with pytest.raises(TypeError, match="mode"):
+        c.paged_apply_target_map([pool], [1], [2], tables, tm, 1)
     with pytest.raises(TypeError, match="block_tables"):
-        c.paged_apply_target_map([pool], [1], [2], tables.astype(np.float32), tm, 1, 0)
+        c.paged_apply_target_map([pool], [1], [2], tables.astype(np.float32), tm, "move")
     with pytest.raises(ValueError, match="exceeds max_blocks"):
-        c.paged_apply_target_map([pool], [1], [2], tables[:, :1], tm, 1, 0)
+        c.paged_apply_target_map([pool], [1], [2], tables[:, :1], tm, "move")
     with pytest.raises(BufferError, match="read-only"):
         ro = pool.copy()
         ro.setflags(write=False)
-        c.paged_apply_target_map([ro], [1], [2], tables, tm, 1, 0)
+        c.paged_apply_target_map([ro], [1], [2], tables, tm, "move")
     np.testing.assert_array_equal(bits(pool), before)
 
 

@@ -402,7 +402,7 @@ def test_ordered_bad_arguments(fw, rng):
     bad[1, 3] = float("nan")
     with pytest.raises(ValueError, match="NaN"):
         imoe.compact_(x, bad, 4, order="score")
-    with pytest.raises(ValueError, match="only the 'indices' form"):
+    with pytest.raises(ValueError, match="only order='inplace' has a target-map form"):
         imoe.idempotent_map(s, 4, order="stable", form="both")
     assert_unchanged([x, s], snaps)
     # restore / apply with broken ordered indices

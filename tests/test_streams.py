@@ -6,8 +6,9 @@ import pytest
 from idempotent_moe import _C
 
 
-def _args(x, scores, out):
-    return ([x], (1,), (1,), scores, None, out, None, 2, 0, 0, False, 0, 1)
+def _compact(x, scores, out, stream):
+    return _C.compact([x], (1,), (1,), scores=scores, out_indices=out, capacity=2, num_threads=1,
+                      stream=stream)
 
 
 @pytest.mark.parametrize("stream,exc", [(0, ValueError), (-2, ValueError), (True, TypeError),
@@ -18,7 +19,7 @@ def test_bad_stream_values_raise_before_anything_moves(stream, exc):
     out = np.full((2, 2), -7, dtype=np.int64)
     x0, out0 = x.copy(), out.copy()
     with pytest.raises(exc, match="stream"):
-        _C.compact(*_args(x, scores, out), stream)
+        _compact(x, scores, out, stream)
     np.testing.assert_array_equal(x, x0)
     np.testing.assert_array_equal(out, out0)
 
@@ -28,7 +29,7 @@ def test_host_memory_ignores_valid_streams(stream):
     x = np.arange(2 * 4 * 3, dtype=np.float32).reshape(2, 4, 3)
     scores = np.array([[0, 1, 2, 3], [3, 2, 1, 0]], dtype=np.float32)
     out = np.empty((2, 2), dtype=np.int64)
-    _C.compact(*_args(x, scores, out), stream)
+    _compact(x, scores, out, stream)
     np.testing.assert_array_equal(out, [[2, 3], [0, 1]])
 
 

@@ -37,10 +37,6 @@ from typing import Any, NamedTuple
 from . import _arrays
 from ._native import native
 
-MODES = {"swap": 0, "move": 1}
-ORDERS = {"inplace": 0, "stable": 1, "score": 2}
-NAN_POLICIES = ("raise", "lowest")
-
 _num_threads = 0
 
 
@@ -112,25 +108,11 @@ def check_errors(x: Any = None) -> None:
         )
 
 
-def _threads(num_threads: int | None) -> int:
+def resolve_num_threads(num_threads: int | None) -> int:
+    """The thread count a call runs with: its own, else set_num_threads' value."""
     if num_threads is None:
         return _num_threads
     return _arrays.check_int(num_threads, "num_threads")
-
-
-def _mode(mode: str) -> int:
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {tuple(MODES)}, got {mode!r}")
-    return MODES[mode]
-
-
-def _order(order: str) -> int:
-    if not isinstance(order, str) or order not in ORDERS:
-        raise ValueError(f"order must be one of {tuple(ORDERS)}, got {order!r}")
-    return ORDERS[order]
-
-
-PLAN_KINDS = {"permute": 0, "ordered": 1, "group": 2}
 
 
 def _prod(shape: Sequence[int]) -> int:
@@ -145,28 +127,22 @@ def plan_workspace_elems(kind: str, rows: int, n: int, *, cuda: bool) -> int:
     "permute" (rows: those of perm, 1 when shared), "ordered" (those of the
     indices) or "group" (those of x), n slots per row. CPU: rows x n; CUDA:
     6 x rows x n for "permute", 7 x rows x n for the others."""
-    if kind not in PLAN_KINDS:
-        raise ValueError(f"kind must be one of {tuple(PLAN_KINDS)}, got {kind!r}")
-    return int(native().plan_workspace_elems(PLAN_KINDS[kind], bool(cuda), int(rows), int(n)))
+    return int(native().plan_workspace_elems(kind, rows, n, bool(cuda)))
 
 
-def _workspace(workspace: Any, like: Any = None, kind: str = "permute", rows: int = 0,
-               n: int = 0) -> Any:
-    """The caller's workspace, checked; or, for CUDA buffers, a new one from
-    the framework on their device (the C/CUDA code never allocates). On the
-    CPU None lets the core allocate it for the call."""
+def _workspace(workspace: Any, like: Any, kind: str, rows: int, n: int) -> Any:
+    """The caller's workspace; or, for CUDA buffers, a new one from the
+    framework on their device (the C/CUDA code never allocates). On the CPU
+    None lets the core allocate it for the call. kind: a plan kind, or an
+    order ("inplace" needs no workspace; "stable" and "score" the "ordered"
+    plan)."""
     if workspace is not None:
-        _arrays.check_array(workspace, "workspace")
         return workspace
-    if like is None or _arrays.cuda_device_of(like) is None:
+    if kind == "inplace" or like is None or _arrays.cuda_device_of(like) is None:
         return None
+    if kind in ("stable", "score"):
+        kind = "ordered"
     return _arrays.empty_index(like, (plan_workspace_elems(kind, rows, n, cuda=True),), "int32")
-
-
-def _nan_lowest(nan: str) -> bool:
-    if nan not in NAN_POLICIES:
-        raise ValueError(f"nan must be one of {NAN_POLICIES}, got {nan!r}")
-    return nan == "lowest"
 
 
 def _buffers(x: Any) -> tuple[list, bool]:
@@ -203,12 +179,21 @@ def _row_ndims(bufs: list, dims: list[int]) -> list[int]:
 
 
 def _selector(scores: Any, active_indices: Any, like: Any) -> tuple[Any, Any]:
-    if (scores is None) == (active_indices is None):
-        raise ValueError("give exactly one of scores and active_indices")
+    """scores, or active indices as an index array (a list becomes one)."""
     if scores is not None:
         _arrays.check_array(scores, "scores")
-        return scores, None
-    return None, _arrays.as_index_array(active_indices, like, "active_indices")
+    if active_indices is not None:
+        active_indices = _arrays.as_index_array(active_indices, like, "active_indices")
+    return scores, active_indices
+
+
+def _capacity(capacity: Any, active: Any) -> int:
+    """C as an int: with active indices it defaults to their count K."""
+    if capacity is None and active is not None:
+        return _arrays.shape_of(active)[-1]
+    if capacity is None:
+        raise TypeError("capacity is required with scores")
+    return _arrays.check_int(capacity, "capacity", minimum=None)
 
 
 def compact_(
@@ -279,43 +264,20 @@ def compact_(
     """
     bufs, many = _buffers(x)
     scores, active = _selector(scores, active_indices, bufs[0])
-    order_code = _order(order)
-    if order == "score" and scores is None:
-        raise ValueError("order='score' needs scores; with active_indices use 'stable' or 'inplace'")
-    if order != "inplace" and out_target_map is not None:
-        raise ValueError(f"out_target_map: only order='inplace' has a target-map form (order={order!r})")
     shared_active = active is not None and len(_arrays.shape_of(active)) == 1
     dims = _dims(bufs, dim, scores if scores is not None else active, shared_active)
     n = _arrays.shape_of(bufs[0])[dims[0]]
     lead = _arrays.shape_of(bufs[0])[: dims[0]]
-    if active is not None:
-        k = _arrays.shape_of(active)[-1]
-        capacity = k if capacity is None else capacity
-    if capacity is None:
-        raise TypeError("capacity is required with scores")
-    capacity = _arrays.check_int(capacity, "capacity", minimum=None)
+    capacity = _capacity(capacity, active)
     kept = max(0, min(capacity, n))
     if out_indices is None:
         out_indices = _arrays.empty_index(bufs[0], lead + (kept,), index_dtype)
-    else:
-        _arrays.check_array(out_indices, "out_indices")
-    if out_target_map is not None:
-        _arrays.check_array(out_target_map, "out_target_map")
-    if order_code:
-        native().compact_ordered(
-            bufs, dims, _row_ndims(bufs, dims), scores, active, out_indices, capacity,
-            _arrays.check_int(protected_prefix, "protected_prefix"),
-            _arrays.check_int(recent_window, "recent_window"), _nan_lowest(nan), _mode(mode),
-            order_code, _workspace(workspace, bufs[0], "ordered", _prod(lead), n),
-            _threads(num_threads), _arrays.dlpack_stream(bufs[0]),
-        )
-        views = tuple(_arrays.narrow(b, d, kept) for b, d in zip(bufs, dims))
-        return Compacted(views if many else views[0], out_indices)
     native().compact(
-        bufs, dims, _row_ndims(bufs, dims), scores, active, out_indices, out_target_map,
-        capacity, _arrays.check_int(protected_prefix, "protected_prefix"),
-        _arrays.check_int(recent_window, "recent_window"), _nan_lowest(nan), _mode(mode),
-        _threads(num_threads), _arrays.dlpack_stream(bufs[0]),
+        bufs, dims, _row_ndims(bufs, dims), scores=scores, active_indices=active,
+        capacity=capacity, protected_prefix=protected_prefix, recent_window=recent_window,
+        nan=nan, order=order, out_indices=out_indices, out_target_map=out_target_map, mode=mode,
+        workspace=_workspace(workspace, bufs[0], order, _prod(lead), n),
+        num_threads=resolve_num_threads(num_threads), stream=_arrays.dlpack_stream(bufs[0]),
     )
     views = tuple(_arrays.narrow(b, d, kept) for b, d in zip(bufs, dims))
     return Compacted(views if many else views[0], out_indices)
@@ -353,9 +315,6 @@ def idempotent_map(
     """
     if form not in ("indices", "target_map", "both"):
         raise ValueError(f"form must be 'indices', 'target_map' or 'both', got {form!r}")
-    order_code = _order(order)
-    if order_code and form != "indices":
-        raise ValueError(f"order={order!r} has only the 'indices' form, got form={form!r}")
     scores, active = _selector(scores, active_indices, None)
     selector = scores if scores is not None else active
     sel_shape = _arrays.shape_of(selector)
@@ -369,36 +328,24 @@ def idempotent_map(
             lead = tuple(_arrays.check_int(s, "lead_shape") for s in (lead_shape or ()))
         else:
             lead = sel_shape[:-1]
-        capacity = sel_shape[-1] if capacity is None else capacity
-    if capacity is None:
-        raise TypeError("capacity is required with scores")
-    capacity = _arrays.check_int(capacity, "capacity", minimum=None)
+    capacity = _capacity(capacity, active)
     kept = max(0, min(capacity, n))
     if form in ("indices", "both") and out_indices is None:
         out_indices = _arrays.empty_index(selector, lead + (kept,), index_dtype)
     if form in ("target_map", "both") and out_target_map is None:
         out_target_map = _arrays.empty_index(selector, lead + (n,), "int32")
-    if order_code:
-        if scores is None and order == "score":
-            raise ValueError("order='score' needs scores; with active_indices use 'stable' or 'inplace'")
-        native().build_map_ordered(
-            scores, active, out_indices, n, capacity,
-            _arrays.check_int(protected_prefix, "protected_prefix"),
-            _arrays.check_int(recent_window, "recent_window"), _nan_lowest(nan), order_code,
-            _workspace(workspace, out_indices, "ordered", _prod(lead), n),
-            _threads(num_threads), _arrays.dlpack_stream(selector),
-        )
-        return out_indices
     target_map = out_target_map
-    if active is not None and target_map is None:
-        # Active indices do not say N: the core reads it from the target map,
-        # so form="indices" needs a scratch one ([lead..., N] int32).
+    if active is not None and target_map is None and order == "inplace" \
+            and _arrays.cuda_device_of(selector) is not None:
+        # On CUDA, active indices in order "inplace" take N from a target map:
+        # a scratch one ([lead..., N] int32) stands in for form="indices".
         target_map = _arrays.empty_index(selector, lead + (n,), "int32")
     native().build_map(
-        scores, active, out_indices, target_map, capacity,
-        _arrays.check_int(protected_prefix, "protected_prefix"),
-        _arrays.check_int(recent_window, "recent_window"), _nan_lowest(nan), _threads(num_threads),
-        _arrays.dlpack_stream(selector),
+        scores=scores, active_indices=active, capacity=capacity,
+        protected_prefix=protected_prefix, recent_window=recent_window, nan=nan, order=order,
+        num_slots=n, out_indices=out_indices, out_target_map=target_map,
+        workspace=_workspace(workspace, selector, order, _prod(lead), n),
+        num_threads=resolve_num_threads(num_threads), stream=_arrays.dlpack_stream(selector),
     )
     if form == "indices":
         return out_indices
@@ -432,31 +379,23 @@ def apply_map_(
     """
     if (indices is None) == (target_map is None):
         raise ValueError("give exactly one of indices and target_map")
-    if _order(order) and indices is None:
-        raise ValueError(f"order={order!r} takes indices, not a target_map")
     bufs, many = _buffers(x)
     the_map = indices if indices is not None else target_map
     _arrays.check_array(the_map, "indices" if indices is not None else "target_map")
     dims = _dims(bufs, dim, the_map, False)
     rows = _row_ndims(bufs, dims)
     stream = _arrays.dlpack_stream(bufs[0])
-    if indices is not None and _order(order):
-        ishape = _arrays.shape_of(indices)
-        n = _arrays.shape_of(bufs[0])[dims[0]]
-        ws = _workspace(workspace, bufs[0], "ordered", _prod(ishape[:-1]), n)
-        native().apply_ordered(bufs, dims, rows, indices, _mode(mode), False, ws,
-                               _threads(num_threads), stream)
-        kept = _arrays.shape_of(indices)[-1]
-        views = tuple(_arrays.narrow(b, d, kept) for b, d in zip(bufs, dims))
-        return views if many else views[0]
-    if indices is not None:
-        native().apply_indices(bufs, dims, rows, indices, _mode(mode), _threads(num_threads), stream)
-        kept = _arrays.shape_of(indices)[-1]
-        views = tuple(_arrays.narrow(b, d, kept) for b, d in zip(bufs, dims))
-        return views if many else views[0]
-    native().apply_target_map(bufs, dims, rows, target_map, _mode(mode), _threads(num_threads),
-                              stream)
-    return x
+    if target_map is not None:
+        native().apply_target_map(bufs, dims, rows, target_map=target_map, order=order, mode=mode,
+                                  num_threads=resolve_num_threads(num_threads), stream=stream)
+        return x
+    n = _arrays.shape_of(bufs[0])[dims[0]]
+    ws = _workspace(workspace, bufs[0], order, _prod(_arrays.shape_of(indices)[:-1]), n)
+    native().apply_indices(bufs, dims, rows, indices=indices, order=order, mode=mode,
+                           workspace=ws, num_threads=resolve_num_threads(num_threads), stream=stream)
+    kept = _arrays.shape_of(indices)[-1]
+    views = tuple(_arrays.narrow(b, d, kept) for b, d in zip(bufs, dims))
+    return views if many else views[0]
 
 
 def restore_(x: Any, indices: Any, *, dim: int | None = None, order: str = "inplace",
@@ -474,15 +413,11 @@ def restore_(x: Any, indices: Any, *, dim: int | None = None, order: str = "inpl
     bufs, _ = _buffers(x)
     _arrays.check_array(indices, "indices")
     dims = _dims(bufs, dim, indices, False)
-    if _order(order):
-        ishape = _arrays.shape_of(indices)
-        n = _arrays.shape_of(bufs[0])[dims[0]]
-        ws = _workspace(workspace, bufs[0], "ordered", _prod(ishape[:-1]), n)
-        native().apply_ordered(bufs, dims, _row_ndims(bufs, dims), indices, MODES["swap"], True,
-                               ws, _threads(num_threads), _arrays.dlpack_stream(bufs[0]))
-        return x
-    native().restore(bufs, dims, _row_ndims(bufs, dims), indices, _threads(num_threads),
-                     _arrays.dlpack_stream(bufs[0]))
+    n = _arrays.shape_of(bufs[0])[dims[0]]
+    ws = _workspace(workspace, bufs[0], order, _prod(_arrays.shape_of(indices)[:-1]), n)
+    native().restore(bufs, dims, _row_ndims(bufs, dims), indices=indices, order=order,
+                     workspace=ws, num_threads=resolve_num_threads(num_threads),
+                     stream=_arrays.dlpack_stream(bufs[0]))
     return x
 
 
@@ -543,8 +478,9 @@ def permute_(
     pshape = _arrays.shape_of(perm)
     n = _arrays.shape_of(bufs[0])[dims[0]]
     ws = _workspace(workspace, bufs[0], "permute", _prod(pshape[:-1]), n)
-    native().permute(bufs, dims, _row_ndims(bufs, dims), perm, bool(inverse), ws,
-                     _threads(num_threads), _arrays.dlpack_stream(bufs[0]))
+    native().permute(bufs, dims, _row_ndims(bufs, dims), perm=perm, inverse=bool(inverse),
+                     workspace=ws, num_threads=resolve_num_threads(num_threads),
+                     stream=_arrays.dlpack_stream(bufs[0]))
     return x
 
 
@@ -601,8 +537,10 @@ def group_by_expert_(
     else:
         _arrays.check_array(out_perm, "out_perm")
     ws = _workspace(workspace, bufs[0], "group", _prod(lead), t)
-    native().group_by_expert(bufs, dims, _row_ndims(bufs, dims), expert_ids, num_experts, out_offsets,
-                             out_perm, ws, _threads(num_threads), _arrays.dlpack_stream(bufs[0]))
+    native().group_by_expert(bufs, dims, _row_ndims(bufs, dims), expert_ids=expert_ids,
+                             num_experts=num_experts, out_offsets=out_offsets, out_perm=out_perm,
+                             workspace=ws, num_threads=resolve_num_threads(num_threads),
+                             stream=_arrays.dlpack_stream(bufs[0]))
     return Grouped(out_offsets, out_perm)
 
 

@@ -32,7 +32,7 @@ import numpy as np
 
 from . import _arrays
 from ._native import native
-from .functional import MODES, _threads, idempotent_map
+from .functional import idempotent_map, resolve_num_threads
 from .kv import reduce_head_scores
 
 LAYOUTS = ("NHD", "HND")
@@ -262,8 +262,9 @@ def paged_target_map(
 
 def paged_workspace_elems(num_blocks: int, num_seqs: int, max_blocks: int) -> int:
     """int32 elements of the workspace of `apply_paged_map_`: per-block marks,
-    per-table-entry flags and 512 for the device check's error keys."""
-    return num_blocks + num_seqs * max_blocks + 512
+    per-table-entry flags and 512 for the device check's error keys (the C
+    API's imoe_paged_workspace_elems)."""
+    return int(native().paged_workspace_elems(num_blocks, num_seqs, max_blocks))
 
 
 def _paged_workspace(pool: Any, tables: Any, num_blocks: int, workspace: Any) -> Any:
@@ -312,8 +313,6 @@ def apply_paged_map_(
         _arrays.check_array(p, f"caches[{i}]")
     _arrays.check_array(block_tables, "block_tables")
     _arrays.check_array(target_map, "target_map")
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {tuple(MODES)}, got {mode!r}")
     geo = _pool_geometry(pools, layout)
     map_shape = _arrays.shape_of(target_map)
     if len(map_shape) not in (2, 3):
@@ -335,8 +334,9 @@ def apply_paged_map_(
         raise ValueError(f"block_tables must be [S, max_blocks], got {list(_arrays.shape_of(block_tables))}")
     workspace = _paged_workspace(pools[0], block_tables, geo.num_blocks, workspace)
     native().paged_apply_target_map(
-        pools, [geo.slot_dim] * len(pools), [row_ndims] * len(pools), block_tables, target_map,
-        MODES[mode], _threads(num_threads), stream, workspace,
+        pools, [geo.slot_dim] * len(pools), [row_ndims] * len(pools), block_tables=block_tables,
+        target_map=target_map, mode=mode, workspace=workspace, num_threads=resolve_num_threads(num_threads),
+        stream=stream,
     )
 
 

@@ -208,15 +208,24 @@ static void round_trips(const parity_case *c, mismatch *m, const imoe_selection 
   unsigned char *idx2_snap = tensor_snapshot(&idx2), *tm2_snap = tensor_snapshot(&tm2);
   unsigned char *idx2_want = index_image(&idx2, idx2_snap, e->indices);
   unsigned char *tm2_want = index_image(&tm2, tm2_snap, e->target);
-  imoe_status st = imoe_build_map(sel, &idx2.view, &tm2.view, exec, &err);
+  imoe_status st = imoe_build_map(sel, &idx2.view, &tm2.view, NULL, 0, exec, &err);
   if (st != IMOE_OK) note(m, "build_map: status %d (%s)", (int)st, err.message);
   if (!tensor_same(&idx2, idx2_want)) note(m, "build_map: out_indices differs");
   if (!tensor_same(&tm2, tm2_want)) note(m, "build_map: out_target_map differs");
+  if (sel->active != NULL) {
+    /* Active indices with N given as num_slots: the same indices, no map. */
+    imoe_selection with_n = *sel;
+    with_n.num_slots = c->n;
+    memcpy(idx2.alloc, idx2_snap, idx2.bytes);
+    st = imoe_build_map(&with_n, &idx2.view, NULL, NULL, 0, exec, &err);
+    if (st != IMOE_OK) note(m, "build_map with num_slots: status %d (%s)", (int)st, err.message);
+    if (!tensor_same(&idx2, idx2_want)) note(m, "build_map with num_slots: out_indices differs");
+  }
 
   if (c->mode == IMOE_MODE_SWAP) {
     imoe_view views[PARITY_MAX_BUFFERS];
     for (int32_t b = 0; b < c->num_buffers; b++) views[b] = buf[b].view;
-    st = imoe_restore(views, c->num_buffers, &idx->view, exec, &err);
+    st = imoe_restore(views, c->num_buffers, &idx->view, IMOE_ORDER_INPLACE, NULL, 0, exec, &err);
     if (st != IMOE_OK) note(m, "restore: status %d (%s)", (int)st, err.message);
     check_buffers(m, "restore", buf, c->num_buffers, snap);
     st = imoe_apply_target_map(views, c->num_buffers, &tm2.view, IMOE_MODE_SWAP, exec, &err);
@@ -225,7 +234,7 @@ static void round_trips(const parity_case *c, mismatch *m, const imoe_selection 
     st = imoe_apply_target_map(views, c->num_buffers, &tm2.view, IMOE_MODE_SWAP, exec, &err);
     if (st != IMOE_OK) note(m, "apply_target_map swap twice: status %d", (int)st);
     check_buffers(m, "apply_target_map swap twice", buf, c->num_buffers, snap);
-    st = imoe_apply_indices(views, c->num_buffers, &idx2.view, IMOE_MODE_SWAP, exec, &err);
+    st = imoe_apply_indices(views, c->num_buffers, &idx2.view, IMOE_ORDER_INPLACE, IMOE_MODE_SWAP, NULL, 0, exec, &err);
     if (st != IMOE_OK) note(m, "apply_indices swap: status %d (%s)", (int)st, err.message);
     check_buffers(m, "apply_indices swap", buf, c->num_buffers, want);
   } else {
@@ -236,7 +245,7 @@ static void round_trips(const parity_case *c, mismatch *m, const imoe_selection 
     if (st != IMOE_OK) note(m, "apply_target_map move: status %d (%s)", (int)st, err.message);
     check_buffers(m, "apply_target_map move", buf, c->num_buffers, want);
     reset_buffers(buf, c->num_buffers, snap);
-    st = imoe_apply_indices(views, c->num_buffers, &idx2.view, IMOE_MODE_MOVE, exec, &err);
+    st = imoe_apply_indices(views, c->num_buffers, &idx2.view, IMOE_ORDER_INPLACE, IMOE_MODE_MOVE, NULL, 0, exec, &err);
     if (st != IMOE_OK) note(m, "apply_indices move: status %d (%s)", (int)st, err.message);
     check_buffers(m, "apply_indices move", buf, c->num_buffers, want);
   }
@@ -304,8 +313,7 @@ int parity_run(const parity_case *c, char *why, size_t why_size) {
   const imoe_exec *ex = c->threads < 0 ? NULL : &exec;
   imoe_error err;
   err.message[0] = '\0';
-  const imoe_status st = imoe_compact(views, c->num_buffers, &sel, &idx.view,
-                                      c->with_target ? &tm.view : NULL, c->mode, ex, &err);
+  const imoe_status st = imoe_compact(views, c->num_buffers, &sel, &idx.view, c->with_target ? &tm.view : NULL, c->mode, NULL, 0, ex, &err);
   if (st != e.status) {
     note(&m, "compact: status %d, expected %d (%s)", (int)st, (int)e.status, err.message);
   }
@@ -391,7 +399,7 @@ int parity_map_run(const map_case *c, char *why, size_t why_size) {
   err.message[0] = '\0';
   const imoe_status st = c->is_target
                              ? imoe_apply_target_map(&buf.view, 1, &map.view, c->mode, ex, &err)
-                             : imoe_apply_indices(&buf.view, 1, &map.view, c->mode, ex, &err);
+                             : imoe_apply_indices(&buf.view, 1, &map.view, IMOE_ORDER_INPLACE, c->mode, NULL, 0, ex, &err);
   if (st != want_status) {
     note(&m, "apply %s: status %d, expected %d (%s)", c->is_target ? "target_map" : "indices",
          (int)st, (int)want_status, err.message);

@@ -169,10 +169,10 @@ int perm_parity_run(const perm_case *c, char *why, size_t why_size) {
       got = imoe_permute(views, c->num_buffers, &map.view, c->inverse, ws, ws_elems, ex, &err);
       break;
     case PC_APPLY_ORDERED:
-      got = imoe_apply_ordered(views, c->num_buffers, &map.view, c->mode, ws, ws_elems, ex, &err);
+      got = imoe_apply_indices(views, c->num_buffers, &map.view, IMOE_ORDER_STABLE, c->mode, ws, ws_elems, ex, &err);
       break;
     case PC_RESTORE_ORDERED:
-      got = imoe_restore_ordered(views, c->num_buffers, &map.view, ws, ws_elems, ex, &err);
+      got = imoe_restore(views, c->num_buffers, &map.view, IMOE_ORDER_STABLE, ws, ws_elems, ex, &err);
       break;
     default:
       got = imoe_group_by_expert(views, c->num_buffers, &map.view, c->experts, &offsets.view,

@@ -21,7 +21,7 @@ fi
 lib=("$root"/csrc/*.c)
 support=("$here/parity.c" "$here/perm_parity.c" "$here/ref.c" "$here/tensor.c")
 tests=("$here/test_core.c" "$here/test_status.c" "$here/test_permute.c")
-flags=(-std=c11 -Wall -Wextra -Werror -O1 -g -fsanitize=address,undefined
+flags=(-std=c11 -Wall -Wextra -Werror -Wno-missing-field-initializers -O1 -g -fsanitize=address,undefined
        -fno-sanitize-recover=all -fno-omit-frame-pointer -I"$root/csrc")
 export ASAN_OPTIONS=${ASAN_OPTIONS:-detect_leaks=1:abort_on_error=1}
 export UBSAN_OPTIONS=${UBSAN_OPTIONS:-print_stacktrace=1}
@@ -45,7 +45,7 @@ elif ! command -v clang >/dev/null 2>&1; then
   echo "== fuzz: skipped (no clang on PATH)"
 else
   echo "== fuzz: build"
-  clang -std=c11 -Wall -Wextra -Werror -O1 -g -fsanitize=fuzzer,address,undefined \
+  clang -std=c11 -Wall -Wextra -Werror -Wno-missing-field-initializers -O1 -g -fsanitize=fuzzer,address,undefined \
     -fno-sanitize-recover=all -I"$root/csrc" "${lib[@]}" "${support[@]}" \
     "$here/fuzz_compact.c" -lm -o "$out/fuzz_compact"
   echo "== fuzz: run for ${fuzz_seconds}s"

@@ -34,7 +34,7 @@ static imoe_status select_one(const void *scores, imoe_dtype dtype, int64_t elem
   imoe_view s = vec_view((void *)scores, n, dtype, elem);
   imoe_view idx = vec_view(indices, kept, IMOE_DTYPE_I64, 8);
   imoe_selection sel = {&s, NULL, c, p, w, nan};
-  return imoe_build_map(&sel, &idx, NULL, NULL, NULL);
+  return imoe_build_map(&sel, &idx, NULL, NULL, 0, NULL, NULL);
 }
 
 static int same_indices(const int64_t *got, const int64_t *want, int64_t n) {
@@ -428,7 +428,7 @@ static void test_nan_policies(void) {
   imoe_selection sel = {&sv, NULL, 4, 0, 0, IMOE_NAN_ERROR};
   imoe_error err;
   for (int i = 0; i < 4; i++) got[i] = -7;
-  CHECK(imoe_build_map(&sel, &iv, NULL, NULL, &err) == IMOE_ERR_NAN, "NaN error");
+  CHECK(imoe_build_map(&sel, &iv, NULL, NULL, 0, NULL, &err) == IMOE_ERR_NAN, "NaN error");
   CHECK(strstr(err.message, "scores") && strstr(err.message, "slot 1"), "NaN message: %s",
         err.message);
   CHECK(got[0] == -7 && got[3] == -7, "NaN error wrote the output");
@@ -436,7 +436,7 @@ static void test_nan_policies(void) {
   int64_t all[6];
   imoe_view iv6 = vec_view(all, 6, IMOE_DTYPE_I64, 8);
   sel.capacity = 6;
-  CHECK(imoe_build_map(&sel, &iv6, NULL, NULL, NULL) == IMOE_ERR_NAN, "NaN error, C = N");
+  CHECK(imoe_build_map(&sel, &iv6, NULL, NULL, 0, NULL, NULL) == IMOE_ERR_NAN, "NaN error, C = N");
   /* LOWEST: the NaNs go below -inf. Ranking 3, 0, 5, 2, then 1 and 4:
    * kept {0, 2, 3, 5}, hole 1 takes 5. */
   const int64_t want[4] = {0, 5, 2, 3};
@@ -461,14 +461,14 @@ static void test_move_mode(void) {
   imoe_view iv = vec_view(idx, 3, IMOE_DTYPE_I64, 8);
   imoe_selection sel = {&sv, NULL, 3, 0, 0, IMOE_NAN_ERROR};
   /* Kept {0, 4, 5}: holes 1, 2 take 4, 5. */
-  CHECK(imoe_compact(&dv, 1, &sel, &iv, NULL, IMOE_MODE_MOVE, NULL, NULL) == IMOE_OK, "move");
+  CHECK(imoe_compact(&dv, 1, &sel, &iv, NULL, IMOE_MODE_MOVE, NULL, 0, NULL, NULL) == IMOE_OK, "move");
   const uint8_t want[6] = {10, 14, 15, 13, 14, 15};
   CHECK(memcmp(data, want, 6) == 0, "move result %d %d %d %d %d %d", data[0], data[1], data[2],
         data[3], data[4], data[5]);
   CHECK(idx[0] == 0 && idx[1] == 4 && idx[2] == 5, "move indices");
   uint8_t swapped[6] = {10, 11, 12, 13, 14, 15};
   dv.data = swapped;
-  CHECK(imoe_compact(&dv, 1, &sel, &iv, NULL, IMOE_MODE_SWAP, NULL, NULL) == IMOE_OK, "swap");
+  CHECK(imoe_compact(&dv, 1, &sel, &iv, NULL, IMOE_MODE_SWAP, NULL, 0, NULL, NULL) == IMOE_OK, "swap");
   const uint8_t want_swap[6] = {10, 14, 15, 13, 11, 12};
   CHECK(memcmp(swapped, want_swap, 6) == 0, "swap result");
 }
@@ -500,10 +500,10 @@ static void test_idempotence(void) {
       imoe_selection sel = {&scores.view, NULL, c, p, 0, nan};
       imoe_exec exec = {IMOE_DEVICE_CPU, 0, 1 + trial % 2, NULL};
       imoe_error err;
-      imoe_status st = imoe_compact(buffers, 2, &sel, &idx.view, NULL, IMOE_MODE_SWAP, &exec, &err);
+      imoe_status st = imoe_compact(buffers, 2, &sel, &idx.view, NULL, IMOE_MODE_SWAP, NULL, 0, &exec, &err);
       CHECK(st == IMOE_OK, "idempotence first pass: %s", err.message);
       unsigned char *after_once = tensor_snapshot(&data), *scores_once = tensor_snapshot(&scores);
-      st = imoe_compact(buffers, 2, &sel, &idx.view, NULL, IMOE_MODE_SWAP, &exec, &err);
+      st = imoe_compact(buffers, 2, &sel, &idx.view, NULL, IMOE_MODE_SWAP, NULL, 0, &exec, &err);
       CHECK(st == IMOE_OK, "idempotence second pass: %s", err.message);
       int identity = 1;
       for (int64_t r = 0; r < 6; r++) {
@@ -544,8 +544,8 @@ static void test_empty_rows(void) {
   buf.n_stride = 4096;
   imoe_selection sel = {&s, NULL, 1000, 10, 10, IMOE_NAN_ERROR};
   imoe_error err;
-  CHECK(imoe_build_map(&sel, &idx, &tm, NULL, &err) == IMOE_OK, "R = 0 build_map: %s", err.message);
-  CHECK(imoe_compact(&buf, 1, &sel, &idx, &tm, IMOE_MODE_SWAP, NULL, &err) == IMOE_OK,
+  CHECK(imoe_build_map(&sel, &idx, &tm, NULL, 0, NULL, &err) == IMOE_OK, "R = 0 build_map: %s", err.message);
+  CHECK(imoe_compact(&buf, 1, &sel, &idx, &tm, IMOE_MODE_SWAP, NULL, 0, NULL, &err) == IMOE_OK,
         "R = 0 compact: %s", err.message);
   CHECK(imoe_apply_target_map(&buf, 1, &tm, IMOE_MODE_MOVE, NULL, &err) == IMOE_OK,
         "R = 0 apply: %s", err.message);

@@ -277,8 +277,7 @@ static void test_compact_ordered(uint64_t seed, int cases) {
     const imoe_exec exec = {IMOE_DEVICE_CPU, 0, (int32_t)rng_range(&rng, 1, 4), NULL};
     imoe_error err;
     memset(&err, 0, sizeof err);
-    const imoe_status st = imoe_compact_ordered(&buf.view, 1, &sel, order, &idx.view, NULL, mode,
-                                                NULL, 0, &exec, &err);
+    const imoe_status st = imoe_compact(&buf.view, 1, test_in_order(&sel, order, 0), &idx.view, NULL, mode, NULL, 0, &exec, &err);
     const int64_t rows = tensor_rows(&buf);
     double *s = malloc(sizeof *s * (size_t)(n + 1));
     int64_t *want = malloc(sizeof *want * (size_t)(n + 1));
@@ -321,7 +320,7 @@ static void test_compact_ordered(uint64_t seed, int cases) {
       }
       /* build_map_ordered writes the same indices. */
       imoe_status st2 =
-          imoe_build_map_ordered(&sel, order, n, &idx2.view, NULL, NULL, 0, &exec, &err);
+          imoe_build_map(test_in_order(&sel, order, n), &idx2.view, NULL, NULL, 0, &exec, &err);
       bad |= st2 != IMOE_OK;
       for (int64_t r = 0; r < rows && st2 == IMOE_OK; r++) {
         for (int64_t j = 0; j < kept; j++) {
@@ -332,9 +331,9 @@ static void test_compact_ordered(uint64_t seed, int cases) {
         /* apply_ordered on the original gives the same, restore undoes it. */
         unsigned char *after = tensor_snapshot(&buf);
         memcpy(buf.alloc, before, buf.bytes);
-        st2 = imoe_apply_ordered(&buf.view, 1, &idx.view, IMOE_MODE_SWAP, NULL, 0, &exec, &err);
+        st2 = imoe_apply_indices(&buf.view, 1, &idx.view, IMOE_ORDER_STABLE, IMOE_MODE_SWAP, NULL, 0, &exec, &err);
         bad |= st2 != IMOE_OK || !tensor_same(&buf, after);
-        st2 = imoe_restore_ordered(&buf.view, 1, &idx.view, NULL, 0, &exec, &err);
+        st2 = imoe_restore(&buf.view, 1, &idx.view, IMOE_ORDER_STABLE, NULL, 0, &exec, &err);
         bad |= st2 != IMOE_OK || !tensor_same(&buf, before);
         free(after);
       }
@@ -378,30 +377,24 @@ static void test_ordered_arguments(void) {
   const imoe_selection sel = {&sc.view, NULL, 3, 0, 0, IMOE_NAN_ERROR};
   const imoe_selection asel = {NULL, &act.view, 3, 0, 0, IMOE_NAN_ERROR};
   imoe_error err;
-  imoe_status st = imoe_compact_ordered(&buf.view, 1, &asel, IMOE_ORDER_SCORE, &idx.view, NULL,
-                                        IMOE_MODE_SWAP, NULL, 0, NULL, &err);
-  CHECK(st == IMOE_ERR_ARGUMENT && strstr(err.message, "SCORE") != NULL, "score + active: %s",
+  imoe_status st = imoe_compact(&buf.view, 1, test_in_order(&asel, IMOE_ORDER_SCORE, 0), &idx.view, NULL, IMOE_MODE_SWAP, NULL, 0, NULL, &err);
+  CHECK(st == IMOE_ERR_ARGUMENT && strstr(err.message, "'score'") != NULL, "score + active: %s",
         err.message);
-  st = imoe_compact_ordered(&buf.view, 1, &sel, IMOE_ORDER_STABLE, &idx.view, &tm.view,
-                            IMOE_MODE_SWAP, NULL, 0, NULL, &err);
+  st = imoe_compact(&buf.view, 1, test_in_order(&sel, IMOE_ORDER_STABLE, 0), &idx.view, &tm.view, IMOE_MODE_SWAP, NULL, 0, NULL, &err);
   CHECK(st == IMOE_ERR_ARGUMENT && strstr(err.message, "target") != NULL, "stable + map: %s",
         err.message);
-  st = imoe_compact_ordered(&buf.view, 1, &sel, (imoe_order)7, &idx.view, NULL, IMOE_MODE_SWAP,
-                            NULL, 0, NULL, &err);
+  st = imoe_compact(&buf.view, 1, test_in_order(&sel, (imoe_order)7, 0), &idx.view, NULL, IMOE_MODE_SWAP, NULL, 0, NULL, &err);
   CHECK(st == IMOE_ERR_ARGUMENT, "order 7: %d", (int)st);
   int32_t ws[15];
-  st = imoe_compact_ordered(&buf.view, 1, &sel, IMOE_ORDER_STABLE, &idx.view, NULL,
-                            IMOE_MODE_SWAP, ws, 15, NULL, &err);
+  st = imoe_compact(&buf.view, 1, test_in_order(&sel, IMOE_ORDER_STABLE, 0), &idx.view, NULL, IMOE_MODE_SWAP, ws, 15, NULL, &err);
   CHECK(st == IMOE_ERR_ARGUMENT, "short workspace: %d", (int)st);
   const imoe_exec cuda = {IMOE_DEVICE_CUDA, 0, 0, NULL};
-  st = imoe_compact_ordered(&buf.view, 1, &sel, IMOE_ORDER_SCORE, &idx.view, NULL, IMOE_MODE_SWAP,
-                            NULL, 0, &cuda, &err);
+  st = imoe_compact(&buf.view, 1, test_in_order(&sel, IMOE_ORDER_SCORE, 0), &idx.view, NULL, IMOE_MODE_SWAP, NULL, 0, &cuda, &err);
   CHECK(st == IMOE_ERR_UNSUPPORTED, "CUDA: %d", (int)st);
   CHECK(tensor_same(&buf, snap), "failed calls leave the buffer");
   /* Active indices, stable: the listed slots ascending; caller workspace. */
   int32_t ws16[16];
-  st = imoe_compact_ordered(&buf.view, 1, &asel, IMOE_ORDER_STABLE, &idx.view, NULL,
-                            IMOE_MODE_SWAP, ws16, 16, NULL, &err);
+  st = imoe_compact(&buf.view, 1, test_in_order(&asel, IMOE_ORDER_STABLE, 0), &idx.view, NULL, IMOE_MODE_SWAP, ws16, 16, NULL, &err);
   CHECK(st == IMOE_OK, "active stable: %s", err.message);
   for (int64_t r = 0; r < 2; r++) {
     int64_t got[3];
@@ -409,14 +402,13 @@ static void test_ordered_arguments(void) {
     CHECK(got[0] == 1 && got[1] == 4 && got[2] == 6, "active stable row %lld", (long long)r);
   }
   /* build_map_ordered with active indices needs only n. */
-  st = imoe_build_map_ordered(&asel, IMOE_ORDER_STABLE, 8, &idx.view, NULL, NULL, 0, NULL, &err);
+  st = imoe_build_map(test_in_order(&asel, IMOE_ORDER_STABLE, 8), &idx.view, NULL, NULL, 0, NULL, &err);
   CHECK(st == IMOE_OK, "build_map_ordered active: %s", err.message);
-  st = imoe_build_map_ordered(&asel, IMOE_ORDER_STABLE, 5, &idx.view, NULL, NULL, 0, NULL, &err);
+  st = imoe_build_map(test_in_order(&asel, IMOE_ORDER_STABLE, 5), &idx.view, NULL, NULL, 0, NULL, &err);
   CHECK(st == IMOE_ERR_INDEX_RANGE, "active index 6 with n 5: %d", (int)st);
-  st = imoe_build_map_ordered(&sel, IMOE_ORDER_SCORE, 9, &idx.view, NULL, NULL, 0, NULL, &err);
+  st = imoe_build_map(test_in_order(&sel, IMOE_ORDER_SCORE, 9), &idx.view, NULL, NULL, 0, NULL, &err);
   CHECK(st == IMOE_ERR_ARGUMENT, "n differs from the scores: %d", (int)st);
-  st = imoe_build_map_ordered(&sel, IMOE_ORDER_INPLACE, 8, &idx.view, &tm.view, NULL, 0, NULL,
-                              &err);
+  st = imoe_build_map(test_in_order(&sel, IMOE_ORDER_INPLACE, 8), &idx.view, &tm.view, NULL, 0, NULL, &err);
   CHECK(st == IMOE_OK, "build_map_ordered inplace: %s", err.message);
   free(snap);
   tensor_free(&buf);

@@ -85,7 +85,7 @@ static void world_init(world *w) {
   w->active = (imoe_selection){NULL, &w->t[W_ACTIVE].view, C, 0, 0, IMOE_NAN_ERROR};
   w->exec = (imoe_exec){IMOE_DEVICE_CPU, 0, 2, NULL};
   /* Valid caller maps to break one entry at a time. */
-  imoe_status st = imoe_build_map(&w->sel, &w->t[W_IDX_IN].view, &w->t[W_TM_IN].view, NULL, NULL);
+  imoe_status st = imoe_build_map(&w->sel, &w->t[W_IDX_IN].view, &w->t[W_TM_IN].view, NULL, 0, NULL, NULL);
   CHECK(st == IMOE_OK, "world: build_map of the valid maps");
   for (int i = 0; i < W_COUNT; i++) w->snap[i] = tensor_snapshot(&w->t[i]);
 }
@@ -130,151 +130,154 @@ static void build_map_paths(void) {
   imoe_view v, v2;
   imoe_exec ex;
 
-  EXPECT("sel NULL", imoe_build_map(NULL, idx, tm, NULL, err), IMOE_ERR_ARGUMENT, "sel");
+  EXPECT("sel NULL", imoe_build_map(NULL, idx, tm, NULL, 0, NULL, err), IMOE_ERR_ARGUMENT, "sel");
   sel = w.sel, sel.active = w.active.active;
-  EXPECT("both selections", imoe_build_map(&sel, idx, tm, NULL, err), IMOE_ERR_ARGUMENT,
+  EXPECT("both selections", imoe_build_map(&sel, idx, tm, NULL, 0, NULL, err), IMOE_ERR_ARGUMENT,
          "exactly one");
   sel = w.sel, sel.scores = NULL;
-  EXPECT("no selection", imoe_build_map(&sel, idx, tm, NULL, err), IMOE_ERR_ARGUMENT,
+  EXPECT("no selection", imoe_build_map(&sel, idx, tm, NULL, 0, NULL, err), IMOE_ERR_ARGUMENT,
          "exactly one");
-  EXPECT("no outputs", imoe_build_map(&w.sel, NULL, NULL, NULL, err), IMOE_ERR_ARGUMENT,
+  EXPECT("no outputs", imoe_build_map(&w.sel, NULL, NULL, NULL, 0, NULL, err), IMOE_ERR_ARGUMENT,
          "out_indices");
-  EXPECT("active without target map", imoe_build_map(&w.active, idx, NULL, NULL, err),
-         IMOE_ERR_ARGUMENT, "out_target_map");
+  EXPECT("active without target map or num_slots",
+         imoe_build_map(&w.active, idx, NULL, NULL, 0, NULL, err), IMOE_ERR_ARGUMENT, "num_slots");
+  sel = w.active, sel.num_slots = 7;
+  EXPECT("num_slots against the target map", imoe_build_map(&sel, idx, tm, NULL, 0, NULL, err),
+         IMOE_ERR_ARGUMENT, "num_slots");
   sel = w.sel, sel.capacity = -1;
-  EXPECT("negative capacity", imoe_build_map(&sel, NULL, tm, NULL, err), IMOE_ERR_ARGUMENT,
+  EXPECT("negative capacity", imoe_build_map(&sel, NULL, tm, NULL, 0, NULL, err), IMOE_ERR_ARGUMENT,
          "capacity");
   sel = w.sel, sel.protected_prefix = -1;
-  EXPECT("negative prefix", imoe_build_map(&sel, idx, tm, NULL, err), IMOE_ERR_ARGUMENT,
+  EXPECT("negative prefix", imoe_build_map(&sel, idx, tm, NULL, 0, NULL, err), IMOE_ERR_ARGUMENT,
          "protected_prefix");
   sel = w.sel, sel.recent_window = -2;
-  EXPECT("negative window", imoe_build_map(&sel, idx, tm, NULL, err), IMOE_ERR_ARGUMENT,
+  EXPECT("negative window", imoe_build_map(&sel, idx, tm, NULL, 0, NULL, err), IMOE_ERR_ARGUMENT,
          "recent_window");
   sel = w.sel, sel.protected_prefix = 2, sel.recent_window = 3;
-  EXPECT("P + W > C", imoe_build_map(&sel, idx, tm, NULL, err), IMOE_ERR_ARGUMENT, "capacity");
+  EXPECT("P + W > C", imoe_build_map(&sel, idx, tm, NULL, 0, NULL, err), IMOE_ERR_ARGUMENT, "capacity");
   sel = w.sel, sel.nan_policy = (imoe_nan_policy)5;
-  EXPECT("bad nan policy", imoe_build_map(&sel, idx, tm, NULL, err), IMOE_ERR_ARGUMENT,
+  EXPECT("bad nan policy", imoe_build_map(&sel, idx, tm, NULL, 0, NULL, err), IMOE_ERR_ARGUMENT,
          "nan_policy");
 
   sel = w.sel, v = *w.sel.scores, sel.scores = &v;
   v.dtype = IMOE_DTYPE_I32;
-  EXPECT("I32 scores", imoe_build_map(&sel, idx, tm, NULL, err), IMOE_ERR_DTYPE, "scores");
+  EXPECT("I32 scores", imoe_build_map(&sel, idx, tm, NULL, 0, NULL, err), IMOE_ERR_DTYPE, "scores");
   v = *w.sel.scores, v.dtype = IMOE_DTYPE_BYTES, v.row_bytes = 1, v.n_stride = 1;
-  EXPECT("BYTES scores", imoe_build_map(&sel, idx, tm, NULL, err), IMOE_ERR_DTYPE, "scores");
+  EXPECT("BYTES scores", imoe_build_map(&sel, idx, tm, NULL, 0, NULL, err), IMOE_ERR_DTYPE, "scores");
   v = *w.sel.scores, v.dtype = (imoe_dtype)42;
-  EXPECT("dtype 42", imoe_build_map(&sel, idx, tm, NULL, err), IMOE_ERR_DTYPE, "scores");
+  EXPECT("dtype 42", imoe_build_map(&sel, idx, tm, NULL, 0, NULL, err), IMOE_ERR_DTYPE, "scores");
   v = *w.sel.scores, v.row_bytes = 2;
-  EXPECT("row_bytes != element size", imoe_build_map(&sel, idx, tm, NULL, err), IMOE_ERR_ARGUMENT,
+  EXPECT("row_bytes != element size", imoe_build_map(&sel, idx, tm, NULL, 0, NULL, err), IMOE_ERR_ARGUMENT,
          "scores");
   v = *w.sel.scores, v.row_bytes = 0;
-  EXPECT("row_bytes 0", imoe_build_map(&sel, idx, tm, NULL, err), IMOE_ERR_ARGUMENT, "scores");
+  EXPECT("row_bytes 0", imoe_build_map(&sel, idx, tm, NULL, 0, NULL, err), IMOE_ERR_ARGUMENT, "scores");
   v = *w.sel.scores, v.lead_shape[1] = 4;
-  EXPECT("scores lead shape", imoe_build_map(&sel, idx, tm, NULL, err), IMOE_ERR_ARGUMENT,
+  EXPECT("scores lead shape", imoe_build_map(&sel, idx, tm, NULL, 0, NULL, err), IMOE_ERR_ARGUMENT,
          "scores");
   v = *w.sel.scores, v.lead_ndim = 9;
-  EXPECT("lead_ndim 9", imoe_build_map(&sel, idx, tm, NULL, err), IMOE_ERR_ARGUMENT, "lead_ndim");
+  EXPECT("lead_ndim 9", imoe_build_map(&sel, idx, tm, NULL, 0, NULL, err), IMOE_ERR_ARGUMENT, "lead_ndim");
   v = *w.sel.scores, v.lead_ndim = -1;
-  EXPECT("lead_ndim -1", imoe_build_map(&sel, idx, tm, NULL, err), IMOE_ERR_ARGUMENT, "lead_ndim");
+  EXPECT("lead_ndim -1", imoe_build_map(&sel, idx, tm, NULL, 0, NULL, err), IMOE_ERR_ARGUMENT, "lead_ndim");
   v = *w.sel.scores, v.lead_shape[0] = -2;
-  EXPECT("negative lead shape", imoe_build_map(&sel, idx, tm, NULL, err), IMOE_ERR_ARGUMENT,
+  EXPECT("negative lead shape", imoe_build_map(&sel, idx, tm, NULL, 0, NULL, err), IMOE_ERR_ARGUMENT,
          "lead_shape");
   v = *w.sel.scores, v.n = -1;
-  EXPECT("negative n", imoe_build_map(&sel, idx, tm, NULL, err), IMOE_ERR_ARGUMENT,
+  EXPECT("negative n", imoe_build_map(&sel, idx, tm, NULL, 0, NULL, err), IMOE_ERR_ARGUMENT,
          "n is negative");
   v = *w.sel.scores, v.n = 11;
-  EXPECT("scores n vs target map", imoe_build_map(&sel, idx, tm, NULL, err), IMOE_ERR_ARGUMENT,
+  EXPECT("scores n vs target map", imoe_build_map(&sel, idx, tm, NULL, 0, NULL, err), IMOE_ERR_ARGUMENT,
          "out_target_map");
   v = *w.sel.scores, v.n = (int64_t)INT32_MAX + 1;
-  EXPECT("n above the slot limit", imoe_build_map(&sel, idx, tm, NULL, err), IMOE_ERR_ARGUMENT,
+  EXPECT("n above the slot limit", imoe_build_map(&sel, idx, tm, NULL, 0, NULL, err), IMOE_ERR_ARGUMENT,
          "exceeds");
   v = *w.sel.scores, v.data = NULL;
-  EXPECT("NULL data", imoe_build_map(&sel, idx, tm, NULL, err), IMOE_ERR_ARGUMENT, "NULL");
+  EXPECT("NULL data", imoe_build_map(&sel, idx, tm, NULL, 0, NULL, err), IMOE_ERR_ARGUMENT, "NULL");
   v = *w.sel.scores, v.n_stride = INT64_MAX / 4;
-  EXPECT("stride overflow", imoe_build_map(&sel, idx, tm, NULL, err), IMOE_ERR_ARGUMENT,
+  EXPECT("stride overflow", imoe_build_map(&sel, idx, tm, NULL, 0, NULL, err), IMOE_ERR_ARGUMENT,
          "overflow");
   v = *w.sel.scores, v.lead_stride[0] = INT64_MIN;
-  EXPECT("INT64_MIN stride", imoe_build_map(&sel, idx, tm, NULL, err), IMOE_ERR_ARGUMENT,
+  EXPECT("INT64_MIN stride", imoe_build_map(&sel, idx, tm, NULL, 0, NULL, err), IMOE_ERR_ARGUMENT,
          "overflow");
 
   v = *idx, v.dtype = IMOE_DTYPE_F32;
-  EXPECT("F32 out_indices", imoe_build_map(&w.sel, &v, tm, NULL, err), IMOE_ERR_DTYPE,
+  EXPECT("F32 out_indices", imoe_build_map(&w.sel, &v, tm, NULL, 0, NULL, err), IMOE_ERR_DTYPE,
          "out_indices");
   v = *idx, v.n = 5;
-  EXPECT("out_indices n != C'", imoe_build_map(&w.sel, &v, tm, NULL, err), IMOE_ERR_ARGUMENT,
+  EXPECT("out_indices n != C'", imoe_build_map(&w.sel, &v, tm, NULL, 0, NULL, err), IMOE_ERR_ARGUMENT,
          "out_indices");
   v = *idx, v.lead_shape[0] = 3, v.lead_shape[1] = 2;
-  EXPECT("out_indices lead shape", imoe_build_map(&w.sel, &v, tm, NULL, err), IMOE_ERR_ARGUMENT,
+  EXPECT("out_indices lead shape", imoe_build_map(&w.sel, &v, tm, NULL, 0, NULL, err), IMOE_ERR_ARGUMENT,
          "lead shape");
   v = *idx, v.n_stride = 0;
-  EXPECT("overlapping out_indices", imoe_build_map(&w.sel, &v, tm, NULL, err), IMOE_ERR_ARGUMENT,
+  EXPECT("overlapping out_indices", imoe_build_map(&w.sel, &v, tm, NULL, 0, NULL, err), IMOE_ERR_ARGUMENT,
          "overlap");
   v = *idx, v.lead_stride[1] = 0;
-  EXPECT("broadcast out_indices", imoe_build_map(&w.sel, &v, tm, NULL, err), IMOE_ERR_ARGUMENT,
+  EXPECT("broadcast out_indices", imoe_build_map(&w.sel, &v, tm, NULL, 0, NULL, err), IMOE_ERR_ARGUMENT,
          "broadcast");
   v2 = *tm, v2.dtype = IMOE_DTYPE_I64, v2.row_bytes = 8, v2.n_stride = 8;
-  EXPECT("I64 target map output", imoe_build_map(&w.sel, idx, &v2, NULL, err), IMOE_ERR_DTYPE,
+  EXPECT("I64 target map output", imoe_build_map(&w.sel, idx, &v2, NULL, 0, NULL, err), IMOE_ERR_DTYPE,
          "out_target_map");
   v2 = *tm, v2.n = 9;
-  EXPECT("target map n != N", imoe_build_map(&w.sel, idx, &v2, NULL, err), IMOE_ERR_ARGUMENT,
+  EXPECT("target map n != N", imoe_build_map(&w.sel, idx, &v2, NULL, 0, NULL, err), IMOE_ERR_ARGUMENT,
          "out_target_map");
 
   if (!imoe_cuda_compiled()) {
     ex = w.exec, ex.device = IMOE_DEVICE_CUDA;
-    EXPECT("CUDA exec", imoe_build_map(&w.sel, idx, tm, &ex, err), IMOE_ERR_UNSUPPORTED,
+    EXPECT("CUDA exec", imoe_build_map(&w.sel, idx, tm, NULL, 0, &ex, err), IMOE_ERR_UNSUPPORTED,
            "no CUDA support");
   }
   ex = w.exec, ex.device = (imoe_device_type)7;
-  EXPECT("bad device", imoe_build_map(&w.sel, idx, tm, &ex, err), IMOE_ERR_ARGUMENT, "exec");
+  EXPECT("bad device", imoe_build_map(&w.sel, idx, tm, NULL, 0, &ex, err), IMOE_ERR_ARGUMENT, "exec");
 
   /* Data errors in the last row. */
   float saved;
   memcpy(&saved, tensor_at(&w.t[W_SCORES], LAST_ROW, 9), 4);
   set_score(&w, LAST_ROW, 9, NAN);
-  EXPECT("NaN, last row", imoe_build_map(&w.sel, idx, tm, &w.exec, err), IMOE_ERR_NAN,
+  EXPECT("NaN, last row", imoe_build_map(&w.sel, idx, tm, NULL, 0, &w.exec, err), IMOE_ERR_NAN,
          "row 5, slot 9");
-  EXPECT("NaN, one thread", imoe_build_map(&w.sel, idx, tm, NULL, err), IMOE_ERR_NAN,
+  EXPECT("NaN, one thread", imoe_build_map(&w.sel, idx, tm, NULL, 0, NULL, err), IMOE_ERR_NAN,
          "row 5, slot 9");
   set_score(&w, LAST_ROW, 9, saved);
 
   tensor *act = &w.t[W_ACTIVE];
   const int64_t keep = get64(act, LAST_ROW, 2);
   set_entry(&w, W_ACTIVE, LAST_ROW, 2, N);
-  EXPECT("active out of range", imoe_build_map(&w.active, idx, tm, &w.exec, err),
+  EXPECT("active out of range", imoe_build_map(&w.active, idx, tm, NULL, 0, &w.exec, err),
          IMOE_ERR_INDEX_RANGE, "row 5, position 2");
   set_entry(&w, W_ACTIVE, LAST_ROW, 2, -1);
-  EXPECT("active negative", imoe_build_map(&w.active, idx, tm, &w.exec, err), IMOE_ERR_INDEX_RANGE,
+  EXPECT("active negative", imoe_build_map(&w.active, idx, tm, NULL, 0, &w.exec, err), IMOE_ERR_INDEX_RANGE,
          "row 5");
   set_entry(&w, W_ACTIVE, LAST_ROW, 2, get64(act, LAST_ROW, 0));
-  EXPECT("active duplicate", imoe_build_map(&w.active, idx, tm, &w.exec, err),
+  EXPECT("active duplicate", imoe_build_map(&w.active, idx, tm, NULL, 0, &w.exec, err),
          IMOE_ERR_INDEX_DUPLICATE, "row 5, position 2");
   set_entry(&w, W_ACTIVE, LAST_ROW, 2, keep);
 
   sel = w.active, sel.capacity = 3;
   v = *idx, v.n = 3;
-  EXPECT("K != capacity", imoe_build_map(&sel, &v, tm, NULL, err), IMOE_ERR_ARGUMENT, "active");
+  EXPECT("K != capacity", imoe_build_map(&sel, &v, tm, NULL, 0, NULL, err), IMOE_ERR_ARGUMENT, "active");
   sel = w.active, sel.protected_prefix = 1;
-  EXPECT("active with P", imoe_build_map(&sel, idx, tm, NULL, err), IMOE_ERR_ARGUMENT, "active");
+  EXPECT("active with P", imoe_build_map(&sel, idx, tm, NULL, 0, NULL, err), IMOE_ERR_ARGUMENT, "active");
   sel = w.active, v = *w.active.active, sel.active = &v;
   v.dtype = IMOE_DTYPE_F32, v.row_bytes = 4;
-  EXPECT("F32 active", imoe_build_map(&sel, idx, tm, NULL, err), IMOE_ERR_DTYPE, "active");
+  EXPECT("F32 active", imoe_build_map(&sel, idx, tm, NULL, 0, NULL, err), IMOE_ERR_DTYPE, "active");
   v = *w.active.active, v.lead_shape[1] = 2;
-  EXPECT("active lead shape", imoe_build_map(&sel, idx, tm, NULL, err), IMOE_ERR_ARGUMENT,
+  EXPECT("active lead shape", imoe_build_map(&sel, idx, tm, NULL, 0, NULL, err), IMOE_ERR_ARGUMENT,
          "active");
   /* Shared [K] form: row 0 of the active tensor read as a 1-D view. */
   v = *w.active.active, v.lead_ndim = 0, v.data = tensor_at(act, LAST_ROW, 0);
   set_entry(&w, W_ACTIVE, LAST_ROW, 1, 77);
-  EXPECT("shared active out of range", imoe_build_map(&sel, idx, tm, NULL, err),
+  EXPECT("shared active out of range", imoe_build_map(&sel, idx, tm, NULL, 0, NULL, err),
          IMOE_ERR_INDEX_RANGE, "row 0, position 1");
   set_entry(&w, W_ACTIVE, LAST_ROW, 1, get64(act, LAST_ROW, 3));
-  EXPECT("shared active duplicate", imoe_build_map(&sel, idx, tm, NULL, err),
+  EXPECT("shared active duplicate", imoe_build_map(&sel, idx, tm, NULL, 0, NULL, err),
          IMOE_ERR_INDEX_DUPLICATE, "position 3");
   set_entry(&w, W_ACTIVE, LAST_ROW, 1, 8); /* back to (5 + 3) % 10 */
 
   /* The fixture itself is valid. */
   imoe_error e;
-  CHECK(imoe_build_map(&w.sel, idx, tm, &w.exec, &e) == IMOE_OK, "valid build_map: %s", e.message);
-  CHECK(imoe_build_map(&w.active, NULL, tm, &w.exec, &e) == IMOE_OK, "valid active: %s", e.message);
-  CHECK(imoe_build_map(&sel, idx, tm, NULL, &e) == IMOE_OK, "valid shared active: %s", e.message);
+  CHECK(imoe_build_map(&w.sel, idx, tm, NULL, 0, &w.exec, &e) == IMOE_OK, "valid build_map: %s", e.message);
+  CHECK(imoe_build_map(&w.active, NULL, tm, NULL, 0, &w.exec, &e) == IMOE_OK, "valid active: %s", e.message);
+  CHECK(imoe_build_map(&sel, idx, tm, NULL, 0, NULL, &e) == IMOE_OK, "valid shared active: %s", e.message);
   world_free(&w);
 }
 
@@ -287,44 +290,44 @@ static void compact_paths(void) {
   imoe_selection sel;
   for (int i = 0; i < 65; i++) b[i] = w.buffers[i % 2];
 
-  EXPECT("buffers NULL", imoe_compact(NULL, 2, &w.sel, idx, tm, IMOE_MODE_SWAP, NULL, err),
+  EXPECT("buffers NULL", imoe_compact(NULL, 2, &w.sel, idx, tm, IMOE_MODE_SWAP, NULL, 0, NULL, err),
          IMOE_ERR_ARGUMENT, "buffers");
-  EXPECT("0 buffers", imoe_compact(w.buffers, 0, &w.sel, idx, tm, IMOE_MODE_SWAP, NULL, err),
+  EXPECT("0 buffers", imoe_compact(w.buffers, 0, &w.sel, idx, tm, IMOE_MODE_SWAP, NULL, 0, NULL, err),
          IMOE_ERR_ARGUMENT, "num_buffers");
-  EXPECT("-1 buffers", imoe_compact(w.buffers, -1, &w.sel, idx, tm, IMOE_MODE_SWAP, NULL, err),
+  EXPECT("-1 buffers", imoe_compact(w.buffers, -1, &w.sel, idx, tm, IMOE_MODE_SWAP, NULL, 0, NULL, err),
          IMOE_ERR_ARGUMENT, "num_buffers");
-  EXPECT("65 buffers", imoe_compact(b, 65, &w.sel, idx, tm, IMOE_MODE_SWAP, NULL, err),
+  EXPECT("65 buffers", imoe_compact(b, 65, &w.sel, idx, tm, IMOE_MODE_SWAP, NULL, 0, NULL, err),
          IMOE_ERR_ARGUMENT, "num_buffers");
   b[0] = w.buffers[0], b[1] = w.buffers[1], b[1].row_bytes = 0;
-  EXPECT("buffer row_bytes 0", imoe_compact(b, 2, &w.sel, idx, tm, IMOE_MODE_SWAP, NULL, err),
+  EXPECT("buffer row_bytes 0", imoe_compact(b, 2, &w.sel, idx, tm, IMOE_MODE_SWAP, NULL, 0, NULL, err),
          IMOE_ERR_ARGUMENT, "buffers[1]");
   b[1] = w.buffers[1], b[1].n = 9;
-  EXPECT("buffer n", imoe_compact(b, 2, &w.sel, idx, tm, IMOE_MODE_SWAP, NULL, err),
+  EXPECT("buffer n", imoe_compact(b, 2, &w.sel, idx, tm, IMOE_MODE_SWAP, NULL, 0, NULL, err),
          IMOE_ERR_ARGUMENT, "buffers[1]");
   b[1] = w.buffers[1], b[1].lead_shape[1] = 1;
-  EXPECT("buffer lead", imoe_compact(b, 2, &w.sel, idx, tm, IMOE_MODE_SWAP, NULL, err),
+  EXPECT("buffer lead", imoe_compact(b, 2, &w.sel, idx, tm, IMOE_MODE_SWAP, NULL, 0, NULL, err),
          IMOE_ERR_ARGUMENT, "buffers[1]");
   b[1] = w.buffers[1], b[1].dtype = (imoe_dtype)42;
-  EXPECT("buffer dtype 42", imoe_compact(b, 2, &w.sel, idx, tm, IMOE_MODE_SWAP, NULL, err),
+  EXPECT("buffer dtype 42", imoe_compact(b, 2, &w.sel, idx, tm, IMOE_MODE_SWAP, NULL, 0, NULL, err),
          IMOE_ERR_DTYPE, "buffers[1]");
   b[1] = w.buffers[1], b[1].n_stride = -2;
-  EXPECT("overlapping slots", imoe_compact(b, 2, &w.sel, idx, tm, IMOE_MODE_SWAP, NULL, err),
+  EXPECT("overlapping slots", imoe_compact(b, 2, &w.sel, idx, tm, IMOE_MODE_SWAP, NULL, 0, NULL, err),
          IMOE_ERR_ARGUMENT, "buffers[1]");
   EXPECT("out_indices NULL",
-         imoe_compact(w.buffers, 2, &w.sel, NULL, tm, IMOE_MODE_SWAP, NULL, err), IMOE_ERR_ARGUMENT,
+         imoe_compact(w.buffers, 2, &w.sel, NULL, tm, IMOE_MODE_SWAP, NULL, 0, NULL, err), IMOE_ERR_ARGUMENT,
          "out_indices");
-  EXPECT("bad mode", imoe_compact(w.buffers, 2, &w.sel, idx, tm, (imoe_mode)2, NULL, err),
+  EXPECT("bad mode", imoe_compact(w.buffers, 2, &w.sel, idx, tm, (imoe_mode)2, NULL, 0, NULL, err),
          IMOE_ERR_ARGUMENT, "mode");
   sel = w.sel, v = *w.sel.scores, sel.scores = &v, v.n = 9;
-  EXPECT("scores n != N", imoe_compact(w.buffers, 2, &sel, idx, tm, IMOE_MODE_SWAP, NULL, err),
+  EXPECT("scores n != N", imoe_compact(w.buffers, 2, &sel, idx, tm, IMOE_MODE_SWAP, NULL, 0, NULL, err),
          IMOE_ERR_ARGUMENT, "scores");
   if (!imoe_cuda_compiled()) {
     imoe_exec ex = w.exec;
     ex.device = IMOE_DEVICE_CUDA;
-    EXPECT("CUDA compact", imoe_compact(w.buffers, 2, &w.sel, idx, tm, IMOE_MODE_SWAP, &ex, err),
+    EXPECT("CUDA compact", imoe_compact(w.buffers, 2, &w.sel, idx, tm, IMOE_MODE_SWAP, NULL, 0, &ex, err),
            IMOE_ERR_UNSUPPORTED, "CUDA");
   }
-  CHECK(imoe_compact(w.buffers, 2, &w.sel, NULL, NULL, IMOE_MODE_SWAP, NULL, NULL) ==
+  CHECK(imoe_compact(w.buffers, 2, &w.sel, NULL, NULL, IMOE_MODE_SWAP, NULL, 0, NULL, NULL) ==
             IMOE_ERR_ARGUMENT,
         "err NULL");
 
@@ -333,7 +336,7 @@ static void compact_paths(void) {
   set_score(&w, LAST_ROW, 0, NAN);
   for (int mode = 0; mode < 2; mode++) {
     EXPECT("NaN in compact",
-           imoe_compact(w.buffers, 2, &w.sel, idx, tm, (imoe_mode)mode, &w.exec, err), IMOE_ERR_NAN,
+           imoe_compact(w.buffers, 2, &w.sel, idx, tm, (imoe_mode)mode, NULL, 0, &w.exec, err), IMOE_ERR_NAN,
            "row 5, slot 0");
   }
   set_score(&w, LAST_ROW, 0, saved);
@@ -342,7 +345,7 @@ static void compact_paths(void) {
   const int64_t keep = get64(act, LAST_ROW, 3);
   set_entry(&w, W_ACTIVE, LAST_ROW, 3, get64(act, LAST_ROW, 1));
   EXPECT("duplicate in compact",
-         imoe_compact(w.buffers, 2, &w.active, idx, tm, IMOE_MODE_SWAP, &w.exec, err),
+         imoe_compact(w.buffers, 2, &w.active, idx, tm, IMOE_MODE_SWAP, NULL, 0, &w.exec, err),
          IMOE_ERR_INDEX_DUPLICATE, "row 5, position 3");
   set_entry(&w, W_ACTIVE, LAST_ROW, 3, keep);
   world_free(&w);
@@ -368,42 +371,42 @@ static void apply_paths(void) {
   const int64_t was = get64(idx_in, LAST_ROW, hole);
   set_entry(&w, W_IDX_IN, LAST_ROW, hole, N);
   EXPECT("indices out of range",
-         imoe_apply_indices(w.buffers, 2, &idx_in->view, IMOE_MODE_SWAP, &w.exec, err),
+         imoe_apply_indices(w.buffers, 2, &idx_in->view, IMOE_ORDER_INPLACE, IMOE_MODE_SWAP, NULL, 0, &w.exec, err),
          IMOE_ERR_INDEX_RANGE, "indices: row 5");
   set_entry(&w, W_IDX_IN, LAST_ROW, hole, -3);
   EXPECT("indices negative",
-         imoe_apply_indices(w.buffers, 2, &idx_in->view, IMOE_MODE_MOVE, &w.exec, err),
+         imoe_apply_indices(w.buffers, 2, &idx_in->view, IMOE_ORDER_INPLACE, IMOE_MODE_MOVE, NULL, 0, &w.exec, err),
          IMOE_ERR_INDEX_RANGE, "row 5");
   set_entry(&w, W_IDX_IN, LAST_ROW, hole, fixed);
   EXPECT("indices below C'",
-         imoe_apply_indices(w.buffers, 2, &idx_in->view, IMOE_MODE_SWAP, &w.exec, err),
+         imoe_apply_indices(w.buffers, 2, &idx_in->view, IMOE_ORDER_INPLACE, IMOE_MODE_SWAP, NULL, 0, &w.exec, err),
          IMOE_ERR_BAD_MAP, "row 5");
   set_entry(&w, W_IDX_IN, LAST_ROW, hole, was);
   set_entry(&w, W_IDX_IN, LAST_ROW, fixed, was);
-  EXPECT("indices duplicate tail", imoe_restore(w.buffers, 2, &idx_in->view, &w.exec, err),
+  EXPECT("indices duplicate tail", imoe_restore(w.buffers, 2, &idx_in->view, IMOE_ORDER_INPLACE, NULL, 0, &w.exec, err),
          IMOE_ERR_BAD_MAP, "row 5");
   set_entry(&w, W_IDX_IN, LAST_ROW, fixed, fixed);
 
   v = idx_in->view, v.n = N + 1;
-  EXPECT("indices n > N", imoe_apply_indices(w.buffers, 2, &v, IMOE_MODE_SWAP, NULL, err),
+  EXPECT("indices n > N", imoe_apply_indices(w.buffers, 2, &v, IMOE_ORDER_INPLACE, IMOE_MODE_SWAP, NULL, 0, NULL, err),
          IMOE_ERR_ARGUMENT, "indices");
   v = idx_in->view, v.dtype = IMOE_DTYPE_F32, v.row_bytes = 4;
-  EXPECT("F32 indices", imoe_apply_indices(w.buffers, 2, &v, IMOE_MODE_SWAP, NULL, err),
+  EXPECT("F32 indices", imoe_apply_indices(w.buffers, 2, &v, IMOE_ORDER_INPLACE, IMOE_MODE_SWAP, NULL, 0, NULL, err),
          IMOE_ERR_DTYPE, "indices");
   v = idx_in->view, v.lead_ndim = 1;
-  EXPECT("indices lead", imoe_apply_indices(w.buffers, 2, &v, IMOE_MODE_SWAP, NULL, err),
+  EXPECT("indices lead", imoe_apply_indices(w.buffers, 2, &v, IMOE_ORDER_INPLACE, IMOE_MODE_SWAP, NULL, 0, NULL, err),
          IMOE_ERR_ARGUMENT, "indices");
-  EXPECT("indices NULL", imoe_apply_indices(w.buffers, 2, NULL, IMOE_MODE_SWAP, NULL, err),
+  EXPECT("indices NULL", imoe_apply_indices(w.buffers, 2, NULL, IMOE_ORDER_INPLACE, IMOE_MODE_SWAP, NULL, 0, NULL, err),
          IMOE_ERR_ARGUMENT, "indices");
-  EXPECT("apply mode", imoe_apply_indices(w.buffers, 2, &idx_in->view, (imoe_mode)-1, NULL, err),
+  EXPECT("apply mode", imoe_apply_indices(w.buffers, 2, &idx_in->view, IMOE_ORDER_INPLACE, (imoe_mode)-1, NULL, 0, NULL, err),
          IMOE_ERR_ARGUMENT, "mode");
   EXPECT("apply 0 buffers",
-         imoe_apply_indices(w.buffers, 0, &idx_in->view, IMOE_MODE_SWAP, NULL, err),
+         imoe_apply_indices(w.buffers, 0, &idx_in->view, IMOE_ORDER_INPLACE, IMOE_MODE_SWAP, NULL, 0, NULL, err),
          IMOE_ERR_ARGUMENT, "num_buffers");
   if (!imoe_cuda_compiled()) {
     imoe_exec ex = w.exec;
     ex.device = IMOE_DEVICE_CUDA;
-    EXPECT("CUDA restore", imoe_restore(w.buffers, 2, &idx_in->view, &ex, err), IMOE_ERR_UNSUPPORTED,
+    EXPECT("CUDA restore", imoe_restore(w.buffers, 2, &idx_in->view, IMOE_ORDER_INPLACE, NULL, 0, &ex, err), IMOE_ERR_UNSUPPORTED,
            "CUDA");
   }
 

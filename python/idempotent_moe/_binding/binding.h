@@ -6,7 +6,10 @@
  *   views.c   imoe_view from an import, and the checks that need only views
  *   errors.c  imoe_status and export failures to Python exceptions
  *   call.c    the per-call state: stream, threads, imports, buffers, workspace
- *   module.c  the module, its argument parsing and the calls into the C API
+ *   parse.c   keyword arguments and scalar conversions (the named seam)
+ *   ops.c     one function per C API operation: convert, import, call
+ *   paged.c   the paged operation
+ *   module.c  the method table, the exported constants, module init
  *
  * Every function that can fail returns -1 (or NULL) with a Python exception
  * set, and 0 (or a pointer) on success. Every one runs with the GIL held.
@@ -22,9 +25,8 @@
 #include "dlpack_abi.h"
 #include "idempotent_moe.h"
 
-/* Most buffers one call takes, and most imports: the buffers plus a selection
- * view and up to two outputs. */
-#define IMOE_MAX_BUFFERS 64
+/* Most imports of one call: the buffers plus the selection or map views, up
+ * to two outputs and a workspace. */
 #define IMOE_MAX_IMPORTS (IMOE_MAX_BUFFERS + 4)
 
 /* Most axes an imported array may have: IMOE_MAX_LEAD_DIMS lead axes, the slot
@@ -80,7 +82,6 @@ int imoe_py_buffer_view(const imoe_import *im, int64_t dim, int64_t row_ndim, im
 
 /* [lead..., n] of a typed array: the last axis is the slot axis. `accepted`
  * is a mask of IMOE_DTYPE_BIT(...), `accepted_names` says it in words. */
-#define IMOE_DTYPE_BIT(d) (1u << (d))
 int imoe_py_typed_view(const imoe_import *im, unsigned accepted, const char *accepted_names,
                        imoe_view *view);
 
@@ -89,14 +90,6 @@ int imoe_py_check_no_self_overlap(const imoe_import *im);
 
 /* ValueError unless the written imports start at distinct addresses. */
 int imoe_py_check_distinct_outputs(const imoe_import *const *written, int count);
-
-/* ValueError unless v has shape like's lead shape + (n,); `rule` says why. */
-int imoe_py_expect_shape(const imoe_view *v, const char *name, const imoe_view *like, int64_t n,
-                         const char *rule);
-
-/* ValueError unless buffer v has the lead shape and N of buffer ref. */
-int imoe_py_expect_same_rows(const imoe_view *v, const char *name, const imoe_view *ref,
-                             const char *ref_name);
 
 /* Fills exec with the one device of every import (ValueError for mixed
  * devices, an unknown device, or CUDA in a build without it). */
@@ -135,9 +128,9 @@ typedef struct imoe_py_call {
   imoe_exec exec;  /* set by imoe_py_call_finish */
 } imoe_py_call;
 
-/* A call on `stream` (None or a DLPack stream value) with num_threads (<= 0:
- * the default; ValueError above INT32_MAX). */
-imoe_py_call *imoe_py_call_new(PyObject *stream, long long num_threads);
+/* A call on `stream` (None or a DLPack stream value) with num_threads (an
+ * int; <= 0: the default; ValueError above INT32_MAX). */
+imoe_py_call *imoe_py_call_new(PyObject *stream, PyObject *num_threads);
 
 /* The one cleanup: every import released once, whatever happened. */
 void imoe_py_call_free(imoe_py_call *c);
@@ -173,9 +166,47 @@ int imoe_py_call_import_workspace(imoe_py_call *c, PyObject *obj);
  * they share into c->exec. */
 int imoe_py_call_finish(imoe_py_call *c);
 
-/* ---- paged.c ---- */
+/* ---- parse.c ---- */
 
-/* paged_apply_target_map(...): imoe_paged_apply_target_map (a METH_VARARGS function). */
-PyObject *imoe_py_paged_apply_target_map(PyObject *self, PyObject *args);
+/* The names a function takes, in positional order; interned on first use. */
+#define IMOE_PY_MAX_PARAMS 20
+typedef struct imoe_py_signature {
+  const char *fname;
+  int count;
+  const char *names[IMOE_PY_MAX_PARAMS];
+  PyObject *interned[IMOE_PY_MAX_PARAMS];
+} imoe_py_signature;
+
+/* Fills out[0..sig->count) from a METH_FASTCALL | METH_KEYWORDS call; out[i]
+ * holds the default on entry (NULL: required). The results are borrowed. */
+int imoe_py_parse(imoe_py_signature *sig, PyObject *const *args, Py_ssize_t nargs,
+                  PyObject *kwnames, PyObject **out);
+
+/* An int (or __index__) into *out: TypeError for other types (a float is
+ * never truncated), ValueError beyond 64 bits. */
+int imoe_py_as_int64(PyObject *obj, const char *name, int64_t *out);
+
+/* A str naming a value of `option` (TypeError for other types; the C core's
+ * ValueError for a name it does not know). */
+int imoe_py_as_option(PyObject *obj, imoe_option option, const char *name, int *out);
+
+/* The names of an option's values, as a tuple of str. */
+PyObject *imoe_py_option_names(imoe_option option);
+
+/* ---- ops.c and paged.c: the functions of the module ---- */
+
+#define IMOE_PY_FASTCALL(name) \
+  PyObject *name(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
+IMOE_PY_FASTCALL(imoe_py_compact);
+IMOE_PY_FASTCALL(imoe_py_build_map);
+IMOE_PY_FASTCALL(imoe_py_apply_indices);
+IMOE_PY_FASTCALL(imoe_py_apply_target_map);
+IMOE_PY_FASTCALL(imoe_py_restore);
+IMOE_PY_FASTCALL(imoe_py_permute);
+IMOE_PY_FASTCALL(imoe_py_group_by_expert);
+IMOE_PY_FASTCALL(imoe_py_paged_apply_target_map);
+
+/* The result of a C API call: None, or the exception of its status. */
+PyObject *imoe_py_done(imoe_status status, const imoe_error *err);
 
 #endif /* IMOE_BINDING_H */

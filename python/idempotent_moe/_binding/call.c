@@ -9,10 +9,13 @@
 
 #include <stdio.h>
 
-imoe_py_call *imoe_py_call_new(PyObject *stream, long long num_threads) {
+imoe_py_call *imoe_py_call_new(PyObject *stream, PyObject *threads) {
+  int64_t num_threads = 0; /* None: the default */
+  if (threads != Py_None && imoe_py_as_int64(threads, "num_threads", &num_threads) < 0)
+    return NULL;
   if (num_threads > INT32_MAX) {
     PyErr_Format(PyExc_ValueError, "num_threads must be at most %d, got %lld", INT32_MAX,
-                 num_threads);
+                 (long long)num_threads);
     return NULL;
   }
   if (imoe_py_check_stream(stream) < 0) return NULL;
@@ -137,8 +140,6 @@ int imoe_py_call_import_buffers(imoe_py_call *c, PyObject *buffers, PyObject *di
     imoe_import *im = imoe_py_call_import(c, PyTuple_GET_ITEM(bufs, b), name, 1);
     if (im == NULL || check_axes(name, b, dim[b], rows[b], (int)im->ndim) < 0) return -1;
     if (imoe_py_buffer_view(im, dim[b], rows[b], &c->buffers[b]) < 0) return -1;
-    if (b > 0 && imoe_py_expect_same_rows(&c->buffers[b], name, &c->buffers[0], "buffers[0]") < 0)
-      return -1;
   }
   c->num_buffers = (int32_t)count;
   return 0;

@@ -40,40 +40,37 @@ static int import_pools(imoe_py_call *c, PyObject *buffers, PyObject *dims, PyOb
       return -1;
     }
     if (imoe_py_buffer_view(im, dim, rows, &c->buffers[b]) < 0) return -1;
-    if (b > 0 && imoe_py_expect_same_rows(&c->buffers[b], name, &c->buffers[0], "buffers[0]") < 0)
-      return -1;
   }
   c->num_buffers = (int32_t)count;
   return 0;
 }
 
-/* paged_apply_target_map(buffers, dims, row_ndims, block_tables, target_map, mode,
- *                        num_threads, stream=None, workspace=None) -> None
- * workspace: int32, C-contiguous, at least num_blocks + S x max_blocks + 512
- * elements (required on CUDA). */
-PyObject *imoe_py_paged_apply_target_map(PyObject *self, PyObject *args) {
+static imoe_py_signature paged_sig = {
+    "paged_apply_target_map", 9,
+    {"buffers", "dims", "row_ndims", "block_tables", "target_map", "mode", "workspace",
+     "num_threads", "stream"}};
+
+/* paged_apply_target_map(buffers, dims, row_ndims, block_tables, target_map,
+ * mode="swap", workspace=None, num_threads, stream=None): workspace is int32,
+ * C-contiguous, at least imoe_paged_workspace_elems(...) elements (required
+ * on CUDA). */
+IMOE_PY_FASTCALL(imoe_py_paged_apply_target_map) {
   (void)self;
-  PyObject *buffers, *dims, *row_ndims, *tables_obj, *map_obj;
-  int mode;
-  long long num_threads;
-  PyObject *stream = Py_None, *workspace = Py_None;
-  if (!PyArg_ParseTuple(args, "OOOOOiL|OO:paged_apply_target_map", &buffers, &dims, &row_ndims,
-                        &tables_obj, &map_obj, &mode, &num_threads, &stream, &workspace))
-    return NULL;
-  if (mode != IMOE_MODE_SWAP && mode != IMOE_MODE_MOVE) {
-    PyErr_Format(PyExc_ValueError, "mode must be 0 (swap) or 1 (move), got %d", mode);
-    return NULL;
-  }
-  imoe_py_call *c = imoe_py_call_new(stream, num_threads);
+  enum { BUFS, DIMS, ROWS, TABLES, MAP, MODE, WS, THREADS, STREAM };
+  PyObject *a[9] = {NULL, NULL, NULL, NULL, NULL, Py_None, Py_None, Py_None, Py_None};
+  if (imoe_py_parse(&paged_sig, args, nargs, kwnames, a) < 0) return NULL;
+  int mode = IMOE_MODE_SWAP;
+  if (a[MODE] != Py_None && imoe_py_as_option(a[MODE], IMOE_OPTION_MODE, "mode", &mode) < 0) return NULL;
+  imoe_py_call *c = imoe_py_call_new(a[STREAM], a[THREADS]);
   if (c == NULL) return NULL;
 
   PyObject *result = NULL;
   imoe_view tables, map;
-  if (import_pools(c, buffers, dims, row_ndims) < 0 ||
-      imoe_py_call_import_typed(c, tables_obj, "block_tables", 0, INDEX_DTYPES, INDEX_NAMES,
+  if (import_pools(c, a[BUFS], a[DIMS], a[ROWS]) < 0 ||
+      imoe_py_call_import_typed(c, a[TABLES], "block_tables", 0, INDEX_DTYPES, INDEX_NAMES,
                                 &tables) < 0 ||
-      imoe_py_call_import_typed(c, map_obj, "target_map", 0, INDEX_DTYPES, INDEX_NAMES, &map) < 0 ||
-      imoe_py_call_import_workspace(c, workspace) < 0 || imoe_py_call_finish(c) < 0)
+      imoe_py_call_import_typed(c, a[MAP], "target_map", 0, INDEX_DTYPES, INDEX_NAMES, &map) < 0 ||
+      imoe_py_call_import_workspace(c, a[WS]) < 0 || imoe_py_call_finish(c) < 0)
     goto done;
 
   imoe_error err = {{0}};
@@ -82,12 +79,7 @@ PyObject *imoe_py_paged_apply_target_map(PyObject *self, PyObject *args) {
   status = imoe_paged_apply_target_map(c->buffers, c->num_buffers, &tables, &map, (imoe_mode)mode,
                                        c->workspace, c->workspace_elems, &c->exec, &err);
   Py_END_ALLOW_THREADS
-  if (status != IMOE_OK) {
-    imoe_py_raise_status(status, &err);
-    goto done;
-  }
-  result = Py_None;
-  Py_INCREF(result);
+  result = imoe_py_done(status, &err);
 done:
   imoe_py_call_free(c);
   return result;

@@ -18,24 +18,6 @@ static int is_empty(const imoe_import *im) {
   return 0;
 }
 
-/* "(8, 4096)", "(8,)", "()": shape[0..ndim) then n when n >= 0. */
-static void format_shape(char *out, size_t size, int ndim, const int64_t *shape, int64_t n) {
-  int count = ndim + (n >= 0);
-  size_t len = (size_t)snprintf(out, size, "(");
-  for (int i = 0; i < count && len < size; ++i) {
-    long long extent = i < ndim ? (long long)shape[i] : (long long)n;
-    len += (size_t)snprintf(out + len, size - len, i ? ", %lld" : "%lld", extent);
-  }
-  if (len < size) snprintf(out + len, size - len, count == 1 ? ",)" : ")");
-}
-
-static int same_lead(const imoe_view *a, const imoe_view *b) {
-  if (a->lead_ndim != b->lead_ndim) return 0;
-  for (int i = 0; i < a->lead_ndim; ++i)
-    if (a->lead_shape[i] != b->lead_shape[i]) return 0;
-  return 1;
-}
-
 static int check_lead_ndim(const imoe_import *im, int lead_ndim, const char *which) {
   if (lead_ndim <= IMOE_MAX_LEAD_DIMS) return 0;
   PyErr_Format(PyExc_ValueError, "%s has %d lead axes (%s); at most %d are supported", im->name,
@@ -229,27 +211,6 @@ int imoe_py_check_distinct_outputs(const imoe_import *const *written, int count)
   return 0;
 }
 
-int imoe_py_expect_shape(const imoe_view *v, const char *name, const imoe_view *like, int64_t n,
-                         const char *rule) {
-  if (same_lead(v, like) && v->n == n) return 0;
-  char want[256], got[256];
-  format_shape(want, sizeof want, like->lead_ndim, like->lead_shape, n);
-  format_shape(got, sizeof got, v->lead_ndim, v->lead_shape, v->n);
-  PyErr_Format(PyExc_ValueError, "%s must have shape %s (%s), got %s", name, want, rule, got);
-  return -1;
-}
-
-int imoe_py_expect_same_rows(const imoe_view *v, const char *name, const imoe_view *ref,
-                             const char *ref_name) {
-  if (same_lead(v, ref) && v->n == ref->n) return 0;
-  char want[256], got[256];
-  format_shape(want, sizeof want, ref->lead_ndim, ref->lead_shape, -1);
-  format_shape(got, sizeof got, v->lead_ndim, v->lead_shape, -1);
-  PyErr_Format(PyExc_ValueError,
-               "%s must have the lead shape and N of %s, %s and N = %lld; got %s and N = %lld",
-               name, ref_name, want, (long long)ref->n, got, (long long)v->n);
-  return -1;
-}
 
 static void format_device(char *out, size_t size, const imoe_exec *e) {
   if (e->device == IMOE_DEVICE_CUDA)

@@ -49,7 +49,7 @@ from transformers.cache_utils import (
     get_layer_types_and_kwargs,
 )
 
-from .. import functional as _functional
+from .._native import native
 from ..functional import compact_
 from ..kv import HEAD_REDUCTIONS, reduce_head_scores
 
@@ -93,11 +93,11 @@ class EvictionPolicy:
             raise ValueError(f"score must be one of {SCORES} or a callable, got {self.score!r}")
         if self.head_reduce not in HEAD_REDUCTIONS:
             raise ValueError(f"head_reduce must be one of {HEAD_REDUCTIONS}, got {self.head_reduce!r}")
-        if self.mode not in _functional.MODES:
-            raise ValueError(f"mode must be one of {tuple(_functional.MODES)}, got {self.mode!r}")
-        if self.order not in _functional.ORDERS:
-            raise ValueError(
-                f"order must be one of {_functional.ORDERS} in this version, got {self.order!r}")
+        # Checked here, when the cache is made, against the C API's names.
+        if self.mode not in native().MODES:
+            raise ValueError(f"mode must be one of {native().MODES}, got {self.mode!r}")
+        if self.order not in native().ORDERS:
+            raise ValueError(f"order must be one of {native().ORDERS}, got {self.order!r}")
         if self.slots < self.budget + 1:
             raise ValueError(f"max_cache_len ({self.slots}) must exceed budget ({self.budget})")
 
