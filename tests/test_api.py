@@ -1,4 +1,4 @@
-"""The seed API users already know: InplaceMoERouter, the MoE map functions,
+"""The original API users already know: InplaceMoERouter, the MoE map functions,
 InplaceKVCompactor and compact_kv_cache_inplace, plus set_num_threads,
 cuda_available and an import that needs neither torch nor transformers."""
 
@@ -79,7 +79,7 @@ def test_router_return_indices(framework, rng):
 
 @pytest.mark.parametrize("hidden", [1, 7, 1000, 4099])
 def test_router_any_hidden_size(hidden, rng):
-    """block_d is a tuning hint: hidden sizes that are not a multiple work."""
+    """Every hidden size works, whatever block_d says."""
     tokens = make_data((2, 16, hidden), "float32", "numpy", rng)
     scores = make_scores((2, 16), "float32", "numpy", rng)
     before = bits(tokens)
@@ -87,6 +87,46 @@ def test_router_any_hidden_size(hidden, rng):
         tokens, scores, expert_capacity=5, return_indices=True)
     np.testing.assert_array_equal(bits(tokens), expected_after(before, 1, to_numpy(idx), "swap"))
     assert kept.shape == (2, 5, hidden)
+
+
+@pytest.mark.parametrize("block_d", [1, 7, 64, 4099])
+def test_block_d_is_accepted_and_has_no_effect(block_d, rng):
+    """block_d, a tuning hint of the original API, is taken where that API
+    took it (keyword or positional) and changes nothing: not the buffer, not
+    the returned arrays, not the object."""
+    from idempotent_moe.integrations import HuggingFaceMoEInplaceHook
+
+    tokens = make_data((E, T, D), "float16", "numpy", rng)
+    scores = make_scores((E, T), "float32", "numpy", rng)
+    tm = imoe.generate_idempotent_moe_map(scores, CAP)
+
+    def run(call):
+        """The bits of the buffer after `call` and of each array it returns."""
+        x = tokens.copy()
+        out = call(x)
+        return [bits(a) for a in (x, *(out if isinstance(out, tuple) else (out,)))]
+
+    def assert_same(got, want):
+        assert len(got) == len(want)
+        for g, w in zip(got, want):
+            np.testing.assert_array_equal(g, w)
+
+    plain = imoe.InplaceMoERouter(D, E)
+    want = run(lambda x: plain(x, scores, expert_capacity=CAP, return_indices=True))
+    for router in (imoe.InplaceMoERouter(D, E, block_d), imoe.InplaceMoERouter(D, E, block_d=block_d)):
+        assert_same(run(lambda x, r=router: r(x, scores, expert_capacity=CAP, return_indices=True)), want)
+        assert repr(router) == repr(plain) and vars(router) == vars(plain)
+
+    want = run(lambda x: imoe.compact_moe_tokens_inplace(x, tm))
+    assert_same(run(lambda x: imoe.compact_moe_tokens_inplace(x, tm, block_d)), want)
+    assert_same(run(lambda x: imoe.compact_moe_tokens_inplace(x, tm, block_d=block_d)), want)
+
+    plain = HuggingFaceMoEInplaceHook(D, E, capacity=CAP)
+    want = run(lambda x: plain(x, scores, return_indices=True))
+    for hook in (HuggingFaceMoEInplaceHook(D, E, None, block_d, capacity=CAP),
+                 HuggingFaceMoEInplaceHook(D, E, block_d=block_d, capacity=CAP)):
+        assert_same(run(lambda x, h=hook: h(x, scores, return_indices=True)), want)
+        assert repr(hook) == repr(plain) and vars(hook) == vars(plain)
 
 
 @pytest.mark.parametrize("framework", FRAMEWORKS)

@@ -609,7 +609,7 @@ def apply_map_with_both_maps(fw, rng):
     return (lambda: imoe.apply_map_(x, idx, target_map=tm)), [x, idx, tm]
 
 
-# --------------------------------------------------------------------------- seed API
+# --------------------------------------------------------------------------- original API
 
 
 @bad(ValueError, "(tokens|hidden_dim)")

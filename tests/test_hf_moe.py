@@ -1,7 +1,7 @@
 """The Hugging Face MoE integration: the "idempotent" experts implementation
 (dropless and capacity mode) against transformers' eager experts and a plain
 reference, generate(), from_pretrained, the counting-sort dispatch, the
-in-place hook in both seed forms with its autograd, import isolation, and the
+in-place hook in both call forms of the original API with its autograd, import isolation, and the
 W4 benchmark at smoke size. Tiny random models built from configs, on the CPU;
 GPU checks under the `gpu` marker."""
 
@@ -362,6 +362,53 @@ def test_sort_by_expert_rejects_a_repeated_expert():
         _dispatch.sort_by_expert(index, 4)
 
 
+def test_sort_by_expert_rejects_an_expert_out_of_range():
+    for bad in (torch.tensor([[0, 1], [2, 4]]), torch.tensor([[0, -1], [2, 3]])):
+        with pytest.raises(ValueError, match=r"top_k_index must lie in \[0, 4\)"):
+            _dispatch.sort_by_expert(bad, 4)
+
+
+@pytest.mark.parametrize("ties", [False, True], ids=["distinct", "ties"])
+@pytest.mark.parametrize("factor", [None, 0.5, 1.0, 1.3])
+def test_experts_implementation_and_expert_parallel_dispatcher_agree(tmp_path, factor, ties):
+    """The same routing through the experts implementation and through
+    ExpertParallelDispatcher on one gloo rank: the same capacity, the same
+    assignments dropped (ties to the lower token), the same output; and both
+    refuse the same capacity factors."""
+    import torch.distributed as dist
+    from idempotent_moe.distributed import ExpertParallelDispatcher
+
+    num_tokens, num_experts, top_k = 37, 8, 2
+    experts = standalone_experts(num_experts)
+    hidden = torch.randn(num_tokens, 16, generator=torch.Generator().manual_seed(9))
+    index, weights = skewed_routing(num_tokens, num_experts, top_k, seed=4, ties=ties)
+    with torch.no_grad():
+        ours = run_experts(experts, hidden, index, weights, "idempotent", factor)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        dispatcher = ExpertParallelDispatcher(num_experts, top_k, capacity_factor=factor)
+        with torch.no_grad():
+            theirs = dispatcher(hidden, index, weights, lambda e, x: expert_mlp(experts, x, e))
+        for bad, error in [(0, ValueError), (-1.0, ValueError), (float("nan"), ValueError),
+                           (float("inf"), ValueError), ("1.0", TypeError), (True, TypeError)]:
+            with pytest.raises(error):
+                ExpertParallelDispatcher(num_experts, top_k, capacity_factor=bad)
+            with pytest.raises(error):
+                hf.set_capacity_factor(experts, bad)
+    finally:
+        dist.destroy_process_group()
+    stats = dispatcher.last_stats
+    if factor is None:
+        assert experts.idempotent_stats is None and stats.capacity is None and stats.dropped == 0
+    else:
+        assignments, capacity, dropped = experts.idempotent_stats
+        assert (assignments, capacity) == (num_tokens * top_k, stats.capacity)
+        assert int(dropped) == stats.dropped
+        if factor < 1.3:
+            assert stats.dropped > 0  # the skewed routing overflows the first experts
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
+
+
 # --------------------------------------------------------------------------- capacity mode
 
 
@@ -514,12 +561,12 @@ def test_hook_capacity_form_compacts_the_callers_buffer(mode):
     assert "capacity=4" in repr(hook)
 
 
-def test_hook_seed_forward_form_routes_dispatches_and_combines():
+def test_hook_forward_form_routes_dispatches_and_combines():
     num_experts, top_k, dim, capacity = 4, 2, 8, 3
     g = torch.Generator().manual_seed(12)
     hidden = torch.randn(2, 5, dim, generator=g)  # 10 tokens
     router_logits = torch.randn(10, num_experts, generator=g) + torch.tensor([2.0, 1.0, 0.0, 0.0])
-    hook = hf.HuggingFaceMoEInplaceHook(dim, num_experts, top_k, 128)  # positional, as the seeds
+    hook = hf.HuggingFaceMoEInplaceHook(dim, num_experts, top_k, 128)  # block_d positional, as before
     view = hook.forward(hidden, router_logits, capacity)
     assert view.shape == (num_experts, capacity, dim)
 

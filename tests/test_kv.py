@@ -1,4 +1,4 @@
-"""KV-cache eviction beyond the seed tests of test_api.py: grouped-query
+"""KV-cache eviction beyond the original-API tests of test_api.py: grouped-query
 attention (one selection per KV head from per-query-head scores reduced by
 mean or max, or one shared by all heads), the InplaceKVCompactor's maps, and
 the vLLM-style hook on contiguous caches and on paged pools."""

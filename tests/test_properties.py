@@ -1,6 +1,6 @@
 """Hypothesis properties: the kept set is the top-C set, compacting twice is
 compacting once, swap + restore is the identity, the map applied on its own
-equals the fused compaction, and the seed MoE API agrees with itself."""
+equals the fused compaction, and the original MoE API agrees with itself."""
 
 from __future__ import annotations
 

@@ -48,21 +48,23 @@ idempotent_moe built with its CUDA kernels.
 
 from __future__ import annotations
 
-import math
 from typing import Callable, NamedTuple
 
 import torch
 import torch.distributed as dist
 
-from ._sorting import check_distinct_per_row, counting_sort
+from ._moe import (
+    check_capacity_device,
+    check_capacity_factor,
+    check_top_k_index,
+    combine,
+    expert_capacity,
+    order_by_expert,
+)
+from ._sorting import counting_sort
 from .functional import cuda_available, group_by_expert_, permute_, ungroup_
 
 __all__ = ["DispatchStats", "ExpertParallelDispatcher", "capacity_order", "expert_capacity"]
-
-
-def expert_capacity(total_tokens: int, top_k: int, num_experts: int, capacity_factor: float) -> int:
-    """C = ceil(T_all * k / E * factor), at most T_all (an expert sees a token once)."""
-    return min(total_tokens, math.ceil(total_tokens * top_k / num_experts * capacity_factor))
 
 
 class DispatchStats(NamedTuple):
@@ -119,13 +121,10 @@ class ExpertParallelDispatcher:
                              f"({self.world_size}): experts are partitioned contiguously")
         if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= num_experts:
             raise ValueError(f"top_k must be an int in [1, {num_experts}], got {top_k!r}")
-        if capacity_factor is not None and not (capacity_factor > 0 and math.isfinite(capacity_factor)):
-            raise ValueError("capacity_factor must be a positive finite number or None, "
-                             f"got {capacity_factor!r}")
         self.num_experts = num_experts
         self.top_k = top_k
         self.group = group
-        self.capacity_factor = capacity_factor
+        self.capacity_factor = check_capacity_factor(capacity_factor, "capacity_factor")
         self.num_local_experts = num_experts // self.world_size
         self.first_expert = self.rank * self.num_local_experts
         self.last_stats: DispatchStats | None = None
@@ -143,15 +142,9 @@ class ExpertParallelDispatcher:
             raise TypeError(f"topk_ids must be int32 or int64, got {topk_ids.dtype}")
         if not topk_weights.is_floating_point():
             raise TypeError(f"topk_weights must be floating point, got {topk_weights.dtype}")
-        if hidden.device.type == "cpu" and topk_ids.numel():
-            lo, hi = int(topk_ids.min()), int(topk_ids.max())
-            if lo < 0 or hi >= self.num_experts:
-                raise ValueError(f"topk_ids must lie in [0, {self.num_experts}), got [{lo}, {hi}]")
-            check_distinct_per_row(topk_ids, "topk_ids")
-        if (self.capacity_factor is not None and hidden.device.type == "cuda"
-                and not cuda_available()):
-            raise RuntimeError("capacity mode on CUDA tensors needs idempotent_moe built with its CUDA "
-                               "kernels (nvcc at build time); dropless mode needs none")
+        check_top_k_index(topk_ids, self.num_experts, "topk_ids")
+        if self.capacity_factor is not None:
+            check_capacity_device(hidden.device)
 
     @torch.no_grad()
     def __call__(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
@@ -163,9 +156,9 @@ class ExpertParallelDispatcher:
         capacity_mode = self.capacity_factor is not None
 
         # 1. Sort the assignments by expert: rows for rank r are contiguous.
-        experts = topk_ids.reshape(-1).long()
-        src_row, dest, counts = counting_sort(experts, self.num_experts)
-        send = hidden.index_select(0, src_row // top_k)  # [S, D]
+        order = order_by_expert(topk_ids, self.num_experts)
+        counts, dest = order.counts, order.dest.reshape(-1)
+        send = hidden.index_select(0, order.src_token)  # [S, D]
 
         # 2. Exchange counts per (rank, local expert), plus each rank's T.
         send_counts = torch.empty(world, local + 1, dtype=torch.int64, device=device)
@@ -187,7 +180,7 @@ class ExpertParallelDispatcher:
         del send
         recv_w = None
         if capacity_mode:
-            send_w = torch.empty(experts.numel(), dtype=torch.float32, device=device)
+            send_w = torch.empty(dest.numel(), dtype=torch.float32, device=device)
             send_w.scatter_(0, dest, topk_weights.reshape(-1).float())
             recv_w = torch.empty(received, dtype=torch.float32, device=device)
             dist.all_to_all_single(recv_w, send_w, recv_splits, send_splits, group=self.group)
@@ -228,11 +221,11 @@ class ExpertParallelDispatcher:
         del grouped  # recv itself when grouped in place: it must be freed before the combine
 
         # 7. Outputs back to the senders, then the weighted combine.
-        back = hidden.new_empty(experts.numel(), hidden.shape[1])
+        back = hidden.new_empty(dest.numel(), hidden.shape[1])
         dist.all_to_all_single(back, recv, send_splits, recv_splits, group=self.group)
         del recv
         self.last_stats = DispatchStats(send_splits, recv_splits, capacity, dropped, total_tokens)
-        return _combine(back, dest.view(num_tokens, top_k), topk_weights, hidden.dtype)
+        return combine(back, order.dest, topk_weights, hidden.dtype, upcast_terms=True)
 
 
 def _run_experts(grouped: torch.Tensor, per_expert: list, capacity: int | None,
@@ -269,16 +262,3 @@ def capacity_order(local_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tens
     key = torch.where(torch.isnan(weights), 0, key)  # below -inf's key 0x007FFFFF
     order = (local_ids.to(torch.int64) << 32) | (0xFFFFFFFF - key)
     return torch.argsort(order, stable=True)
-
-
-def _combine(y: torch.Tensor, dest: torch.Tensor, weights: torch.Tensor, out_dtype: torch.dtype):
-    """out[t] = sum_j weights[t, j] * y[dest[t, j]], in j order; half
-    precision is summed in fp32 and rounded once."""
-    num_tokens, top_k = dest.shape
-    acc = torch.promote_types(y.dtype, weights.dtype)
-    if acc in (torch.float16, torch.bfloat16):
-        acc = torch.float32
-    out = torch.zeros(num_tokens, y.shape[-1], dtype=acc, device=y.device)
-    for j in range(top_k):
-        out.add_(y.index_select(0, dest[:, j]).to(acc) * weights[:, j, None].to(acc))
-    return out.to(out_dtype)

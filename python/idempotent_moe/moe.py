@@ -1,11 +1,17 @@
 """MoE expert-capacity dropping in place: each expert keeps its top-C tokens by
-routing score, moved into the first C slots of the buffer it already has."""
+routing score, moved into the first C slots of the buffer it already has.
+
+`block_d`, a tuning hint of the original API (`InplaceMoERouter`,
+`compact_moe_tokens_inplace`, `integrations.HuggingFaceMoEInplaceHook`), is
+still accepted and is ignored: every hidden size works.
+"""
 
 from __future__ import annotations
 
 from typing import Any
 
 from . import _arrays
+from ._moe import check_expert_buffer
 from .functional import apply_map_, compact_, idempotent_map
 
 
@@ -19,19 +25,15 @@ class InplaceMoERouter:
     scores [E, T] float32/float16/bfloat16 are the routing scores. Returns the
     view tokens[:, :C] ([E, C, D]), and with return_indices=True also the
     indices [E, C] (int64) of the original token held by each kept slot.
-    `block_d` is a tuning hint kept for compatibility: every hidden size works.
     """
 
     def __init__(self, hidden_dim: int, num_experts: int, block_d: int = 128) -> None:
+        # block_d: accepted and ignored (the module docstring).
         self.hidden_dim = _arrays.check_int(hidden_dim, "hidden_dim", minimum=1)
         self.num_experts = _arrays.check_int(num_experts, "num_experts", minimum=1)
-        self.block_d = _arrays.check_int(block_d, "block_d", minimum=1)
 
     def __repr__(self) -> str:
-        return (
-            f"InplaceMoERouter(hidden_dim={self.hidden_dim}, num_experts={self.num_experts}, "
-            f"block_d={self.block_d})"
-        )
+        return f"InplaceMoERouter(hidden_dim={self.hidden_dim}, num_experts={self.num_experts})"
 
     def __call__(
         self,
@@ -44,12 +46,7 @@ class InplaceMoERouter:
         out_indices: Any = None,
     ) -> Any:
         _arrays.check_array(tokens, "tokens")
-        shape = _arrays.shape_of(tokens)
-        if len(shape) != 3 or shape[0] != self.num_experts or shape[2] != self.hidden_dim:
-            raise ValueError(
-                f"tokens must be [num_experts={self.num_experts}, T, hidden_dim={self.hidden_dim}], "
-                f"got {list(shape)}"
-            )
+        check_expert_buffer(tokens, "tokens", self.num_experts, self.hidden_dim)
         result = compact_(tokens, scores, expert_capacity, dim=1, mode=mode, out_indices=out_indices)
         return (result.values, result.indices) if return_indices else result.values
 
@@ -68,5 +65,5 @@ def compact_moe_tokens_inplace(
 ) -> Any:
     """Apply a target_map from `generate_idempotent_moe_map` to tokens [E, T, D]
     in place (the map is validated first). Returns tokens."""
-    _arrays.check_int(block_d, "block_d", minimum=1)
+    # block_d: accepted and ignored (the module docstring).
     return apply_map_(tokens, target_map=target_map, dim=1, mode=mode)

@@ -7,7 +7,7 @@ KV caches:
 
 Hugging Face MoE:
 - `HuggingFaceMoEInplaceHook`: expert-capacity dropping in place on
-  per-expert buffers (the seeds' two call forms), differentiable.
+  per-expert buffers (the original API's two call forms), differentiable.
 - the "idempotent" experts implementation for transformers: importing this
   package registers it with transformers' ExpertsInterface (when transformers
   is installed), so that `model.set_experts_implementation("idempotent")` and

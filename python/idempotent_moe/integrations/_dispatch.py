@@ -1,10 +1,8 @@
 """The torch side of an experts layer: routing assignments sorted by expert
 (counting sort), grouped GEMMs over the sorted buffer, per-expert capacity
-with idempotent_moe.compact_, and the combine back to token order.
-
-Shapes: T tokens, k experts per token, E experts, S = T * k assignments,
-H hidden size. `top_k_index` [T, k] holds distinct experts per token (what
-torch.topk gives), `top_k_weights` [T, k] their routing weights.
+with idempotent_moe.compact_, and the combine back to token order (the
+capacity rule, the sort and the combine are idempotent_moe._moe's, shared
+with the expert-parallel dispatcher; shapes are named there).
 
 No function here synchronises the host with the device, except the per-expert
 loop that stands in for grouped_mm where torch has none (it reads the group
@@ -13,15 +11,21 @@ offsets once).
 
 from __future__ import annotations
 
-import math
 import re
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
-from .._sorting import check_distinct_per_row, counting_sort
-from ..functional import compact_, cuda_available
+from .._moe import (
+    check_capacity_device,
+    check_top_k_index,
+    combine,
+    expert_capacity,
+    expert_scores,
+    order_by_expert,
+)
+from ..functional import compact_
 
 
 class SortedDispatch(NamedTuple):
@@ -42,18 +46,15 @@ def sort_by_expert(top_k_index: torch.Tensor, num_experts: int) -> SortedDispatc
     No argsort and no host synchronisation (idempotent_moe._sorting): an
     [E, S] one-hot, its running sum along the assignments, the per-expert
     counts and their cumulative sum (the offsets), and a scatter. Allocates
-    O(E x S) int32.
+    O(E x S) int32. Bad routing (an expert out of range or repeated within a
+    token) is a ValueError on CPU tensors; on a GPU it is not checked.
     """
-    num_tokens, top_k = top_k_index.shape
-    device = top_k_index.device
     index = top_k_index.long()
-    perm, dest, counts = counting_sort(index.reshape(-1), num_experts)
-    if device.type == "cpu":  # free on the host; on a GPU it would synchronise
-        check_distinct_per_row(index, "top_k_index")
-    src_token = perm // top_k
-    expert_of = index.reshape(-1)[perm]
-    return SortedDispatch(dest.view(num_tokens, top_k), src_token, expert_of,
-                          counts.cumsum(0).to(torch.int32))
+    check_top_k_index(index, num_experts, "top_k_index")
+    order = order_by_expert(index, num_experts)
+    expert_of = index.reshape(-1)[order.perm]
+    return SortedDispatch(order.dest, order.src_token, expert_of,
+                          order.counts.cumsum(0).to(torch.int32))
 
 
 _grouped_mm_probe: dict = {}
@@ -210,28 +211,6 @@ def expert_mlp_capacity(experts, x: torch.Tensor) -> torch.Tensor:
     return _expert_mlp(experts, x, linear, lambda bias: bias.unsqueeze(1))
 
 
-def combine(y: torch.Tensor, dest: torch.Tensor, weights: torch.Tensor, out_dtype: torch.dtype,
-            keep: torch.Tensor | None = None) -> torch.Tensor:
-    """out[t] = sum_j keep[t, j] * weights[t, j] * y[dest[t, j]]: [T, H].
-
-    Gathers one [T, H] slice per j (never a permuted copy of all of y), in a
-    fixed order (deterministic, no atomics). Half-precision terms are summed in
-    fp32 and rounded once, as transformers' grouped_mm does; a dropped
-    assignment (keep False) adds exactly nothing.
-    """
-    num_tokens, top_k = dest.shape
-    acc_dtype = torch.promote_types(y.dtype, weights.dtype)
-    if acc_dtype in (torch.float16, torch.bfloat16):
-        acc_dtype = torch.float32
-    out = torch.zeros(num_tokens, y.shape[-1], dtype=acc_dtype, device=y.device)
-    for j in range(top_k):
-        term = y.index_select(0, dest[:, j]) * weights[:, j, None]
-        if keep is not None:
-            term = term.masked_fill(~keep[:, j, None], 0)
-        out.add_(term)
-    return out.to(out_dtype)
-
-
 def dropless_forward(experts, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                      top_k_weights: torch.Tensor) -> torch.Tensor:
     """Every assignment computed: sort by expert, one gathered buffer [S, H],
@@ -240,11 +219,6 @@ def dropless_forward(experts, hidden_states: torch.Tensor, top_k_index: torch.Te
     x = hidden_states.index_select(0, dispatch.src_token)  # the one gathered buffer
     y = expert_mlp_sorted(experts, x, dispatch)
     return combine(y, dispatch.dest, top_k_weights, hidden_states.dtype)
-
-
-def expert_capacity(num_tokens: int, top_k: int, num_experts: int, capacity_factor: float) -> int:
-    """C = ceil(T * k / E * factor), at most T (an expert sees a token once)."""
-    return min(num_tokens, math.ceil(num_tokens * top_k / num_experts * capacity_factor))
 
 
 class CapacityResult(NamedTuple):
@@ -269,13 +243,10 @@ def capacity_forward(experts, hidden_states: torch.Tensor, top_k_index: torch.Te
     num_tokens, top_k = top_k_index.shape
     num_experts = experts.num_experts
     device = hidden_states.device
-    if device.type == "cuda" and not cuda_available():
-        raise RuntimeError("capacity mode on a CUDA tensor needs idempotent_moe built with its CUDA "
-                           "kernels (nvcc at build time); dropless mode needs no kernels of ours")
+    check_capacity_device(device)
     capacity = expert_capacity(num_tokens, top_k, num_experts, capacity_factor)
     index_et = top_k_index.long().t()  # [k, T]: the expert of assignment (t, j) at [j, t]
-    scores = torch.full((num_experts, num_tokens), -math.inf, dtype=torch.float32, device=device)
-    scores.scatter_(0, index_et, top_k_weights.detach().t().float())
+    scores = expert_scores(top_k_index, top_k_weights, num_experts)
     routed = torch.zeros(num_experts, num_tokens, 1, dtype=torch.bool, device=device)
     routed.scatter_(0, index_et.unsqueeze(-1), True)
     kept_tokens = torch.empty(num_experts, capacity, dtype=torch.int64, device=device)

@@ -23,8 +23,9 @@ Two modes, chosen by one config attribute, `idempotent_capacity_factor`:
 
 from __future__ import annotations
 
-import math
-from typing import Any, NamedTuple
+from typing import NamedTuple
+
+from .._moe import check_capacity_factor
 
 try:
     import torch
@@ -46,17 +47,6 @@ class CapacityStats(NamedTuple):
     dropped: int
 
 
-def _check_factor(factor: Any) -> float | None:
-    if factor is None:
-        return None
-    if isinstance(factor, bool) or not isinstance(factor, (int, float)):
-        raise TypeError(f"{CAPACITY_FACTOR_ATTR} must be a float or None, got {type(factor).__name__}")
-    factor = float(factor)
-    if not (factor > 0 and math.isfinite(factor)):
-        raise ValueError(f"{CAPACITY_FACTOR_ATTR} must be a finite number > 0, got {factor}")
-    return factor
-
-
 def idempotent_experts_forward(self, hidden_states, top_k_index, top_k_weights):
     """The "idempotent" experts implementation (signature of transformers'
     ExpertsInterface). `self` is the experts module: its weights
@@ -67,7 +57,7 @@ def idempotent_experts_forward(self, hidden_states, top_k_index, top_k_weights):
     Differentiable (through the GEMMs and the routing weights; which
     assignments a capacity keeps is a selection, as in any router).
     """
-    factor = _check_factor(getattr(self.config, CAPACITY_FACTOR_ATTR, None))
+    factor = check_capacity_factor(getattr(self.config, CAPACITY_FACTOR_ATTR, None), CAPACITY_FACTOR_ATTR)
     num_tokens, top_k = top_k_index.shape
     if num_tokens == 0:
         self.idempotent_stats = None
@@ -111,7 +101,7 @@ def set_capacity_factor(model, capacity_factor: float | None) -> None:
     module of `model`: None for dropless, a factor f > 0 for capacity mode
     (C = ceil(T * k / E * f) per expert and forward). Stored as the config
     attribute `idempotent_capacity_factor` (saved by save_pretrained)."""
-    factor = _check_factor(capacity_factor)
+    factor = check_capacity_factor(capacity_factor, CAPACITY_FACTOR_ATTR)
     modules = _experts_modules(model)
     if not modules:
         raise ValueError(f"{type(model).__name__} has no experts module that uses transformers' "

@@ -1,5 +1,5 @@
 """HuggingFaceMoEInplaceHook: expert-capacity dropping in place, with the two
-call forms the seeds used, and gradients that flow through the compaction.
+call forms of the original API, and gradients that flow through the compaction.
 
     hook = HuggingFaceMoEInplaceHook(capacity=2048)
     kept, idx = hook(expert_inputs, gating_weights, return_indices=True)
@@ -24,6 +24,7 @@ import functools
 from typing import Any, NamedTuple
 
 from .. import _arrays
+from .._moe import check_expert_buffer, combine_slots, expert_scores
 from ..functional import compact_, restore_
 
 
@@ -93,13 +94,13 @@ def _compact_experts(tokens: Any, scores: Any, capacity: int, mode: str, out_ind
 class HuggingFaceMoEInplaceHook:
     """Expert-capacity dropping for Hugging Face style MoE layers, in place.
 
-    HuggingFaceMoEInplaceHook(capacity=C, block_d=128)
+    HuggingFaceMoEInplaceHook(capacity=C)
         hook(expert_inputs [E, T, D], gating_weights [E, T]) compacts each
         expert's top-C tokens by gating weight (ties to the lower token index)
         into expert_inputs[:, :C] and returns that view; return_indices=True
         adds indices [E, C] (int64), the original token of each kept slot.
 
-    HuggingFaceMoEInplaceHook(hidden_dim, num_experts, top_k, block_d=128)
+    HuggingFaceMoEInplaceHook(hidden_dim, num_experts, top_k)
         hook.forward(hidden_states [..., D], router_logits [T, E], capacity)
         routes each token to its top_k experts (softmax, renormalised over the
         top k when normalize_top_k), fills a per-expert dispatch buffer
@@ -107,15 +108,16 @@ class HuggingFaceMoEInplaceHook:
         in place and returns the view [E, C, D]; return_indices=True returns
         MoEDispatch(expert_inputs, indices, weights), which `combine` takes.
 
-    Both forms accept both calls where they have what they need. `block_d` is
-    a tuning hint kept from the seeds: every hidden size works. For the
-    experts of a transformers model, prefer the "idempotent" experts
-    implementation (hf_experts), which never builds an [E, T, D] buffer.
+    Both forms accept both calls where they have what they need (`block_d`:
+    see idempotent_moe.moe). For the experts of a transformers model, prefer
+    the "idempotent" experts implementation (hf_experts), which never builds
+    an [E, T, D] buffer.
     """
 
     def __init__(self, hidden_dim: int | None = None, num_experts: int | None = None,
                  top_k: int | None = None, block_d: int = 128, *, capacity: int | None = None,
                  mode: str = "swap", normalize_top_k: bool = True) -> None:
+        # block_d: accepted and ignored (idempotent_moe.moe's docstring).
         def optional(value, name, minimum):
             return None if value is None else _arrays.check_int(value, name, minimum=minimum)
 
@@ -124,7 +126,6 @@ class HuggingFaceMoEInplaceHook:
         self.top_k = optional(top_k, "top_k", 1)
         if self.top_k is not None and self.num_experts is not None and self.top_k > self.num_experts:
             raise ValueError(f"top_k ({self.top_k}) must be <= num_experts ({self.num_experts})")
-        self.block_d = _arrays.check_int(block_d, "block_d", minimum=1)
         self.capacity = optional(capacity, "capacity", 0)
         if mode not in ("swap", "move"):
             raise ValueError(f"mode must be 'swap' or 'move', got {mode!r}")
@@ -134,7 +135,7 @@ class HuggingFaceMoEInplaceHook:
     def __repr__(self) -> str:
         fields = [f"{k}={getattr(self, k)!r}" for k in
                   ("hidden_dim", "num_experts", "top_k", "capacity") if getattr(self, k) is not None]
-        return f"HuggingFaceMoEInplaceHook({', '.join(fields + [f'block_d={self.block_d}'])})"
+        return f"HuggingFaceMoEInplaceHook({', '.join(fields)})"
 
     def _capacity(self, capacity: int | None) -> int:
         if capacity is None:
@@ -150,13 +151,7 @@ class HuggingFaceMoEInplaceHook:
         [E, C', D], C' = min(C, T), and with return_indices the indices [E, C']."""
         if not _arrays.is_torch(expert_inputs):  # torch tensors that require grad are handled below
             _arrays.check_array(expert_inputs, "expert_inputs")
-        shape = _arrays.shape_of(expert_inputs)
-        if len(shape) != 3:
-            raise ValueError(f"expert_inputs must be [num_experts, T, D], got {list(shape)}")
-        if self.num_experts is not None and shape[0] != self.num_experts:
-            raise ValueError(f"expert_inputs has {shape[0]} experts, the hook {self.num_experts}")
-        if self.hidden_dim is not None and shape[2] != self.hidden_dim:
-            raise ValueError(f"expert_inputs has hidden size {shape[2]}, the hook {self.hidden_dim}")
+        check_expert_buffer(expert_inputs, "expert_inputs", self.num_experts, self.hidden_dim)
         kept, indices = _compact_experts(expert_inputs, gating_weights, self._capacity(capacity),
                                          self.mode, out_indices)
         return (kept, indices) if return_indices else kept
@@ -187,9 +182,7 @@ class HuggingFaceMoEInplaceHook:
         top_w, top_i = torch.topk(probs, self.top_k, dim=-1)
         if self.normalize_top_k:
             top_w = top_w / top_w.sum(dim=-1, keepdim=True)
-        # scores [E, T]: the routing weight, -inf where the token is not routed
-        scores = torch.full((self.num_experts, num_tokens), float("-inf"), device=tokens.device)
-        scores.scatter_(0, top_i.t(), top_w.detach().t())
+        scores = expert_scores(top_i, top_w, self.num_experts)  # [E, T], -inf where not routed
         shape = (self.num_experts, num_tokens, dim)
         if dispatch_buffer is None:
             buffer = tokens.unsqueeze(0).expand(shape).clone()
@@ -212,11 +205,4 @@ class HuggingFaceMoEInplaceHook:
         expert_outputs[e, c] into token indices[e, c] (torch tensors; fp32
         accumulation for half precision). Uses index_add_, whose float
         atomics make it run-to-run nondeterministic on CUDA."""
-        torch = _torch()
-        num_experts, kept, dim = expert_outputs.shape
-        acc = torch.promote_types(expert_outputs.dtype, weights.dtype)
-        if acc in (torch.float16, torch.bfloat16):
-            acc = torch.float32
-        out = torch.zeros(num_tokens, dim, dtype=acc, device=expert_outputs.device)
-        terms = (expert_outputs.to(acc) * weights.to(acc).unsqueeze(-1)).reshape(num_experts * kept, dim)
-        return out.index_add(0, indices.reshape(-1), terms).to(expert_outputs.dtype)
+        return combine_slots(expert_outputs, indices, weights, num_tokens)
