@@ -45,6 +45,7 @@ fi
 
 step "main job: W1 W2 W3"
 run python -m idempotent_moe bench --workloads W1,W2,W3 --out "$out" --readme README.md
+run python -m idempotent_moe readme "$out/main-cuda.json" --readme docs/results.md
 if [ "$sweep" = 1 ]; then
   step "W5 sweep"
   run python -m idempotent_moe sweep --out "$out"
@@ -54,10 +55,9 @@ if [ "$models" = 1 ]; then
   run python -m idempotent_moe w4 --out "$out" --doc docs/moe.md
   step "W2 through the KV hooks and the cache"
   run python -m idempotent_moe kv --device cuda --out "$out" --doc docs/kv.md
-  run python -m idempotent_moe kv --from-json "$out/kv-cuda.json" --doc README.md
 fi
 step "permutation engine"
-run python -m idempotent_moe permute --device cuda --out "$out" --doc README.md
+run python -m idempotent_moe permute --device cuda --out "$out" --doc docs/results.md
 if [ "$models" = 1 ] && [ "$gpus" -ge 2 ]; then
   step "expert parallelism on two GPUs (NCCL)"
   run python benchmarks/ep_bench.py --out "$out" --docs docs/distributed.md

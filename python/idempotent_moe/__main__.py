@@ -27,7 +27,8 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--out", default="benchmarks/results", help="folder for JSON and plot")
     bench.add_argument("--no-plot", action="store_true")
     bench.add_argument("--readme", default=None,
-                       help="regenerate the results table of this README from the new JSON")
+                       help="regenerate the results table of this file (README.md, docs/results.md) "
+                            "from the new JSON")
     sweep = sub.add_parser("sweep", help="W5: N, keep ratio and row size sweeps (time / floor)")
     sweep.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     sweep.add_argument("--runs", type=int, default=0)
@@ -66,16 +67,17 @@ def _parser() -> argparse.ArgumentParser:
     permute.add_argument("--runs", type=int, default=0,
                          help="timed runs per row (default 15 on the CPU, 100 on CUDA)")
     permute.add_argument("--doc", default=None,
-                         help="regenerate this file's permute table (README.md) from the new JSON")
+                         help="regenerate this file's permute table (docs/results.md) from the new JSON")
     permute.add_argument("--from-json", default=None,
                          help="with --doc: regenerate the table from this JSON instead of running")
     permute.add_argument("--threads", type=int, default=0, help="CPU threads (default: torch's)")
     permute.add_argument("--quick", action="store_true", help="small shapes, for a smoke test")
     permute.add_argument("--out", default="benchmarks/results")
     permute.add_argument("--no-plot", action="store_true")
-    readme = sub.add_parser("readme", help="regenerate README tables from result JSON files")
+    readme = sub.add_parser("readme", help="regenerate main-job tables from result JSON files "
+                                            "(README.md: the GPU table; docs/results.md: all)")
     readme.add_argument("json", nargs="+")
-    readme.add_argument("--readme", default="README.md")
+    readme.add_argument("--readme", default="README.md", help="the file to update")
     return parser
 
 

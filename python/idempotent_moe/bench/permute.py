@@ -344,7 +344,7 @@ def run_cuda(runs: int = 0, quick: bool = False, out: str = os.path.join("benchm
 
 
 def doc_from_json(doc: str, json_path: str) -> None:
-    """Regenerate the permute table of `doc` (README.md) for the device of the JSON:
+    """Regenerate the permute table of `doc` (docs/results.md) for the device of the JSON:
     the section between <!-- permute:cpu|cuda --> markers."""
     import json
 

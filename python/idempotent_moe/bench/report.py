@@ -1,5 +1,5 @@
-"""Results: speedups, the printed table, JSON, the plot, and the README table
-(always regenerated from the JSON)."""
+"""Results: speedups, the printed table, JSON, the plot, and the main-job tables
+of README.md and docs/results.md (always regenerated from the JSON)."""
 
 from __future__ import annotations
 
