@@ -105,7 +105,9 @@ imoe_status imoe_build_map(const imoe_selection *sel, const imoe_view *out_indic
   if (st != IMOE_OK) return st;
   const int64_t n = build_map_slots(sel, out_target_map);
   if (sel->scores == NULL && out_target_map == NULL) {
-    if (sel->active != NULL && sel->active->n > 0 && n == 0) {
+    /* With rows to fill, K > 0 active indices cannot lie in [0, 0): N was
+     * left out (a call with no rows is valid with any N). */
+    if (sel->active != NULL && sel->active->n > 0 && n == 0 && imoe_view_rows(ref) > 0) {
       return imoe_fail(err, IMOE_ERR_ARGUMENT,
                        "num_slots: active_indices do not say N; give num_slots (or out_target_map)");
     }
