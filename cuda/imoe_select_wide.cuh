@@ -1,5 +1,5 @@
-// imoe_wide.cuh: the selection of a few long rows, spread over the GPU
-// (k_select_wide). Included by imoe_cuda.cu after imoe_kernels.cuh.
+// imoe_select_wide.cuh: the selection of a few long rows, spread over the GPU
+// (k_select_wide; docs/cuda-design.md, "Select paths"). Part of imoe_select.cu.
 //
 // k_select (long rows) gives every block of a row the whole row: each one
 // runs every radix pass and every hole and tail scan over all N slots, so a
@@ -32,6 +32,8 @@
 // block reads them any more, so every launch leaves them zero), a barrier
 // word per row, and one count record per block.
 #pragma once
+
+#include "imoe_select_common.cuh"
 
 namespace imoe_cu {
 
@@ -254,7 +256,7 @@ __global__ void __launch_bounds__(kSelThreads, 1) k_select_wide(const __grid_con
   if (p.fused_nan) {
     if (tid == 0) bad = nan_verdict(gbar, s_phase, p.token, ld_relaxed_u64(gbar));
   } else {
-    bad = verdict_bad(p.token, p.nverdict);
+    bad = verdict_bad(module_words(), p.token, p.nverdict);
   }
   if (__syncthreads_or(bad)) return;  // also completes the ranks above
   IMOE_PHASE(7);
@@ -455,10 +457,7 @@ __global__ void __launch_bounds__(kSelThreads, 1) k_select_wide(const __grid_con
     }
     __syncthreads();
   }
-#ifdef IMOE_PHASE_TIMES
-  __syncthreads();
-  IMOE_PHASE(10);
-#endif
+  IMOE_PHASE_END(10);
 }
 
 }  // namespace imoe_cu

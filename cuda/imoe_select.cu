@@ -1,82 +1,35 @@
-// imoe_cuda.cu: the extern "C" launchers of csrc/imoe_backend.h.
-//
-// Host side of the CUDA path: turn the validated views into kernel
-// parameters (lead axes merged where contiguous, vector widths picked per
-// buffer), choose the launch shapes, and enqueue the kernels on the caller's
-// stream. No allocation, no synchronisation (except read_device_status).
-// Design, measurements and limits: cuda/NOTES.md.
+// imoe_select.cu: the select and move family (docs/cuda-design.md, "Select
+// paths"): imoe_cuda_build_map, imoe_cuda_compact, imoe_cuda_apply_indices,
+// imoe_cuda_apply_target_map and imoe_cuda_read_device_status. Host side:
+// turn the validated views into kernel parameters, plan the launches, and
+// enqueue them on the caller's stream; no allocation, no synchronisation
+// (except read_device_status). This translation unit owns the fixed module
+// memory every family's kernels write: the status word and the verdict words
+// (other translation units get their addresses from DevInfo::words).
+#define IMOE_SELECT_TRANSLATION_UNIT
 #include <cuda_runtime.h>
-#include <stdarg.h>
-#include <stdio.h>
 #include <string.h>
 
 #include <algorithm>
-#include <atomic>
 #include <mutex>
 #include <vector>
 
-#include "imoe_backend.h"
-#include "imoe_kernels.cuh"
-#include "imoe_wide.cuh"
+#include "imoe_apply.cuh"
+#include "imoe_check.cuh"
+#include "imoe_launch.cuh"
+#include "imoe_select_common.cuh"
+#include "imoe_select_rows.cuh"
+#include "imoe_select_small.cuh"
+#include "imoe_select_wide.cuh"
 
-using namespace imoe_cu;
+namespace imoe_cu {
 
 namespace {
 
-constexpr int kMaxDevices = 64;
 constexpr size_t kStaticSmemSelect = 4096;  // upper bound of k_select's static shared memory
 constexpr int kStaticSmemWide = 24576;      // ... and of k_select_wide's
 // k_select_small: H and T, min(C', N - C') <= N / 2 entries each
 constexpr int kSmallDynSmem = kSmallMaxN * 4 > 0 ? kSmallMaxN * 4 : 4;
-
-struct DevInfo {
-  bool init;
-  int sms;
-  int smem_optin;  // per block, opt-in
-  int smem_sm;     // per multiprocessor
-  int cc_major;
-  int coop;  // cooperative launches (the select's own NaN check, k_select_wide)
-  int wide_cap;  // k_select_wide: pairs a block holds at once (H and T in shared memory)
-  size_t occ_smem[8];  // k_select<0..2>, k_select_small (src 3..7; either mover)
-  int occ_val[8];
-};
-
-std::mutex g_mu;
-DevInfo g_dev[kMaxDevices];
-std::atomic<uint32_t> g_token{0};
-
-imoe_status fail(imoe_error *err, imoe_status st, const char *fmt, ...) {
-  if (err) {
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(err->message, sizeof err->message, fmt, ap);
-    va_end(ap);
-  }
-  return st;
-}
-
-imoe_status cuda_fail(imoe_error *err, const char *fn, const char *what, cudaError_t e) {
-  (void)cudaGetLastError();  // a failed launch must not linger as the "last error"
-  return fail(err, IMOE_ERR_DEVICE, "%s: %s failed: %s (%s)", fn, what, cudaGetErrorString(e),
-              cudaGetErrorName(e));
-}
-
-uint32_t next_token() {
-  uint32_t t;
-  do {
-    t = g_token.fetch_add(1u) + 1u;
-  } while (t == 0u);
-  return t;
-}
-
-// Makes exec->device_id current for the call and restores the caller's.
-struct DeviceGuard {
-  int prev = -1;
-  bool switched = false;
-  ~DeviceGuard() {
-    if (switched) cudaSetDevice(prev);
-  }
-};
 
 // k_select_small for rows of at most 4096, 8192 and 16384 slots (src 3, 4,
 // 5: 1024 threads), and for many rows of at most 4096 and 8192 slots (src
@@ -100,67 +53,51 @@ cudaError_t raise_smem(K kernel, int bytes) {
   return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
 }
 
-imoe_status enter(const imoe_exec *exec, const char *fn, imoe_error *err, DeviceGuard *g,
-                  DevInfo **out) {
-  int cur = 0;
-  cudaError_t e = cudaGetDevice(&cur);
-  if (e != cudaSuccess) return cuda_fail(err, fn, "cudaGetDevice", e);
-  const int dev = exec->device_id;
-  if (dev < 0 || dev >= kMaxDevices) return fail(err, IMOE_ERR_ARGUMENT, "%s: exec->device_id %d out of range", fn, dev);
-  if (cur != dev) {
-    e = cudaSetDevice(dev);
-    if (e != cudaSuccess) return cuda_fail(err, fn, "cudaSetDevice", e);
-    g->prev = cur;
-    g->switched = true;
+}  // namespace
+
+// Once per device (enter(), under g_mu): the select family's kernel
+// attributes and the addresses of its module memory.
+cudaError_t setup_select_device(DevInfo *di, const char **what) {
+  cudaError_t e;
+  *what = "cudaGetSymbolAddress";
+  void *status = nullptr, *verdict = nullptr;
+  if ((e = cudaGetSymbolAddress(&status, g_status)) != cudaSuccess ||
+      (e = cudaGetSymbolAddress(&verdict, g_verdict)) != cudaSuccess)
+    return e;
+  di->words.status = static_cast<int *>(status);
+  di->words.verdict = static_cast<unsigned(*)[kVerdicts]>(verdict);
+  *what = "cudaFuncSetAttribute";
+  di->wide_cap = std::max(1, std::min(kWideMaxCap, (di->smem_optin - kStaticSmemWide - 4 * kWideSub) / 8));
+  // One shared-memory carveout for every kernel: a kernel launched early
+  // (PDL) can then share a multiprocessor with the one before it.
+  const int carve = cudaSharedmemCarveoutMaxShared;
+  if ((e = cudaFuncSetAttribute(k_select<0>, cudaFuncAttributePreferredSharedMemoryCarveout, carve)) != cudaSuccess ||
+      (e = cudaFuncSetAttribute(k_select<1>, cudaFuncAttributePreferredSharedMemoryCarveout, carve)) != cudaSuccess ||
+      (e = cudaFuncSetAttribute(k_select<2>, cudaFuncAttributePreferredSharedMemoryCarveout, carve)) != cudaSuccess ||
+      (e = cudaFuncSetAttribute(k_check_rows, cudaFuncAttributePreferredSharedMemoryCarveout, carve)) != cudaSuccess ||
+      (e = cudaFuncSetAttribute(k_check_nan, cudaFuncAttributePreferredSharedMemoryCarveout, carve)) != cudaSuccess ||
+      (e = cudaFuncSetAttribute(k_check_tm, cudaFuncAttributePreferredSharedMemoryCarveout, carve)) != cudaSuccess ||
+      (e = cudaFuncSetAttribute(k_apply, cudaFuncAttributePreferredSharedMemoryCarveout, carve)) != cudaSuccess ||
+      (e = cudaFuncSetAttribute(k_select_wide, cudaFuncAttributePreferredSharedMemoryCarveout, carve)) !=
+          cudaSuccess ||
+      (e = raise_smem(k_select_wide, 8 * di->wide_cap + 4 * kWideSub)) != cudaSuccess)
+    return e;
+  for (int k = 0; k < 2 * kSmallKernels; ++k) {
+    const SmallKernel sk = small_kernel(3 + k % kSmallKernels, k >= kSmallKernels);
+    if ((e = cudaFuncSetAttribute(sk, cudaFuncAttributePreferredSharedMemoryCarveout, carve)) != cudaSuccess ||
+        (e = raise_smem(sk, kSmallDynSmem)) != cudaSuccess)
+      return e;
   }
-  DevInfo *di = &g_dev[dev];
-  std::lock_guard<std::mutex> lock(g_mu);
-  if (!di->init) {
-    int v[5];
-    const cudaDeviceAttr attrs[5] = {cudaDevAttrMultiProcessorCount, cudaDevAttrMaxSharedMemoryPerBlockOptin,
-                                     cudaDevAttrMaxSharedMemoryPerMultiprocessor,
-                                     cudaDevAttrComputeCapabilityMajor, cudaDevAttrCooperativeLaunch};
-    for (int i = 0; i < 5; ++i) {
-      e = cudaDeviceGetAttribute(&v[i], attrs[i], dev);
-      if (e != cudaSuccess) return cuda_fail(err, fn, "cudaDeviceGetAttribute", e);
-    }
-    di->sms = v[0];
-    di->smem_optin = v[1];
-    di->smem_sm = v[2];
-    di->cc_major = v[3];
-    di->coop = v[4];
-    di->wide_cap = std::max(1, std::min(kWideMaxCap, (di->smem_optin - kStaticSmemWide - 4 * kWideSub) / 8));
-    // One shared-memory carveout for every kernel: a kernel launched early
-    // (PDL) can then share a multiprocessor with the one before it.
-    const int carve = cudaSharedmemCarveoutMaxShared;
-    if ((e = cudaFuncSetAttribute(k_select<0>, cudaFuncAttributePreferredSharedMemoryCarveout, carve)) != cudaSuccess ||
-        (e = cudaFuncSetAttribute(k_select<1>, cudaFuncAttributePreferredSharedMemoryCarveout, carve)) != cudaSuccess ||
-        (e = cudaFuncSetAttribute(k_select<2>, cudaFuncAttributePreferredSharedMemoryCarveout, carve)) != cudaSuccess ||
-        (e = cudaFuncSetAttribute(k_check_rows, cudaFuncAttributePreferredSharedMemoryCarveout, carve)) != cudaSuccess ||
-        (e = cudaFuncSetAttribute(k_check_nan, cudaFuncAttributePreferredSharedMemoryCarveout, carve)) != cudaSuccess ||
-        (e = cudaFuncSetAttribute(k_check_tm, cudaFuncAttributePreferredSharedMemoryCarveout, carve)) != cudaSuccess ||
-        (e = cudaFuncSetAttribute(k_apply, cudaFuncAttributePreferredSharedMemoryCarveout, carve)) != cudaSuccess ||
-        (e = cudaFuncSetAttribute(k_select_wide, cudaFuncAttributePreferredSharedMemoryCarveout, carve)) !=
-            cudaSuccess ||
-        (e = raise_smem(k_select_wide, 8 * di->wide_cap + 4 * kWideSub)) != cudaSuccess)
-      return cuda_fail(err, fn, "cudaFuncSetAttribute", e);
-    for (int k = 0; k < 2 * kSmallKernels; ++k) {
-      const SmallKernel sk = small_kernel(3 + k % kSmallKernels, k >= kSmallKernels);
-      if ((e = cudaFuncSetAttribute(sk, cudaFuncAttributePreferredSharedMemoryCarveout, carve)) != cudaSuccess ||
-          (e = raise_smem(sk, kSmallDynSmem)) != cudaSuccess)
-        return cuda_fail(err, fn, "cudaFuncSetAttribute", e);
-    }
-    const int dyn = di->smem_optin - (int)kStaticSmemSelect;
-    if ((e = raise_smem(k_select<0>, dyn)) != cudaSuccess || (e = raise_smem(k_select<1>, dyn)) != cudaSuccess ||
-        (e = raise_smem(k_select<2>, dyn)) != cudaSuccess ||
-        (e = raise_smem(k_check_rows, di->smem_optin - 1024)) != cudaSuccess)
-      return cuda_fail(err, fn, "cudaFuncSetAttribute", e);
-    for (int i = 0; i < 3 + kSmallKernels; ++i) di->occ_smem[i] = (size_t)-1;
-    di->init = true;
-  }
-  *out = di;
-  return IMOE_OK;
+  const int dyn = di->smem_optin - (int)kStaticSmemSelect;
+  if ((e = raise_smem(k_select<0>, dyn)) != cudaSuccess || (e = raise_smem(k_select<1>, dyn)) != cudaSuccess ||
+      (e = raise_smem(k_select<2>, dyn)) != cudaSuccess ||
+      (e = raise_smem(k_check_rows, di->smem_optin - 1024)) != cudaSuccess)
+    return e;
+  for (int i = 0; i < 3 + kSmallKernels; ++i) di->occ_smem[i] = (size_t)-1;
+  return cudaSuccess;
 }
+
+namespace {
 
 int occupancy(DevInfo *di, int src, size_t smem) {
   std::lock_guard<std::mutex> lock(g_mu);
@@ -180,31 +117,6 @@ int occupancy(DevInfo *di, int src, size_t smem) {
   return nb;
 }
 
-// pdl: programmatic dependent launch after the previous kernel; coop: a
-// cooperative launch (every block resident at once, or the launch fails).
-template <class P>
-cudaError_t launch(void (*kernel)(P), unsigned grid, unsigned block, size_t smem, cudaStream_t st, bool pdl,
-                   const P &params, bool coop = false) {
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(grid, 1, 1);
-  cfg.blockDim = dim3(block, 1, 1);
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = st;
-  cudaLaunchAttribute attr[2];
-  unsigned n = 0;
-  if (pdl) {
-    attr[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[n++].val.programmaticStreamSerializationAllowed = 1;
-  }
-  if (coop) {
-    attr[n].id = cudaLaunchAttributeCooperative;
-    attr[n++].val.cooperative = 1;
-  }
-  cfg.attrs = n ? attr : nullptr;
-  cfg.numAttrs = n;
-  return cudaLaunchKernelEx(&cfg, kernel, params);
-}
-
 cudaError_t launch0(void (*kernel)(), cudaStream_t st) {
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(1, 1, 1);
@@ -213,142 +125,11 @@ cudaError_t launch0(void (*kernel)(), cudaStream_t st) {
   return cudaLaunchKernelEx(&cfg, kernel);
 }
 
-// ------------------------------------------------------------ views
-int64_t dtype_size(int dt) {
-  switch (dt) {
-    case IMOE_DTYPE_F32: return 4;
-    case IMOE_DTYPE_F16: return 2;
-    case IMOE_DTYPE_BF16: return 2;
-    case IMOE_DTYPE_I32: return 4;
-    case IMOE_DTYPE_I64: return 8;
-    default: return 1;
-  }
-}
-
-// The lead axes of every view of a call, merged where all views are
-// contiguous across them and with size-1 axes dropped. A view with
-// lead_ndim 0 (shared active indices) is broadcast (stride 0).
-struct Plan {
-  Lead lead;
-  uint64_t R;
-  std::vector<Strides> st;  // one per view, in the order given
-};
-
-bool make_plan(const imoe_view *ref, const std::vector<const imoe_view *> &views, Plan *pl) {
-  const int nd = ref ? ref->lead_ndim : 0;
-  const size_t nv = views.size();
-  int64_t shape[kMaxDims];
-  std::vector<Strides> src(nv);
-  uint64_t R = 1;
-  for (int d = 0; d < nd; ++d) {
-    shape[d] = ref->lead_shape[d];
-    R *= (uint64_t)shape[d];
-    for (size_t i = 0; i < nv; ++i)
-      src[i].s[d] = (views[i] && views[i]->lead_ndim > 0) ? views[i]->lead_stride[d] : 0;
-  }
-  pl->R = R;
-  pl->st.assign(nv, Strides());
-  for (size_t i = 0; i < nv; ++i) memset(&pl->st[i], 0, sizeof(Strides));
-  memset(&pl->lead, 0, sizeof(Lead));
-  if (R == 0) return true;
-  if (R > 0xFFFFFFFFull) return false;
-  int m = 0;
-  uint64_t mshape[kMaxDims];
-  for (int d = 0; d < nd; ++d) {
-    if (shape[d] == 1) continue;
-    bool merge = m > 0;
-    for (size_t i = 0; merge && i < nv; ++i)
-      if (pl->st[i].s[m - 1] != src[i].s[d] * shape[d]) merge = false;
-    if (merge) {
-      mshape[m - 1] *= (uint64_t)shape[d];
-      for (size_t i = 0; i < nv; ++i) pl->st[i].s[m - 1] = src[i].s[d];
-    } else {
-      mshape[m] = (uint64_t)shape[d];
-      for (size_t i = 0; i < nv; ++i) pl->st[i].s[m] = src[i].s[d];
-      ++m;
-    }
-  }
-  pl->lead.nd = m;
-  for (int d = 0; d < m; ++d) pl->lead.shape[d] = (uint32_t)mshape[d];
-  return true;
-}
-
-bool multiple_of(int64_t v, int64_t a) { return v % a == 0; }
-
-InView in_view(const imoe_view *v, const Strides &st, int nd) {
-  InView o;
-  memset(&o, 0, sizeof o);
-  if (!v) return o;
-  o.data = static_cast<const char *>(v->data);
-  o.lead = st;
-  o.n_stride = v->n_stride;
-  o.dtype = v->dtype;
-  const int64_t es = dtype_size(v->dtype);
-  bool al = multiple_of((int64_t)(uintptr_t)v->data, es) && multiple_of(v->n_stride, es);
-  for (int d = 0; d < nd; ++d) al = al && multiple_of(st.s[d], es);
-  o.aligned = al ? 1 : 0;
-  return o;
-}
-
-OutView out_view(const imoe_view *v, const Strides &st, int nd) {
-  const InView i = in_view(v, st, nd);
-  OutView o;
-  o.data = const_cast<char *>(i.data);
-  o.lead = i.lead;
-  o.n_stride = i.n_stride;
-  o.dtype = i.dtype;
-  o.aligned = i.aligned;
-  return o;
-}
-
-BufDesc buf_desc(const imoe_view *v, const Strides &st, int nd) {
-  BufDesc b;
-  memset(&b, 0, sizeof b);
-  b.data = static_cast<char *>(v->data);
-  b.lead = st;
-  b.n_stride = v->n_stride;
-  int vw = 16;
-  while (vw > 1) {
-    bool ok = multiple_of(v->n_stride, vw);
-    for (int d = 0; d < nd; ++d) ok = ok && multiple_of(st.s[d], vw);
-    if (ok) break;
-    vw >>= 1;
-  }
-  const int64_t rb = v->row_bytes;
-  const int64_t mis = (int64_t)((uintptr_t)v->data % (uintptr_t)vw);
-  int64_t head = mis ? vw - mis : 0;
-  if (head > rb) head = rb;
-  const int64_t body = (rb - head) / vw;
-  b.vw = vw;
-  b.head = (int32_t)head;
-  b.body = (uint32_t)body;
-  b.tail = (int32_t)(rb - head - body * vw);
-  return b;
-}
-
-// Byte range [lo, hi) a view touches.
-void extent(const imoe_view *v, const Plan &pl, const Strides &st, int64_t n, int64_t row_bytes, uintptr_t *lo,
-            uintptr_t *hi) {
-  int64_t a = 0, b = 0;
-  for (int d = 0; d < pl.lead.nd; ++d) {
-    const int64_t span = (int64_t)(pl.lead.shape[d] - 1) * st.s[d];
-    if (span < 0) a += span;
-    else b += span;
-  }
-  if (n > 0) {
-    const int64_t span = (n - 1) * v->n_stride;
-    if (span < 0) a += span;
-    else b += span;
-  }
-  *lo = (uintptr_t)v->data + (intptr_t)a;
-  *hi = (uintptr_t)v->data + (intptr_t)b + (uintptr_t)row_bytes;
-}
-
-bool overlaps(uintptr_t alo, uintptr_t ahi, uintptr_t blo, uintptr_t bhi) { return alo < bhi && blo < ahi; }
+}  // namespace
 
 // Apply kernels for buffer groups [first, num_buffers), each of kMaxBuf.
 imoe_status launch_apply_groups(const char *fn, const imoe_view *buffers, int first, int num_buffers,
-                                const Plan &pl, size_t buf_st0, const InView &map, int kind, int64_t M,
+                                const CallRows &pl, size_t buf_st0, const InView &map, int kind, int64_t M,
                                 bool swap, uint32_t token, int nverdict, bool pdl_first, DevInfo *di,
                                 cudaStream_t st, imoe_error *err) {
   if (first >= num_buffers || M <= 0) return IMOE_OK;
@@ -375,19 +156,21 @@ imoe_status launch_apply_groups(const char *fn, const imoe_view *buffers, int fi
     ap.nbuf = nb;
     for (int b = 0; b < nb; ++b) ap.buf[b] = buf_desc(&buffers[g + b], pl.st[buf_st0 + g + b], pl.lead.nd);
     ap.pdl = pdl ? 1 : 0;
-    const cudaError_t e = launch(k_apply, (unsigned)grid, kApplyThreads, (size_t)seg * sizeof(int2), st, pdl, ap);
+    const cudaError_t e = launch(k_apply, shape((unsigned)grid, kApplyThreads, (size_t)seg * sizeof(int2), pdl), st, ap);
     if (e != cudaSuccess) return cuda_fail(err, fn, "launch of k_apply", e);
     pdl = false;
   }
   return IMOE_OK;
 }
 
+namespace {
+
 // The grid of a check kernel that works in pieces (k_check_nan, k_check_tm):
 // R rows of n entries in pieces of `per`, grid-strided over at most
 // kVerdicts blocks, one verdict word each. Fills q's shape fields and the
 // block count; false when the pieces do not fit one launch.
 template <class P>
-bool plan_pieces(const Plan &pl, int64_t n, int64_t per, uint32_t token, P *q, int *nverdict) {
+bool plan_pieces(const CallRows &pl, int64_t n, int64_t per, uint32_t token, P *q, int *nverdict) {
   q->lead = pl.lead;
   q->N = n;
   q->per = per;
@@ -401,7 +184,7 @@ bool plan_pieces(const Plan &pl, int64_t n, int64_t per, uint32_t token, P *q, i
 }
 
 // The NaN check kernel of a call (read-only): every score of every row.
-imoe_status launch_nan_check(const char *fn, const Plan &pl, int64_t N, const imoe_view *scores, uint32_t token,
+imoe_status launch_nan_check(const char *fn, const CallRows &pl, int64_t N, const imoe_view *scores, uint32_t token,
                              cudaStream_t st, int *nverdict, imoe_error *err) {
   NanParams np;
   memset(&np, 0, sizeof np);
@@ -416,7 +199,7 @@ imoe_status launch_nan_check(const char *fn, const Plan &pl, int64_t N, const im
     next *= (int64_t)pl.lead.shape[d];
   }
   if (dense) {
-    Plan flat;
+    CallRows flat;
     flat.lead = Lead();
     memset(&flat.lead, 0, sizeof flat.lead);
     flat.R = 1;
@@ -429,24 +212,19 @@ imoe_status launch_nan_check(const char *fn, const Plan &pl, int64_t N, const im
     return fail(err, IMOE_ERR_ARGUMENT, "%s: too many rows for one launch", fn);
   }
   // 1024 threads of dense scores keep 128 KiB of loads in flight per multiprocessor
-  const cudaError_t e = launch(k_check_nan, (unsigned)*nverdict, dense ? 1024 : 256, 0, st, false, np);
+  const cudaError_t e = launch(k_check_nan, shape((unsigned)*nverdict, dense ? 1024 : 256, 0, false), st, np);
   if (e != cudaSuccess) return cuda_fail(err, fn, "launch of k_check_nan", e);
   return IMOE_OK;
 }
 
-// The validation verdict of a select_and_move call: later kernels of the
-// same call (ordered compaction) read it with call_aborted(token, nverdict).
-struct SelectVerdict {
-  uint32_t token;
-  int nverdict;
-};
+}  // namespace
 
 // build_map (num_buffers == 0, do_move false) and compact. `verdict`, when
 // given, receives the call's verdict token (0: nothing was validated).
 imoe_status select_and_move(const char *fn, const imoe_view *buffers, int32_t num_buffers,
                             const imoe_selection *sel, const imoe_view *oi, const imoe_view *otm, bool do_move,
                             imoe_mode mode, const imoe_exec *exec, imoe_error *err,
-                            SelectVerdict *verdict = nullptr) {
+                            SelectVerdict *verdict) {
   if (verdict) *verdict = SelectVerdict{0u, 0};
   DeviceGuard guard;
   DevInfo *di = nullptr;
@@ -476,8 +254,8 @@ imoe_status select_and_move(const char *fn, const imoe_view *buffers, int32_t nu
   views.push_back(otm);
   for (int b = 0; b < num_buffers; ++b) views.push_back(&buffers[b]);
   const imoe_view *ref = oi ? oi : (otm ? otm : (num_buffers ? &buffers[0] : scores));
-  Plan pl;
-  if (!make_plan(ref, views, &pl)) return fail(err, IMOE_ERR_ARGUMENT, "%s: more than 2^32 - 1 rows", fn);
+  CallRows pl;
+  if (!merge_rows(ref, views, &pl)) return fail(err, IMOE_ERR_ARGUMENT, "%s: more than 2^32 - 1 rows", fn);
   if (pl.R == 0 || N == 0) return IMOE_OK;
   const int nd = pl.lead.nd;
 
@@ -518,7 +296,7 @@ imoe_status select_and_move(const char *fn, const imoe_view *buffers, int32_t nu
     rp.rows = shared ? 1u : (uint32_t)pl.R;
     nverdict = (int)std::min<uint32_t>(rp.rows, kVerdicts);
     const cudaError_t e =
-        launch(k_check_rows, (unsigned)nverdict, kCheckThreads, (size_t)rp.win_bits / 8, st, false, rp);
+        launch(k_check_rows, shape((unsigned)nverdict, kCheckThreads, (size_t)rp.win_bits / 8, false), st, rp);
     if (e != cudaSuccess) return cuda_fail(err, fn, "launch of k_check_rows", e);
     pdl = pdl_ok;
   }
@@ -628,7 +406,7 @@ imoe_status select_and_move(const char *fn, const imoe_view *buffers, int32_t nu
       for (int b = 0; b < wp.nbuf; ++b) wp.buf[b] = buf_desc(&buffers[b], pl.st[3 + b], nd);
     }
     const size_t smem_w = (size_t)wp.cap * 8u + 4u * kWideSub;  // H, T and the batch of scores
-    e = launch(k_select_wide, (unsigned)(pl.R * (uint64_t)nblk_w), kSelThreads, smem_w, st, false, wp, true);
+    e = launch(k_select_wide, shape((unsigned)(pl.R * (uint64_t)nblk_w), kSelThreads, smem_w, false, true), st, wp);
     if (e == cudaSuccess) {
       launched = true;
       if (nan_pending) nverdict = 1;  // block 0 writes the verdict word
@@ -671,7 +449,7 @@ imoe_status select_and_move(const char *fn, const imoe_view *buffers, int32_t nu
       sp.fused_nan = 1;
       sp.nverdict = 0;
       sp.pdl = 0;
-      e = launch(small_kernel(src, move5), (unsigned)grid, small_threads(src), smem, st, false, sp, true);
+      e = launch(small_kernel(src, move5), shape((unsigned)grid, small_threads(src), smem, false, true), st, sp);
       if (e == cudaSuccess) {
         launched = true;
         nverdict = 1;  // block 0 writes the verdict word for the call's later kernels
@@ -692,10 +470,10 @@ imoe_status select_and_move(const char *fn, const imoe_view *buffers, int32_t nu
   }
   if (!launched) {
     sp.pdl = pdl ? 1 : 0;
-    if (src == 0) e = launch(k_select<0>, (unsigned)grid, kSelThreads, smem, st, pdl, sp);
-    else if (src == 1) e = launch(k_select<1>, (unsigned)grid, kSelThreads, smem, st, pdl, sp);
-    else if (src == 2) e = launch(k_select<2>, (unsigned)grid, kSelThreads, smem, st, pdl, sp);
-    else e = launch(small_kernel(src, move5), (unsigned)grid, small_threads(src), smem, st, pdl, sp);
+    if (src == 0) e = launch(k_select<0>, shape((unsigned)grid, kSelThreads, smem, pdl), st, sp);
+    else if (src == 1) e = launch(k_select<1>, shape((unsigned)grid, kSelThreads, smem, pdl), st, sp);
+    else if (src == 2) e = launch(k_select<2>, shape((unsigned)grid, kSelThreads, smem, pdl), st, sp);
+    else e = launch(small_kernel(src, move5), shape((unsigned)grid, small_threads(src), smem, pdl), st, sp);
     if (e != cudaSuccess) return cuda_fail(err, fn, "launch of k_select", e);
   }
 
@@ -707,6 +485,8 @@ imoe_status select_and_move(const char *fn, const imoe_view *buffers, int32_t nu
   }
   return IMOE_OK;
 }
+
+namespace {
 
 imoe_status apply_map(const char *fn, const imoe_view *buffers, int32_t num_buffers, const imoe_view *map,
                       int kind, imoe_mode mode, const imoe_exec *exec, imoe_error *err) {
@@ -723,8 +503,8 @@ imoe_status apply_map(const char *fn, const imoe_view *buffers, int32_t num_buff
   std::vector<const imoe_view *> views;
   views.push_back(map);
   for (int b = 0; b < num_buffers; ++b) views.push_back(&buffers[b]);
-  Plan pl;
-  if (!make_plan(map, views, &pl)) return fail(err, IMOE_ERR_ARGUMENT, "%s: more than 2^32 - 1 rows", fn);
+  CallRows pl;
+  if (!merge_rows(map, views, &pl)) return fail(err, IMOE_ERR_ARGUMENT, "%s: more than 2^32 - 1 rows", fn);
   if (pl.R == 0 || N == 0 || M == 0) return IMOE_OK;
   const int nd = pl.lead.nd;
   const uint32_t token = next_token();
@@ -746,7 +526,7 @@ imoe_status apply_map(const char *fn, const imoe_view *buffers, int32_t num_buff
     if (pl.R > 0x7FFFFFFFull) return fail(err, IMOE_ERR_ARGUMENT, "%s: too many rows for one launch", fn);
     rp.rows = (uint32_t)pl.R;
     nverdict = (int)std::min<uint32_t>(rp.rows, kVerdicts);
-    e = launch(k_check_rows, (unsigned)nverdict, kCheckThreads, (size_t)rp.win_bits / 8, st, false, rp);
+    e = launch(k_check_rows, shape((unsigned)nverdict, kCheckThreads, (size_t)rp.win_bits / 8, false), st, rp);
     if (e != cudaSuccess) return cuda_fail(err, fn, "launch of k_check_rows", e);
   } else {
     TmParams tp;
@@ -754,7 +534,7 @@ imoe_status apply_map(const char *fn, const imoe_view *buffers, int32_t num_buff
     tp.tm = mv;
     if (!plan_pieces(pl, M, 4096, token, &tp, &nverdict))
       return fail(err, IMOE_ERR_ARGUMENT, "%s: too many rows for one launch", fn);
-    e = launch(k_check_tm, (unsigned)nverdict, 256, 0, st, false, tp);
+    e = launch(k_check_tm, shape((unsigned)nverdict, 256, 0, false), st, tp);
     if (e != cudaSuccess) return cuda_fail(err, fn, "launch of k_check_tm", e);
   }
   return launch_apply_groups(fn, buffers, 0, num_buffers, pl, 1, mv, kind, M, mode == IMOE_MODE_SWAP, token, nverdict,
@@ -763,9 +543,9 @@ imoe_status apply_map(const char *fn, const imoe_view *buffers, int32_t num_buff
 
 }  // namespace
 
-#include "imoe_paged.cuh"
-#include "imoe_permute.cuh"
-#include "imoe_ordered.cuh"
+}  // namespace imoe_cu
+
+using namespace imoe_cu;
 
 extern "C" {
 
@@ -812,20 +592,5 @@ imoe_status imoe_cuda_read_device_status(const imoe_exec *exec, int32_t *status_
   if (status_out) *status_out = v;
   return IMOE_OK;
 }
-
-#ifdef IMOE_PHASE_TIMES
-// Diagnosis only: copies the phase stamps of k_select_small (clock64 and
-// globaltimer, [kPhaseBlocks][2][kPhases]) into out, then zeroes them when
-// reset is set. Synchronises the device.
-int imoe_cuda_phase_read(unsigned long long *out, int reset) {
-  const size_t n = sizeof(unsigned long long) * kPhaseBlocks * 2 * kPhases;
-  if (out && cudaMemcpyFromSymbol(out, g_phase, n) != cudaSuccess) return -1;
-  if (reset) {
-    std::vector<unsigned long long> z((size_t)kPhaseBlocks * 2 * kPhases, 0ull);
-    if (cudaMemcpyToSymbol(g_phase, z.data(), n) != cudaSuccess) return -1;
-  }
-  return 0;
-}
-#endif
 
 }  // extern "C"

@@ -1,7 +1,8 @@
-// imoe_permute.cuh: the permutation engine on the device (imoe_permute,
-// imoe_apply_ordered / imoe_restore_ordered, imoe_group_by_expert).
-// Included once by imoe_cuda.cu, after its anonymous namespace: the kernels
-// share that translation unit's status word and verdict slots.
+// imoe_permute.cu: the permutation engine on the device (imoe_permute,
+// imoe_apply_ordered / imoe_restore_ordered, imoe_group_by_expert;
+// docs/cuda-design.md, "Permutations and grouping"). Its kernels take the
+// status and verdict words (imoe_select.cu's module memory) as their last
+// parameter; its seam swaps are k_apply launches (launch_apply_groups).
 //
 // Method. A permutation p of a row's N slots (new slot i takes old slot p[i]):
 //   1. every slot x learns its cycle's leader m (the minimal slot) and its
@@ -28,33 +29,21 @@
 //   region 6     the permutation itself when the device computes it
 //                (grouping, ordered compaction).
 // imoe_plan_workspace_elems (csrc/workspace.c) gives these sizes.
-#pragma once
+#include <cuda_runtime.h>
+#include <string.h>
+
+#include <algorithm>
+#include <atomic>
+#include <vector>
+
+#include "imoe_device.cuh"
+#include "imoe_launch.cuh"
 
 namespace imoe_cu {
 
 constexpr int kPermThreads = 1024;   // one block per plan row
 constexpr int kPermCheckThreads = 256;
 constexpr int kGroupMaxExperts = 1024;  // k_group keeps per-warp counts of every expert in shared memory
-
-// Exclusive block scan of one int per thread; *total receives the sum.
-// s_warp: 33 ints of shared memory. Every thread of the block calls it.
-__device__ __forceinline__ int perm_block_scan(int v, int *total, int *s_warp) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-  const int incl = warp_incl_scan(v);
-  if (lane == 31) s_warp[warp] = incl;
-  __syncthreads();
-  if (warp == 0) {
-    const int w = lane < nw ? s_warp[lane] : 0;
-    const int ws = warp_incl_scan(w);
-    s_warp[lane] = ws - w;
-    if (lane == 31) s_warp[32] = ws;
-  }
-  __syncthreads();
-  const int excl = s_warp[warp] + incl - v;
-  *total = s_warp[32];
-  __syncthreads();  // s_warp is reused by the next call
-  return excl;
-}
 
 // ------------------------------------------------------------ validation
 // perm: every value in [0, N) (pass 1), each once (pass 2, after pass 1 in
@@ -71,6 +60,7 @@ struct PermCheckParams {
   int32_t *scatter;   // [plan_rows, n]: -1, then the position holding each value
   uint32_t token, prev_token;
   int32_t prev_nverdict;
+  StatusWords words;  // imoe_select.cu's status and verdict words (DevInfo::words)
 };
 
 // Both let the next kernel launch early (it waits for them before reading);
@@ -93,8 +83,8 @@ __global__ void __launch_bounds__(kPermCheckThreads) k_perm_range(const __grid_c
     p.scatter[f] = -1;
   bad = __syncthreads_or(bad) != 0;
   if (threadIdx.x == 0) {
-    if (bad) record_status(IMOE_ERR_INDEX_RANGE);
-    write_verdict(p.token, bad);
+    if (bad) record_status(p.words, IMOE_ERR_INDEX_RANGE);
+    write_verdict(p.words, p.token, bad);
   }
 }
 
@@ -102,7 +92,7 @@ __global__ void __launch_bounds__(kPermCheckThreads) k_perm_unique(const __grid_
   griddep_launch_dependents();
   griddep_wait();
   const bool al = p.perm.aligned != 0;
-  const bool before = call_aborted(p.prev_token, p.prev_nverdict);
+  const bool before = call_aborted(p.words, p.prev_token, p.prev_nverdict);
   bool dup = false;
   const uint64_t step = (uint64_t)gridDim.x * blockDim.x;
   for (uint64_t f = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x; f < p.items; f += step) {
@@ -116,8 +106,8 @@ __global__ void __launch_bounds__(kPermCheckThreads) k_perm_unique(const __grid_
   }
   dup = __syncthreads_or(dup) != 0;
   if (threadIdx.x == 0) {
-    if (dup) record_status(IMOE_ERR_BAD_MAP);
-    write_verdict(p.token, dup || before);
+    if (dup) record_status(p.words, IMOE_ERR_BAD_MAP);
+    write_verdict(p.words, p.token, dup || before);
   }
 }
 
@@ -149,6 +139,7 @@ struct CycleParams {
   int32_t inverse;
   uint32_t token;
   int32_t nverdict;
+  StatusWords words;  // imoe_select.cu's status and verdict words (DevInfo::words)
 };
 
 constexpr int kCycThreads = 256;
@@ -223,7 +214,7 @@ __device__ __forceinline__ void cyc_write_aggregate(const CycleParams &p, uint32
 __global__ void __launch_bounds__(kCycThreads) k_cyc_init(const __grid_constant__ CycleParams p) {
   __shared__ uint32_t s_warp[33];
   cyc_enter();
-  if (call_aborted(p.token, p.nverdict)) return;
+  if (call_aborted(p.words, p.token, p.nverdict)) return;
   const uint64_t f = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x;
   uint32_t len = 0;
   if (f < p.items) {
@@ -278,7 +269,7 @@ __device__ __forceinline__ int32_t cyc_jump(const int32_t *J, const int32_t *M, 
 __global__ void __launch_bounds__(kCycThreads) k_cyc_round(const __grid_constant__ CycleParams p) {
   __shared__ uint32_t s_warp[33];
   cyc_enter();
-  if (call_aborted(p.token, p.nverdict)) return;
+  if (call_aborted(p.words, p.token, p.nverdict)) return;
   const uint64_t f = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x;
   uint32_t len = 0;
   if (f < p.items) {
@@ -313,7 +304,7 @@ __global__ void __launch_bounds__(kCycThreads) k_cyc_round(const __grid_constant
 __global__ void __launch_bounds__(kCycThreads) k_cyc_agg_scan(const __grid_constant__ CycleParams p) {
   __shared__ unsigned long long s_warp[33];
   cyc_enter();
-  if (call_aborted(p.token, p.nverdict)) return;
+  if (call_aborted(p.words, p.token, p.nverdict)) return;
   uint32_t *agg = reinterpret_cast<uint32_t *>(p.ws + 3 * p.fin * p.region);
   unsigned long long carry = 0;
   for (uint32_t t0 = 0; t0 < p.nagg; t0 += blockDim.x) {
@@ -335,7 +326,7 @@ __global__ void __launch_bounds__(kCycThreads) k_cyc_bases(const __grid_constant
   __shared__ unsigned long long s_w64[33];
   __shared__ uint32_t s_w32[33];
   cyc_enter();
-  if (call_aborted(p.token, p.nverdict)) return;
+  if (call_aborted(p.words, p.token, p.nverdict)) return;
   const uint32_t t = blockIdx.x;
   const uint64_t f0 = (uint64_t)t * blockDim.x;
   const uint64_t rt = f0 / (uint64_t)p.n;
@@ -368,7 +359,7 @@ __global__ void __launch_bounds__(kCycThreads) k_cyc_bases(const __grid_constant
 // (a cycle starts there).
 __global__ void __launch_bounds__(kCycThreads) k_cyc_order(const __grid_constant__ CycleParams p) {
   cyc_enter();
-  if (call_aborted(p.token, p.nverdict)) return;
+  if (call_aborted(p.words, p.token, p.nverdict)) return;
   const uint64_t f = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x;
   if (f >= p.items) return;
   const uint64_t row0 = f - f % (uint64_t)p.n;
@@ -531,7 +522,7 @@ __device__ __forceinline__ void rotate_buffer(const RotateParams &p, const BufDe
 template <int VW>
 __global__ void __launch_bounds__(kRotThreads, 1) k_perm_rotate(const __grid_constant__ RotateParams p) {
   griddep_wait();
-  if (call_aborted(p.c.token, p.c.nverdict)) return;
+  if (call_aborted(p.c.words, p.c.token, p.c.nverdict)) return;
   const uint64_t gtid = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x;
   const uint64_t step = (uint64_t)gridDim.x * blockDim.x;
   if (p.maps)
@@ -554,11 +545,12 @@ struct OrderedPlanParams {
   int32_t *ws;
   uint32_t token;
   int32_t nverdict;
+  StatusWords words;  // imoe_select.cu's status and verdict words (DevInfo::words)
 };
 
 __global__ void __launch_bounds__(kPermThreads) k_ordered_plan(const __grid_constant__ OrderedPlanParams p) {
   __shared__ int s_warp[33];
-  if (call_aborted(p.token, p.nverdict)) return;
+  if (call_aborted(p.words, p.token, p.nverdict)) return;
   const uint32_t r = blockIdx.x;
   const int64_t n = p.n;
   uint32_t c[kMaxDims];
@@ -587,6 +579,7 @@ struct GroupCheckParams {
   uint64_t items;
   InView ids;
   uint32_t token;
+  StatusWords words;  // imoe_select.cu's status and verdict words (DevInfo::words)
 };
 
 __global__ void __launch_bounds__(kPermCheckThreads) k_group_check(const __grid_constant__ GroupCheckParams p) {
@@ -603,8 +596,8 @@ __global__ void __launch_bounds__(kPermCheckThreads) k_group_check(const __grid_
   }
   bad = __syncthreads_or(bad) != 0;
   if (threadIdx.x == 0) {
-    if (bad) record_status(IMOE_ERR_INDEX_RANGE);
-    write_verdict(p.token, bad);
+    if (bad) record_status(p.words, IMOE_ERR_INDEX_RANGE);
+    write_verdict(p.words, p.token, bad);
   }
 }
 
@@ -619,6 +612,7 @@ struct GroupParams {
   int32_t *ws;
   uint32_t token;
   int32_t nverdict;
+  StatusWords words;  // imoe_select.cu's status and verdict words (DevInfo::words)
 };
 
 // One block of kPermThreads per row: a stable counting sort. Shared memory:
@@ -629,7 +623,7 @@ __global__ void __launch_bounds__(kPermThreads) k_group(const __grid_constant__ 
   __shared__ int s_warp[33];
   int *base = reinterpret_cast<int *>(dsm);
   int *wc = base + p.experts + 1;
-  if (call_aborted(p.token, p.nverdict)) return;
+  if (call_aborted(p.words, p.token, p.nverdict)) return;
   const uint32_t r = blockIdx.x;
   const int64_t n = p.n;
   const int E = p.experts;
@@ -687,44 +681,8 @@ __global__ void __launch_bounds__(kPermThreads) k_group(const __grid_constant__ 
   }
 }
 
-}  // namespace imoe_cu
-
 // ------------------------------------------------------------ host side
 namespace {
-
-// Row-major strides (bytes) of a [plan rows, n] int32 workspace region over
-// the merged lead axes; all zero for a shared plan.
-Strides ws_strides(const Lead &lead, int64_t n, bool per_row) {
-  Strides s;
-  memset(&s, 0, sizeof s);
-  if (!per_row) return s;
-  int64_t acc = n * 4;
-  for (int d = lead.nd - 1; d >= 0; --d) {
-    s.s[d] = acc;
-    acc *= (int64_t)lead.shape[d];
-  }
-  return s;
-}
-
-InView ws_view(const int32_t *data, const Lead &lead, int64_t n, bool per_row) {
-  InView v;
-  memset(&v, 0, sizeof v);
-  v.data = reinterpret_cast<const char *>(data);
-  v.lead = ws_strides(lead, n, per_row);
-  v.n_stride = 4;
-  v.dtype = IMOE_DTYPE_I32;
-  v.aligned = 1;
-  return v;
-}
-
-imoe_status check_workspace(const char *fn, int32_t *ws, int64_t elems, int64_t need, imoe_error *err) {
-  if (need > 0 && (ws == nullptr || elems < need))
-    return fail(err, IMOE_ERR_ARGUMENT,
-                "%s: the CUDA path needs a device workspace of %lld int32 elements (got %lld): "
-                "imoe_plan_workspace_elems gives the size",
-                fn, (long long)need, (long long)(ws ? elems : 0));
-  return IMOE_OK;
-}
 
 typedef void (*RotateKernel)(RotateParams);
 
@@ -755,9 +713,11 @@ int rotate_blocks_per_sm(const DevInfo *di, int vw) {
   return nb;
 }
 
+}  // namespace
+
 // The cycle kernels and the data passes: buffers [buf_st0, ...) of pl, the
 // permutation `succ` ([plan rows, n]), after the validation of `token`.
-imoe_status launch_cycles_and_swaps(const char *fn, const imoe_view *buffers, int32_t num_buffers, const Plan &pl,
+imoe_status launch_cycles_and_swaps(const char *fn, const imoe_view *buffers, int32_t num_buffers, const CallRows &pl,
                                     size_t buf_st0, const InView &succ, bool per_row, int64_t n, bool inverse,
                                     int32_t *ws, uint32_t token, int nverdict, DevInfo *di, cudaStream_t st,
                                     imoe_error *err) {
@@ -775,6 +735,7 @@ imoe_status launch_cycles_and_swaps(const char *fn, const imoe_view *buffers, in
   cp.inverse = inverse ? 1 : 0;
   cp.token = token;
   cp.nverdict = nverdict;
+  cp.words = di->words;
   const uint64_t flat = (cp.items + kCycThreads - 1) / kCycThreads;
   if (flat > 0x7FFFFFFFull || rows > 0x7FFFFFFFull)
     return fail(err, IMOE_ERR_ARGUMENT, "%s: too many rows for one launch", fn);
@@ -790,7 +751,7 @@ imoe_status launch_cycles_and_swaps(const char *fn, const imoe_view *buffers, in
   const bool pdl = di->cc_major >= 9;
   cp.last = rounds == 0;
   cp.fin = 0;
-  cudaError_t e = launch(k_cyc_init, (unsigned)flat, kCycThreads, 0, st, pdl, cp);
+  cudaError_t e = launch(k_cyc_init, shape((unsigned)flat, kCycThreads, 0, pdl), st, cp);
   if (e != cudaSuccess) return cuda_fail(err, fn, "launch of k_cyc_init", e);
   int s = 0;
   int64_t window = kWalk;
@@ -800,7 +761,7 @@ imoe_status launch_cycles_and_swaps(const char *fn, const imoe_view *buffers, in
     cp.arity = arity[k];
     cp.last = k == rounds - 1;
     cp.fin = 1 - s;
-    e = launch(k_cyc_round, (unsigned)flat, kCycThreads, 0, st, pdl, cp);
+    e = launch(k_cyc_round, shape((unsigned)flat, kCycThreads, 0, pdl), st, cp);
     if (e != cudaSuccess) return cuda_fail(err, fn, "launch of k_cyc_round", e);
     s = 1 - s;
     window *= arity[k];
@@ -809,11 +770,11 @@ imoe_status launch_cycles_and_swaps(const char *fn, const imoe_view *buffers, in
   cp.fin = s;
   cp.nagg = (uint32_t)flat;
   cp.agg_scanned = flat > kAggDirect;
-  if (cp.agg_scanned && (e = launch(k_cyc_agg_scan, 1u, kCycThreads, 0, st, pdl, cp)) != cudaSuccess)
+  if (cp.agg_scanned && (e = launch(k_cyc_agg_scan, shape(1u, kCycThreads, 0, pdl), st, cp)) != cudaSuccess)
     return cuda_fail(err, fn, "launch of k_cyc_agg_scan", e);
-  if ((e = launch(k_cyc_bases, (unsigned)flat, kCycThreads, 0, st, pdl, cp)) != cudaSuccess)
+  if ((e = launch(k_cyc_bases, shape((unsigned)flat, kCycThreads, 0, pdl), st, cp)) != cudaSuccess)
     return cuda_fail(err, fn, "launch of k_cyc_bases", e);
-  if ((e = launch(k_cyc_order, (unsigned)flat, kCycThreads, 0, st, pdl, cp)) != cudaSuccess)
+  if ((e = launch(k_cyc_order, shape((unsigned)flat, kCycThreads, 0, pdl), st, cp)) != cudaSuccess)
     return cuda_fail(err, fn, "launch of k_cyc_order", e);
   // pass 1: rotations inside chunks (and the pass-2 maps), up to kMaxBuf buffers a launch
   RotateParams rp;
@@ -841,7 +802,7 @@ imoe_status launch_cycles_and_swaps(const char *fn, const imoe_view *buffers, in
       maps = false;
       const uint64_t cap = (uint64_t)di->sms * (uint64_t)rotate_blocks_per_sm(di, vw);
       const uint64_t grid = std::max<uint64_t>(1, std::min(cap, (need + kRotThreads - 1) / kRotThreads));
-      if ((e = launch(rotate_kernel(vw), (unsigned)grid, kRotThreads, 0, st, pdl, rp)) != cudaSuccess)
+      if ((e = launch(rotate_kernel(vw), shape((unsigned)grid, kRotThreads, 0, pdl), st, rp)) != cudaSuccess)
         return cuda_fail(err, fn, "launch of k_perm_rotate", e);
     }
   }
@@ -855,6 +816,8 @@ imoe_status launch_cycles_and_swaps(const char *fn, const imoe_view *buffers, in
                              true, token, nverdict, false, di, st, err);
 }
 
+namespace {
+
 int check_grid(uint64_t items) {
   const uint64_t want = (items + 2047) / 2048;
   return (int)std::max<uint64_t>(1, std::min<uint64_t>(want, kVerdicts));
@@ -867,7 +830,7 @@ int check_grid(uint64_t items) {
 struct PermCall {
   DevInfo *di;
   cudaStream_t st;
-  Plan pl;
+  CallRows pl;
   int64_t n;
   bool per_row;
   uint64_t rows;
@@ -888,7 +851,7 @@ imoe_status start_perm_call(const char *fn, const imoe_view *buffers, int32_t nu
   std::vector<const imoe_view *> views;
   views.push_back(map);
   for (int b = 0; b < num_buffers; ++b) views.push_back(&buffers[b]);
-  if (!make_plan(&buffers[0], views, &c->pl)) return fail(err, IMOE_ERR_ARGUMENT, "%s: more than 2^32 - 1 rows", fn);
+  if (!merge_rows(&buffers[0], views, &c->pl)) return fail(err, IMOE_ERR_ARGUMENT, "%s: more than 2^32 - 1 rows", fn);
   c->per_row = map->lead_ndim > 0;
   c->rows = c->per_row ? c->pl.R : 1u;
   s = check_workspace(fn, workspace, workspace_elems,
@@ -899,6 +862,10 @@ imoe_status start_perm_call(const char *fn, const imoe_view *buffers, int32_t nu
 }
 
 }  // namespace
+
+}  // namespace imoe_cu
+
+using namespace imoe_cu;
 
 extern "C" {
 
@@ -924,12 +891,13 @@ imoe_status imoe_cuda_permute(const imoe_view *buffers, int32_t num_buffers, con
   cp.scatter = workspace + 3 * (int64_t)c.rows * c.n;
   const int grid = check_grid(cp.items);
   cp.token = next_token();
-  cudaError_t e = launch(k_perm_range, (unsigned)grid, kPermCheckThreads, 0, c.st, false, cp);
+  cp.words = c.di->words;
+  cudaError_t e = launch(k_perm_range, shape((unsigned)grid, kPermCheckThreads, 0, false), c.st, cp);
   if (e != cudaSuccess) return cuda_fail(err, fn, "launch of k_perm_range", e);
   cp.prev_token = cp.token;
   cp.prev_nverdict = grid;
   cp.token = next_token();
-  e = launch(k_perm_unique, (unsigned)grid, kPermCheckThreads, 0, c.st, c.di->cc_major >= 9, cp);
+  e = launch(k_perm_unique, shape((unsigned)grid, kPermCheckThreads, 0, c.di->cc_major >= 9), c.st, cp);
   if (e != cudaSuccess) return cuda_fail(err, fn, "launch of k_perm_unique", e);
   return launch_cycles_and_swaps(fn, buffers, num_buffers, c.pl, 1, cp.perm, c.per_row, c.n, inverse != 0, workspace,
                                  cp.token, grid, c.di, c.st, err);
@@ -961,12 +929,13 @@ imoe_status imoe_cuda_apply_ordered(const imoe_view *buffers, int32_t num_buffer
   cp.scatter = workspace + 3 * (int64_t)c.rows * c.n;
   const int nverdict = check_grid(std::max(cp.items, cp.scatter_items));
   cp.token = next_token();
-  cudaError_t e = launch(k_perm_range, (unsigned)nverdict, kPermCheckThreads, 0, c.st, false, cp);
+  cp.words = c.di->words;
+  cudaError_t e = launch(k_perm_range, shape((unsigned)nverdict, kPermCheckThreads, 0, false), c.st, cp);
   if (e != cudaSuccess) return cuda_fail(err, fn, "launch of k_perm_range", e);
   cp.prev_token = cp.token;
   cp.prev_nverdict = nverdict;
   cp.token = next_token();
-  e = launch(k_perm_unique, (unsigned)nverdict, kPermCheckThreads, 0, c.st, false, cp);
+  e = launch(k_perm_unique, shape((unsigned)nverdict, kPermCheckThreads, 0, false), c.st, cp);
   if (e != cudaSuccess) return cuda_fail(err, fn, "launch of k_perm_unique", e);
   const uint32_t token = cp.token;
   OrderedPlanParams op;
@@ -979,7 +948,8 @@ imoe_status imoe_cuda_apply_ordered(const imoe_view *buffers, int32_t num_buffer
   op.ws = workspace;
   op.token = token;
   op.nverdict = nverdict;
-  e = launch(k_ordered_plan, (unsigned)c.rows, kPermThreads, 0, c.st, false, op);
+  op.words = c.di->words;
+  e = launch(k_ordered_plan, shape((unsigned)c.rows, kPermThreads, 0, false), c.st, op);
   if (e != cudaSuccess) return cuda_fail(err, fn, "launch of k_ordered_plan", e);
   const InView plan = ws_view(workspace + 6 * op.region, c.pl.lead, c.n, c.per_row);
   return launch_cycles_and_swaps(fn, buffers, num_buffers, c.pl, 1, plan, c.per_row, c.n, restore != 0, workspace,
@@ -1008,8 +978,8 @@ imoe_status imoe_cuda_group_by_expert(const imoe_view *buffers, int32_t num_buff
   for (int b = 0; b < num_buffers; ++b) views.push_back(&buffers[b]);
   views.push_back(out_offsets);
   views.push_back(out_perm);
-  Plan pl;
-  if (!make_plan(&buffers[0], views, &pl)) return fail(err, IMOE_ERR_ARGUMENT, "%s: more than 2^32 - 1 rows", fn);
+  CallRows pl;
+  if (!merge_rows(&buffers[0], views, &pl)) return fail(err, IMOE_ERR_ARGUMENT, "%s: more than 2^32 - 1 rows", fn);
   const uint64_t rows = pl.R;
   s = check_workspace(fn, workspace, workspace_elems,
                       imoe_plan_workspace_elems(IMOE_PLAN_GROUP, IMOE_DEVICE_CUDA, (int64_t)rows, n), err);
@@ -1027,7 +997,8 @@ imoe_status imoe_cuda_group_by_expert(const imoe_view *buffers, int32_t num_buff
   gc.ids = in_view(expert_ids, pl.st[0], nd);
   gc.token = next_token();
   const int grid = check_grid(gc.items);
-  cudaError_t e = launch(k_group_check, (unsigned)grid, kPermCheckThreads, 0, st, false, gc);
+  gc.words = di->words;
+  cudaError_t e = launch(k_group_check, shape((unsigned)grid, kPermCheckThreads, 0, false), st, gc);
   if (e != cudaSuccess) return cuda_fail(err, fn, "launch of k_group_check", e);
   GroupParams gp;
   memset(&gp, 0, sizeof gp);
@@ -1047,7 +1018,8 @@ imoe_status imoe_cuda_group_by_expert(const imoe_view *buffers, int32_t num_buff
     e = cudaFuncSetAttribute(k_group, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
     if (e != cudaSuccess) return cuda_fail(err, fn, "cudaFuncSetAttribute", e);
   }
-  e = launch(k_group, (unsigned)rows, kPermThreads, smem, st, false, gp);
+  gp.words = di->words;
+  e = launch(k_group, shape((unsigned)rows, kPermThreads, smem, false), st, gp);
   if (e != cudaSuccess) return cuda_fail(err, fn, "launch of k_group", e);
   const InView plan = ws_view(workspace + 6 * gp.region, pl.lead, n, true);
   return launch_cycles_and_swaps(fn, buffers, num_buffers, pl, 1, plan, true, n, false, workspace, gc.token, grid,
