@@ -294,6 +294,15 @@ __global__ void __launch_bounds__(kOrdThreads) k_ord_sort_small(const __grid_con
 // ------------------------------------------------------------ host side
 namespace {
 
+// Step 3's kernel: none (STABLE, or nothing kept), a bitonic sort in shared
+// memory for rows of at most kOrdSmallSort kept slots, a radix sort beyond.
+enum class OrderSort { kNone, kBitonic, kRadix };
+
+OrderSort plan_order_sort(imoe_order order, int64_t kept) {
+  if (order != IMOE_ORDER_SCORE || kept <= 0) return OrderSort::kNone;
+  return kept <= kOrdSmallSort ? OrderSort::kBitonic : OrderSort::kRadix;
+}
+
 // Steps 1-4 above. num_buffers == 0: imoe_build_map_ordered (out_indices
 // only); else imoe_compact_ordered (move mode applies all of P, as
 // imoe_cuda_apply_ordered does).
@@ -362,12 +371,13 @@ imoe_status ordered_select(const char *fn, const imoe_view *buffers, int32_t num
   op.token = v.token;
   op.nverdict = v.nverdict;
   op.words = di->words;
-  cudaError_t e = launch(k_ord_kept, shape((unsigned)rows, kOrdThreads, 0, false), st, op);
+  cudaError_t e = launch(k_ord_kept, shape((unsigned)rows, kOrdThreads), st, op);
   if (e != cudaSuccess) return cuda_fail(err, fn, "launch of k_ord_kept", e);
-  if (order == IMOE_ORDER_SCORE && kept > 0) {
+  const OrderSort sort = plan_order_sort(order, kept);
+  if (sort != OrderSort::kNone) {
     op.write_idx = 1;
-    if (kept <= kOrdSmallSort) e = launch(k_ord_sort_small, shape((unsigned)rows, kOrdThreads, 0, false), st, op);
-    else e = launch(k_ord_sort, shape((unsigned)rows, kOrdThreads, 0, false), st, op);
+    const LaunchShape sh = shape((unsigned)rows, kOrdThreads);
+    e = sort == OrderSort::kBitonic ? launch(k_ord_sort_small, sh, st, op) : launch(k_ord_sort, sh, st, op);
     if (e != cudaSuccess) return cuda_fail(err, fn, "launch of k_ord_sort", e);
   }
 

@@ -31,22 +31,39 @@ constexpr int kStaticSmemWide = 24576;      // ... and of k_select_wide's
 // k_select_small: H and T, min(C', N - C') <= N / 2 entries each
 constexpr int kSmallDynSmem = kSmallMaxN * 4 > 0 ? kSmallMaxN * 4 : 4;
 
-// k_select_small for rows of at most 4096, 8192 and 16384 slots (src 3, 4,
-// 5: 1024 threads), and for many rows of at most 4096 and 8192 slots (src
-// 6, 7: 256 and 512 threads, several blocks per multiprocessor). Calls that
-// move (not swap) take the kernels whose movers keep five loads in flight
-// per thread: each kernel has its own copy of the mover, allocated by ptxas
-// on its own, so neither loop spills (cuda/NOTES.md, run 63).
-constexpr int kSmallKernels = 5;  // src 3 .. 7
+// The kernel variants of a select (docs/cuda-design.md, "Select paths").
+// The values index DevInfo's occupancy cache.
+enum class SelectPath : int {
+  kRowsKeysShared = 0,  // k_select<0>: longer rows, keys cached in shared memory (N <= 65536)
+  kRowsKeysGlobal = 1,  // k_select<1>: longer rows, keys re-read from global memory every pass
+  kActive = 2,          // k_select<2>: active indices
+  kSmall4 = 3,          // k_select_small, 1024 threads x 4 keys: N <= 4096
+  kSmall8 = 4,          // ... x 8 keys: N <= 8192
+  kSmall16 = 5,         // ... x 16 keys: N <= 16384
+  kMany256 = 6,         // many rows (>= 2 x SMs) of N <= 4096: 256 threads x 16 keys
+  kMany512 = 7,         // many rows of N <= 8192: 512 threads x 16 keys
+};
+constexpr int kSelectPaths = 8;
+constexpr int kSmallKernels = 5;  // kSmall4 .. kMany512
+bool is_small(SelectPath p) { return (int)p >= (int)SelectPath::kSmall4; }
+
+// k_select_small for one path. Calls that move (not swap) take the kernels
+// whose movers keep five loads in flight per thread (move5): each kernel has
+// its own copy of the mover, allocated by ptxas on its own, so neither loop
+// spills (docs/cuda-design.md, "Moves").
 typedef void (*SmallKernel)(SelParams);
-SmallKernel small_kernel(int src, bool move5) {
-  if (src == 3) return move5 ? k_select_small<4, true> : k_select_small<4, false>;
-  if (src == 4) return move5 ? k_select_small<8, true> : k_select_small<8, false>;
-  if (src == 6) return move5 ? k_select_small<16, true, 256> : k_select_small<16, false, 256>;
-  if (src == 7) return move5 ? k_select_small<16, true, 512> : k_select_small<16, false, 512>;
-  return move5 ? k_select_small<16, true> : k_select_small<16, false>;
+SmallKernel small_kernel(SelectPath path, bool move5) {
+  switch (path) {
+    case SelectPath::kSmall4: return move5 ? k_select_small<4, true> : k_select_small<4, false>;
+    case SelectPath::kSmall8: return move5 ? k_select_small<8, true> : k_select_small<8, false>;
+    case SelectPath::kMany256: return move5 ? k_select_small<16, true, 256> : k_select_small<16, false, 256>;
+    case SelectPath::kMany512: return move5 ? k_select_small<16, true, 512> : k_select_small<16, false, 512>;
+    default: return move5 ? k_select_small<16, true> : k_select_small<16, false>;
+  }
 }
-int small_threads(int src) { return src == 6 ? 256 : (src == 7 ? 512 : kSelThreads); }
+unsigned select_threads(SelectPath path) {
+  return path == SelectPath::kMany256 ? 256u : (path == SelectPath::kMany512 ? 512u : (unsigned)kSelThreads);
+}
 
 template <class K>
 cudaError_t raise_smem(K kernel, int bytes) {
@@ -83,7 +100,8 @@ cudaError_t setup_select_device(DevInfo *di, const char **what) {
       (e = raise_smem(k_select_wide, 8 * di->wide_cap + 4 * kWideSub)) != cudaSuccess)
     return e;
   for (int k = 0; k < 2 * kSmallKernels; ++k) {
-    const SmallKernel sk = small_kernel(3 + k % kSmallKernels, k >= kSmallKernels);
+    const SelectPath path = (SelectPath)((int)SelectPath::kSmall4 + k % kSmallKernels);
+    const SmallKernel sk = small_kernel(path, k >= kSmallKernels);
     if ((e = cudaFuncSetAttribute(sk, cudaFuncAttributePreferredSharedMemoryCarveout, carve)) != cudaSuccess ||
         (e = raise_smem(sk, kSmallDynSmem)) != cudaSuccess)
       return e;
@@ -93,27 +111,37 @@ cudaError_t setup_select_device(DevInfo *di, const char **what) {
       (e = raise_smem(k_select<2>, dyn)) != cudaSuccess ||
       (e = raise_smem(k_check_rows, di->smem_optin - 1024)) != cudaSuccess)
     return e;
-  for (int i = 0; i < 3 + kSmallKernels; ++i) di->occ_smem[i] = (size_t)-1;
+  for (int i = 0; i < kSelectPaths; ++i) di->occ_smem[i] = (size_t)-1;
   return cudaSuccess;
 }
 
 namespace {
 
-int occupancy(DevInfo *di, int src, size_t smem) {
+// Blocks of a path's kernel resident per multiprocessor with smem bytes of
+// dynamic shared memory (cached per device and path for the last smem).
+int occupancy(DevInfo *di, SelectPath path, size_t smem) {
+  const int i = (int)path;
   std::lock_guard<std::mutex> lock(g_mu);
-  if (di->occ_smem[src] == smem) return di->occ_val[src];
+  if (di->occ_smem[i] == smem) return di->occ_val[i];
   int nb = 1;
+  const unsigned nt = select_threads(path);
   cudaError_t e;
-  if (src == 0) e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&nb, k_select<0>, kSelThreads, smem);
-  else if (src == 1) e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&nb, k_select<1>, kSelThreads, smem);
-  else if (src == 2) e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&nb, k_select<2>, kSelThreads, smem);
-  else e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&nb, small_kernel(src, false), small_threads(src), smem);
+  switch (path) {
+    case SelectPath::kRowsKeysShared:
+      e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&nb, k_select<0>, nt, smem);
+      break;
+    case SelectPath::kRowsKeysGlobal:
+      e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&nb, k_select<1>, nt, smem);
+      break;
+    case SelectPath::kActive: e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&nb, k_select<2>, nt, smem); break;
+    default: e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&nb, small_kernel(path, false), nt, smem); break;
+  }
   if (e != cudaSuccess || nb < 1) {
     (void)cudaGetLastError();
     nb = 1;
   }
-  di->occ_smem[src] = smem;
-  di->occ_val[src] = nb;
+  di->occ_smem[i] = smem;
+  di->occ_val[i] = nb;
   return nb;
 }
 
@@ -127,7 +155,30 @@ cudaError_t launch0(void (*kernel)(), cudaStream_t st) {
 
 }  // namespace
 
-// Apply kernels for buffer groups [first, num_buffers), each of kMaxBuf.
+namespace {
+
+// k_apply's shape: each block gathers the pairs of `seg` map entries of one
+// row (a power of two, 32 to 4096) into shared memory, seg growing until
+// the grid is about 8 blocks per SM.
+struct ApplyPlan {
+  uint32_t seg, nseg;  // entries per block, blocks per row
+  uint64_t grid;
+};
+
+ApplyPlan plan_apply(uint64_t R, int64_t M, int sms) {
+  ApplyPlan p;
+  const uint64_t work = R * (uint64_t)M;
+  const uint64_t target = (uint64_t)sms * 8u;
+  uint64_t seg = 32;
+  while (seg < 4096 && seg * target < work) seg <<= 1;
+  p.seg = (uint32_t)seg;
+  p.nseg = (uint32_t)((M + (int64_t)seg - 1) / (int64_t)seg);
+  p.grid = R * p.nseg;
+  return p;
+}
+
+}  // namespace
+
 imoe_status launch_apply_groups(const char *fn, const imoe_view *buffers, int first, int num_buffers,
                                 const CallRows &pl, size_t buf_st0, const InView &map, int kind, int64_t M,
                                 bool swap, uint32_t token, int nverdict, bool pdl_first, DevInfo *di,
@@ -142,13 +193,10 @@ imoe_status launch_apply_groups(const char *fn, const imoe_view *buffers, int fi
   ap.token = token;
   ap.nverdict = nverdict;
   ap.map = map;
-  const uint64_t work = pl.R * (uint64_t)M;
-  const uint64_t target = (uint64_t)di->sms * 8u;
-  uint64_t seg = 32;
-  while (seg < 4096 && seg * target < work) seg <<= 1;
-  ap.seg = (uint32_t)seg;
-  ap.nseg = (uint32_t)((M + (int64_t)seg - 1) / (int64_t)seg);
-  const uint64_t grid = pl.R * ap.nseg;
+  const ApplyPlan plan = plan_apply(pl.R, M, di->sms);
+  ap.seg = plan.seg;
+  ap.nseg = plan.nseg;
+  const uint64_t grid = plan.grid;
   if (grid > 0x7FFFFFFFull) return fail(err, IMOE_ERR_ARGUMENT, "%s: too many rows for one launch", fn);
   bool pdl = pdl_first;
   for (int g = first; g < num_buffers; g += kMaxBuf) {
@@ -156,7 +204,8 @@ imoe_status launch_apply_groups(const char *fn, const imoe_view *buffers, int fi
     ap.nbuf = nb;
     for (int b = 0; b < nb; ++b) ap.buf[b] = buf_desc(&buffers[g + b], pl.st[buf_st0 + g + b], pl.lead.nd);
     ap.pdl = pdl ? 1 : 0;
-    const cudaError_t e = launch(k_apply, shape((unsigned)grid, kApplyThreads, (size_t)seg * sizeof(int2), pdl), st, ap);
+    const cudaError_t e =
+        launch(k_apply, shape((unsigned)grid, kApplyThreads, (size_t)plan.seg * sizeof(int2), pdl), st, ap);
     if (e != cudaSuccess) return cuda_fail(err, fn, "launch of k_apply", e);
     pdl = false;
   }
@@ -217,14 +266,215 @@ imoe_status launch_nan_check(const char *fn, const CallRows &pl, int64_t N, cons
   return IMOE_OK;
 }
 
+// ------------------------------------------------------------ the select plan
+// How a select_and_move call validates its data before anything is written.
+enum class SelectCheck {
+  kNone,        // nothing to check (scores under IMOE_NAN_LOWEST)
+  kActiveRows,  // k_check_rows over the active indices, first
+  kNanKernel,   // k_check_nan over every score, first
+  kNanInSelect, // the select checks its rows itself (k_select_wide, or k_select_small in a
+                // cooperative launch) when its grid can be resident at once; else k_check_nan
+};
+
+// What the plan needs to know of a call (host values only).
+struct SelectCall {
+  int64_t N;  // < 0: unknown (active indices without a target map or buffers)
+  int64_t Cp, K;
+  uint64_t R;
+  bool scores;      // scores (else active indices)
+  bool validate;    // a data error is possible: NaN under IMOE_NAN_ERROR, or active indices
+  bool verdict;     // the caller reads the validation's verdict words later (ordered compaction)
+  bool moves;       // buffers to move (compact, and the map is not the identity)
+  bool disjoint;    // every buffer disjoint from the selection and the outputs
+  bool swap;
+  int64_t pair_bytes;  // bytes a pair moves over every buffer (read + write)
+};
+
+// The launches of a select_and_move call: a pure function of the call and
+// the device (plan_select), completed with the chosen kernel's occupancy
+// when it needs one (plan_select_grid).
+struct SelectPlan {
+  SelectCheck check;
+  // k_select_wide first (a few long rows with scores; cooperative): when the
+  // launch is refused, the path below
+  bool try_wide;
+  LaunchShape wide;
+  int32_t wide_nblk, wide_cap;
+  bool wide_fused;  // the wide kernel moves the first kMaxBuf buffers itself
+  // the path otherwise
+  SelectPath path;
+  size_t smem;
+  int32_t cap;       // ring (k_select) or H, T (k_select_small) entries
+  int32_t nk;        // kRowsKeysShared: keys in shared memory
+  int32_t win_bits;  // kActive: bits per window of the kept bitmap
+  int32_t two_win;   // kActive: one window per phase
+  bool fused;        // the select kernel moves the first kMaxBuf buffers itself
+  bool needs_occupancy;
+  // from the occupancy (plan_select_grid)
+  int64_t nblk;      // blocks per row
+  uint64_t grid;
+  bool coop_nan;     // kNanInSelect with a small path whose grid fits: one cooperative launch
+  bool move5;        // the five-load movers (moves, not swaps)
+};
+
+SelectPlan plan_select(const SelectCall &c, const DevInfo &di) {
+  SelectPlan p;
+  memset(&p, 0, sizeof p);
+  const int64_t N = c.N, Cp = c.Cp;
+  // A few long rows: k_select_wide spreads each row over the GPU (cooperative
+  // launch; it checks for NaN itself). Ordered compactions keep the check
+  // kernel, whose verdict words their later kernels read.
+  p.try_wide = c.scores && N > kSmallMaxN && Cp > 0 && Cp < N && di.coop &&
+               c.R <= (uint64_t)std::min(kWideMaxRows, di.sms) && (!c.verdict || !c.validate);
+  if (!c.validate) p.check = SelectCheck::kNone;
+  else if (!c.scores) p.check = SelectCheck::kActiveRows;
+  else if ((N <= kSmallMaxN || p.try_wide) && !c.verdict) p.check = SelectCheck::kNanInSelect;
+  else p.check = SelectCheck::kNanKernel;
+
+  const size_t dyn_max = (size_t)di.smem_optin - kStaticSmemSelect;
+  p.cap = (int32_t)std::max<int64_t>(1, std::min<int64_t>(Cp, kListL + kTile));
+  const size_t ring_bytes = (size_t)p.cap * 8u;
+  if (c.scores && N <= kSmallMaxN) {
+    // short rows: keys in registers, holes and tails in two arrays of
+    // min(C', N - C') entries (the number of pairs is at most that)
+    p.path = N <= 4 * kSelThreads ? SelectPath::kSmall4
+                                  : (N <= 8 * kSelThreads ? SelectPath::kSmall8 : SelectPath::kSmall16);
+    // many rows: a row per 256 (512) threads, several rows per multiprocessor
+    if (c.R >= 2u * (uint64_t)di.sms && N <= 8192) p.path = N <= 4096 ? SelectPath::kMany256 : SelectPath::kMany512;
+    p.cap = (int32_t)std::max<int64_t>(1, std::min<int64_t>(Cp, N - Cp));
+    p.smem = (size_t)p.cap * 8u;
+  } else if (c.scores) {
+    const int64_t nk = (N + kTile - 1) / kTile * kTile;
+    if (N <= 65536 && (size_t)nk * 4u + ring_bytes <= dyn_max) {
+      p.path = SelectPath::kRowsKeysShared;
+      p.nk = (int32_t)nk;
+      p.smem = (size_t)nk * 4u + ring_bytes;
+    } else {
+      p.path = SelectPath::kRowsKeysGlobal;
+      p.smem = ring_bytes;
+    }
+  } else {
+    p.path = SelectPath::kActive;
+    const int64_t avail_words = (int64_t)(dyn_max - ring_bytes) / 4;
+    if (N >= 0 && (N + 31) / 32 <= avail_words) {
+      p.two_win = 0;
+      p.win_bits = (int32_t)((N + 31) / 32 * 32);
+    } else {
+      p.two_win = 1;
+      p.win_bits = (int32_t)(((avail_words / 2) * 32) & ~(int64_t)(kTile - 1));
+    }
+    p.smem = (size_t)(p.win_bits / 32) * 4u * (p.two_win ? 2u : 1u) + ring_bytes;
+  }
+
+  // Fused moves need every buffer disjoint from what the selection reads and
+  // the map writes (a buffer may be the scores themselves: then the moves run
+  // in k_apply, after every block has read its scores). Long rows with few
+  // rows move faster in k_apply than in one select block per row.
+  const bool fusable = c.moves && c.disjoint;
+  if (p.try_wide) {
+    // nblk blocks per row, one per SM; each holds at most cap pairs at once
+    const int64_t nblk_w = std::max<int64_t>(1, std::min<int64_t>(di.sms, kWideMaxBlocks) / (int64_t)c.R);
+    const int64_t per = (std::min(Cp, N - Cp) + nblk_w - 1) / nblk_w;
+    p.wide_nblk = (int32_t)nblk_w;
+    p.wide_cap = (int32_t)std::max<int64_t>(1, std::min<int64_t>(per, di.wide_cap));
+    p.wide_fused = fusable;
+    // H, T and the batch of scores
+    p.wide = shape((unsigned)(c.R * (uint64_t)nblk_w), kSelThreads, (size_t)p.wide_cap * 8u + 4u * kWideSub, false,
+                   true);
+  }
+  const bool long_rows = p.path == SelectPath::kRowsKeysGlobal || p.path == SelectPath::kActive;
+  p.fused = fusable && !(long_rows && c.R < 2u * (uint64_t)di.sms);
+  const bool several_blocks = p.fused && (p.path == SelectPath::kRowsKeysShared || is_small(p.path)) && N > 0;
+  p.needs_occupancy = several_blocks || (p.check == SelectCheck::kNanInSelect && is_small(p.path));
+  p.nblk = 1;
+  p.grid = c.R;
+  p.move5 = p.fused && !c.swap;
+  return p;
+}
+
+// The grid of the path, from its kernel's occupancy (blocks per SM; used only
+// when p->needs_occupancy).
+void plan_select_grid(SelectPlan *p, const SelectCall &c, const DevInfo &di, int occ) {
+  if (p->fused && (p->path == SelectPath::kRowsKeysShared || is_small(p->path)) && c.N > 0) {
+    // Several blocks per row, each recomputing the row's selection and
+    // moving its share of the pairs: the GPU fills even for few rows.
+    const int64_t target = (int64_t)di.sms * occ;
+    const int64_t hest = std::max<int64_t>(1, c.Cp * (c.N - c.Cp) / c.N);
+    int64_t nblk = std::max<int64_t>(1, target / (int64_t)c.R);
+    nblk = std::min<int64_t>(nblk, std::max<int64_t>(1, hest * c.pair_bytes / 32768));
+    p->nblk = std::min<int64_t>(nblk, 256);
+  }
+  p->grid = c.R * (uint64_t)p->nblk;
+  // Short rows: each select block checks its own row's scores (in its
+  // registers anyway) and the blocks meet at a grid barrier before anything
+  // is written, instead of a check kernel whose blocks would keep select
+  // blocks off their SMs. The barrier needs every block resident at once: a
+  // cooperative launch, where the grid fits (NaN counts stay below 2^16, see
+  // g_gridbar).
+  const uint64_t fit = is_small(p->path) ? (uint64_t)di.sms * (uint64_t)occ : 0u;
+  p->coop_nan = p->check == SelectCheck::kNanInSelect && di.coop && p->grid <= fit && p->grid < 32768u;
+}
+
+// Whether every buffer is disjoint from the selection (scores or active
+// indices) and from the outputs: the condition for moves fused into the
+// select kernel. views: 0 selection, 1 indices, 2 target_map, 3.. buffers.
+bool buffers_disjoint(const imoe_view *selv, int64_t sel_n, const imoe_view *oi, const imoe_view *otm,
+                      const imoe_view *buffers, int num_buffers, const CallRows &pl) {
+  uintptr_t slo, shi;
+  std::vector<std::pair<uintptr_t, uintptr_t>> ro;
+  extent(selv, pl, pl.st[0], sel_n, dtype_size(selv->dtype), &slo, &shi);
+  ro.push_back({slo, shi});
+  if (oi) {
+    extent(oi, pl, pl.st[1], oi->n, dtype_size(oi->dtype), &slo, &shi);
+    ro.push_back({slo, shi});
+  }
+  if (otm) {
+    extent(otm, pl, pl.st[2], otm->n, dtype_size(otm->dtype), &slo, &shi);
+    ro.push_back({slo, shi});
+  }
+  for (int b = 0; b < num_buffers; ++b) {
+    uintptr_t blo, bhi;
+    extent(&buffers[b], pl, pl.st[3 + b], buffers[b].n, buffers[b].row_bytes, &blo, &bhi);
+    for (auto &x : ro)
+      if (overlaps(blo, bhi, x.first, x.second)) return false;
+  }
+  return true;
+}
+
+// k_check_rows over a call's active indices (kind 1) or caller-given indices
+// (kind 2): one block per row, at most kVerdicts blocks.
+imoe_status launch_rows_check(const char *fn, const InView &v, const Lead &lead, uint32_t rows, int64_t N, int64_t M,
+                              int kind, uint32_t token, const DevInfo *di, cudaStream_t st, int *nverdict,
+                              imoe_error *err) {
+  RowsParams rp;
+  memset(&rp, 0, sizeof rp);
+  rp.lead = lead;
+  rp.N = N;
+  rp.M = M;
+  rp.kind = kind;
+  rp.v = v;
+  rp.token = token;
+  const int64_t avail_bits = ((int64_t)(di->smem_optin - 1024) * 8) & ~(int64_t)(kTile - 1);
+  const int64_t want = kind == 1 ? (N >= 0 ? ((N + 31) & ~(int64_t)31) : avail_bits) : ((N - M + 31) & ~(int64_t)31);
+  rp.win_bits = (int32_t)std::max<int64_t>(32, std::min(want, avail_bits));
+  rp.rows = rows;
+  *nverdict = (int)std::min<uint32_t>(rp.rows, kVerdicts);
+  const cudaError_t e = launch(k_check_rows, shape((unsigned)*nverdict, kCheckThreads, (size_t)rp.win_bits / 8), st, rp);
+  if (e != cudaSuccess) return cuda_fail(err, fn, "launch of k_check_rows", e);
+  return IMOE_OK;
+}
+
 }  // namespace
 
 // build_map (num_buffers == 0, do_move false) and compact. `verdict`, when
 // given, receives the call's verdict token (0: nothing was validated).
-imoe_status select_and_move(const char *fn, const imoe_view *buffers, int32_t num_buffers,
-                            const imoe_selection *sel, const imoe_view *oi, const imoe_view *otm, bool do_move,
-                            imoe_mode mode, const imoe_exec *exec, imoe_error *err,
-                            SelectVerdict *verdict) {
+// The launches, in stream order: the check kernel (plan.check), then
+// k_select_wide, or k_select / k_select_small (after k_check_nan when the
+// select cannot check its rows itself), then k_apply for the buffers the
+// select kernel did not move.
+imoe_status select_and_move(const char *fn, const imoe_view *buffers, int32_t num_buffers, const imoe_selection *sel,
+                            const imoe_view *oi, const imoe_view *otm, bool do_move, imoe_mode mode,
+                            const imoe_exec *exec, imoe_error *err, SelectVerdict *verdict) {
   if (verdict) *verdict = SelectVerdict{0u, 0};
   DeviceGuard guard;
   DevInfo *di = nullptr;
@@ -259,48 +509,44 @@ imoe_status select_and_move(const char *fn, const imoe_view *buffers, int32_t nu
   if (pl.R == 0 || N == 0) return IMOE_OK;
   const int nd = pl.lead.nd;
 
-  const bool validate = scores ? sel->nan_policy == IMOE_NAN_ERROR : true;
-  const uint32_t token = validate ? next_token() : 0u;
-  // A few long rows: k_select_wide spreads each row over the GPU (cooperative
-  // launch; it checks for NaN itself). Ordered compactions keep the check
-  // kernel, whose verdict words their later kernels read.
-  const bool wide_try = scores && N > kSmallMaxN && Cp > 0 && Cp < N && di->coop &&
-                        pl.R <= (uint64_t)std::min(kWideMaxRows, di->sms) && (verdict == nullptr || !validate);
+  // C' == 0 or C' >= N: the map is the identity and nothing moves
+  const bool trivial = N >= 0 && (Cp <= 0 || Cp >= N);
+  if (trivial) num_buffers = 0;
+  SelectCall call;
+  memset(&call, 0, sizeof call);
+  call.N = N;
+  call.Cp = Cp;
+  call.K = K;
+  call.R = pl.R;
+  call.scores = scores != nullptr;
+  call.validate = scores ? sel->nan_policy == IMOE_NAN_ERROR : true;
+  call.verdict = verdict != nullptr;
+  call.moves = do_move && num_buffers > 0;
+  call.swap = mode == IMOE_MODE_SWAP;
+  if (call.moves)
+    call.disjoint = buffers_disjoint(scores ? scores : active, scores ? N : K, oi, otm, buffers, num_buffers, pl);
+  for (int b = 0; b < num_buffers; ++b) call.pair_bytes += buffers[b].row_bytes * (call.swap ? 4 : 2);
+  SelectPlan plan = plan_select(call, *di);
+
+  const uint32_t token = call.validate ? next_token() : 0u;
   int nverdict = 0;
   const bool pdl_ok = di->cc_major >= 9;
   bool pdl = false;
 
-  // ---- validation (read-only). A NaN check that k_select_small can do
-  // itself is decided below, once the select's grid is known.
-  bool nan_pending = false;
-  if (validate && scores && (N <= kSmallMaxN || wide_try) && verdict == nullptr) {
-    nan_pending = true;
-  } else if (validate && scores) {
+  // ---- validation (read-only)
+  if (plan.check == SelectCheck::kNanKernel) {
     s = launch_nan_check(fn, pl, N, scores, token, st, &nverdict, err);
     if (s != IMOE_OK) return s;
     pdl = pdl_ok;
-  } else if (validate) {
-    RowsParams rp;
-    memset(&rp, 0, sizeof rp);
+  } else if (plan.check == SelectCheck::kActiveRows) {
     const bool shared = active->lead_ndim == 0;
-    rp.lead = shared ? Lead() : pl.lead;
-    if (shared) memset(&rp.lead, 0, sizeof rp.lead);
-    rp.N = N;
-    rp.M = K;
-    rp.kind = 1;
-    rp.v = in_view(active, pl.st[0], nd);
-    rp.token = token;
-    const int64_t avail_bits = ((int64_t)(di->smem_optin - 1024) * 8) & ~(int64_t)(kTile - 1);
-    const int64_t want = N >= 0 ? ((N + 31) & ~(int64_t)31) : avail_bits;
-    rp.win_bits = (int32_t)std::max<int64_t>(32, std::min(want, avail_bits));
-    rp.rows = shared ? 1u : (uint32_t)pl.R;
-    nverdict = (int)std::min<uint32_t>(rp.rows, kVerdicts);
-    const cudaError_t e =
-        launch(k_check_rows, shape((unsigned)nverdict, kCheckThreads, (size_t)rp.win_bits / 8, false), st, rp);
-    if (e != cudaSuccess) return cuda_fail(err, fn, "launch of k_check_rows", e);
+    Lead lead = pl.lead;
+    if (shared) memset(&lead, 0, sizeof lead);
+    s = launch_rows_check(fn, in_view(active, pl.st[0], nd), lead, shared ? 1u : (uint32_t)pl.R, N, K, 1, token, di,
+                          st, &nverdict, err);
+    if (s != IMOE_OK) return s;
     pdl = pdl_ok;
   }
-
   if (verdict) *verdict = SelectVerdict{token, nverdict};
 
   // ---- select + map (+ moves when fused)
@@ -318,138 +564,58 @@ imoe_status select_and_move(const char *fn, const imoe_view *buffers, int32_t nu
   sp.has_tm = otm ? 1 : 0;
   if (oi) sp.idx = out_view(oi, pl.st[1], nd);
   if (otm) sp.tm = out_view(otm, pl.st[2], nd);
-  sp.swap = mode == IMOE_MODE_SWAP ? 1 : 0;
+  sp.swap = call.swap ? 1 : 0;
   sp.token = token;
   sp.nverdict = nverdict;
-  sp.cap = (int32_t)std::max<int64_t>(1, std::min<int64_t>(Cp, kListL + kTile));
-  const size_t ring_bytes = (size_t)sp.cap * 8u;
-  const size_t dyn_max = (size_t)di->smem_optin - kStaticSmemSelect;
+  sp.cap = plan.cap;
+  sp.nk = plan.nk;
+  sp.win_bits = plan.win_bits;
+  sp.two_win = plan.two_win;
 
-  int src;
-  size_t smem;
-  if (scores && N <= kSmallMaxN) {
-    // short rows: keys in registers, holes and tails in two arrays of
-    // min(C', N - C') entries (the number of pairs is at most that)
-    src = N <= 4 * kSelThreads ? 3 : (N <= 8 * kSelThreads ? 4 : 5);
-    // many rows: a row per 256 (512) threads, several rows per multiprocessor
-    if (pl.R >= 2u * (uint64_t)di->sms && N <= 8192) src = N <= 4096 ? 6 : 7;
-    sp.cap = (int32_t)std::max<int64_t>(1, std::min<int64_t>(Cp, N - Cp));
-    smem = (size_t)sp.cap * 8u;
-  } else if (scores) {
-    const int64_t nk = (N + kTile - 1) / kTile * kTile;
-    if (N <= 65536 && (size_t)nk * 4u + ring_bytes <= dyn_max) {
-      src = 0;
-      sp.nk = (int32_t)nk;
-      smem = (size_t)nk * 4u + ring_bytes;
-    } else {
-      src = 1;
-      smem = ring_bytes;
-    }
-  } else {
-    src = 2;
-    const int64_t avail_words = (int64_t)(dyn_max - ring_bytes) / 4;
-    if (N >= 0 && (N + 31) / 32 <= avail_words) {
-      sp.two_win = 0;
-      sp.win_bits = (int32_t)((N + 31) / 32 * 32);
-    } else {
-      sp.two_win = 1;
-      sp.win_bits = (int32_t)(((avail_words / 2) * 32) & ~(int64_t)(kTile - 1));
-    }
-    smem = (size_t)(sp.win_bits / 32) * 4u * (sp.two_win ? 2u : 1u) + ring_bytes;
-  }
-
-  // Fused moves need every buffer disjoint from what the selection reads and
-  // the map writes (a buffer may be the scores themselves: then the moves run
-  // in a second kernel, after every block has read its scores).
-  // C' == 0 or C' >= N: the map is the identity and nothing moves
-  const bool trivial = N >= 0 && (Cp <= 0 || Cp >= N);
-  if (trivial) num_buffers = 0;
-  bool fused = do_move && num_buffers > 0;
-  if (fused) {  // first: every buffer disjoint from the selection and the outputs
-    uintptr_t slo, shi;
-    std::vector<std::pair<uintptr_t, uintptr_t>> ro;
-    const imoe_view *selv = scores ? scores : active;
-    const int64_t sel_n = scores ? N : K;
-    extent(selv, pl, pl.st[0], sel_n, dtype_size(selv->dtype), &slo, &shi);
-    ro.push_back({slo, shi});
-    if (oi) {
-      extent(oi, pl, pl.st[1], oi->n, dtype_size(oi->dtype), &slo, &shi);
-      ro.push_back({slo, shi});
-    }
-    if (otm) {
-      extent(otm, pl, pl.st[2], otm->n, dtype_size(otm->dtype), &slo, &shi);
-      ro.push_back({slo, shi});
-    }
-    for (int b = 0; b < num_buffers && fused; ++b) {
-      uintptr_t blo, bhi;
-      extent(&buffers[b], pl, pl.st[3 + b], buffers[b].n, buffers[b].row_bytes, &blo, &bhi);
-      for (auto &x : ro)
-        if (overlaps(blo, bhi, x.first, x.second)) fused = false;
-    }
-  }
   cudaError_t e = cudaSuccess;
-  bool launched = false;
-  if (wide_try) {
-    // nblk blocks per row, one per SM; each holds at most cap pairs at once
-    const int64_t nblk_w = std::max<int64_t>(1, std::min<int64_t>(di->sms, kWideMaxBlocks) / (int64_t)pl.R);
-    const int64_t per = (std::min(Cp, N - Cp) + nblk_w - 1) / nblk_w;
+  bool launched = false, fused = false;
+  if (plan.try_wide) {
     SelParams wp = sp;
-    wp.nblk = (int32_t)nblk_w;
-    wp.cap = (int32_t)std::max<int64_t>(1, std::min<int64_t>(per, di->wide_cap));
+    wp.nblk = plan.wide_nblk;
+    wp.cap = plan.wide_cap;
     wp.wslot = (int32_t)((token ? token : next_token()) % kWideSlots);
-    wp.fused_nan = nan_pending ? 1 : 0;
+    wp.fused_nan = plan.check == SelectCheck::kNanInSelect ? 1 : 0;
     wp.nverdict = 0;
     wp.pdl = 0;
-    if (fused) {
+    if (plan.wide_fused) {
       wp.do_move = 1;
       wp.nbuf = std::min(num_buffers, kMaxBuf);
       for (int b = 0; b < wp.nbuf; ++b) wp.buf[b] = buf_desc(&buffers[b], pl.st[3 + b], nd);
     }
-    const size_t smem_w = (size_t)wp.cap * 8u + 4u * kWideSub;  // H, T and the batch of scores
-    e = launch(k_select_wide, shape((unsigned)(pl.R * (uint64_t)nblk_w), kSelThreads, smem_w, false, true), st, wp);
+    e = launch(k_select_wide, plan.wide, st, wp);
     if (e == cudaSuccess) {
       launched = true;
-      if (nan_pending) nverdict = 1;  // block 0 writes the verdict word
+      fused = plan.wide_fused;
+      if (plan.check == SelectCheck::kNanInSelect) nverdict = 1;  // block 0 writes the verdict word
     } else {
       (void)cudaGetLastError();  // refused: the paths below
     }
   }
-  if (fused && !launched && (src == 1 || src == 2) && pl.R < 2u * (uint64_t)di->sms) fused = false;
 
-  int64_t nblk = 1;
-  if (fused && !launched) {
-    sp.do_move = 1;
-    sp.nbuf = std::min(num_buffers, kMaxBuf);
-    for (int b = 0; b < sp.nbuf; ++b) sp.buf[b] = buf_desc(&buffers[b], pl.st[3 + b], nd);
-    if ((src == 0 || src >= 3) && N > 0) {
-      // Several blocks per row, each recomputing the row's selection and
-      // moving its share of the pairs: the GPU fills even for few rows.
-      const int occ = occupancy(di, src, smem);
-      const int64_t target = (int64_t)di->sms * occ;
-      const int64_t hest = std::max<int64_t>(1, Cp * (N - Cp) / N);
-      int64_t pair_bytes = 0;
-      for (int b = 0; b < num_buffers; ++b) pair_bytes += buffers[b].row_bytes * (sp.swap ? 4 : 2);
-      nblk = std::max<int64_t>(1, target / (int64_t)pl.R);
-      nblk = std::min<int64_t>(nblk, std::max<int64_t>(1, hest * pair_bytes / 32768));
-      nblk = std::min<int64_t>(nblk, 256);
-    }
+  if (!launched) {
+    if (plan.needs_occupancy) plan_select_grid(&plan, call, *di, occupancy(di, plan.path, plan.smem));
+    else plan_select_grid(&plan, call, *di, 1);
+    fused = plan.fused;
   }
-  sp.nblk = (int32_t)nblk;
-  const uint64_t grid = pl.R * (uint64_t)nblk;
-  if (grid > 0x7FFFFFFFull) return fail(err, IMOE_ERR_ARGUMENT, "%s: too many rows for one launch", fn);
-  const bool move5 = sp.do_move && !sp.swap;  // k_select_small: the five-load movers
-  if (nan_pending && !launched) {
-    // Short rows: each select block checks its own row's scores (in its
-    // registers anyway) and the blocks meet at a grid barrier before
-    // anything is written, instead of a check kernel whose blocks would
-    // keep select blocks off their SMs. The barrier needs every block
-    // resident at once: a cooperative launch, where the grid fits.
-    const uint64_t fit = src >= 3 ? (uint64_t)di->sms * (uint64_t)occupancy(di, src, smem) : 0u;
-    if (di->coop && grid <= fit && grid < 32768u) {  // NaN counts stay below 2^16 (see g_gridbar)
+  if (plan.grid > 0x7FFFFFFFull) return fail(err, IMOE_ERR_ARGUMENT, "%s: too many rows for one launch", fn);
+  if (!launched) {
+    if (plan.fused) {
+      sp.do_move = 1;
+      sp.nbuf = std::min(num_buffers, kMaxBuf);
+      for (int b = 0; b < sp.nbuf; ++b) sp.buf[b] = buf_desc(&buffers[b], pl.st[3 + b], nd);
+    }
+    sp.nblk = (int32_t)plan.nblk;
+    const unsigned grid = (unsigned)plan.grid, block = select_threads(plan.path);
+    if (plan.coop_nan) {
       sp.fused_nan = 1;
       sp.nverdict = 0;
       sp.pdl = 0;
-      e = launch(small_kernel(src, move5), shape((unsigned)grid, small_threads(src), smem, false, true), st, sp);
+      e = launch(small_kernel(plan.path, plan.move5), shape(grid, block, plan.smem, false, true), st, sp);
       if (e == cudaSuccess) {
         launched = true;
         nverdict = 1;  // block 0 writes the verdict word for the call's later kernels
@@ -460,7 +626,7 @@ imoe_status select_and_move(const char *fn, const imoe_view *buffers, int32_t nu
         (void)cudaGetLastError();
       }
     }
-    if (!launched) {  // a check kernel first, as for long rows
+    if (!launched && plan.check == SelectCheck::kNanInSelect) {  // a check kernel first, as for long rows
       sp.fused_nan = 0;
       s = launch_nan_check(fn, pl, N, scores, token, st, &nverdict, err);
       if (s != IMOE_OK) return s;
@@ -470,18 +636,21 @@ imoe_status select_and_move(const char *fn, const imoe_view *buffers, int32_t nu
   }
   if (!launched) {
     sp.pdl = pdl ? 1 : 0;
-    if (src == 0) e = launch(k_select<0>, shape((unsigned)grid, kSelThreads, smem, pdl), st, sp);
-    else if (src == 1) e = launch(k_select<1>, shape((unsigned)grid, kSelThreads, smem, pdl), st, sp);
-    else if (src == 2) e = launch(k_select<2>, shape((unsigned)grid, kSelThreads, smem, pdl), st, sp);
-    else e = launch(small_kernel(src, move5), shape((unsigned)grid, small_threads(src), smem, pdl), st, sp);
+    const LaunchShape sh = shape((unsigned)plan.grid, select_threads(plan.path), plan.smem, pdl);
+    switch (plan.path) {
+      case SelectPath::kRowsKeysShared: e = launch(k_select<0>, sh, st, sp); break;
+      case SelectPath::kRowsKeysGlobal: e = launch(k_select<1>, sh, st, sp); break;
+      case SelectPath::kActive: e = launch(k_select<2>, sh, st, sp); break;
+      default: e = launch(small_kernel(plan.path, plan.move5), sh, st, sp); break;
+    }
     if (e != cudaSuccess) return cuda_fail(err, fn, "launch of k_select", e);
   }
 
   // ---- remaining buffers (or all, unfused): apply the indices just written
   if (do_move && num_buffers > 0) {
     const InView map = in_view(oi, pl.st[1], nd);
-    return launch_apply_groups(fn, buffers, fused ? kMaxBuf : 0, num_buffers, pl, 3, map, 0, Cp,
-                               mode == IMOE_MODE_SWAP, token, nverdict, false, di, st, err);
+    return launch_apply_groups(fn, buffers, fused ? kMaxBuf : 0, num_buffers, pl, 3, map, 0, Cp, call.swap, token,
+                               nverdict, false, di, st, err);
   }
   return IMOE_OK;
 }
@@ -512,22 +681,9 @@ imoe_status apply_map(const char *fn, const imoe_view *buffers, int32_t num_buff
   const InView mv = in_view(map, pl.st[0], nd);
   cudaError_t e;
   if (kind == 0) {
-    RowsParams rp;
-    memset(&rp, 0, sizeof rp);
-    rp.lead = pl.lead;
-    rp.N = N;
-    rp.M = M;
-    rp.kind = 2;
-    rp.v = mv;
-    rp.token = token;
-    const int64_t avail_bits = ((int64_t)(di->smem_optin - 1024) * 8) & ~(int64_t)(kTile - 1);
-    const int64_t want = (N - M + 31) & ~(int64_t)31;
-    rp.win_bits = (int32_t)std::max<int64_t>(32, std::min(want, avail_bits));
     if (pl.R > 0x7FFFFFFFull) return fail(err, IMOE_ERR_ARGUMENT, "%s: too many rows for one launch", fn);
-    rp.rows = (uint32_t)pl.R;
-    nverdict = (int)std::min<uint32_t>(rp.rows, kVerdicts);
-    e = launch(k_check_rows, shape((unsigned)nverdict, kCheckThreads, (size_t)rp.win_bits / 8, false), st, rp);
-    if (e != cudaSuccess) return cuda_fail(err, fn, "launch of k_check_rows", e);
+    s = launch_rows_check(fn, mv, pl.lead, (uint32_t)pl.R, N, M, 2, token, di, st, &nverdict, err);
+    if (s != IMOE_OK) return s;
   } else {
     TmParams tp;
     memset(&tp, 0, sizeof tp);

@@ -91,7 +91,7 @@ struct SelParams {
   InView scores, active;
   OutView idx, tm;
   BufDesc buf[kMaxBuf];
-  int32_t wslot;  // k_select_wide: its slot of module memory (imoe_wide.cuh)
+  int32_t wslot;  // k_select_wide: its slot of module memory (imoe_select_wide.cuh)
 };
 
 // ------------------------------------------------------------ fused NaN check
