@@ -27,7 +27,7 @@ __device__ __forceinline__ uint32_t slot_bits(int x0, int a, int b, int ipt) {
 // even share of the fixed-point slots and of the pairs, which they move at
 // once. Under nan=raise (p.fused_nan, a cooperative launch) each block also
 // checks its own row's scores and the blocks meet at a grid barrier word
-// before anything is written (g_gridbar; cuda/NOTES.md, runs 33-37).
+// before anything is written (g_gridbar; docs/cuda-design.md, "Data errors").
 template <int IPT>
 __device__ __forceinline__ void load_raw_row(const char *srow, int x0, int N, int dt, bool al, int64_t ns,
                                              bool vec, uint32_t (&raw)[IPT]) {
@@ -73,10 +73,11 @@ __device__ __forceinline__ void load_raw_row(const char *srow, int x0, int N, in
 // MOVE5: the movers keep five loads in flight per thread instead of four
 // (the host takes these kernels for moves, not swaps): a W1 block of
 // 65-67 pairs of 2 KiB (8,320-8,576 vectors for 1024 threads) then moves
-// in two rounds, not three (cuda/NOTES.md, run 63).
+// in two rounds, not three (docs/cuda-design.md, "Moves").
 // NT: threads per block. 1024 by default; many short rows take 256 or 512
 // (16 keys each) so that several rows select at once on one
-// multiprocessor, each block hiding the others' latency (NOTES, run 78).
+// multiprocessor, each block hiding the others' latency (docs/cuda-design.md,
+// "Select paths").
 template <int IPT, bool MOVE5, int NT = kSelThreads>
 __global__ void __launch_bounds__(NT, kSelThreads / NT) k_select_small(const __grid_constant__ SelParams p) {
   extern __shared__ __align__(16) unsigned char dsm[];
@@ -134,7 +135,7 @@ __global__ void __launch_bounds__(NT, kSelThreads / NT) k_select_small(const __g
     // the constant-bank words the write phase reads first (the outputs'
     // views, the first buffer's descriptor), read by one lane of warps 1-4
     // (one per scheduler) while the keys load; the volatile shared store
-    // keeps the reads (cuda/NOTES.md, run 98)
+    // keeps the reads (docs/cuda-design.md, "The write phase")
     if (lane == 0 && warp >= 1 && warp <= 4) {
       uint64_t v = (uint64_t)p.idx.n_stride ^ (uint64_t)p.tm.n_stride ^ (uint64_t)(uintptr_t)p.buf[0].data ^
                    (uint64_t)p.buf[0].n_stride;
@@ -217,7 +218,7 @@ __global__ void __launch_bounds__(NT, kSelThreads / NT) k_select_small(const __g
         const uint32_t d = key[i] - base;
         // no branch around the atomic: a key out of play adds 0 to the bin
         // of its lane's number (an add of the constant 1 under a condition
-        // compiles to a branch pair per key; NOTES, run 97)
+        // compiles to a branch pair per key; docs/cuda-design.md, "Select paths")
         const bool in = d <= span;
         atomicAdd(&hist[in ? d >> sh : (uint32_t)lane], (int)in);
       }
@@ -351,7 +352,7 @@ __global__ void __launch_bounds__(NT, kSelThreads / NT) k_select_small(const __g
   // 16-byte vectors) is loaded into registers before the index writes, so
   // that its latency overlaps them. Not before the verdict: a barrier waits
   // for the loads its threads have in flight. Two buffers (W2) measured
-  // slower with it through the API (cuda/NOTES.md, runs 98-100).
+  // slower with it through the API (docs/cuda-design.md, "The write phase").
   constexpr int PU = 5;  // vectors per thread, the mover's round
   uint4 pre[PU];
   int npre = 0;  // pairs of this block's share held in `pre`
