@@ -13,6 +13,122 @@
 
 namespace imoe_cu {
 
+// SRC 0: the row's keys into shared memory, eight independent loads in
+// flight per thread. Non-candidates (protected slots, padding) hold key 0;
+// the radix passes take their count back out of bin 0.
+__device__ __forceinline__ void rows_load_keys(const SelParams &p, const char *srow, uint32_t *keys, int64_t N,
+                                               int64_t clo, int64_t chi, int tid, int nt) {
+  for (int64_t x0 = tid; x0 < p.nk; x0 += 8 * (int64_t)nt) {
+    uint32_t raw[8];
+#pragma unroll
+    for (int u = 0; u < 8; ++u) {
+      const int64_t x = x0 + (int64_t)u * nt;
+      raw[u] = x < N ? ldg_raw(srow + x * p.scores.n_stride, p.scores.dtype, (p.scores.aligned != 0)) : 0u;
+    }
+#pragma unroll
+    for (int u = 0; u < 8; ++u) {
+      const int64_t x = x0 + (int64_t)u * nt;
+      if (x < p.nk) keys[x] = (x >= clo && x < chi) ? key_of_raw(raw[u], p.scores.dtype) : 0u;
+    }
+  }
+}
+
+// k_select's radix select (SRC 0: keys in shared memory; SRC 1: re-read
+// from global memory): 8-bit passes from the top find the threshold that
+// keeps C' - P - W candidates of [clo, chi), exiting early when a whole bin
+// is kept. A kept candidate has key > thr, or key == thr and (take_eq, or
+// tie rank < Q when needs_rank); ties_lo: the threshold's ties below C'.
+template <int SRC>
+__device__ __forceinline__ void rows_radix_select(const SelParams &p, const char *srow, const uint32_t *keys,
+                                                  int64_t Cp, int64_t clo, int64_t chi, int tid, int nt, int *s_hist,
+                                                  int *s_hist_lo, int *s_b, uint32_t &thr, bool &take_eq,
+                                                  bool &needs_rank, int64_t &Q, int64_t &ties_lo) {
+  const int64_t Kp = Cp - p.P - p.W;
+  if (Kp > 0) {
+    int need = (int)Kp;
+    uint32_t prefix = 0;
+    for (int pass = 0; pass < 4; ++pass) {
+      const int shift = 24 - 8 * pass;
+      const uint32_t hmask = pass == 0 ? 0u : (0xFFFFFFFFu << (shift + 8));
+      const bool last = pass == 3;
+      for (int i = tid; i < 256; i += nt) {
+        s_hist[i] = 0;
+        s_hist_lo[i] = 0;
+      }
+      __syncthreads();
+      if (SRC == 0) {
+        // four keys per 16-byte shared load, 32-bit indices
+        const uint32_t nk = (uint32_t)p.nk, cp = (uint32_t)Cp;
+        for (uint32_t i = (uint32_t)tid * 4u; i < nk; i += (uint32_t)nt * 4u) {
+          const uint4 q = *reinterpret_cast<const uint4 *>(keys + i);
+          const uint32_t kq[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            if ((kq[j] & hmask) == prefix) {
+              const uint32_t d = (kq[j] >> shift) & 255u;
+              atomicAdd(&s_hist[d], 1);
+              if (last && i + j < cp) atomicAdd(&s_hist_lo[d], 1);
+            }
+          }
+        }
+        __syncthreads();
+        if (tid == 0 && prefix == 0u) {  // the non-candidates all sit in bin 0
+          s_hist[0] -= (int)((int64_t)p.nk - (chi - clo));
+          if (last) s_hist_lo[0] -= (int)(clo + max((int64_t)0, Cp - chi));
+        }
+      } else {
+        for (int64_t x = clo + tid; x < chi; x += nt) {
+          const uint32_t k = load_key(srow + x * p.scores.n_stride, p.scores.dtype, (p.scores.aligned != 0));
+          if ((k & hmask) == prefix) {
+            const int d = (k >> shift) & 255;
+            atomicAdd(&s_hist[d], 1);
+            if (last && x < Cp) atomicAdd(&s_hist_lo[d], 1);
+          }
+        }
+      }
+      __syncthreads();
+      if (tid < 32) find_bin256(s_hist, need, s_b);
+      __syncthreads();
+      const int d = s_b[0];
+      need -= s_b[1];
+      prefix |= (uint32_t)d << shift;
+      const int E = s_hist[d];
+      const int lo_cnt = s_hist_lo[d];
+      __syncthreads();
+      if (E == need) {  // the whole bin is kept: keep every key >= prefix
+        if (prefix) {
+          thr = prefix - 1u;
+          take_eq = false;
+        } else {
+          thr = 0u;
+          take_eq = true;
+        }
+        break;
+      }
+      if (last) {  // exact threshold; `need` of its ties, lowest index first
+        thr = prefix;
+        Q = need;
+        needs_rank = true;
+        ties_lo = lo_cnt;
+      }
+    }
+  }
+}
+
+// C' <= 0 or C' >= N: the map is the identity. This block's share of the
+// row's tiles (tile t belongs to block t mod nblk) writes it.
+__device__ __forceinline__ void rows_write_identity(const SelParams &p, int64_t N, int64_t Cp, uint32_t bsub, int tid,
+                                                    int nt, char *irow, char *trow) {
+  const int64_t step = (int64_t)p.nblk * kTile;
+  for (int64_t t0 = (int64_t)bsub * kTile; t0 < N; t0 += step) {
+    const int64_t t1 = min(t0 + kTile, N);
+    for (int64_t x = t0 + tid; x < t1; x += nt) {
+      if (irow && x < Cp) store_index(irow + x * p.idx.n_stride, p.idx.dtype, p.idx.aligned != 0, x);
+      if (trow) store_index(trow + x * p.tm.n_stride, p.tm.dtype, p.tm.aligned != 0, x);
+    }
+  }
+}
+
 // SRC 0: scores, keys cached in shared memory. SRC 1: scores, keys re-read
 // from global memory on every pass (long rows). SRC 2: active indices.
 template <int SRC>
@@ -101,95 +217,13 @@ __global__ void __launch_bounds__(kSelThreads, 1) k_select(const __grid_constant
 
   // ---- read-only part: may overlap the validation kernel (PDL)
   if (!trivial) {
-    if (SRC == 0) {  // eight independent loads in flight per thread
-      for (int64_t x0 = tid; x0 < p.nk; x0 += 8 * (int64_t)nt) {
-        uint32_t raw[8];
-#pragma unroll
-        for (int u = 0; u < 8; ++u) {
-          const int64_t x = x0 + (int64_t)u * nt;
-          raw[u] = x < N ? ldg_raw(srow + x * sns, sdt, sal) : 0u;
-        }
-#pragma unroll
-        for (int u = 0; u < 8; ++u) {
-          // non-candidates (protected slots, padding) hold key 0; the radix
-          // passes take their count back out of bin 0
-          const int64_t x = x0 + (int64_t)u * nt;
-          if (x < p.nk) keys[x] = (x >= clo && x < chi) ? key_of_raw(raw[u], sdt) : 0u;
-        }
-      }
+    if (SRC == 0) {
+      rows_load_keys(p, srow, keys, N, clo, chi, tid, nt);
       __syncthreads();
     }
     if (SRC < 2) {
-      const int64_t Kp = Cp - p.P - p.W;
-      if (Kp > 0) {
-        int need = (int)Kp;
-        uint32_t prefix = 0;
-        for (int pass = 0; pass < 4; ++pass) {
-          const int shift = 24 - 8 * pass;
-          const uint32_t hmask = pass == 0 ? 0u : (0xFFFFFFFFu << (shift + 8));
-          const bool last = pass == 3;
-          for (int i = tid; i < 256; i += nt) {
-            s_hist[i] = 0;
-            s_hist_lo[i] = 0;
-          }
-          __syncthreads();
-          if (SRC == 0) {
-            // four keys per 16-byte shared load, 32-bit indices
-            const uint32_t nk = (uint32_t)p.nk, cp = (uint32_t)Cp;
-            for (uint32_t i = (uint32_t)tid * 4u; i < nk; i += (uint32_t)nt * 4u) {
-              const uint4 q = *reinterpret_cast<const uint4 *>(keys + i);
-              const uint32_t kq[4] = {q.x, q.y, q.z, q.w};
-#pragma unroll
-              for (int j = 0; j < 4; ++j) {
-                if ((kq[j] & hmask) == prefix) {
-                  const uint32_t d = (kq[j] >> shift) & 255u;
-                  atomicAdd(&s_hist[d], 1);
-                  if (last && i + j < cp) atomicAdd(&s_hist_lo[d], 1);
-                }
-              }
-            }
-            __syncthreads();
-            if (tid == 0 && prefix == 0u) {  // the non-candidates all sit in bin 0
-              s_hist[0] -= (int)((int64_t)p.nk - (chi - clo));
-              if (last) s_hist_lo[0] -= (int)(clo + max((int64_t)0, Cp - chi));
-            }
-          } else {
-            for (int64_t x = clo + tid; x < chi; x += nt) {
-              const uint32_t k = load_key(srow + x * sns, sdt, sal);
-              if ((k & hmask) == prefix) {
-                const int d = (k >> shift) & 255;
-                atomicAdd(&s_hist[d], 1);
-                if (last && x < Cp) atomicAdd(&s_hist_lo[d], 1);
-              }
-            }
-          }
-          __syncthreads();
-          if (tid < 32) find_bin256(s_hist, need, s_b);
-          __syncthreads();
-          const int d = s_b[0];
-          need -= s_b[1];
-          prefix |= (uint32_t)d << shift;
-          const int E = s_hist[d];
-          const int lo_cnt = s_hist_lo[d];
-          __syncthreads();
-          if (E == need) {  // the whole bin is kept: keep every key >= prefix
-            if (prefix) {
-              thr = prefix - 1u;
-              take_eq = false;
-            } else {
-              thr = 0u;
-              take_eq = true;
-            }
-            break;
-          }
-          if (last) {  // exact threshold; `need` of its ties, lowest index first
-            thr = prefix;
-            Q = need;
-            needs_rank = true;
-            ties_lo = lo_cnt;
-          }
-        }
-      }
+      rows_radix_select<SRC>(p, srow, keys, Cp, clo, chi, tid, nt, s_hist, s_hist_lo, s_b, thr, take_eq, needs_rank,
+                             Q, ties_lo);
     } else if (!p.two_win) {
       build_window(win, 0);
       wvalid0 = wvalid1 = true;
@@ -207,14 +241,7 @@ __global__ void __launch_bounds__(kSelThreads, 1) k_select(const __grid_constant
   const bool aborted = *(volatile int *)&s_aborted != 0;
 
   if (!aborted && trivial) {
-    const int64_t step = (int64_t)p.nblk * kTile;
-    for (int64_t t0 = (int64_t)bsub * kTile; t0 < N; t0 += step) {
-      const int64_t t1 = min(t0 + kTile, N);
-      for (int64_t x = t0 + tid; x < t1; x += nt) {
-        if (irow && x < Cp) store_index(irow + x * ins, idt, ial, x);
-        if (trow) store_index(trow + x * tns, tdt, tal, x);
-      }
-    }
+    rows_write_identity(p, N, Cp, bsub, tid, nt, irow, trow);
   } else if (!aborted) {
     int hh = 0, nh = 0, th = 0, ntl = 0;
     int64_t hcur = 0, tcur = (Cp / kTile) * kTile;

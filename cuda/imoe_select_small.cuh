@@ -70,6 +70,19 @@ __device__ __forceinline__ void load_raw_row(const char *srow, int x0, int N, in
   }
 }
 
+// Every pass's histogram zeroed up front (16-byte stores).
+template <int NT>
+__device__ __forceinline__ void small_zero_histograms(int (*s_hist)[kSmallBins], int tid) {
+  int4 *hz = reinterpret_cast<int4 *>(&s_hist[0][0]);
+  if constexpr (NT == kSelThreads) {
+    hz[tid] = make_int4(0, 0, 0, 0);
+    if (tid < kSelThreads / 2) hz[tid + kSelThreads] = make_int4(0, 0, 0, 0);
+  } else {
+#pragma unroll
+    for (int i = 0; i < kSmallPasses * kSmallBins / 4; i += NT) hz[i + tid] = make_int4(0, 0, 0, 0);
+  }
+}
+
 // MOVE5: the movers keep five loads in flight per thread instead of four
 // (the host takes these kernels for moves, not swaps): a W1 block of
 // 65-67 pairs of 2 KiB (8,320-8,576 vectors for 1024 threads) then moves
@@ -105,16 +118,7 @@ __global__ void __launch_bounds__(NT, kSelThreads / NT) k_select_small(const __g
   const int dt = p.scores.dtype;
 
   IMOE_PHASE(0);
-  {
-    int4 *hz = reinterpret_cast<int4 *>(&s_hist[0][0]);
-    if constexpr (NT == kSelThreads) {
-      hz[tid] = make_int4(0, 0, 0, 0);
-      if (tid < kSelThreads / 2) hz[tid + kSelThreads] = make_int4(0, 0, 0, 0);
-    } else {
-#pragma unroll
-      for (int i = 0; i < kSmallPasses * kSmallBins / 4; i += NT) hz[i + tid] = make_int4(0, 0, 0, 0);
-    }
-  }
+  small_zero_histograms<NT>(s_hist, tid);
   // fused NaN check: the barrier word before this launch's arrivals (its
   // bit 63, the phase, says which NaN half is this launch's), read while the
   // keys load
