@@ -713,6 +713,26 @@ int rotate_blocks_per_sm(const DevInfo *di, int vw) {
   return nb;
 }
 
+// The pointer-jumping rounds of a row of n slots: k_cyc_init covers a window
+// of kWalk slots; round k multiplies it by arity[k] (2 to kArity), until
+// the window covers the row.
+struct CyclePlan {
+  int rounds;
+  int arity[32];
+};
+
+CyclePlan plan_cycles(int64_t n) {
+  CyclePlan c;
+  c.rounds = 0;
+  for (int64_t window = kWalk; window < n; ++c.rounds) {
+    int a = 2;
+    while (a < kArity && window * a < n) a <<= 1;
+    c.arity[c.rounds] = a;
+    window *= a;
+  }
+  return c;
+}
+
 }  // namespace
 
 // The cycle kernels and the data passes: buffers [buf_st0, ...) of pl, the
@@ -739,15 +759,9 @@ imoe_status launch_cycles_and_swaps(const char *fn, const imoe_view *buffers, in
   const uint64_t flat = (cp.items + kCycThreads - 1) / kCycThreads;
   if (flat > 0x7FFFFFFFull || rows > 0x7FFFFFFFull)
     return fail(err, IMOE_ERR_ARGUMENT, "%s: too many rows for one launch", fn);
-  // k_cyc_init covers a window of kWalk slots; a round multiplies it by its arity
-  int arity[32];
-  int rounds = 0;
-  for (int64_t window = kWalk; window < n; ++rounds) {
-    int a = 2;
-    while (a < kArity && window * a < n) a <<= 1;
-    arity[rounds] = a;
-    window *= a;
-  }
+  const CyclePlan cyc = plan_cycles(n);
+  const int rounds = cyc.rounds;
+  const int *arity = cyc.arity;
   const bool pdl = di->cc_major >= 9;
   cp.last = rounds == 0;
   cp.fin = 0;
