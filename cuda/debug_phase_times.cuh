@@ -34,14 +34,14 @@ __device__ __forceinline__ void phase_stamp(int k) {
 
 #define IMOE_PHASE(k) imoe_cu::phase_stamp(k)
 // the stamp after the key load waits for the keys: a store that depends on one
-#define IMOE_PHASE_WAIT_KEYS(key0, sink) \
-  do {                                   \
+#define IMOE_PHASE_WAIT_KEYS(key0, sink)   \
+  do {                                     \
     if ((key0) == 0xDEADBEEFu) (sink) = 1; \
   } while (0)
 // the spare stamp of the timer row: the block's number of pairs (thread tid)
-#define IMOE_PHASE_PAIRS(tid, np)                                         \
-  do {                                                                    \
-    if ((tid) == 0 && blockIdx.x < imoe_cu::kPhaseBlocks)                 \
+#define IMOE_PHASE_PAIRS(tid, np)                                                       \
+  do {                                                                                  \
+    if ((tid) == 0 && blockIdx.x < imoe_cu::kPhaseBlocks)                               \
       imoe_cu::g_phase[blockIdx.x][1][imoe_cu::kPhases - 1] = (unsigned long long)(np); \
   } while (0)
 // the last stamp, once every thread of the block is done

@@ -30,8 +30,10 @@ __device__ __forceinline__ bool vec_has_nan(uint4 q, int dt) {
   bool bad = false;
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
-    if (dt == IMOE_DTYPE_F32) bad |= raw_is_nan(w[j], dt);
-    else bad |= raw_is_nan(w[j] & 0xFFFFu, dt) | raw_is_nan(w[j] >> 16, dt);
+    if (dt == IMOE_DTYPE_F32)
+      bad |= raw_is_nan(w[j], dt);
+    else
+      bad |= raw_is_nan(w[j] & 0xFFFFu, dt) | raw_is_nan(w[j] >> 16, dt);
   }
   return bad;
 }
@@ -61,23 +63,23 @@ __global__ void __launch_bounds__(1024) k_check_nan(const __grid_constant__ NanP
         bad |= raw_is_nan(ldg_raw(p.scores.data + x * p.scores.n_stride, dt, al), dt);
     }
   } else {
-  for (uint32_t it = blockIdx.x; it < p.items; it += gridDim.x) {
-  const uint32_t r = it / p.bpr, s = it - r * p.bpr;
-  uint32_t c[kMaxDims];
-  row_coords(p.lead, r, c);
-  const char *row = p.scores.data + row_offset(p.lead, c, p.scores.lead);
-  const int64_t x0 = (int64_t)s * p.per, x1 = min(x0 + p.per, p.N);
-  for (int64_t xb = x0 + threadIdx.x; xb < x1; xb += 8 * (int64_t)blockDim.x) {
-    uint32_t raw[8];  // eight independent loads in flight
+    for (uint32_t it = blockIdx.x; it < p.items; it += gridDim.x) {
+      const uint32_t r = it / p.bpr, s = it - r * p.bpr;
+      uint32_t c[kMaxDims];
+      row_coords(p.lead, r, c);
+      const char *row = p.scores.data + row_offset(p.lead, c, p.scores.lead);
+      const int64_t x0 = (int64_t)s * p.per, x1 = min(x0 + p.per, p.N);
+      for (int64_t xb = x0 + threadIdx.x; xb < x1; xb += 8 * (int64_t)blockDim.x) {
+        uint32_t raw[8];  // eight independent loads in flight
 #pragma unroll
-    for (int u = 0; u < 8; ++u) {
-      const int64_t x = xb + (int64_t)u * blockDim.x;
-      raw[u] = x < x1 ? ldg_raw(row + x * p.scores.n_stride, dt, al) : 0u;
+        for (int u = 0; u < 8; ++u) {
+          const int64_t x = xb + (int64_t)u * blockDim.x;
+          raw[u] = x < x1 ? ldg_raw(row + x * p.scores.n_stride, dt, al) : 0u;
+        }
+#pragma unroll
+        for (int u = 0; u < 8; ++u) bad |= raw_is_nan(raw[u], dt);
+      }
     }
-#pragma unroll
-    for (int u = 0; u < 8; ++u) bad |= raw_is_nan(raw[u], dt);
-  }
-  }
   }
   bad = __syncthreads_or(bad) != 0;
   if (threadIdx.x == 0) {
@@ -154,48 +156,52 @@ __global__ void __launch_bounds__(kCheckThreads) k_check_rows(const __grid_const
   const int64_t lo = p.kind == 1 ? 0 : p.M;
   bool bad = false;  // thread 0
   for (uint32_t r = blockIdx.x; r < p.rows; r += gridDim.x) {
-  uint32_t c[kMaxDims];
-  row_coords(p.lead, r, c);
-  const char *row = p.v.data + row_offset(p.lead, c, p.v.lead);
-  if (tid == 0) {
-    s_max = (unsigned long long)max(p.M, (int64_t)0);
-    s_code = 0;
-  }
-  __syncthreads();
-  int code = 0;
-  unsigned long long mx = 0;
-  for_each_index(row, p.M, p.v, al, [&](int64_t k, int64_t v) {
-    if (p.kind == 1) {
-      if (v < 0 || (p.N >= 0 && v >= p.N) || v >= 0x7FFFFFFFLL) code = IMOE_ERR_INDEX_RANGE;
-      else if ((unsigned long long)v + 1 > mx) mx = (unsigned long long)v + 1;
-    } else if (v != k) {
-      if (v < 0 || v >= p.N) code = IMOE_ERR_INDEX_RANGE;
-      else if (v < p.M) code = IMOE_ERR_BAD_MAP;
+    uint32_t c[kMaxDims];
+    row_coords(p.lead, r, c);
+    const char *row = p.v.data + row_offset(p.lead, c, p.v.lead);
+    if (tid == 0) {
+      s_max = (unsigned long long)max(p.M, (int64_t)0);
+      s_code = 0;
     }
-  });
-  if (code) atomicCAS(&s_code, 0, code);
-  if (mx) atomicMax(&s_max, mx);
-  __syncthreads();
-  const int64_t N = p.N >= 0 ? p.N : (int64_t)s_max;
-  const int dup_code = p.kind == 1 ? IMOE_ERR_INDEX_DUPLICATE : IMOE_ERR_BAD_MAP;
-  const int wwords = p.win_bits >> 5;
-  for (int64_t w0 = lo; w0 < N && s_code == 0; w0 += p.win_bits) {
-    for (int i = tid; i < wwords; i += nt) bits[i] = 0u;
     __syncthreads();
+    int code = 0;
+    unsigned long long mx = 0;
     for_each_index(row, p.M, p.v, al, [&](int64_t k, int64_t v) {
-      const int64_t d = v - w0;
-      if ((p.kind != 2 || v != k) && d >= 0 && d < p.win_bits) {
-        const uint32_t b = 1u << (d & 31);
-        if (atomicOr(&bits[d >> 5], b) & b) atomicCAS(&s_code, 0, dup_code);
+      if (p.kind == 1) {
+        if (v < 0 || (p.N >= 0 && v >= p.N) || v >= 0x7FFFFFFFLL)
+          code = IMOE_ERR_INDEX_RANGE;
+        else if ((unsigned long long)v + 1 > mx)
+          mx = (unsigned long long)v + 1;
+      } else if (v != k) {
+        if (v < 0 || v >= p.N)
+          code = IMOE_ERR_INDEX_RANGE;
+        else if (v < p.M)
+          code = IMOE_ERR_BAD_MAP;
       }
     });
+    if (code) atomicCAS(&s_code, 0, code);
+    if (mx) atomicMax(&s_max, mx);
     __syncthreads();
-  }
-  if (tid == 0 && s_code) {
-    record_status(module_words(), s_code);
-    bad = true;
-  }
-  __syncthreads();  // s_code and s_max are reset for the next row
+    const int64_t N = p.N >= 0 ? p.N : (int64_t)s_max;
+    const int dup_code = p.kind == 1 ? IMOE_ERR_INDEX_DUPLICATE : IMOE_ERR_BAD_MAP;
+    const int wwords = p.win_bits >> 5;
+    for (int64_t w0 = lo; w0 < N && s_code == 0; w0 += p.win_bits) {
+      for (int i = tid; i < wwords; i += nt) bits[i] = 0u;
+      __syncthreads();
+      for_each_index(row, p.M, p.v, al, [&](int64_t k, int64_t v) {
+        const int64_t d = v - w0;
+        if ((p.kind != 2 || v != k) && d >= 0 && d < p.win_bits) {
+          const uint32_t b = 1u << (d & 31);
+          if (atomicOr(&bits[d >> 5], b) & b) atomicCAS(&s_code, 0, dup_code);
+        }
+      });
+      __syncthreads();
+    }
+    if (tid == 0 && s_code) {
+      record_status(module_words(), s_code);
+      bad = true;
+    }
+    __syncthreads();  // s_code and s_max are reset for the next row
   }
   if (tid == 0) write_verdict(module_words(), p.token, bad);
 }
@@ -216,23 +222,25 @@ __global__ void __launch_bounds__(256) k_check_tm(const __grid_constant__ TmPara
   const bool al = p.tm.aligned != 0;
   int code = 0;
   for (uint32_t it = blockIdx.x; it < p.items; it += gridDim.x) {
-  const uint32_t r = it / p.bpr, s = it - r * p.bpr;
-  uint32_t c[kMaxDims];
-  row_coords(p.lead, r, c);
-  const char *row = p.tm.data + row_offset(p.lead, c, p.tm.lead);
-  const int64_t x0 = (int64_t)s * p.per, x1 = min(x0 + p.per, p.N);
-  for (int64_t x = x0 + threadIdx.x; x < x1; x += blockDim.x) {
-    const int64_t v = load_index(row + x * p.tm.n_stride, p.tm.dtype, al);
-    if (v < 0 || v >= p.N) {
-      code = IMOE_ERR_INDEX_RANGE;
-    } else {
-      // a partner that is itself out of range is that slot's range error
-      // (the CPU core reports ranges before involution failures)
-      const int64_t back = load_index(row + v * p.tm.n_stride, p.tm.dtype, al);
-      if (back < 0 || back >= p.N) code = IMOE_ERR_INDEX_RANGE;
-      else if (back != x) code = IMOE_ERR_BAD_MAP;
+    const uint32_t r = it / p.bpr, s = it - r * p.bpr;
+    uint32_t c[kMaxDims];
+    row_coords(p.lead, r, c);
+    const char *row = p.tm.data + row_offset(p.lead, c, p.tm.lead);
+    const int64_t x0 = (int64_t)s * p.per, x1 = min(x0 + p.per, p.N);
+    for (int64_t x = x0 + threadIdx.x; x < x1; x += blockDim.x) {
+      const int64_t v = load_index(row + x * p.tm.n_stride, p.tm.dtype, al);
+      if (v < 0 || v >= p.N) {
+        code = IMOE_ERR_INDEX_RANGE;
+      } else {
+        // a partner that is itself out of range is that slot's range error
+        // (the CPU core reports ranges before involution failures)
+        const int64_t back = load_index(row + v * p.tm.n_stride, p.tm.dtype, al);
+        if (back < 0 || back >= p.N)
+          code = IMOE_ERR_INDEX_RANGE;
+        else if (back != x)
+          code = IMOE_ERR_BAD_MAP;
+      }
     }
-  }
   }
   if (code) record_status(module_words(), code);
   const bool bad = __syncthreads_or(code != 0) != 0;

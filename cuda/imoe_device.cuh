@@ -135,7 +135,8 @@ __device__ __forceinline__ uint32_t key_of_bits(uint32_t b) {
 }
 __device__ __forceinline__ uint32_t key_of_raw(uint32_t raw, int dtype) {
   if (dtype == IMOE_DTYPE_F32) return key_of_bits(raw);
-  if (dtype == IMOE_DTYPE_F16) return key_of_bits(__float_as_uint(__half2float(__ushort_as_half((unsigned short)raw))));
+  if (dtype == IMOE_DTYPE_F16)
+    return key_of_bits(__float_as_uint(__half2float(__ushort_as_half((unsigned short)raw))));
   return key_of_bits(raw << 16);
 }
 __device__ __forceinline__ uint32_t load_key(const char *p, int dtype, bool aligned) {
@@ -187,7 +188,9 @@ struct StatusWords {
   unsigned (*verdict)[kVerdicts];  // [kSlots][kVerdicts]
 };
 
-__device__ __forceinline__ void record_status(const StatusWords &w, int code) { atomicCAS(w.status, 0, code); }
+__device__ __forceinline__ void record_status(const StatusWords &w, int code) {
+  atomicCAS(w.status, 0, code);
+}
 
 // One thread per validation block, at its end.
 __device__ __forceinline__ void write_verdict(const StatusWords &w, uint32_t token, bool bad) {
@@ -345,8 +348,8 @@ struct VecOf<1> {
 // slot stride. Flat (pair, vector) work spread over the block; MU (a swap:
 // two pairs of) independent loads in flight per thread before the stores.
 template <int VW, bool SWAP, class G, int MU = 4>
-__device__ __forceinline__ void move_body(char *base, int64_t ns, int64_t off0, uint32_t U,
-                                          uint32_t np, const G &get) {
+__device__ __forceinline__ void move_body(char *base, int64_t ns, int64_t off0, uint32_t U, uint32_t np,
+                                          const G &get) {
   typedef typename VecOf<VW>::T V;
   constexpr int UNR = SWAP ? 2 : MU;
   if (U == 0 || np == 0) return;

@@ -183,18 +183,22 @@ BufDesc buf_desc(const imoe_view *v, const Strides &st, int nd) {
 }
 
 // Byte range [lo, hi) a view touches.
-void extent(const imoe_view *v, const CallRows &pl, const Strides &st, int64_t n, int64_t row_bytes, uintptr_t *lo,
-            uintptr_t *hi) {
+void extent(const imoe_view *v, const CallRows &pl, const Strides &st, int64_t n, int64_t row_bytes,
+            uintptr_t *lo, uintptr_t *hi) {
   int64_t a = 0, b = 0;
   for (int d = 0; d < pl.lead.nd; ++d) {
     const int64_t span = (int64_t)(pl.lead.shape[d] - 1) * st.s[d];
-    if (span < 0) a += span;
-    else b += span;
+    if (span < 0)
+      a += span;
+    else
+      b += span;
   }
   if (n > 0) {
     const int64_t span = (n - 1) * v->n_stride;
-    if (span < 0) a += span;
-    else b += span;
+    if (span < 0)
+      a += span;
+    else
+      b += span;
   }
   *lo = (uintptr_t)v->data + (intptr_t)a;
   *hi = (uintptr_t)v->data + (intptr_t)b + (uintptr_t)row_bytes;

@@ -74,7 +74,8 @@ struct LaunchShape {
   bool coop;
 };
 
-inline LaunchShape shape(unsigned grid, unsigned block, size_t smem = 0, bool pdl = false, bool coop = false) {
+inline LaunchShape shape(unsigned grid, unsigned block, size_t smem = 0, bool pdl = false,
+                         bool coop = false) {
   LaunchShape s;
   s.grid = grid;
   s.block = block;
@@ -128,9 +129,11 @@ OutView out_view(const imoe_view *v, const Strides &st, int nd);
 BufDesc buf_desc(const imoe_view *v, const Strides &st, int nd);
 
 // Byte range [lo, hi) a view touches.
-void extent(const imoe_view *v, const CallRows &pl, const Strides &st, int64_t n, int64_t row_bytes, uintptr_t *lo,
-            uintptr_t *hi);
-inline bool overlaps(uintptr_t alo, uintptr_t ahi, uintptr_t blo, uintptr_t bhi) { return alo < bhi && blo < ahi; }
+void extent(const imoe_view *v, const CallRows &pl, const Strides &st, int64_t n, int64_t row_bytes,
+            uintptr_t *lo, uintptr_t *hi);
+inline bool overlaps(uintptr_t alo, uintptr_t ahi, uintptr_t blo, uintptr_t bhi) {
+  return alo < bhi && blo < ahi;
+}
 
 // ------------------------------------------------------------ workspaces
 // A row-major [plan rows, n] int32 region of a caller's workspace as a view
@@ -149,24 +152,25 @@ struct SelectVerdict {
 // imoe_select.cu. build_map (num_buffers == 0, do_move false) and compact.
 // `verdict`, when given, receives the call's verdict token (0: nothing was
 // validated).
-imoe_status select_and_move(const char *fn, const imoe_view *buffers, int32_t num_buffers, const imoe_selection *sel,
-                            const imoe_view *oi, const imoe_view *otm, bool do_move, imoe_mode mode,
-                            const imoe_exec *exec, imoe_error *err, SelectVerdict *verdict = nullptr);
+imoe_status select_and_move(const char *fn, const imoe_view *buffers, int32_t num_buffers,
+                            const imoe_selection *sel, const imoe_view *oi, const imoe_view *otm,
+                            bool do_move, imoe_mode mode, const imoe_exec *exec, imoe_error *err,
+                            SelectVerdict *verdict = nullptr);
 
 // imoe_select.cu. k_apply for buffer groups [first, num_buffers), kMaxBuf a
 // launch: the map (kind 0 indices, 1 target_map) of M entries per row,
 // after the validation of `token`.
 imoe_status launch_apply_groups(const char *fn, const imoe_view *buffers, int first, int num_buffers,
-                                const CallRows &pl, size_t buf_st0, const InView &map, int kind, int64_t M, bool swap,
-                                uint32_t token, int nverdict, bool pdl_first, DevInfo *di, cudaStream_t st,
-                                imoe_error *err);
+                                const CallRows &pl, size_t buf_st0, const InView &map, int kind, int64_t M,
+                                bool swap, uint32_t token, int nverdict, bool pdl_first, DevInfo *di,
+                                cudaStream_t st, imoe_error *err);
 
 // imoe_permute.cu. The cycle kernels and the data passes: buffers
 // [buf_st0, ...) of pl, the permutation `succ` ([plan rows, n]), after the
 // validation of `token`.
-imoe_status launch_cycles_and_swaps(const char *fn, const imoe_view *buffers, int32_t num_buffers, const CallRows &pl,
-                                    size_t buf_st0, const InView &succ, bool per_row, int64_t n, bool inverse,
-                                    int32_t *ws, uint32_t token, int nverdict, DevInfo *di, cudaStream_t st,
-                                    imoe_error *err);
+imoe_status launch_cycles_and_swaps(const char *fn, const imoe_view *buffers, int32_t num_buffers,
+                                    const CallRows &pl, size_t buf_st0, const InView &succ, bool per_row,
+                                    int64_t n, bool inverse, int32_t *ws, uint32_t token, int nverdict,
+                                    DevInfo *di, cudaStream_t st, imoe_error *err);
 
 }  // namespace imoe_cu

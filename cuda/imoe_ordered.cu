@@ -306,9 +306,9 @@ OrderSort plan_order_sort(imoe_order order, int64_t kept) {
 // Steps 1-4 above. num_buffers == 0: imoe_build_map_ordered (out_indices
 // only); else imoe_compact_ordered (move mode applies all of P, as
 // imoe_cuda_apply_ordered does).
-imoe_status ordered_select(const char *fn, const imoe_view *buffers, int32_t num_buffers, const imoe_selection *sel,
-                           imoe_order order, const imoe_view *oi, int64_t n, int32_t *ws, int64_t ws_elems,
-                           const imoe_exec *exec, imoe_error *err) {
+imoe_status ordered_select(const char *fn, const imoe_view *buffers, int32_t num_buffers,
+                           const imoe_selection *sel, imoe_order order, const imoe_view *oi, int64_t n,
+                           int32_t *ws, int64_t ws_elems, const imoe_exec *exec, imoe_error *err) {
   DeviceGuard guard;
   DevInfo *di = nullptr;
   imoe_status s = enter(exec, fn, err, &guard, &di);
@@ -327,8 +327,8 @@ imoe_status ordered_select(const char *fn, const imoe_view *buffers, int32_t num
   CallRows pl;
   if (!merge_rows(oi, views, &pl)) return fail(err, IMOE_ERR_ARGUMENT, "%s: more than 2^32 - 1 rows", fn);
   const uint64_t rows = pl.R;
-  s = check_workspace(fn, ws, ws_elems, imoe_plan_workspace_elems(IMOE_PLAN_ORDERED, IMOE_DEVICE_CUDA, (int64_t)rows, n),
-                      err);
+  s = check_workspace(fn, ws, ws_elems,
+                      imoe_plan_workspace_elems(IMOE_PLAN_ORDERED, IMOE_DEVICE_CUDA, (int64_t)rows, n), err);
   if (s != IMOE_OK) return s;
   if (rows == 0 || n == 0) return IMOE_OK;
   if (rows > 0x7FFFFFFFull) return fail(err, IMOE_ERR_ARGUMENT, "%s: too many rows for one launch", fn);
@@ -384,8 +384,8 @@ imoe_status ordered_select(const char *fn, const imoe_view *buffers, int32_t num
   // 4. apply P, unless it is the identity
   if (num_buffers == 0 || kept == 0 || (order == IMOE_ORDER_STABLE && kept == n)) return IMOE_OK;
   const InView plan = ws_view(ws + kOrdPlan * op.region, pl.lead, n, true);
-  return launch_cycles_and_swaps(fn, buffers, num_buffers, pl, 2, plan, true, n, false, ws, v.token, v.nverdict, di,
-                                 st, err);
+  return launch_cycles_and_swaps(fn, buffers, num_buffers, pl, 2, plan, true, n, false, ws, v.token,
+                                 v.nverdict, di, st, err);
 }
 
 }  // namespace
@@ -396,16 +396,17 @@ using namespace imoe_cu;
 
 extern "C" {
 
-imoe_status imoe_cuda_compact_ordered(const imoe_view *buffers, int32_t num_buffers, const imoe_selection *sel,
-                                      imoe_order order, const imoe_view *out_indices, int32_t *workspace,
+imoe_status imoe_cuda_compact_ordered(const imoe_view *buffers, int32_t num_buffers,
+                                      const imoe_selection *sel, imoe_order order,
+                                      const imoe_view *out_indices, int32_t *workspace,
                                       int64_t workspace_elems, const imoe_exec *exec, imoe_error *err) {
-  return ordered_select("imoe_cuda_compact_ordered", buffers, num_buffers, sel, order, out_indices, buffers[0].n,
-                        workspace, workspace_elems, exec, err);
+  return ordered_select("imoe_cuda_compact_ordered", buffers, num_buffers, sel, order, out_indices,
+                        buffers[0].n, workspace, workspace_elems, exec, err);
 }
 
 imoe_status imoe_cuda_build_map_ordered(const imoe_selection *sel, imoe_order order, int64_t n,
-                                        const imoe_view *out_indices, int32_t *workspace, int64_t workspace_elems,
-                                        const imoe_exec *exec, imoe_error *err) {
+                                        const imoe_view *out_indices, int32_t *workspace,
+                                        int64_t workspace_elems, const imoe_exec *exec, imoe_error *err) {
   return ordered_select("imoe_cuda_build_map_ordered", nullptr, 0, sel, order, out_indices, n, workspace,
                         workspace_elems, exec, err);
 }

@@ -75,8 +75,8 @@ __global__ void __launch_bounds__(kPermCheckThreads) k_perm_range(const __grid_c
     const uint64_t r = f / (uint64_t)p.m, i = f - r * (uint64_t)p.m;
     uint32_t c[kMaxDims];
     row_coords(p.lead, (uint32_t)r, c);
-    const int64_t v = load_index(p.perm.data + row_offset(p.lead, c, p.perm.lead) + (int64_t)i * p.perm.n_stride,
-                                 p.perm.dtype, al);
+    const int64_t v = load_index(
+        p.perm.data + row_offset(p.lead, c, p.perm.lead) + (int64_t)i * p.perm.n_stride, p.perm.dtype, al);
     if (v < 0 || v >= p.n) bad = true;
   }
   for (uint64_t f = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x; f < p.scatter_items; f += step)
@@ -88,7 +88,8 @@ __global__ void __launch_bounds__(kPermCheckThreads) k_perm_range(const __grid_c
   }
 }
 
-__global__ void __launch_bounds__(kPermCheckThreads) k_perm_unique(const __grid_constant__ PermCheckParams p) {
+__global__ void __launch_bounds__(kPermCheckThreads)
+    k_perm_unique(const __grid_constant__ PermCheckParams p) {
   griddep_launch_dependents();
   griddep_wait();
   const bool al = p.perm.aligned != 0;
@@ -99,8 +100,8 @@ __global__ void __launch_bounds__(kPermCheckThreads) k_perm_unique(const __grid_
     const uint64_t r = f / (uint64_t)p.m, i = f - r * (uint64_t)p.m;
     uint32_t c[kMaxDims];
     row_coords(p.lead, (uint32_t)r, c);
-    const int64_t v = load_index(p.perm.data + row_offset(p.lead, c, p.perm.lead) + (int64_t)i * p.perm.n_stride,
-                                 p.perm.dtype, al);
+    const int64_t v = load_index(
+        p.perm.data + row_offset(p.lead, c, p.perm.lead) + (int64_t)i * p.perm.n_stride, p.perm.dtype, al);
     if (v < 0 || v >= p.n) continue;  // pass 1's error
     if (atomicCAS(&p.scatter[r * (uint64_t)p.n + (uint64_t)v], -1, (int32_t)i) != -1) dup = true;
   }
@@ -245,8 +246,9 @@ __global__ void __launch_bounds__(kCycThreads) k_cyc_init(const __grid_constant_
 // slots: the min over them and its distance (the first occurrence: windows
 // are visited in order and only a strictly smaller min replaces the best).
 // Returns the slot of the last window's start; its jump ends the new window.
-__device__ __forceinline__ int32_t cyc_jump(const int32_t *J, const int32_t *M, const int32_t *D, uint64_t row0,
-                                            int32_t x0, int32_t w, int32_t arity, int32_t *bm, int32_t *bd) {
+__device__ __forceinline__ int32_t cyc_jump(const int32_t *J, const int32_t *M, const int32_t *D,
+                                            uint64_t row0, int32_t x0, int32_t w, int32_t arity, int32_t *bm,
+                                            int32_t *bd) {
   int32_t cur = x0;
   int32_t m = M[row0 + x0], d = D[row0 + x0];
   for (int32_t a = 1; a < arity; ++a) {
@@ -398,7 +400,8 @@ struct RotateParams {
 __device__ __forceinline__ int32_t layout_slot(int32_t v) { return v < 0 ? ~v : v; }
 
 // Segment i's fix slot position: its first (forward) or last (inverse).
-__device__ __forceinline__ int32_t fix_pos(int32_t i, int32_t b, int32_t L, int32_t ns, int32_t b0, bool inverse) {
+__device__ __forceinline__ int32_t fix_pos(int32_t i, int32_t b, int32_t L, int32_t ns, int32_t b0,
+                                           bool inverse) {
   if (!inverse) return i == 0 ? b : (b0 + i) * kRotK;
   return i == ns - 1 ? b + L - 1 : (b0 + i + 1) * kRotK - 1;
 }
@@ -445,7 +448,8 @@ __device__ __forceinline__ void rotate_column(char *base, int64_t ns, int64_t of
     for (int j = kRotK - 1; j >= 0; --j) {
       if ((en >> j) & 1u) last = v[j];
       if ((mv >> j) & 1u)
-        *reinterpret_cast<T *>(base + (int64_t)x[j] * ns + off) = ((st >> j) & 1u) ? last : v[j > 0 ? j - 1 : 0];
+        *reinterpret_cast<T *>(base + (int64_t)x[j] * ns + off) =
+            ((st >> j) & 1u) ? last : v[j > 0 ? j - 1 : 0];
     }
   } else {
     T first = v[0];
@@ -582,7 +586,8 @@ struct GroupCheckParams {
   StatusWords words;  // imoe_select.cu's status and verdict words (DevInfo::words)
 };
 
-__global__ void __launch_bounds__(kPermCheckThreads) k_group_check(const __grid_constant__ GroupCheckParams p) {
+__global__ void __launch_bounds__(kPermCheckThreads)
+    k_group_check(const __grid_constant__ GroupCheckParams p) {
   const bool al = p.ids.aligned != 0;
   bool bad = false;
   const uint64_t step = (uint64_t)gridDim.x * blockDim.x;
@@ -648,7 +653,8 @@ __global__ void __launch_bounds__(kPermThreads) k_group(const __grid_constant__ 
     const int excl = perm_block_scan(cnt, &total, s_warp);  // its barriers order the reads before the writes
     if (e <= E) {
       base[e] = carry + excl;
-      store_index(orow + (int64_t)e * p.offsets.n_stride, p.offsets.dtype, p.offsets.aligned != 0, carry + excl);
+      store_index(orow + (int64_t)e * p.offsets.n_stride, p.offsets.dtype, p.offsets.aligned != 0,
+                  carry + excl);
     }
     carry += total;
   }
@@ -705,7 +711,8 @@ int rotate_blocks_per_sm(const DevInfo *di, int vw) {
   int v = cached ? cache[d][k].load(std::memory_order_relaxed) : 0;
   if (v > 0) return v;
   int nb = 0;
-  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&nb, rotate_kernel(vw), kRotThreads, 0) != cudaSuccess || nb < 1) {
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&nb, rotate_kernel(vw), kRotThreads, 0) != cudaSuccess ||
+      nb < 1) {
     (void)cudaGetLastError();
     nb = 1;
   }
@@ -737,10 +744,10 @@ CyclePlan plan_cycles(int64_t n) {
 
 // The cycle kernels and the data passes: buffers [buf_st0, ...) of pl, the
 // permutation `succ` ([plan rows, n]), after the validation of `token`.
-imoe_status launch_cycles_and_swaps(const char *fn, const imoe_view *buffers, int32_t num_buffers, const CallRows &pl,
-                                    size_t buf_st0, const InView &succ, bool per_row, int64_t n, bool inverse,
-                                    int32_t *ws, uint32_t token, int nverdict, DevInfo *di, cudaStream_t st,
-                                    imoe_error *err) {
+imoe_status launch_cycles_and_swaps(const char *fn, const imoe_view *buffers, int32_t num_buffers,
+                                    const CallRows &pl, size_t buf_st0, const InView &succ, bool per_row,
+                                    int64_t n, bool inverse, int32_t *ws, uint32_t token, int nverdict,
+                                    DevInfo *di, cudaStream_t st, imoe_error *err) {
   if (n < 2 || num_buffers <= 0) return IMOE_OK;  // nothing can move
   const uint64_t rows = per_row ? pl.R : 1u;
   CycleParams cp;
@@ -823,11 +830,12 @@ imoe_status launch_cycles_and_swaps(const char *fn, const imoe_view *buffers, in
   // pass 2: the fix slots, two swap passes
   const int32_t *tm1 = ws + (3 * (1 - s) + 1) * cp.region;
   const int32_t *tm2 = ws + (3 * (1 - s) + 2) * cp.region;
-  imoe_status r = launch_apply_groups(fn, buffers, 0, num_buffers, pl, buf_st0, ws_view(tm1, pl.lead, n, per_row),
-                                      1, n, true, token, nverdict, false, di, st, err);
+  imoe_status r =
+      launch_apply_groups(fn, buffers, 0, num_buffers, pl, buf_st0, ws_view(tm1, pl.lead, n, per_row), 1, n,
+                          true, token, nverdict, false, di, st, err);
   if (r != IMOE_OK) return r;
-  return launch_apply_groups(fn, buffers, 0, num_buffers, pl, buf_st0, ws_view(tm2, pl.lead, n, per_row), 1, n,
-                             true, token, nverdict, false, di, st, err);
+  return launch_apply_groups(fn, buffers, 0, num_buffers, pl, buf_st0, ws_view(tm2, pl.lead, n, per_row), 1,
+                             n, true, token, nverdict, false, di, st, err);
 }
 
 namespace {
@@ -851,9 +859,10 @@ struct PermCall {
   bool empty;
 };
 
-imoe_status start_perm_call(const char *fn, const imoe_view *buffers, int32_t num_buffers, const imoe_view *map,
-                            imoe_plan_kind kind, int32_t *workspace, int64_t workspace_elems, const imoe_exec *exec,
-                            imoe_error *err, DeviceGuard *guard, PermCall *c) {
+imoe_status start_perm_call(const char *fn, const imoe_view *buffers, int32_t num_buffers,
+                            const imoe_view *map, imoe_plan_kind kind, int32_t *workspace,
+                            int64_t workspace_elems, const imoe_exec *exec, imoe_error *err,
+                            DeviceGuard *guard, PermCall *c) {
   c->di = nullptr;
   c->empty = true;
   imoe_status s = enter(exec, fn, err, guard, &c->di);
@@ -861,11 +870,13 @@ imoe_status start_perm_call(const char *fn, const imoe_view *buffers, int32_t nu
   c->st = static_cast<cudaStream_t>(exec->stream);
   c->n = buffers[0].n;
   if (c->n >= 0x7FFFFFFFLL)
-    return fail(err, IMOE_ERR_ARGUMENT, "%s: N = %lld slots: the CUDA path takes N < 2^31", fn, (long long)c->n);
+    return fail(err, IMOE_ERR_ARGUMENT, "%s: N = %lld slots: the CUDA path takes N < 2^31", fn,
+                (long long)c->n);
   std::vector<const imoe_view *> views;
   views.push_back(map);
   for (int b = 0; b < num_buffers; ++b) views.push_back(&buffers[b]);
-  if (!merge_rows(&buffers[0], views, &c->pl)) return fail(err, IMOE_ERR_ARGUMENT, "%s: more than 2^32 - 1 rows", fn);
+  if (!merge_rows(&buffers[0], views, &c->pl))
+    return fail(err, IMOE_ERR_ARGUMENT, "%s: more than 2^32 - 1 rows", fn);
   c->per_row = map->lead_ndim > 0;
   c->rows = c->per_row ? c->pl.R : 1u;
   s = check_workspace(fn, workspace, workspace_elems,
@@ -884,13 +895,13 @@ using namespace imoe_cu;
 extern "C" {
 
 imoe_status imoe_cuda_permute(const imoe_view *buffers, int32_t num_buffers, const imoe_view *perm,
-                              int32_t inverse, int32_t *workspace, int64_t workspace_elems, const imoe_exec *exec,
-                              imoe_error *err) {
+                              int32_t inverse, int32_t *workspace, int64_t workspace_elems,
+                              const imoe_exec *exec, imoe_error *err) {
   const char *fn = "imoe_cuda_permute";
   DeviceGuard guard;
   PermCall c;
-  imoe_status s = start_perm_call(fn, buffers, num_buffers, perm, IMOE_PLAN_PERMUTE, workspace, workspace_elems,
-                                  exec, err, &guard, &c);
+  imoe_status s = start_perm_call(fn, buffers, num_buffers, perm, IMOE_PLAN_PERMUTE, workspace,
+                                  workspace_elems, exec, err, &guard, &c);
   if (s != IMOE_OK || c.empty) return s;
   const int nd = c.pl.lead.nd;
   PermCheckParams cp;
@@ -913,8 +924,8 @@ imoe_status imoe_cuda_permute(const imoe_view *buffers, int32_t num_buffers, con
   cp.token = next_token();
   e = launch(k_perm_unique, shape((unsigned)grid, kPermCheckThreads, 0, c.di->cc_major >= 9), c.st, cp);
   if (e != cudaSuccess) return cuda_fail(err, fn, "launch of k_perm_unique", e);
-  return launch_cycles_and_swaps(fn, buffers, num_buffers, c.pl, 1, cp.perm, c.per_row, c.n, inverse != 0, workspace,
-                                 cp.token, grid, c.di, c.st, err);
+  return launch_cycles_and_swaps(fn, buffers, num_buffers, c.pl, 1, cp.perm, c.per_row, c.n, inverse != 0,
+                                 workspace, cp.token, grid, c.di, c.st, err);
 }
 
 imoe_status imoe_cuda_apply_ordered(const imoe_view *buffers, int32_t num_buffers, const imoe_view *indices,
@@ -923,8 +934,8 @@ imoe_status imoe_cuda_apply_ordered(const imoe_view *buffers, int32_t num_buffer
   const char *fn = restore ? "imoe_cuda_restore_ordered" : "imoe_cuda_apply_ordered";
   DeviceGuard guard;
   PermCall c;
-  imoe_status s = start_perm_call(fn, buffers, num_buffers, indices, IMOE_PLAN_ORDERED, workspace, workspace_elems,
-                                  exec, err, &guard, &c);
+  imoe_status s = start_perm_call(fn, buffers, num_buffers, indices, IMOE_PLAN_ORDERED, workspace,
+                                  workspace_elems, exec, err, &guard, &c);
   if (s != IMOE_OK || c.empty) return s;
   const int64_t kept = indices->n;
   if (c.rows > 0x7FFFFFFFull) return fail(err, IMOE_ERR_ARGUMENT, "%s: too many rows for one launch", fn);
@@ -966,12 +977,13 @@ imoe_status imoe_cuda_apply_ordered(const imoe_view *buffers, int32_t num_buffer
   e = launch(k_ordered_plan, shape((unsigned)c.rows, kPermThreads, 0, false), c.st, op);
   if (e != cudaSuccess) return cuda_fail(err, fn, "launch of k_ordered_plan", e);
   const InView plan = ws_view(workspace + 6 * op.region, c.pl.lead, c.n, c.per_row);
-  return launch_cycles_and_swaps(fn, buffers, num_buffers, c.pl, 1, plan, c.per_row, c.n, restore != 0, workspace,
-                                 token, nverdict, c.di, c.st, err);
+  return launch_cycles_and_swaps(fn, buffers, num_buffers, c.pl, 1, plan, c.per_row, c.n, restore != 0,
+                                 workspace, token, nverdict, c.di, c.st, err);
 }
 
-imoe_status imoe_cuda_group_by_expert(const imoe_view *buffers, int32_t num_buffers, const imoe_view *expert_ids,
-                                      int64_t num_experts, const imoe_view *out_offsets, const imoe_view *out_perm,
+imoe_status imoe_cuda_group_by_expert(const imoe_view *buffers, int32_t num_buffers,
+                                      const imoe_view *expert_ids, int64_t num_experts,
+                                      const imoe_view *out_offsets, const imoe_view *out_perm,
                                       int32_t *workspace, int64_t workspace_elems, const imoe_exec *exec,
                                       imoe_error *err) {
   const char *fn = "imoe_cuda_group_by_expert";
@@ -984,8 +996,8 @@ imoe_status imoe_cuda_group_by_expert(const imoe_view *buffers, int32_t num_buff
   if (n >= 0x7FFFFFFFLL)
     return fail(err, IMOE_ERR_ARGUMENT, "%s: T = %lld slots: the CUDA path takes T < 2^31", fn, (long long)n);
   if (num_experts > kGroupMaxExperts)
-    return fail(err, IMOE_ERR_UNSUPPORTED, "%s: num_experts = %lld: the CUDA path takes at most %d experts", fn,
-                (long long)num_experts, kGroupMaxExperts);
+    return fail(err, IMOE_ERR_UNSUPPORTED, "%s: num_experts = %lld: the CUDA path takes at most %d experts",
+                fn, (long long)num_experts, kGroupMaxExperts);
   // views: 0 ids, 1.. buffers, then offsets and perm
   std::vector<const imoe_view *> views;
   views.push_back(expert_ids);
@@ -993,7 +1005,8 @@ imoe_status imoe_cuda_group_by_expert(const imoe_view *buffers, int32_t num_buff
   views.push_back(out_offsets);
   views.push_back(out_perm);
   CallRows pl;
-  if (!merge_rows(&buffers[0], views, &pl)) return fail(err, IMOE_ERR_ARGUMENT, "%s: more than 2^32 - 1 rows", fn);
+  if (!merge_rows(&buffers[0], views, &pl))
+    return fail(err, IMOE_ERR_ARGUMENT, "%s: more than 2^32 - 1 rows", fn);
   const uint64_t rows = pl.R;
   s = check_workspace(fn, workspace, workspace_elems,
                       imoe_plan_workspace_elems(IMOE_PLAN_GROUP, IMOE_DEVICE_CUDA, (int64_t)rows, n), err);
@@ -1036,8 +1049,8 @@ imoe_status imoe_cuda_group_by_expert(const imoe_view *buffers, int32_t num_buff
   e = launch(k_group, shape((unsigned)rows, kPermThreads, smem, false), st, gp);
   if (e != cudaSuccess) return cuda_fail(err, fn, "launch of k_group", e);
   const InView plan = ws_view(workspace + 6 * gp.region, pl.lead, n, true);
-  return launch_cycles_and_swaps(fn, buffers, num_buffers, pl, 1, plan, true, n, false, workspace, gc.token, grid,
-                                 di, st, err);
+  return launch_cycles_and_swaps(fn, buffers, num_buffers, pl, 1, plan, true, n, false, workspace, gc.token,
+                                 grid, di, st, err);
 }
 
 }  // extern "C"

@@ -82,19 +82,26 @@ cudaError_t setup_select_device(DevInfo *di, const char **what) {
       (e = cudaGetSymbolAddress(&verdict, g_verdict)) != cudaSuccess)
     return e;
   di->words.status = static_cast<int *>(status);
-  di->words.verdict = static_cast<unsigned(*)[kVerdicts]>(verdict);
+  di->words.verdict = static_cast<unsigned (*)[kVerdicts]>(verdict);
   *what = "cudaFuncSetAttribute";
   di->wide_cap = std::max(1, std::min(kWideMaxCap, (di->smem_optin - kStaticSmemWide - 4 * kWideSub) / 8));
   // One shared-memory carveout for every kernel: a kernel launched early
   // (PDL) can then share a multiprocessor with the one before it.
   const int carve = cudaSharedmemCarveoutMaxShared;
-  if ((e = cudaFuncSetAttribute(k_select<0>, cudaFuncAttributePreferredSharedMemoryCarveout, carve)) != cudaSuccess ||
-      (e = cudaFuncSetAttribute(k_select<1>, cudaFuncAttributePreferredSharedMemoryCarveout, carve)) != cudaSuccess ||
-      (e = cudaFuncSetAttribute(k_select<2>, cudaFuncAttributePreferredSharedMemoryCarveout, carve)) != cudaSuccess ||
-      (e = cudaFuncSetAttribute(k_check_rows, cudaFuncAttributePreferredSharedMemoryCarveout, carve)) != cudaSuccess ||
-      (e = cudaFuncSetAttribute(k_check_nan, cudaFuncAttributePreferredSharedMemoryCarveout, carve)) != cudaSuccess ||
-      (e = cudaFuncSetAttribute(k_check_tm, cudaFuncAttributePreferredSharedMemoryCarveout, carve)) != cudaSuccess ||
-      (e = cudaFuncSetAttribute(k_apply, cudaFuncAttributePreferredSharedMemoryCarveout, carve)) != cudaSuccess ||
+  if ((e = cudaFuncSetAttribute(k_select<0>, cudaFuncAttributePreferredSharedMemoryCarveout, carve)) !=
+          cudaSuccess ||
+      (e = cudaFuncSetAttribute(k_select<1>, cudaFuncAttributePreferredSharedMemoryCarveout, carve)) !=
+          cudaSuccess ||
+      (e = cudaFuncSetAttribute(k_select<2>, cudaFuncAttributePreferredSharedMemoryCarveout, carve)) !=
+          cudaSuccess ||
+      (e = cudaFuncSetAttribute(k_check_rows, cudaFuncAttributePreferredSharedMemoryCarveout, carve)) !=
+          cudaSuccess ||
+      (e = cudaFuncSetAttribute(k_check_nan, cudaFuncAttributePreferredSharedMemoryCarveout, carve)) !=
+          cudaSuccess ||
+      (e = cudaFuncSetAttribute(k_check_tm, cudaFuncAttributePreferredSharedMemoryCarveout, carve)) !=
+          cudaSuccess ||
+      (e = cudaFuncSetAttribute(k_apply, cudaFuncAttributePreferredSharedMemoryCarveout, carve)) !=
+          cudaSuccess ||
       (e = cudaFuncSetAttribute(k_select_wide, cudaFuncAttributePreferredSharedMemoryCarveout, carve)) !=
           cudaSuccess ||
       (e = raise_smem(k_select_wide, 8 * di->wide_cap + 4 * kWideSub)) != cudaSuccess)
@@ -102,12 +109,14 @@ cudaError_t setup_select_device(DevInfo *di, const char **what) {
   for (int k = 0; k < 2 * kSmallKernels; ++k) {
     const SelectPath path = (SelectPath)((int)SelectPath::kSmall4 + k % kSmallKernels);
     const SmallKernel sk = small_kernel(path, k >= kSmallKernels);
-    if ((e = cudaFuncSetAttribute(sk, cudaFuncAttributePreferredSharedMemoryCarveout, carve)) != cudaSuccess ||
+    if ((e = cudaFuncSetAttribute(sk, cudaFuncAttributePreferredSharedMemoryCarveout, carve)) !=
+            cudaSuccess ||
         (e = raise_smem(sk, kSmallDynSmem)) != cudaSuccess)
       return e;
   }
   const int dyn = di->smem_optin - (int)kStaticSmemSelect;
-  if ((e = raise_smem(k_select<0>, dyn)) != cudaSuccess || (e = raise_smem(k_select<1>, dyn)) != cudaSuccess ||
+  if ((e = raise_smem(k_select<0>, dyn)) != cudaSuccess ||
+      (e = raise_smem(k_select<1>, dyn)) != cudaSuccess ||
       (e = raise_smem(k_select<2>, dyn)) != cudaSuccess ||
       (e = raise_smem(k_check_rows, di->smem_optin - 1024)) != cudaSuccess)
     return e;
@@ -133,8 +142,12 @@ int occupancy(DevInfo *di, SelectPath path, size_t smem) {
     case SelectPath::kRowsKeysGlobal:
       e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&nb, k_select<1>, nt, smem);
       break;
-    case SelectPath::kActive: e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&nb, k_select<2>, nt, smem); break;
-    default: e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&nb, small_kernel(path, false), nt, smem); break;
+    case SelectPath::kActive:
+      e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&nb, k_select<2>, nt, smem);
+      break;
+    default:
+      e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&nb, small_kernel(path, false), nt, smem);
+      break;
   }
   if (e != cudaSuccess || nb < 1) {
     (void)cudaGetLastError();
@@ -233,8 +246,8 @@ bool plan_pieces(const CallRows &pl, int64_t n, int64_t per, uint32_t token, P *
 }
 
 // The NaN check kernel of a call (read-only): every score of every row.
-imoe_status launch_nan_check(const char *fn, const CallRows &pl, int64_t N, const imoe_view *scores, uint32_t token,
-                             cudaStream_t st, int *nverdict, imoe_error *err) {
+imoe_status launch_nan_check(const char *fn, const CallRows &pl, int64_t N, const imoe_view *scores,
+                             uint32_t token, cudaStream_t st, int *nverdict, imoe_error *err) {
   NanParams np;
   memset(&np, 0, sizeof np);
   np.scores = in_view(scores, pl.st[0], pl.lead.nd);
@@ -273,7 +286,7 @@ enum class SelectCheck {
   kActiveRows,  // k_check_rows over the active indices, first
   kNanKernel,   // k_check_nan over every score, first
   kNanInSelect, // the select checks its rows itself (k_select_wide, or k_select_small in a
-                // cooperative launch) when its grid can be resident at once; else k_check_nan
+                 // cooperative launch) when its grid can be resident at once; else k_check_nan
 };
 
 // What the plan needs to know of a call (host values only).
@@ -281,11 +294,11 @@ struct SelectCall {
   int64_t N;  // < 0: unknown (active indices without a target map or buffers)
   int64_t Cp, K;
   uint64_t R;
-  bool scores;      // scores (else active indices)
-  bool validate;    // a data error is possible: NaN under IMOE_NAN_ERROR, or active indices
-  bool verdict;     // the caller reads the validation's verdict words later (ordered compaction)
-  bool moves;       // buffers to move (compact, and the map is not the identity)
-  bool disjoint;    // every buffer disjoint from the selection and the outputs
+  bool scores;  // scores (else active indices)
+  bool validate;  // a data error is possible: NaN under IMOE_NAN_ERROR, or active indices
+  bool verdict;  // the caller reads the validation's verdict words later (ordered compaction)
+  bool moves;  // buffers to move (compact, and the map is not the identity)
+  bool disjoint;  // every buffer disjoint from the selection and the outputs
   bool swap;
   int64_t pair_bytes;  // bytes a pair moves over every buffer (read + write)
 };
@@ -304,17 +317,17 @@ struct SelectPlan {
   // the path otherwise
   SelectPath path;
   size_t smem;
-  int32_t cap;       // ring (k_select) or H, T (k_select_small) entries
-  int32_t nk;        // kRowsKeysShared: keys in shared memory
+  int32_t cap;  // ring (k_select) or H, T (k_select_small) entries
+  int32_t nk;  // kRowsKeysShared: keys in shared memory
   int32_t win_bits;  // kActive: bits per window of the kept bitmap
-  int32_t two_win;   // kActive: one window per phase
-  bool fused;        // the select kernel moves the first kMaxBuf buffers itself
+  int32_t two_win;  // kActive: one window per phase
+  bool fused;  // the select kernel moves the first kMaxBuf buffers itself
   bool needs_occupancy;
   // from the occupancy (plan_select_grid)
-  int64_t nblk;      // blocks per row
+  int64_t nblk;  // blocks per row
   uint64_t grid;
-  bool coop_nan;     // kNanInSelect with a small path whose grid fits: one cooperative launch
-  bool move5;        // the five-load movers (moves, not swaps)
+  bool coop_nan;  // kNanInSelect with a small path whose grid fits: one cooperative launch
+  bool move5;  // the five-load movers (moves, not swaps)
 };
 
 SelectPlan plan_select(const SelectCall &c, const DevInfo &di) {
@@ -326,10 +339,14 @@ SelectPlan plan_select(const SelectCall &c, const DevInfo &di) {
   // kernel, whose verdict words their later kernels read.
   p.try_wide = c.scores && N > kSmallMaxN && Cp > 0 && Cp < N && di.coop &&
                c.R <= (uint64_t)std::min(kWideMaxRows, di.sms) && (!c.verdict || !c.validate);
-  if (!c.validate) p.check = SelectCheck::kNone;
-  else if (!c.scores) p.check = SelectCheck::kActiveRows;
-  else if ((N <= kSmallMaxN || p.try_wide) && !c.verdict) p.check = SelectCheck::kNanInSelect;
-  else p.check = SelectCheck::kNanKernel;
+  if (!c.validate)
+    p.check = SelectCheck::kNone;
+  else if (!c.scores)
+    p.check = SelectCheck::kActiveRows;
+  else if ((N <= kSmallMaxN || p.try_wide) && !c.verdict)
+    p.check = SelectCheck::kNanInSelect;
+  else
+    p.check = SelectCheck::kNanKernel;
 
   const size_t dyn_max = (size_t)di.smem_optin - kStaticSmemSelect;
   p.cap = (int32_t)std::max<int64_t>(1, std::min<int64_t>(Cp, kListL + kTile));
@@ -340,7 +357,8 @@ SelectPlan plan_select(const SelectCall &c, const DevInfo &di) {
     p.path = N <= 4 * kSelThreads ? SelectPath::kSmall4
                                   : (N <= 8 * kSelThreads ? SelectPath::kSmall8 : SelectPath::kSmall16);
     // many rows: a row per 256 (512) threads, several rows per multiprocessor
-    if (c.R >= 2u * (uint64_t)di.sms && N <= 8192) p.path = N <= 4096 ? SelectPath::kMany256 : SelectPath::kMany512;
+    if (c.R >= 2u * (uint64_t)di.sms && N <= 8192)
+      p.path = N <= 4096 ? SelectPath::kMany256 : SelectPath::kMany512;
     p.cap = (int32_t)std::max<int64_t>(1, std::min<int64_t>(Cp, N - Cp));
     p.smem = (size_t)p.cap * 8u;
   } else if (c.scores) {
@@ -379,8 +397,8 @@ SelectPlan plan_select(const SelectCall &c, const DevInfo &di) {
     p.wide_cap = (int32_t)std::max<int64_t>(1, std::min<int64_t>(per, di.wide_cap));
     p.wide_fused = fusable;
     // H, T and the batch of scores
-    p.wide = shape((unsigned)(c.R * (uint64_t)nblk_w), kSelThreads, (size_t)p.wide_cap * 8u + 4u * kWideSub, false,
-                   true);
+    p.wide = shape((unsigned)(c.R * (uint64_t)nblk_w), kSelThreads, (size_t)p.wide_cap * 8u + 4u * kWideSub,
+                   false, true);
   }
   const bool long_rows = p.path == SelectPath::kRowsKeysGlobal || p.path == SelectPath::kActive;
   p.fused = fusable && !(long_rows && c.R < 2u * (uint64_t)di.sms);
@@ -443,9 +461,9 @@ bool buffers_disjoint(const imoe_view *selv, int64_t sel_n, const imoe_view *oi,
 
 // k_check_rows over a call's active indices (kind 1) or caller-given indices
 // (kind 2): one block per row, at most kVerdicts blocks.
-imoe_status launch_rows_check(const char *fn, const InView &v, const Lead &lead, uint32_t rows, int64_t N, int64_t M,
-                              int kind, uint32_t token, const DevInfo *di, cudaStream_t st, int *nverdict,
-                              imoe_error *err) {
+imoe_status launch_rows_check(const char *fn, const InView &v, const Lead &lead, uint32_t rows, int64_t N,
+                              int64_t M, int kind, uint32_t token, const DevInfo *di, cudaStream_t st,
+                              int *nverdict, imoe_error *err) {
   RowsParams rp;
   memset(&rp, 0, sizeof rp);
   rp.lead = lead;
@@ -455,11 +473,13 @@ imoe_status launch_rows_check(const char *fn, const InView &v, const Lead &lead,
   rp.v = v;
   rp.token = token;
   const int64_t avail_bits = ((int64_t)(di->smem_optin - 1024) * 8) & ~(int64_t)(kTile - 1);
-  const int64_t want = kind == 1 ? (N >= 0 ? ((N + 31) & ~(int64_t)31) : avail_bits) : ((N - M + 31) & ~(int64_t)31);
+  const int64_t want =
+      kind == 1 ? (N >= 0 ? ((N + 31) & ~(int64_t)31) : avail_bits) : ((N - M + 31) & ~(int64_t)31);
   rp.win_bits = (int32_t)std::max<int64_t>(32, std::min(want, avail_bits));
   rp.rows = rows;
   *nverdict = (int)std::min<uint32_t>(rp.rows, kVerdicts);
-  const cudaError_t e = launch(k_check_rows, shape((unsigned)*nverdict, kCheckThreads, (size_t)rp.win_bits / 8), st, rp);
+  const cudaError_t e =
+      launch(k_check_rows, shape((unsigned)*nverdict, kCheckThreads, (size_t)rp.win_bits / 8), st, rp);
   if (e != cudaSuccess) return cuda_fail(err, fn, "launch of k_check_rows", e);
   return IMOE_OK;
 }
@@ -472,9 +492,10 @@ imoe_status launch_rows_check(const char *fn, const InView &v, const Lead &lead,
 // k_select_wide, or k_select / k_select_small (after k_check_nan when the
 // select cannot check its rows itself), then k_apply for the buffers the
 // select kernel did not move.
-imoe_status select_and_move(const char *fn, const imoe_view *buffers, int32_t num_buffers, const imoe_selection *sel,
-                            const imoe_view *oi, const imoe_view *otm, bool do_move, imoe_mode mode,
-                            const imoe_exec *exec, imoe_error *err, SelectVerdict *verdict) {
+imoe_status select_and_move(const char *fn, const imoe_view *buffers, int32_t num_buffers,
+                            const imoe_selection *sel, const imoe_view *oi, const imoe_view *otm,
+                            bool do_move, imoe_mode mode, const imoe_exec *exec, imoe_error *err,
+                            SelectVerdict *verdict) {
   if (verdict) *verdict = SelectVerdict{0u, 0};
   DeviceGuard guard;
   DevInfo *di = nullptr;
@@ -486,14 +507,20 @@ imoe_status select_and_move(const char *fn, const imoe_view *buffers, int32_t nu
   if (!do_move) num_buffers = 0;
 
   int64_t N = -1;
-  if (scores) N = scores->n;
-  else if (otm) N = otm->n;
-  else if (num_buffers > 0) N = buffers[0].n;
+  if (scores)
+    N = scores->n;
+  else if (otm)
+    N = otm->n;
+  else if (num_buffers > 0)
+    N = buffers[0].n;
   const int64_t K = active ? active->n : 0;
   int64_t Cp;
-  if (oi) Cp = oi->n;
-  else if (active) Cp = K;
-  else Cp = std::min<int64_t>(sel->capacity, N);
+  if (oi)
+    Cp = oi->n;
+  else if (active)
+    Cp = K;
+  else
+    Cp = std::min<int64_t>(sel->capacity, N);
   if (N >= 0x7FFFFFFFLL || Cp >= 0x7FFFFFFFLL)
     return fail(err, IMOE_ERR_ARGUMENT, "%s: N = %lld slots: the CUDA path takes N < 2^31", fn, (long long)N);
 
@@ -524,7 +551,8 @@ imoe_status select_and_move(const char *fn, const imoe_view *buffers, int32_t nu
   call.moves = do_move && num_buffers > 0;
   call.swap = mode == IMOE_MODE_SWAP;
   if (call.moves)
-    call.disjoint = buffers_disjoint(scores ? scores : active, scores ? N : K, oi, otm, buffers, num_buffers, pl);
+    call.disjoint =
+        buffers_disjoint(scores ? scores : active, scores ? N : K, oi, otm, buffers, num_buffers, pl);
   for (int b = 0; b < num_buffers; ++b) call.pair_bytes += buffers[b].row_bytes * (call.swap ? 4 : 2);
   SelectPlan plan = plan_select(call, *di);
 
@@ -542,8 +570,8 @@ imoe_status select_and_move(const char *fn, const imoe_view *buffers, int32_t nu
     const bool shared = active->lead_ndim == 0;
     Lead lead = pl.lead;
     if (shared) memset(&lead, 0, sizeof lead);
-    s = launch_rows_check(fn, in_view(active, pl.st[0], nd), lead, shared ? 1u : (uint32_t)pl.R, N, K, 1, token, di,
-                          st, &nverdict, err);
+    s = launch_rows_check(fn, in_view(active, pl.st[0], nd), lead, shared ? 1u : (uint32_t)pl.R, N, K, 1,
+                          token, di, st, &nverdict, err);
     if (s != IMOE_OK) return s;
     pdl = pdl_ok;
   }
@@ -598,8 +626,10 @@ imoe_status select_and_move(const char *fn, const imoe_view *buffers, int32_t nu
   }
 
   if (!launched) {
-    if (plan.needs_occupancy) plan_select_grid(&plan, call, *di, occupancy(di, plan.path, plan.smem));
-    else plan_select_grid(&plan, call, *di, 1);
+    if (plan.needs_occupancy)
+      plan_select_grid(&plan, call, *di, occupancy(di, plan.path, plan.smem));
+    else
+      plan_select_grid(&plan, call, *di, 1);
     fused = plan.fused;
   }
   if (plan.grid > 0x7FFFFFFFull) return fail(err, IMOE_ERR_ARGUMENT, "%s: too many rows for one launch", fn);
@@ -649,8 +679,8 @@ imoe_status select_and_move(const char *fn, const imoe_view *buffers, int32_t nu
   // ---- remaining buffers (or all, unfused): apply the indices just written
   if (do_move && num_buffers > 0) {
     const InView map = in_view(oi, pl.st[1], nd);
-    return launch_apply_groups(fn, buffers, fused ? kMaxBuf : 0, num_buffers, pl, 3, map, 0, Cp, call.swap, token,
-                               nverdict, false, di, st, err);
+    return launch_apply_groups(fn, buffers, fused ? kMaxBuf : 0, num_buffers, pl, 3, map, 0, Cp, call.swap,
+                               token, nverdict, false, di, st, err);
   }
   return IMOE_OK;
 }
@@ -693,8 +723,8 @@ imoe_status apply_map(const char *fn, const imoe_view *buffers, int32_t num_buff
     e = launch(k_check_tm, shape((unsigned)nverdict, 256, 0, false), st, tp);
     if (e != cudaSuccess) return cuda_fail(err, fn, "launch of k_check_tm", e);
   }
-  return launch_apply_groups(fn, buffers, 0, num_buffers, pl, 1, mv, kind, M, mode == IMOE_MODE_SWAP, token, nverdict,
-                             di->cc_major >= 9, di, st, err);
+  return launch_apply_groups(fn, buffers, 0, num_buffers, pl, 1, mv, kind, M, mode == IMOE_MODE_SWAP, token,
+                             nverdict, di->cc_major >= 9, di, st, err);
 }
 
 }  // namespace
@@ -716,8 +746,8 @@ imoe_status imoe_cuda_build_map(const imoe_selection *sel, const imoe_view *out_
 imoe_status imoe_cuda_compact(const imoe_view *buffers, int32_t num_buffers, const imoe_selection *sel,
                               const imoe_view *out_indices, const imoe_view *out_target_map, imoe_mode mode,
                               const imoe_exec *exec, imoe_error *err) {
-  return select_and_move("imoe_cuda_compact", buffers, num_buffers, sel, out_indices, out_target_map, true, mode,
-                         exec, err);
+  return select_and_move("imoe_cuda_compact", buffers, num_buffers, sel, out_indices, out_target_map, true,
+                         mode, exec, err);
 }
 
 imoe_status imoe_cuda_apply_indices(const imoe_view *buffers, int32_t num_buffers, const imoe_view *indices,

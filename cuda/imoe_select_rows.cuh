@@ -16,8 +16,8 @@ namespace imoe_cu {
 // SRC 0: the row's keys into shared memory, eight independent loads in
 // flight per thread. Non-candidates (protected slots, padding) hold key 0;
 // the radix passes take their count back out of bin 0.
-__device__ __forceinline__ void rows_load_keys(const SelParams &p, const char *srow, uint32_t *keys, int64_t N,
-                                               int64_t clo, int64_t chi, int tid, int nt) {
+__device__ __forceinline__ void rows_load_keys(const SelParams &p, const char *srow, uint32_t *keys,
+                                               int64_t N, int64_t clo, int64_t chi, int tid, int nt) {
   for (int64_t x0 = tid; x0 < p.nk; x0 += 8 * (int64_t)nt) {
     uint32_t raw[8];
 #pragma unroll
@@ -40,9 +40,10 @@ __device__ __forceinline__ void rows_load_keys(const SelParams &p, const char *s
 // tie rank < Q when needs_rank); ties_lo: the threshold's ties below C'.
 template <int SRC>
 __device__ __forceinline__ void rows_radix_select(const SelParams &p, const char *srow, const uint32_t *keys,
-                                                  int64_t Cp, int64_t clo, int64_t chi, int tid, int nt, int *s_hist,
-                                                  int *s_hist_lo, int *s_b, uint32_t &thr, bool &take_eq,
-                                                  bool &needs_rank, int64_t &Q, int64_t &ties_lo) {
+                                                  int64_t Cp, int64_t clo, int64_t chi, int tid, int nt,
+                                                  int *s_hist, int *s_hist_lo, int *s_b, uint32_t &thr,
+                                                  bool &take_eq, bool &needs_rank, int64_t &Q,
+                                                  int64_t &ties_lo) {
   const int64_t Kp = Cp - p.P - p.W;
   if (Kp > 0) {
     int need = (int)Kp;
@@ -117,8 +118,8 @@ __device__ __forceinline__ void rows_radix_select(const SelParams &p, const char
 
 // C' <= 0 or C' >= N: the map is the identity. This block's share of the
 // row's tiles (tile t belongs to block t mod nblk) writes it.
-__device__ __forceinline__ void rows_write_identity(const SelParams &p, int64_t N, int64_t Cp, uint32_t bsub, int tid,
-                                                    int nt, char *irow, char *trow) {
+__device__ __forceinline__ void rows_write_identity(const SelParams &p, int64_t N, int64_t Cp, uint32_t bsub,
+                                                    int tid, int nt, char *irow, char *trow) {
   const int64_t step = (int64_t)p.nblk * kTile;
   for (int64_t t0 = (int64_t)bsub * kTile; t0 < N; t0 += step) {
     const int64_t t1 = min(t0 + kTile, N);
@@ -209,7 +210,8 @@ __global__ void __launch_bounds__(kSelThreads, 1) k_select(const __grid_constant
     __syncthreads();
     for (int64_t k = tid; k < p.K; k += nt) {
       const int64_t d = (adt == IMOE_DTYPE_I64 ? load_index(arow + k * ans, adt, aal)
-                                               : (int64_t)(int32_t)ldg_raw(arow + k * ans, adt, aal)) - ws;
+                                               : (int64_t)(int32_t)ldg_raw(arow + k * ans, adt, aal)) -
+                        ws;
       if (d >= 0 && d < p.win_bits) atomicOr(&w[d >> 5], 1u << (d & 31));
     }
     __syncthreads();
@@ -222,8 +224,8 @@ __global__ void __launch_bounds__(kSelThreads, 1) k_select(const __grid_constant
       __syncthreads();
     }
     if (SRC < 2) {
-      rows_radix_select<SRC>(p, srow, keys, Cp, clo, chi, tid, nt, s_hist, s_hist_lo, s_b, thr, take_eq, needs_rank,
-                             Q, ties_lo);
+      rows_radix_select<SRC>(p, srow, keys, Cp, clo, chi, tid, nt, s_hist, s_hist_lo, s_b, thr, take_eq,
+                             needs_rank, Q, ties_lo);
     } else if (!p.two_win) {
       build_window(win, 0);
       wvalid0 = wvalid1 = true;
@@ -289,8 +291,10 @@ __global__ void __launch_bounds__(kSelThreads, 1) k_select(const __grid_constant
         } else {
           const bool cand = x >= clo && x < chi;
           uint32_t k = 0u;
-          if (SRC == 0) k = kk[i];
-          else if (v[i] && cand) k = load_key(srow + x * sns, sdt, sal);
+          if (SRC == 0)
+            k = kk[i];
+          else if (v[i] && cand)
+            k = load_key(srow + x * sns, sdt, sal);
           eq[i] = v[i] && cand && k == thr;
           kept[i] = !cand || k > thr || (eq[i] && take_eq);
           ce += eq[i] ? 1 : 0;
@@ -307,8 +311,10 @@ __global__ void __launch_bounds__(kSelThreads, 1) k_select(const __grid_constant
             ++rk;
           }
         }
-        if (ph) tie1 += tot;
-        else tie0 += tot;
+        if (ph)
+          tie1 += tot;
+        else
+          tie0 += tot;
       }
       bool sel[kItems];
       int cs = 0;
@@ -329,8 +335,10 @@ __global__ void __launch_bounds__(kSelThreads, 1) k_select(const __grid_constant
           if (++pos == cap) pos = 0;
         }
       }
-      if (ph) ntl += tot2;
-      else nh += tot2;
+      if (ph)
+        ntl += tot2;
+      else
+        nh += tot2;
       if (((uint32_t)(t0 / kTile)) % (uint32_t)p.nblk == bsub) {
 #pragma unroll
         for (int i = 0; i < kItems; ++i) {

@@ -103,7 +103,8 @@ __global__ void __launch_bounds__(NT, kSelThreads / NT) k_select_small(const __g
   constexpr int NW = NT / 32;  // warps; warp w sums the groups w, w + NW, ...
   static_assert(NT % 32 == 0 && 32 % NW == 0 && kSmallBins == 32 * 64, "32 groups of 64 bins");
   static_assert(kSmallPasses * kSmallBins == 6 * kSelThreads, "six histogram words per thread to zero");
-  static_assert(NT == kSelThreads || kSmallPasses * kSmallBins / 4 % NT == 0, "whole rounds of 16-byte zeroing stores");
+  static_assert(NT == kSelThreads || kSmallPasses * kSmallBins / 4 % NT == 0,
+                "whole rounds of 16-byte zeroing stores");
   static_assert(kVerdicts <= NT, "verdict_bad: one verdict word per thread");
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;

@@ -81,16 +81,18 @@ enum { kDropped = 0, kKept = 1, kTie = 2 };
 // One radix pass over this block's chunk [c0, c1): the candidates' keys
 // whose higher digits match prefix counted into this pass's histogram
 // (hist); with nan_pass, also whether a score of the chunk is NaN (returned).
-__device__ __forceinline__ bool wide_count_chunk(const char *srow, int64_t c0, int64_t c1, int64_t clo, int64_t chi,
-                                                 int dt, bool sal, int64_t sns, int tid, int nt, int pass, int shift,
-                                                 uint32_t prefix, bool nan_pass, bool done, int *hist) {
+__device__ __forceinline__ bool wide_count_chunk(const char *srow, int64_t c0, int64_t c1, int64_t clo,
+                                                 int64_t chi, int dt, bool sal, int64_t sns, int tid, int nt,
+                                                 int pass, int shift, uint32_t prefix, bool nan_pass,
+                                                 bool done, int *hist) {
   bool nan_here = false;
   for (int64_t x = c0 + tid; x < c1; x += nt) {
     const uint32_t raw = ldg_raw(srow + x * sns, dt, sal);
     if (nan_pass) nan_here |= raw_is_nan(raw, dt);
     if (!done && x >= clo && x < chi) {
       const uint32_t key = key_of_raw(raw, dt);
-      if (pass == 0 || (key >> (shift + 8)) == (prefix >> (shift + 8))) atomicAdd(&hist[(key >> shift) & 255u], 1);
+      if (pass == 0 || (key >> (shift + 8)) == (prefix >> (shift + 8)))
+        atomicAdd(&hist[(key >> shift) & 255u], 1);
     }
   }
   return nan_here;
@@ -112,9 +114,9 @@ __device__ __forceinline__ void wide_publish_counts(int (*G)[256], const int (*s
 // aside), ties and ties below C' into its count record of g_wcnt; cls(x, raw)
 // is a slot's class against the row's threshold.
 template <class Cls>
-__device__ __forceinline__ void wide_chunk_counts(const SelParams &p, const char *srow, int64_t c0, int64_t c1,
-                                                  int64_t Cp, int dt, bool sal, int64_t sns, int tid, int lane, int nt,
-                                                  const Cls &cls, int *s_cnt) {
+__device__ __forceinline__ void wide_chunk_counts(const SelParams &p, const char *srow, int64_t c0,
+                                                  int64_t c1, int64_t Cp, int dt, bool sal, int64_t sns,
+                                                  int tid, int lane, int nt, const Cls &cls, int *s_cnt) {
   int hn = 0, tn = 0, ti = 0, tl = 0;
   for (int64_t x = c0 + tid; x < c1; x += nt) {
     const int c = cls(x, ldg_raw(srow + x * sns, dt, sal));
@@ -146,8 +148,9 @@ __device__ __forceinline__ void wide_chunk_counts(const SelParams &p, const char
 // three block scans. Per chunk the row rank of its first hole, kept tail and
 // tie, and its ties below C' (entry nblk: the row's totals). A chunk's kept
 // ties are its lowest: min(max(Q - ties before it, 0), its ties).
-__device__ __forceinline__ void wide_row_ranks(const SelParams &p, uint32_t r, int nblk, bool rank, int Q, int tid,
-                                               int (*s_wsum)[32], int *s_hpre, int *s_tpre, int *s_tq, int *s_tlo) {
+__device__ __forceinline__ void wide_row_ranks(const SelParams &p, uint32_t r, int nblk, bool rank, int Q,
+                                               int tid, int (*s_wsum)[32], int *s_hpre, int *s_tpre,
+                                               int *s_tq, int *s_tlo) {
   const int4 v = tid < nblk ? __ldcg(&g_wcnt[p.wslot][r * (uint32_t)nblk + tid]) : make_int4(0, 0, 0, 0);
   int tq, hp, tp;
   const int tqc = block_excl_scan_1sync(v.z, &tq, s_wsum[0]);  // ties before chunk tid
@@ -179,8 +182,8 @@ __global__ void __launch_bounds__(kSelThreads, 1) k_select_wide(const __grid_con
   // a batch of pieces: offset in kbuf (entry npc: the batch's size), first
   // slot, mode, the task's first tie rank (-1: a task's later piece) and
   // first selected rank
-  __shared__ int s_pc_off[kWidePieces + 1], s_pc_x[kWidePieces], s_pc_mode[kWidePieces], s_pc_tie[kWidePieces],
-      s_pc_sel[kWidePieces];
+  __shared__ int s_pc_off[kWidePieces + 1], s_pc_x[kWidePieces], s_pc_mode[kWidePieces],
+      s_pc_tie[kWidePieces], s_pc_sel[kWidePieces];
   __shared__ int s_npc;
   __shared__ int s_wsum[4][32];
   // per chunk of the row: rank of its first hole, kept tail and tie; its
@@ -203,7 +206,7 @@ __global__ void __launch_bounds__(kSelThreads, 1) k_select_wide(const __grid_con
   const int dt = p.scores.dtype;
   const bool sal = p.scores.aligned != 0;
   const int64_t sns = p.scores.n_stride;
-  int(*G)[256] = g_whist[p.wslot][r];
+  int (*G)[256] = g_whist[p.wslot][r];
   unsigned *rbar = &g_wbar[p.wslot][r];
   const bool leader = b == 0;
 
@@ -228,8 +231,8 @@ __global__ void __launch_bounds__(kSelThreads, 1) k_select_wide(const __grid_con
     const bool nan_pass = pass == 0 && p.fused_nan;
     if (done && !nan_pass) break;  // uniform over the row
     const int shift = 24 - 8 * pass;
-    const bool nan_here =
-        wide_count_chunk(srow, c0, c1, clo, chi, dt, sal, sns, tid, nt, pass, shift, prefix, nan_pass, done, s_h[pass]);
+    const bool nan_here = wide_count_chunk(srow, c0, c1, clo, chi, dt, sal, sns, tid, nt, pass, shift, prefix,
+                                           nan_pass, done, s_h[pass]);
     if (nan_pass) {
       const bool row_nan = __syncthreads_or(nan_here) != 0;
       if (tid == 0) nan_arrive(gbar, s_phase, row_nan);
@@ -337,8 +340,10 @@ __global__ void __launch_bounds__(kSelThreads, 1) k_select_wide(const __grid_con
       const int k = mode ? t0 + (t - nh) : h0 + t;
       a = min(N, (int64_t)k * S);
       e = min(N, a + S);
-      if (mode == 0) e = min(e, Cp);
-      else a = max(a, Cp);
+      if (mode == 0)
+        e = min(e, Cp);
+      else
+        a = max(a, Cp);
       tie0 = s_tq[k] + (mode ? s_tlo[k] : 0);
       sel0 = mode ? s_tpre[k] : s_hpre[k];
     };
@@ -422,7 +427,8 @@ __global__ void __launch_bounds__(kSelThreads, 1) k_select_wide(const __grid_con
         if (rank) {  // uniform: the row's first Q ties are kept
           int tot;
           const int ex = block_excl_scan_1sync(__popc(tiem), &tot, s_wsum[(it & 1) * 2]);
-          const int nk = min(max(Q - (run_tie + ex), 0), __popc(tiem));  // this thread's kept ties: its first nk
+          const int nk =
+              min(max(Q - (run_tie + ex), 0), __popc(tiem));  // this thread's kept ties: its first nk
           uint32_t tm_ = tiem;
 #pragma unroll 1
           for (int j = 0; j < nk; ++j) {
