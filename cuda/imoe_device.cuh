@@ -1,7 +1,8 @@
-// imoe_device.cuh: device-side building blocks of the CUDA launchers
-// (parameter structs, score keys, block scans, byte moves). Included by
-// imoe_cuda.cu only: every kernel and the device status words live in that
-// one translation unit, so no relocatable device code is needed.
+// imoe_device.cuh: device-side building blocks shared by every kernel family
+// (views, row coordinates, score keys, the status and verdict words, block
+// scans, byte moves). Every cuda/*.cu includes it; nothing here defines
+// module memory, so each translation unit gets the same inline code and no
+// relocatable device code is needed (docs/cuda-design.md, "Files").
 #pragma once
 
 #include <cuda_fp16.h>
@@ -24,7 +25,6 @@ constexpr int kListL = 4096;            // ring refill threshold
 constexpr int kApplyThreads = 256;      // apply kernel block
 constexpr int kCheckThreads = 512;      // validation kernels
 constexpr unsigned kSlots = 64;         // per-call verdict slots
-constexpr int kPhaseBlocks = 1024, kPhases = 12;  // -DIMOE_PHASE_TIMES stamps
 constexpr int kVerdicts = 256;          // most blocks of a validation kernel (one verdict word each)
 // Rows of at most this many slots select with k_select_small: every key in
 // registers, NT x IPT slots per block (NT = kSelThreads with IPT 4, 8 or 16;
@@ -135,7 +135,8 @@ __device__ __forceinline__ uint32_t key_of_bits(uint32_t b) {
 }
 __device__ __forceinline__ uint32_t key_of_raw(uint32_t raw, int dtype) {
   if (dtype == IMOE_DTYPE_F32) return key_of_bits(raw);
-  if (dtype == IMOE_DTYPE_F16) return key_of_bits(__float_as_uint(__half2float(__ushort_as_half((unsigned short)raw))));
+  if (dtype == IMOE_DTYPE_F16)
+    return key_of_bits(__float_as_uint(__half2float(__ushort_as_half((unsigned short)raw))));
   return key_of_bits(raw << 16);
 }
 __device__ __forceinline__ uint32_t load_key(const char *p, int dtype, bool aligned) {
@@ -175,6 +176,47 @@ __device__ __forceinline__ void griddep_launch_dependents() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
+}
+
+// ---------------------------------------------------------------- status and verdicts
+// The device status word and the verdict words (fixed module memory of
+// imoe_select.cu, docs/cuda-design.md, "Data errors"). Kernels of that
+// translation unit name them directly (module_words()); the other families'
+// kernels take their addresses as a kernel parameter.
+struct StatusWords {
+  int *status;                     // first data error since the last read
+  unsigned (*verdict)[kVerdicts];  // [kSlots][kVerdicts]
+};
+
+__device__ __forceinline__ void record_status(const StatusWords &w, int code) {
+  atomicCAS(w.status, 0, code);
+}
+
+// One thread per validation block, at its end.
+__device__ __forceinline__ void write_verdict(const StatusWords &w, uint32_t token, bool bad) {
+  if (token) w.verdict[token % kSlots][blockIdx.x] = bad ? token : 0u;
+}
+
+// This thread's verdict word of call `token` (thread t reads word t).
+__device__ __forceinline__ bool verdict_bad(const StatusWords &w, uint32_t token, int nv) {
+  static_assert(kVerdicts <= kApplyThreads && kVerdicts <= kSelThreads, "one word per thread");
+  const int t = threadIdx.x;
+  return token && t < nv && __ldcg(&w.verdict[token % kSlots][t]) == token;
+}
+// Whether call `token` failed validation: the nv verdict words of its
+// validation kernel, read once that grid has completed (griddepcontrol.wait
+// or stream order), past L1. Every thread of the block must call it (one
+// barrier); the answer is uniform. Only kernels after a validation kernel
+// have a token.
+__device__ __forceinline__ bool call_aborted(const StatusWords &w, uint32_t token, int nv) {
+  if (!token) return false;
+  return __syncthreads_or(verdict_bad(w, token, nv)) != 0;
+}
+
+// Whether a raw score (as ldg_raw reads it: 16-bit types zero-extended) is NaN.
+__device__ __forceinline__ bool raw_is_nan(uint32_t raw, int dt) {
+  if (dt == IMOE_DTYPE_F32) return (raw & 0x7FFFFFFFu) > 0x7F800000u;
+  return (raw & 0x7FFFu) > (dt == IMOE_DTYPE_F16 ? 0x7C00u : 0x7F80u);
 }
 
 // ---------------------------------------------------------------- scans
@@ -257,6 +299,26 @@ __device__ __forceinline__ int block_excl_scan_1sync(int v, int *total, int *wsu
   return (warp ? base : 0) + inc - v;
 }
 
+// Exclusive block scan of one int per thread; *total receives the sum.
+// s_warp: 33 ints of shared memory. Every thread of the block calls it.
+__device__ __forceinline__ int perm_block_scan(int v, int *total, int *s_warp) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+  const int incl = warp_incl_scan(v);
+  if (lane == 31) s_warp[warp] = incl;
+  __syncthreads();
+  if (warp == 0) {
+    const int w = lane < nw ? s_warp[lane] : 0;
+    const int ws = warp_incl_scan(w);
+    s_warp[lane] = ws - w;
+    if (lane == 31) s_warp[32] = ws;
+  }
+  __syncthreads();
+  const int excl = s_warp[warp] + incl - v;
+  *total = s_warp[32];
+  __syncthreads();  // s_warp is reused by the next call
+  return excl;
+}
+
 // ---------------------------------------------------------------- moves
 template <int VW>
 struct VecOf;
@@ -286,8 +348,8 @@ struct VecOf<1> {
 // slot stride. Flat (pair, vector) work spread over the block; MU (a swap:
 // two pairs of) independent loads in flight per thread before the stores.
 template <int VW, bool SWAP, class G, int MU = 4>
-__device__ __forceinline__ void move_body(char *base, int64_t ns, int64_t off0, uint32_t U,
-                                          uint32_t np, const G &get) {
+__device__ __forceinline__ void move_body(char *base, int64_t ns, int64_t off0, uint32_t U, uint32_t np,
+                                          const G &get) {
   typedef typename VecOf<VW>::T V;
   constexpr int UNR = SWAP ? 2 : MU;
   if (U == 0 || np == 0) return;

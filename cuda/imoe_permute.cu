@@ -1,7 +1,8 @@
-// imoe_permute.cuh: the permutation engine on the device (imoe_permute,
-// imoe_apply_ordered / imoe_restore_ordered, imoe_group_by_expert).
-// Included once by imoe_cuda.cu, after its anonymous namespace: the kernels
-// share that translation unit's status word and verdict slots.
+// imoe_permute.cu: the permutation engine on the device (imoe_permute,
+// imoe_apply_ordered / imoe_restore_ordered, imoe_group_by_expert;
+// docs/cuda-design.md, "Permutations and grouping"). Its kernels take the
+// status and verdict words (imoe_select.cu's module memory) as their last
+// parameter; its seam swaps are k_apply launches (launch_apply_groups).
 //
 // Method. A permutation p of a row's N slots (new slot i takes old slot p[i]):
 //   1. every slot x learns its cycle's leader m (the minimal slot) and its
@@ -28,33 +29,21 @@
 //   region 6     the permutation itself when the device computes it
 //                (grouping, ordered compaction).
 // imoe_plan_workspace_elems (csrc/workspace.c) gives these sizes.
-#pragma once
+#include <cuda_runtime.h>
+#include <string.h>
+
+#include <algorithm>
+#include <atomic>
+#include <vector>
+
+#include "imoe_device.cuh"
+#include "imoe_launch.cuh"
 
 namespace imoe_cu {
 
 constexpr int kPermThreads = 1024;   // one block per plan row
 constexpr int kPermCheckThreads = 256;
 constexpr int kGroupMaxExperts = 1024;  // k_group keeps per-warp counts of every expert in shared memory
-
-// Exclusive block scan of one int per thread; *total receives the sum.
-// s_warp: 33 ints of shared memory. Every thread of the block calls it.
-__device__ __forceinline__ int perm_block_scan(int v, int *total, int *s_warp) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-  const int incl = warp_incl_scan(v);
-  if (lane == 31) s_warp[warp] = incl;
-  __syncthreads();
-  if (warp == 0) {
-    const int w = lane < nw ? s_warp[lane] : 0;
-    const int ws = warp_incl_scan(w);
-    s_warp[lane] = ws - w;
-    if (lane == 31) s_warp[32] = ws;
-  }
-  __syncthreads();
-  const int excl = s_warp[warp] + incl - v;
-  *total = s_warp[32];
-  __syncthreads();  // s_warp is reused by the next call
-  return excl;
-}
 
 // ------------------------------------------------------------ validation
 // perm: every value in [0, N) (pass 1), each once (pass 2, after pass 1 in
@@ -71,6 +60,7 @@ struct PermCheckParams {
   int32_t *scatter;   // [plan_rows, n]: -1, then the position holding each value
   uint32_t token, prev_token;
   int32_t prev_nverdict;
+  StatusWords words;  // imoe_select.cu's status and verdict words (DevInfo::words)
 };
 
 // Both let the next kernel launch early (it waits for them before reading);
@@ -85,39 +75,40 @@ __global__ void __launch_bounds__(kPermCheckThreads) k_perm_range(const __grid_c
     const uint64_t r = f / (uint64_t)p.m, i = f - r * (uint64_t)p.m;
     uint32_t c[kMaxDims];
     row_coords(p.lead, (uint32_t)r, c);
-    const int64_t v = load_index(p.perm.data + row_offset(p.lead, c, p.perm.lead) + (int64_t)i * p.perm.n_stride,
-                                 p.perm.dtype, al);
+    const int64_t v = load_index(
+        p.perm.data + row_offset(p.lead, c, p.perm.lead) + (int64_t)i * p.perm.n_stride, p.perm.dtype, al);
     if (v < 0 || v >= p.n) bad = true;
   }
   for (uint64_t f = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x; f < p.scatter_items; f += step)
     p.scatter[f] = -1;
   bad = __syncthreads_or(bad) != 0;
   if (threadIdx.x == 0) {
-    if (bad) record_status(IMOE_ERR_INDEX_RANGE);
-    write_verdict(p.token, bad);
+    if (bad) record_status(p.words, IMOE_ERR_INDEX_RANGE);
+    write_verdict(p.words, p.token, bad);
   }
 }
 
-__global__ void __launch_bounds__(kPermCheckThreads) k_perm_unique(const __grid_constant__ PermCheckParams p) {
+__global__ void __launch_bounds__(kPermCheckThreads)
+    k_perm_unique(const __grid_constant__ PermCheckParams p) {
   griddep_launch_dependents();
   griddep_wait();
   const bool al = p.perm.aligned != 0;
-  const bool before = call_aborted(p.prev_token, p.prev_nverdict);
+  const bool before = call_aborted(p.words, p.prev_token, p.prev_nverdict);
   bool dup = false;
   const uint64_t step = (uint64_t)gridDim.x * blockDim.x;
   for (uint64_t f = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x; f < p.items; f += step) {
     const uint64_t r = f / (uint64_t)p.m, i = f - r * (uint64_t)p.m;
     uint32_t c[kMaxDims];
     row_coords(p.lead, (uint32_t)r, c);
-    const int64_t v = load_index(p.perm.data + row_offset(p.lead, c, p.perm.lead) + (int64_t)i * p.perm.n_stride,
-                                 p.perm.dtype, al);
+    const int64_t v = load_index(
+        p.perm.data + row_offset(p.lead, c, p.perm.lead) + (int64_t)i * p.perm.n_stride, p.perm.dtype, al);
     if (v < 0 || v >= p.n) continue;  // pass 1's error
     if (atomicCAS(&p.scatter[r * (uint64_t)p.n + (uint64_t)v], -1, (int32_t)i) != -1) dup = true;
   }
   dup = __syncthreads_or(dup) != 0;
   if (threadIdx.x == 0) {
-    if (dup) record_status(IMOE_ERR_BAD_MAP);
-    write_verdict(p.token, dup || before);
+    if (dup) record_status(p.words, IMOE_ERR_BAD_MAP);
+    write_verdict(p.words, p.token, dup || before);
   }
 }
 
@@ -149,6 +140,7 @@ struct CycleParams {
   int32_t inverse;
   uint32_t token;
   int32_t nverdict;
+  StatusWords words;  // imoe_select.cu's status and verdict words (DevInfo::words)
 };
 
 constexpr int kCycThreads = 256;
@@ -223,7 +215,7 @@ __device__ __forceinline__ void cyc_write_aggregate(const CycleParams &p, uint32
 __global__ void __launch_bounds__(kCycThreads) k_cyc_init(const __grid_constant__ CycleParams p) {
   __shared__ uint32_t s_warp[33];
   cyc_enter();
-  if (call_aborted(p.token, p.nverdict)) return;
+  if (call_aborted(p.words, p.token, p.nverdict)) return;
   const uint64_t f = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x;
   uint32_t len = 0;
   if (f < p.items) {
@@ -254,8 +246,9 @@ __global__ void __launch_bounds__(kCycThreads) k_cyc_init(const __grid_constant_
 // slots: the min over them and its distance (the first occurrence: windows
 // are visited in order and only a strictly smaller min replaces the best).
 // Returns the slot of the last window's start; its jump ends the new window.
-__device__ __forceinline__ int32_t cyc_jump(const int32_t *J, const int32_t *M, const int32_t *D, uint64_t row0,
-                                            int32_t x0, int32_t w, int32_t arity, int32_t *bm, int32_t *bd) {
+__device__ __forceinline__ int32_t cyc_jump(const int32_t *J, const int32_t *M, const int32_t *D,
+                                            uint64_t row0, int32_t x0, int32_t w, int32_t arity, int32_t *bm,
+                                            int32_t *bd) {
   int32_t cur = x0;
   int32_t m = M[row0 + x0], d = D[row0 + x0];
   for (int32_t a = 1; a < arity; ++a) {
@@ -278,7 +271,7 @@ __device__ __forceinline__ int32_t cyc_jump(const int32_t *J, const int32_t *M, 
 __global__ void __launch_bounds__(kCycThreads) k_cyc_round(const __grid_constant__ CycleParams p) {
   __shared__ uint32_t s_warp[33];
   cyc_enter();
-  if (call_aborted(p.token, p.nverdict)) return;
+  if (call_aborted(p.words, p.token, p.nverdict)) return;
   const uint64_t f = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x;
   uint32_t len = 0;
   if (f < p.items) {
@@ -313,7 +306,7 @@ __global__ void __launch_bounds__(kCycThreads) k_cyc_round(const __grid_constant
 __global__ void __launch_bounds__(kCycThreads) k_cyc_agg_scan(const __grid_constant__ CycleParams p) {
   __shared__ unsigned long long s_warp[33];
   cyc_enter();
-  if (call_aborted(p.token, p.nverdict)) return;
+  if (call_aborted(p.words, p.token, p.nverdict)) return;
   uint32_t *agg = reinterpret_cast<uint32_t *>(p.ws + 3 * p.fin * p.region);
   unsigned long long carry = 0;
   for (uint32_t t0 = 0; t0 < p.nagg; t0 += blockDim.x) {
@@ -335,7 +328,7 @@ __global__ void __launch_bounds__(kCycThreads) k_cyc_bases(const __grid_constant
   __shared__ unsigned long long s_w64[33];
   __shared__ uint32_t s_w32[33];
   cyc_enter();
-  if (call_aborted(p.token, p.nverdict)) return;
+  if (call_aborted(p.words, p.token, p.nverdict)) return;
   const uint32_t t = blockIdx.x;
   const uint64_t f0 = (uint64_t)t * blockDim.x;
   const uint64_t rt = f0 / (uint64_t)p.n;
@@ -368,7 +361,7 @@ __global__ void __launch_bounds__(kCycThreads) k_cyc_bases(const __grid_constant
 // (a cycle starts there).
 __global__ void __launch_bounds__(kCycThreads) k_cyc_order(const __grid_constant__ CycleParams p) {
   cyc_enter();
-  if (call_aborted(p.token, p.nverdict)) return;
+  if (call_aborted(p.words, p.token, p.nverdict)) return;
   const uint64_t f = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x;
   if (f >= p.items) return;
   const uint64_t row0 = f - f % (uint64_t)p.n;
@@ -407,7 +400,8 @@ struct RotateParams {
 __device__ __forceinline__ int32_t layout_slot(int32_t v) { return v < 0 ? ~v : v; }
 
 // Segment i's fix slot position: its first (forward) or last (inverse).
-__device__ __forceinline__ int32_t fix_pos(int32_t i, int32_t b, int32_t L, int32_t ns, int32_t b0, bool inverse) {
+__device__ __forceinline__ int32_t fix_pos(int32_t i, int32_t b, int32_t L, int32_t ns, int32_t b0,
+                                           bool inverse) {
   if (!inverse) return i == 0 ? b : (b0 + i) * kRotK;
   return i == ns - 1 ? b + L - 1 : (b0 + i + 1) * kRotK - 1;
 }
@@ -454,7 +448,8 @@ __device__ __forceinline__ void rotate_column(char *base, int64_t ns, int64_t of
     for (int j = kRotK - 1; j >= 0; --j) {
       if ((en >> j) & 1u) last = v[j];
       if ((mv >> j) & 1u)
-        *reinterpret_cast<T *>(base + (int64_t)x[j] * ns + off) = ((st >> j) & 1u) ? last : v[j > 0 ? j - 1 : 0];
+        *reinterpret_cast<T *>(base + (int64_t)x[j] * ns + off) =
+            ((st >> j) & 1u) ? last : v[j > 0 ? j - 1 : 0];
     }
   } else {
     T first = v[0];
@@ -531,7 +526,7 @@ __device__ __forceinline__ void rotate_buffer(const RotateParams &p, const BufDe
 template <int VW>
 __global__ void __launch_bounds__(kRotThreads, 1) k_perm_rotate(const __grid_constant__ RotateParams p) {
   griddep_wait();
-  if (call_aborted(p.c.token, p.c.nverdict)) return;
+  if (call_aborted(p.c.words, p.c.token, p.c.nverdict)) return;
   const uint64_t gtid = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x;
   const uint64_t step = (uint64_t)gridDim.x * blockDim.x;
   if (p.maps)
@@ -554,11 +549,12 @@ struct OrderedPlanParams {
   int32_t *ws;
   uint32_t token;
   int32_t nverdict;
+  StatusWords words;  // imoe_select.cu's status and verdict words (DevInfo::words)
 };
 
 __global__ void __launch_bounds__(kPermThreads) k_ordered_plan(const __grid_constant__ OrderedPlanParams p) {
   __shared__ int s_warp[33];
-  if (call_aborted(p.token, p.nverdict)) return;
+  if (call_aborted(p.words, p.token, p.nverdict)) return;
   const uint32_t r = blockIdx.x;
   const int64_t n = p.n;
   uint32_t c[kMaxDims];
@@ -587,9 +583,11 @@ struct GroupCheckParams {
   uint64_t items;
   InView ids;
   uint32_t token;
+  StatusWords words;  // imoe_select.cu's status and verdict words (DevInfo::words)
 };
 
-__global__ void __launch_bounds__(kPermCheckThreads) k_group_check(const __grid_constant__ GroupCheckParams p) {
+__global__ void __launch_bounds__(kPermCheckThreads)
+    k_group_check(const __grid_constant__ GroupCheckParams p) {
   const bool al = p.ids.aligned != 0;
   bool bad = false;
   const uint64_t step = (uint64_t)gridDim.x * blockDim.x;
@@ -603,8 +601,8 @@ __global__ void __launch_bounds__(kPermCheckThreads) k_group_check(const __grid_
   }
   bad = __syncthreads_or(bad) != 0;
   if (threadIdx.x == 0) {
-    if (bad) record_status(IMOE_ERR_INDEX_RANGE);
-    write_verdict(p.token, bad);
+    if (bad) record_status(p.words, IMOE_ERR_INDEX_RANGE);
+    write_verdict(p.words, p.token, bad);
   }
 }
 
@@ -619,6 +617,7 @@ struct GroupParams {
   int32_t *ws;
   uint32_t token;
   int32_t nverdict;
+  StatusWords words;  // imoe_select.cu's status and verdict words (DevInfo::words)
 };
 
 // One block of kPermThreads per row: a stable counting sort. Shared memory:
@@ -629,7 +628,7 @@ __global__ void __launch_bounds__(kPermThreads) k_group(const __grid_constant__ 
   __shared__ int s_warp[33];
   int *base = reinterpret_cast<int *>(dsm);
   int *wc = base + p.experts + 1;
-  if (call_aborted(p.token, p.nverdict)) return;
+  if (call_aborted(p.words, p.token, p.nverdict)) return;
   const uint32_t r = blockIdx.x;
   const int64_t n = p.n;
   const int E = p.experts;
@@ -654,7 +653,8 @@ __global__ void __launch_bounds__(kPermThreads) k_group(const __grid_constant__ 
     const int excl = perm_block_scan(cnt, &total, s_warp);  // its barriers order the reads before the writes
     if (e <= E) {
       base[e] = carry + excl;
-      store_index(orow + (int64_t)e * p.offsets.n_stride, p.offsets.dtype, p.offsets.aligned != 0, carry + excl);
+      store_index(orow + (int64_t)e * p.offsets.n_stride, p.offsets.dtype, p.offsets.aligned != 0,
+                  carry + excl);
     }
     carry += total;
   }
@@ -687,44 +687,8 @@ __global__ void __launch_bounds__(kPermThreads) k_group(const __grid_constant__ 
   }
 }
 
-}  // namespace imoe_cu
-
 // ------------------------------------------------------------ host side
 namespace {
-
-// Row-major strides (bytes) of a [plan rows, n] int32 workspace region over
-// the merged lead axes; all zero for a shared plan.
-Strides ws_strides(const Lead &lead, int64_t n, bool per_row) {
-  Strides s;
-  memset(&s, 0, sizeof s);
-  if (!per_row) return s;
-  int64_t acc = n * 4;
-  for (int d = lead.nd - 1; d >= 0; --d) {
-    s.s[d] = acc;
-    acc *= (int64_t)lead.shape[d];
-  }
-  return s;
-}
-
-InView ws_view(const int32_t *data, const Lead &lead, int64_t n, bool per_row) {
-  InView v;
-  memset(&v, 0, sizeof v);
-  v.data = reinterpret_cast<const char *>(data);
-  v.lead = ws_strides(lead, n, per_row);
-  v.n_stride = 4;
-  v.dtype = IMOE_DTYPE_I32;
-  v.aligned = 1;
-  return v;
-}
-
-imoe_status check_workspace(const char *fn, int32_t *ws, int64_t elems, int64_t need, imoe_error *err) {
-  if (need > 0 && (ws == nullptr || elems < need))
-    return fail(err, IMOE_ERR_ARGUMENT,
-                "%s: the CUDA path needs a device workspace of %lld int32 elements (got %lld): "
-                "imoe_plan_workspace_elems gives the size",
-                fn, (long long)need, (long long)(ws ? elems : 0));
-  return IMOE_OK;
-}
 
 typedef void (*RotateKernel)(RotateParams);
 
@@ -747,7 +711,8 @@ int rotate_blocks_per_sm(const DevInfo *di, int vw) {
   int v = cached ? cache[d][k].load(std::memory_order_relaxed) : 0;
   if (v > 0) return v;
   int nb = 0;
-  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&nb, rotate_kernel(vw), kRotThreads, 0) != cudaSuccess || nb < 1) {
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&nb, rotate_kernel(vw), kRotThreads, 0) != cudaSuccess ||
+      nb < 1) {
     (void)cudaGetLastError();
     nb = 1;
   }
@@ -755,12 +720,34 @@ int rotate_blocks_per_sm(const DevInfo *di, int vw) {
   return nb;
 }
 
+// The pointer-jumping rounds of a row of n slots: k_cyc_init covers a window
+// of kWalk slots; round k multiplies it by arity[k] (2 to kArity), until
+// the window covers the row.
+struct CyclePlan {
+  int rounds;
+  int arity[32];
+};
+
+CyclePlan plan_cycles(int64_t n) {
+  CyclePlan c;
+  c.rounds = 0;
+  for (int64_t window = kWalk; window < n; ++c.rounds) {
+    int a = 2;
+    while (a < kArity && window * a < n) a <<= 1;
+    c.arity[c.rounds] = a;
+    window *= a;
+  }
+  return c;
+}
+
+}  // namespace
+
 // The cycle kernels and the data passes: buffers [buf_st0, ...) of pl, the
 // permutation `succ` ([plan rows, n]), after the validation of `token`.
-imoe_status launch_cycles_and_swaps(const char *fn, const imoe_view *buffers, int32_t num_buffers, const Plan &pl,
-                                    size_t buf_st0, const InView &succ, bool per_row, int64_t n, bool inverse,
-                                    int32_t *ws, uint32_t token, int nverdict, DevInfo *di, cudaStream_t st,
-                                    imoe_error *err) {
+imoe_status launch_cycles_and_swaps(const char *fn, const imoe_view *buffers, int32_t num_buffers,
+                                    const CallRows &pl, size_t buf_st0, const InView &succ, bool per_row,
+                                    int64_t n, bool inverse, int32_t *ws, uint32_t token, int nverdict,
+                                    DevInfo *di, cudaStream_t st, imoe_error *err) {
   if (n < 2 || num_buffers <= 0) return IMOE_OK;  // nothing can move
   const uint64_t rows = per_row ? pl.R : 1u;
   CycleParams cp;
@@ -775,22 +762,17 @@ imoe_status launch_cycles_and_swaps(const char *fn, const imoe_view *buffers, in
   cp.inverse = inverse ? 1 : 0;
   cp.token = token;
   cp.nverdict = nverdict;
+  cp.words = di->words;
   const uint64_t flat = (cp.items + kCycThreads - 1) / kCycThreads;
   if (flat > 0x7FFFFFFFull || rows > 0x7FFFFFFFull)
     return fail(err, IMOE_ERR_ARGUMENT, "%s: too many rows for one launch", fn);
-  // k_cyc_init covers a window of kWalk slots; a round multiplies it by its arity
-  int arity[32];
-  int rounds = 0;
-  for (int64_t window = kWalk; window < n; ++rounds) {
-    int a = 2;
-    while (a < kArity && window * a < n) a <<= 1;
-    arity[rounds] = a;
-    window *= a;
-  }
+  const CyclePlan cyc = plan_cycles(n);
+  const int rounds = cyc.rounds;
+  const int *arity = cyc.arity;
   const bool pdl = di->cc_major >= 9;
   cp.last = rounds == 0;
   cp.fin = 0;
-  cudaError_t e = launch(k_cyc_init, (unsigned)flat, kCycThreads, 0, st, pdl, cp);
+  cudaError_t e = launch(k_cyc_init, shape((unsigned)flat, kCycThreads, 0, pdl), st, cp);
   if (e != cudaSuccess) return cuda_fail(err, fn, "launch of k_cyc_init", e);
   int s = 0;
   int64_t window = kWalk;
@@ -800,7 +782,7 @@ imoe_status launch_cycles_and_swaps(const char *fn, const imoe_view *buffers, in
     cp.arity = arity[k];
     cp.last = k == rounds - 1;
     cp.fin = 1 - s;
-    e = launch(k_cyc_round, (unsigned)flat, kCycThreads, 0, st, pdl, cp);
+    e = launch(k_cyc_round, shape((unsigned)flat, kCycThreads, 0, pdl), st, cp);
     if (e != cudaSuccess) return cuda_fail(err, fn, "launch of k_cyc_round", e);
     s = 1 - s;
     window *= arity[k];
@@ -809,11 +791,11 @@ imoe_status launch_cycles_and_swaps(const char *fn, const imoe_view *buffers, in
   cp.fin = s;
   cp.nagg = (uint32_t)flat;
   cp.agg_scanned = flat > kAggDirect;
-  if (cp.agg_scanned && (e = launch(k_cyc_agg_scan, 1u, kCycThreads, 0, st, pdl, cp)) != cudaSuccess)
+  if (cp.agg_scanned && (e = launch(k_cyc_agg_scan, shape(1u, kCycThreads, 0, pdl), st, cp)) != cudaSuccess)
     return cuda_fail(err, fn, "launch of k_cyc_agg_scan", e);
-  if ((e = launch(k_cyc_bases, (unsigned)flat, kCycThreads, 0, st, pdl, cp)) != cudaSuccess)
+  if ((e = launch(k_cyc_bases, shape((unsigned)flat, kCycThreads, 0, pdl), st, cp)) != cudaSuccess)
     return cuda_fail(err, fn, "launch of k_cyc_bases", e);
-  if ((e = launch(k_cyc_order, (unsigned)flat, kCycThreads, 0, st, pdl, cp)) != cudaSuccess)
+  if ((e = launch(k_cyc_order, shape((unsigned)flat, kCycThreads, 0, pdl), st, cp)) != cudaSuccess)
     return cuda_fail(err, fn, "launch of k_cyc_order", e);
   // pass 1: rotations inside chunks (and the pass-2 maps), up to kMaxBuf buffers a launch
   RotateParams rp;
@@ -841,19 +823,22 @@ imoe_status launch_cycles_and_swaps(const char *fn, const imoe_view *buffers, in
       maps = false;
       const uint64_t cap = (uint64_t)di->sms * (uint64_t)rotate_blocks_per_sm(di, vw);
       const uint64_t grid = std::max<uint64_t>(1, std::min(cap, (need + kRotThreads - 1) / kRotThreads));
-      if ((e = launch(rotate_kernel(vw), (unsigned)grid, kRotThreads, 0, st, pdl, rp)) != cudaSuccess)
+      if ((e = launch(rotate_kernel(vw), shape((unsigned)grid, kRotThreads, 0, pdl), st, rp)) != cudaSuccess)
         return cuda_fail(err, fn, "launch of k_perm_rotate", e);
     }
   }
   // pass 2: the fix slots, two swap passes
   const int32_t *tm1 = ws + (3 * (1 - s) + 1) * cp.region;
   const int32_t *tm2 = ws + (3 * (1 - s) + 2) * cp.region;
-  imoe_status r = launch_apply_groups(fn, buffers, 0, num_buffers, pl, buf_st0, ws_view(tm1, pl.lead, n, per_row),
-                                      1, n, true, token, nverdict, false, di, st, err);
+  imoe_status r =
+      launch_apply_groups(fn, buffers, 0, num_buffers, pl, buf_st0, ws_view(tm1, pl.lead, n, per_row), 1, n,
+                          true, token, nverdict, false, di, st, err);
   if (r != IMOE_OK) return r;
-  return launch_apply_groups(fn, buffers, 0, num_buffers, pl, buf_st0, ws_view(tm2, pl.lead, n, per_row), 1, n,
-                             true, token, nverdict, false, di, st, err);
+  return launch_apply_groups(fn, buffers, 0, num_buffers, pl, buf_st0, ws_view(tm2, pl.lead, n, per_row), 1,
+                             n, true, token, nverdict, false, di, st, err);
 }
+
+namespace {
 
 int check_grid(uint64_t items) {
   const uint64_t want = (items + 2047) / 2048;
@@ -867,16 +852,17 @@ int check_grid(uint64_t items) {
 struct PermCall {
   DevInfo *di;
   cudaStream_t st;
-  Plan pl;
+  CallRows pl;
   int64_t n;
   bool per_row;
   uint64_t rows;
   bool empty;
 };
 
-imoe_status start_perm_call(const char *fn, const imoe_view *buffers, int32_t num_buffers, const imoe_view *map,
-                            imoe_plan_kind kind, int32_t *workspace, int64_t workspace_elems, const imoe_exec *exec,
-                            imoe_error *err, DeviceGuard *guard, PermCall *c) {
+imoe_status start_perm_call(const char *fn, const imoe_view *buffers, int32_t num_buffers,
+                            const imoe_view *map, imoe_plan_kind kind, int32_t *workspace,
+                            int64_t workspace_elems, const imoe_exec *exec, imoe_error *err,
+                            DeviceGuard *guard, PermCall *c) {
   c->di = nullptr;
   c->empty = true;
   imoe_status s = enter(exec, fn, err, guard, &c->di);
@@ -884,11 +870,13 @@ imoe_status start_perm_call(const char *fn, const imoe_view *buffers, int32_t nu
   c->st = static_cast<cudaStream_t>(exec->stream);
   c->n = buffers[0].n;
   if (c->n >= 0x7FFFFFFFLL)
-    return fail(err, IMOE_ERR_ARGUMENT, "%s: N = %lld slots: the CUDA path takes N < 2^31", fn, (long long)c->n);
+    return fail(err, IMOE_ERR_ARGUMENT, "%s: N = %lld slots: the CUDA path takes N < 2^31", fn,
+                (long long)c->n);
   std::vector<const imoe_view *> views;
   views.push_back(map);
   for (int b = 0; b < num_buffers; ++b) views.push_back(&buffers[b]);
-  if (!make_plan(&buffers[0], views, &c->pl)) return fail(err, IMOE_ERR_ARGUMENT, "%s: more than 2^32 - 1 rows", fn);
+  if (!merge_rows(&buffers[0], views, &c->pl))
+    return fail(err, IMOE_ERR_ARGUMENT, "%s: more than 2^32 - 1 rows", fn);
   c->per_row = map->lead_ndim > 0;
   c->rows = c->per_row ? c->pl.R : 1u;
   s = check_workspace(fn, workspace, workspace_elems,
@@ -900,16 +888,20 @@ imoe_status start_perm_call(const char *fn, const imoe_view *buffers, int32_t nu
 
 }  // namespace
 
+}  // namespace imoe_cu
+
+using namespace imoe_cu;
+
 extern "C" {
 
 imoe_status imoe_cuda_permute(const imoe_view *buffers, int32_t num_buffers, const imoe_view *perm,
-                              int32_t inverse, int32_t *workspace, int64_t workspace_elems, const imoe_exec *exec,
-                              imoe_error *err) {
+                              int32_t inverse, int32_t *workspace, int64_t workspace_elems,
+                              const imoe_exec *exec, imoe_error *err) {
   const char *fn = "imoe_cuda_permute";
   DeviceGuard guard;
   PermCall c;
-  imoe_status s = start_perm_call(fn, buffers, num_buffers, perm, IMOE_PLAN_PERMUTE, workspace, workspace_elems,
-                                  exec, err, &guard, &c);
+  imoe_status s = start_perm_call(fn, buffers, num_buffers, perm, IMOE_PLAN_PERMUTE, workspace,
+                                  workspace_elems, exec, err, &guard, &c);
   if (s != IMOE_OK || c.empty) return s;
   const int nd = c.pl.lead.nd;
   PermCheckParams cp;
@@ -924,15 +916,16 @@ imoe_status imoe_cuda_permute(const imoe_view *buffers, int32_t num_buffers, con
   cp.scatter = workspace + 3 * (int64_t)c.rows * c.n;
   const int grid = check_grid(cp.items);
   cp.token = next_token();
-  cudaError_t e = launch(k_perm_range, (unsigned)grid, kPermCheckThreads, 0, c.st, false, cp);
+  cp.words = c.di->words;
+  cudaError_t e = launch(k_perm_range, shape((unsigned)grid, kPermCheckThreads, 0, false), c.st, cp);
   if (e != cudaSuccess) return cuda_fail(err, fn, "launch of k_perm_range", e);
   cp.prev_token = cp.token;
   cp.prev_nverdict = grid;
   cp.token = next_token();
-  e = launch(k_perm_unique, (unsigned)grid, kPermCheckThreads, 0, c.st, c.di->cc_major >= 9, cp);
+  e = launch(k_perm_unique, shape((unsigned)grid, kPermCheckThreads, 0, c.di->cc_major >= 9), c.st, cp);
   if (e != cudaSuccess) return cuda_fail(err, fn, "launch of k_perm_unique", e);
-  return launch_cycles_and_swaps(fn, buffers, num_buffers, c.pl, 1, cp.perm, c.per_row, c.n, inverse != 0, workspace,
-                                 cp.token, grid, c.di, c.st, err);
+  return launch_cycles_and_swaps(fn, buffers, num_buffers, c.pl, 1, cp.perm, c.per_row, c.n, inverse != 0,
+                                 workspace, cp.token, grid, c.di, c.st, err);
 }
 
 imoe_status imoe_cuda_apply_ordered(const imoe_view *buffers, int32_t num_buffers, const imoe_view *indices,
@@ -941,8 +934,8 @@ imoe_status imoe_cuda_apply_ordered(const imoe_view *buffers, int32_t num_buffer
   const char *fn = restore ? "imoe_cuda_restore_ordered" : "imoe_cuda_apply_ordered";
   DeviceGuard guard;
   PermCall c;
-  imoe_status s = start_perm_call(fn, buffers, num_buffers, indices, IMOE_PLAN_ORDERED, workspace, workspace_elems,
-                                  exec, err, &guard, &c);
+  imoe_status s = start_perm_call(fn, buffers, num_buffers, indices, IMOE_PLAN_ORDERED, workspace,
+                                  workspace_elems, exec, err, &guard, &c);
   if (s != IMOE_OK || c.empty) return s;
   const int64_t kept = indices->n;
   if (c.rows > 0x7FFFFFFFull) return fail(err, IMOE_ERR_ARGUMENT, "%s: too many rows for one launch", fn);
@@ -961,12 +954,13 @@ imoe_status imoe_cuda_apply_ordered(const imoe_view *buffers, int32_t num_buffer
   cp.scatter = workspace + 3 * (int64_t)c.rows * c.n;
   const int nverdict = check_grid(std::max(cp.items, cp.scatter_items));
   cp.token = next_token();
-  cudaError_t e = launch(k_perm_range, (unsigned)nverdict, kPermCheckThreads, 0, c.st, false, cp);
+  cp.words = c.di->words;
+  cudaError_t e = launch(k_perm_range, shape((unsigned)nverdict, kPermCheckThreads, 0, false), c.st, cp);
   if (e != cudaSuccess) return cuda_fail(err, fn, "launch of k_perm_range", e);
   cp.prev_token = cp.token;
   cp.prev_nverdict = nverdict;
   cp.token = next_token();
-  e = launch(k_perm_unique, (unsigned)nverdict, kPermCheckThreads, 0, c.st, false, cp);
+  e = launch(k_perm_unique, shape((unsigned)nverdict, kPermCheckThreads, 0, false), c.st, cp);
   if (e != cudaSuccess) return cuda_fail(err, fn, "launch of k_perm_unique", e);
   const uint32_t token = cp.token;
   OrderedPlanParams op;
@@ -979,15 +973,17 @@ imoe_status imoe_cuda_apply_ordered(const imoe_view *buffers, int32_t num_buffer
   op.ws = workspace;
   op.token = token;
   op.nverdict = nverdict;
-  e = launch(k_ordered_plan, (unsigned)c.rows, kPermThreads, 0, c.st, false, op);
+  op.words = c.di->words;
+  e = launch(k_ordered_plan, shape((unsigned)c.rows, kPermThreads, 0, false), c.st, op);
   if (e != cudaSuccess) return cuda_fail(err, fn, "launch of k_ordered_plan", e);
   const InView plan = ws_view(workspace + 6 * op.region, c.pl.lead, c.n, c.per_row);
-  return launch_cycles_and_swaps(fn, buffers, num_buffers, c.pl, 1, plan, c.per_row, c.n, restore != 0, workspace,
-                                 token, nverdict, c.di, c.st, err);
+  return launch_cycles_and_swaps(fn, buffers, num_buffers, c.pl, 1, plan, c.per_row, c.n, restore != 0,
+                                 workspace, token, nverdict, c.di, c.st, err);
 }
 
-imoe_status imoe_cuda_group_by_expert(const imoe_view *buffers, int32_t num_buffers, const imoe_view *expert_ids,
-                                      int64_t num_experts, const imoe_view *out_offsets, const imoe_view *out_perm,
+imoe_status imoe_cuda_group_by_expert(const imoe_view *buffers, int32_t num_buffers,
+                                      const imoe_view *expert_ids, int64_t num_experts,
+                                      const imoe_view *out_offsets, const imoe_view *out_perm,
                                       int32_t *workspace, int64_t workspace_elems, const imoe_exec *exec,
                                       imoe_error *err) {
   const char *fn = "imoe_cuda_group_by_expert";
@@ -1000,16 +996,17 @@ imoe_status imoe_cuda_group_by_expert(const imoe_view *buffers, int32_t num_buff
   if (n >= 0x7FFFFFFFLL)
     return fail(err, IMOE_ERR_ARGUMENT, "%s: T = %lld slots: the CUDA path takes T < 2^31", fn, (long long)n);
   if (num_experts > kGroupMaxExperts)
-    return fail(err, IMOE_ERR_UNSUPPORTED, "%s: num_experts = %lld: the CUDA path takes at most %d experts", fn,
-                (long long)num_experts, kGroupMaxExperts);
+    return fail(err, IMOE_ERR_UNSUPPORTED, "%s: num_experts = %lld: the CUDA path takes at most %d experts",
+                fn, (long long)num_experts, kGroupMaxExperts);
   // views: 0 ids, 1.. buffers, then offsets and perm
   std::vector<const imoe_view *> views;
   views.push_back(expert_ids);
   for (int b = 0; b < num_buffers; ++b) views.push_back(&buffers[b]);
   views.push_back(out_offsets);
   views.push_back(out_perm);
-  Plan pl;
-  if (!make_plan(&buffers[0], views, &pl)) return fail(err, IMOE_ERR_ARGUMENT, "%s: more than 2^32 - 1 rows", fn);
+  CallRows pl;
+  if (!merge_rows(&buffers[0], views, &pl))
+    return fail(err, IMOE_ERR_ARGUMENT, "%s: more than 2^32 - 1 rows", fn);
   const uint64_t rows = pl.R;
   s = check_workspace(fn, workspace, workspace_elems,
                       imoe_plan_workspace_elems(IMOE_PLAN_GROUP, IMOE_DEVICE_CUDA, (int64_t)rows, n), err);
@@ -1027,7 +1024,8 @@ imoe_status imoe_cuda_group_by_expert(const imoe_view *buffers, int32_t num_buff
   gc.ids = in_view(expert_ids, pl.st[0], nd);
   gc.token = next_token();
   const int grid = check_grid(gc.items);
-  cudaError_t e = launch(k_group_check, (unsigned)grid, kPermCheckThreads, 0, st, false, gc);
+  gc.words = di->words;
+  cudaError_t e = launch(k_group_check, shape((unsigned)grid, kPermCheckThreads, 0, false), st, gc);
   if (e != cudaSuccess) return cuda_fail(err, fn, "launch of k_group_check", e);
   GroupParams gp;
   memset(&gp, 0, sizeof gp);
@@ -1047,11 +1045,12 @@ imoe_status imoe_cuda_group_by_expert(const imoe_view *buffers, int32_t num_buff
     e = cudaFuncSetAttribute(k_group, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
     if (e != cudaSuccess) return cuda_fail(err, fn, "cudaFuncSetAttribute", e);
   }
-  e = launch(k_group, (unsigned)rows, kPermThreads, smem, st, false, gp);
+  gp.words = di->words;
+  e = launch(k_group, shape((unsigned)rows, kPermThreads, smem, false), st, gp);
   if (e != cudaSuccess) return cuda_fail(err, fn, "launch of k_group", e);
   const InView plan = ws_view(workspace + 6 * gp.region, pl.lead, n, true);
-  return launch_cycles_and_swaps(fn, buffers, num_buffers, pl, 1, plan, true, n, false, workspace, gc.token, grid,
-                                 di, st, err);
+  return launch_cycles_and_swaps(fn, buffers, num_buffers, pl, 1, plan, true, n, false, workspace, gc.token,
+                                 grid, di, st, err);
 }
 
 }  // extern "C"

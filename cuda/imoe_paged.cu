@@ -1,6 +1,6 @@
-// imoe_paged.cuh: imoe_paged_apply_target_map on the device. Included once,
-// by imoe_cuda.cu, after its anonymous namespace (it uses enter, launch,
-// buf_desc, next_token and the verdict words of imoe_kernels.cuh).
+// imoe_paged.cu: imoe_paged_apply_target_map on the device (docs/cuda-design.md,
+// "Paged pools"). Its kernels take the status and verdict words (imoe_select.cu's
+// module memory) as their last parameter.
 //
 // Three kernels on the caller's stream:
 //   k_paged_check  read-only on the caller's data: per (sequence, run of
@@ -23,7 +23,13 @@
 //       tail as in k_apply).
 // Workspace (int32): claim [num_blocks] | flag [S x max_blocks] | error keys
 // [2 x 256].
-#pragma once
+#include <cuda_runtime.h>
+#include <string.h>
+
+#include <algorithm>
+
+#include "imoe_device.cuh"
+#include "imoe_launch.cuh"
 
 namespace imoe_cu {
 
@@ -43,6 +49,7 @@ struct PagedCheckParams {
   int32_t *claim, *flag;
   uint32_t *keys;
   uint32_t token;
+  StatusWords words;  // imoe_select.cu's status and verdict words (DevInfo::words)
 };
 
 __device__ __forceinline__ unsigned long long block_min_u64(unsigned long long v, unsigned long long *tmp) {
@@ -100,8 +107,8 @@ __global__ void __launch_bounds__(kPagedThreads) k_paged_check(const __grid_cons
       int32_t f = -1;
       const uint32_t mr = s_minrow[jl];
       if (mr != 0xFFFFFFFFu) {
-        const int64_t blk = load_index(p.tab.data + (int64_t)s * p.tab.lead.s[0] + (int64_t)j * p.tab.n_stride,
-                                       p.tab.dtype, tal);
+        const int64_t blk = load_index(
+            p.tab.data + (int64_t)s * p.tab.lead.s[0] + (int64_t)j * p.tab.n_stride, p.tab.dtype, tal);
         if (blk < 0 || blk >= p.num_blocks) {
           best = min(best, ((unsigned long long)s * p.per_seq + mr) * 3ull + 2ull);
         } else {
@@ -117,7 +124,7 @@ __global__ void __launch_bounds__(kPagedThreads) k_paged_check(const __grid_cons
   if (tid == 0) {
     p.keys[2 * blockIdx.x] = (uint32_t)best;
     p.keys[2 * blockIdx.x + 1] = (uint32_t)(best >> 32);
-    write_verdict(p.token, best != ~0ull);
+    write_verdict(p.words, p.token, best != ~0ull);
   }
 }
 
@@ -128,6 +135,7 @@ struct PagedDupParams {
   int32_t n1;        // k_paged_check's blocks (its verdict words and keys)
   int32_t pdl;
   uint32_t token;
+  StatusWords words;  // imoe_select.cu's status and verdict words (DevInfo::words)
 };
 
 __global__ void __launch_bounds__(kPagedThreads) k_paged_dups(const __grid_constant__ PagedDupParams p) {
@@ -135,27 +143,30 @@ __global__ void __launch_bounds__(kPagedThreads) k_paged_dups(const __grid_const
   if (p.pdl) griddep_wait();
   griddep_launch_dependents();
   const int tid = threadIdx.x;
-  if (call_aborted(p.token, p.n1)) {
+  if (call_aborted(p.words, p.token, p.n1)) {
     // k_paged_check found an error: report the first one, as the CPU core does
     if (blockIdx.x == 0) {
       unsigned long long k = ~0ull;
       if (tid < p.n1)
-        k = (unsigned long long)__ldcg(&p.keys[2 * tid]) | ((unsigned long long)__ldcg(&p.keys[2 * tid + 1]) << 32);
+        k = (unsigned long long)__ldcg(&p.keys[2 * tid]) |
+            ((unsigned long long)__ldcg(&p.keys[2 * tid + 1]) << 32);
       k = block_min_u64(k, s_tmp);
-      if (tid == 0 && k != ~0ull) record_status(k % 3ull == 1ull ? IMOE_ERR_BAD_MAP : IMOE_ERR_INDEX_RANGE);
+      if (tid == 0 && k != ~0ull)
+        record_status(p.words, k % 3ull == 1ull ? IMOE_ERR_BAD_MAP : IMOE_ERR_INDEX_RANGE);
     }
-    if (tid == 0) g_verdict[p.token % kSlots][p.n1 + blockIdx.x] = 0u;
+    if (tid == 0) p.words.verdict[p.token % kSlots][p.n1 + blockIdx.x] = 0u;
     return;
   }
   bool bad = false;
-  for (uint64_t e = (uint64_t)blockIdx.x * blockDim.x + tid; e < p.entries; e += (uint64_t)gridDim.x * blockDim.x) {
+  for (uint64_t e = (uint64_t)blockIdx.x * blockDim.x + tid; e < p.entries;
+       e += (uint64_t)gridDim.x * blockDim.x) {
     const int32_t b = __ldcg(&p.flag[e]);
     if (b >= 0 && __ldcg(&p.claim[b]) != (int32_t)e) bad = true;
   }
   bad = __syncthreads_or(bad) != 0;
   if (tid == 0) {
-    if (bad) record_status(IMOE_ERR_INDEX_DUPLICATE);
-    g_verdict[p.token % kSlots][p.n1 + blockIdx.x] = bad ? p.token : 0u;
+    if (bad) record_status(p.words, IMOE_ERR_INDEX_DUPLICATE);
+    p.words.verdict[p.token % kSlots][p.n1 + blockIdx.x] = bad ? p.token : 0u;
   }
 }
 
@@ -171,6 +182,7 @@ struct PagedApplyParams {
   uint32_t token;
   int64_t bstride[kMaxBuf];  // each pool's byte stride between blocks
   BufDesc buf[kMaxBuf];      // lead: the pool's strides of the inner axes
+  StatusWords words;  // imoe_select.cu's status and verdict words (DevInfo::words)
 };
 
 // Pair q of the block: (dst block, dst offset, src block, src offset) in a
@@ -180,7 +192,8 @@ struct PagedPairs {
   int64_t bstr;
   __device__ __forceinline__ longlong2 operator()(uint32_t q, int64_t ns) const {
     const int4 pr = pairs[q];
-    return make_longlong2((int64_t)pr.x * bstr + (int64_t)pr.y * ns, (int64_t)pr.z * bstr + (int64_t)pr.w * ns);
+    return make_longlong2((int64_t)pr.x * bstr + (int64_t)pr.y * ns,
+                          (int64_t)pr.z * bstr + (int64_t)pr.w * ns);
   }
 };
 
@@ -213,7 +226,7 @@ __global__ void __launch_bounds__(kPagedThreads) k_paged_apply(const __grid_cons
     }
   }
   if (p.pdl) griddep_wait();
-  const bool aborted = call_aborted(p.token, p.nverdict);
+  const bool aborted = call_aborted(p.words, p.token, p.nverdict);
   __syncthreads();
   const uint32_t n = (uint32_t)s_n;
   if (aborted || n == 0) return;
@@ -230,13 +243,11 @@ __global__ void __launch_bounds__(kPagedThreads) k_paged_apply(const __grid_cons
   }
 }
 
-}  // namespace imoe_cu
-
 namespace {
 
-imoe_status paged_apply(const imoe_view *pools, int32_t num_pools, const imoe_view *tables, const imoe_view *map,
-                        imoe_mode mode, int32_t *workspace, int64_t workspace_elems, const imoe_exec *exec,
-                        imoe_error *err) {
+imoe_status paged_apply(const imoe_view *pools, int32_t num_pools, const imoe_view *tables,
+                        const imoe_view *map, imoe_mode mode, int32_t *workspace, int64_t workspace_elems,
+                        const imoe_exec *exec, imoe_error *err) {
   const char *fn = "imoe_cuda_paged_apply_target_map";
   DeviceGuard guard;
   DevInfo *di = nullptr;
@@ -250,13 +261,15 @@ imoe_status paged_apply(const imoe_view *pools, int32_t num_pools, const imoe_vi
   for (int d = 0; d < inner_nd; ++d) per_seq *= (uint64_t)pools[0].lead_shape[d + 1];
   if (S == 0 || per_seq == 0 || N == 0 || maxb == 0) return IMOE_OK;
   if (N >= 0x7FFFFFFFLL || num_blocks >= 0x7FFFFFFFLL || bs >= 0x7FFFFFFFLL)
-    return fail(err, IMOE_ERR_ARGUMENT, "%s: the CUDA path takes N, num_blocks and block_size below 2^31", fn);
+    return fail(err, IMOE_ERR_ARGUMENT, "%s: the CUDA path takes N, num_blocks and block_size below 2^31",
+                fn);
   const int64_t jn = (N + bs - 1) / bs;  // entries that hold slots (<= max_blocks, checked)
   if ((uint64_t)S * per_seq > 0xFFFFFFFFull || S * jn >= 0x7FFFFFFFLL || (uint64_t)S >= 0xFFFFFFFFull)
     return fail(err, IMOE_ERR_ARGUMENT, "%s: more than 2^32 - 1 rows or 2^31 - 1 table entries", fn);
   for (int b = 0; b < num_pools; ++b)
     if (pools[b].row_bytes > ((int64_t)1 << 24))
-      return fail(err, IMOE_ERR_ARGUMENT, "%s: buffers[%d]: rows above 16 MiB are not supported on CUDA", fn, b);
+      return fail(err, IMOE_ERR_ARGUMENT, "%s: buffers[%d]: rows above 16 MiB are not supported on CUDA", fn,
+                  b);
   if (workspace == nullptr || workspace_elems < imoe_paged_workspace_elems(num_blocks, S, maxb))
     return fail(err, IMOE_ERR_ARGUMENT, "%s: workspace too small", fn);
 
@@ -298,14 +311,16 @@ imoe_status paged_apply(const imoe_view *pools, int32_t num_pools, const imoe_vi
   cp.J = (uint32_t)J;
   cp.ipseq = (uint32_t)((jn + J - 1) / J);
   const uint64_t items = (uint64_t)S * cp.ipseq;
-  if (items > 0x7FFFFFFFull) return fail(err, IMOE_ERR_ARGUMENT, "%s: too many table entries for one launch", fn);
+  if (items > 0x7FFFFFFFull)
+    return fail(err, IMOE_ERR_ARGUMENT, "%s: too many table entries for one launch", fn);
   cp.items = (uint32_t)items;
   cp.claim = claim;
   cp.flag = flag;
   cp.keys = keys;
   cp.token = token;
   const int n1 = (int)std::min<uint64_t>(items, kPagedCheckGrid);
-  cudaError_t e = launch(k_paged_check, (unsigned)n1, kPagedThreads, 0, st, false, cp);
+  cp.words = di->words;
+  cudaError_t e = launch(k_paged_check, shape((unsigned)n1, kPagedThreads, 0, false), st, cp);
   if (e != cudaSuccess) return cuda_fail(err, fn, "launch of k_paged_check", e);
 
   PagedDupParams dp;
@@ -319,7 +334,8 @@ imoe_status paged_apply(const imoe_view *pools, int32_t num_pools, const imoe_vi
   dp.token = token;
   const int n2 = (int)std::max<uint64_t>(
       1, std::min<uint64_t>((dp.entries + kPagedThreads - 1) / kPagedThreads, kPagedCheckGrid));
-  e = launch(k_paged_dups, (unsigned)n2, kPagedThreads, 0, st, pdl, dp);
+  dp.words = di->words;
+  e = launch(k_paged_dups, shape((unsigned)n2, kPagedThreads, 0, pdl), st, dp);
   if (e != cudaSuccess) return cuda_fail(err, fn, "launch of k_paged_dups", e);
 
   // ---- moves
@@ -361,7 +377,9 @@ imoe_status paged_apply(const imoe_view *pools, int32_t num_pools, const imoe_vi
       ap.bstride[b] = v->lead_stride[0];
     }
     ap.pdl = pdl_apply ? 1 : 0;
-    e = launch(k_paged_apply, (unsigned)grid, kPagedThreads, (size_t)seg * sizeof(int4), st, pdl_apply, ap);
+    ap.words = di->words;
+    e = launch(k_paged_apply, shape((unsigned)grid, kPagedThreads, (size_t)seg * sizeof(int4), pdl_apply), st,
+               ap);
     if (e != cudaSuccess) return cuda_fail(err, fn, "launch of k_paged_apply", e);
     pdl_apply = false;
   }
@@ -370,9 +388,15 @@ imoe_status paged_apply(const imoe_view *pools, int32_t num_pools, const imoe_vi
 
 }  // namespace
 
+}  // namespace imoe_cu
+
+using namespace imoe_cu;
+
 extern "C" imoe_status imoe_cuda_paged_apply_target_map(const imoe_view *buffers, int32_t num_buffers,
-                                                        const imoe_view *block_tables, const imoe_view *target_map,
-                                                        imoe_mode mode, int32_t *workspace, int64_t workspace_elems,
+                                                        const imoe_view *block_tables,
+                                                        const imoe_view *target_map, imoe_mode mode,
+                                                        int32_t *workspace, int64_t workspace_elems,
                                                         const imoe_exec *exec, imoe_error *err) {
-  return paged_apply(buffers, num_buffers, block_tables, target_map, mode, workspace, workspace_elems, exec, err);
+  return paged_apply(buffers, num_buffers, block_tables, target_map, mode, workspace, workspace_elems, exec,
+                     err);
 }

@@ -1,7 +1,8 @@
-// imoe_ordered.cuh: ordered compaction on the device (imoe_compact_ordered
-// and imoe_build_map_ordered with STABLE or SCORE). Included once by
-// imoe_cuda.cu, after imoe_permute.cuh: it uses that file's block scan,
-// workspace views and launch_cycles_and_swaps.
+// imoe_ordered.cu: ordered compaction on the device (imoe_compact_ordered
+// and imoe_build_map_ordered with STABLE or SCORE; docs/cuda-design.md,
+// "Ordered compaction"). It runs select_and_move (imoe_select.cu) for the
+// selection and launch_cycles_and_swaps (imoe_permute.cu) for the moves; its
+// kernels take the status and verdict words as their last parameter.
 //
 // Method, per call (every kernel on the caller's stream, nothing allocated):
 //   1. select_and_move (validation + k_select / k_select_small) writes the
@@ -27,7 +28,13 @@
 // Workspace (int32, rows x N elements per region, IMOE_PLAN_ORDERED): region
 // 0 the target map; 1 and 2 the sort keys (ping, pong); 3 the sorted slots
 // (pong); 6 P. Regions 0-5 are then free for the cycle kernels.
-#pragma once
+#include <cuda_runtime.h>
+#include <string.h>
+
+#include <vector>
+
+#include "imoe_device.cuh"
+#include "imoe_launch.cuh"
 
 namespace imoe_cu {
 
@@ -50,6 +57,7 @@ struct OrdParams {
   int32_t plan_dropped;  // append the dropped slots to P (compaction)
   uint32_t token;
   int32_t nverdict;
+  StatusWords words;  // imoe_select.cu's status and verdict words (DevInfo::words)
 };
 
 // The CPU core's order-preserving keys (csrc/select.c): f32 as key_of_bits;
@@ -73,7 +81,7 @@ __device__ __forceinline__ char *ord_out_row(const OrdParams &p, uint32_t r) {
 // Kept slots ascending into P[0, C'), dropped ones ascending into P[C', N).
 __global__ void __launch_bounds__(kOrdThreads) k_ord_kept(const __grid_constant__ OrdParams p) {
   __shared__ int s_warp[33];
-  if (call_aborted(p.token, p.nverdict)) return;
+  if (call_aborted(p.words, p.token, p.nverdict)) return;
   const uint32_t r = blockIdx.x;
   const int64_t n = p.n, kept = p.kept;
   const int32_t *tm = p.ws + kOrdTm * p.region + (int64_t)r * n;
@@ -117,7 +125,7 @@ __global__ void __launch_bounds__(kOrdThreads) k_ord_sort(const __grid_constant_
   __shared__ int base[kOrdBins];
   __shared__ int wc[kOrdBins * 33];
   __shared__ int s_tot[kOrdBins / 32];
-  if (call_aborted(p.token, p.nverdict)) return;
+  if (call_aborted(p.words, p.token, p.nverdict)) return;
   const uint32_t r = blockIdx.x;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int64_t n = p.n;
@@ -236,7 +244,7 @@ constexpr int kOrdSmallSort = 4096;
 
 __global__ void __launch_bounds__(kOrdThreads) k_ord_sort_small(const __grid_constant__ OrdParams p) {
   __shared__ unsigned long long w[kOrdSmallSort];
-  if (call_aborted(p.token, p.nverdict)) return;
+  if (call_aborted(p.words, p.token, p.nverdict)) return;
   const uint32_t r = blockIdx.x;
   const int tid = threadIdx.x;
   const int kept = (int)p.kept;
@@ -283,17 +291,24 @@ __global__ void __launch_bounds__(kOrdThreads) k_ord_sort_small(const __grid_con
   }
 }
 
-}  // namespace imoe_cu
-
 // ------------------------------------------------------------ host side
 namespace {
+
+// Step 3's kernel: none (STABLE, or nothing kept), a bitonic sort in shared
+// memory for rows of at most kOrdSmallSort kept slots, a radix sort beyond.
+enum class OrderSort { kNone, kBitonic, kRadix };
+
+OrderSort plan_order_sort(imoe_order order, int64_t kept) {
+  if (order != IMOE_ORDER_SCORE || kept <= 0) return OrderSort::kNone;
+  return kept <= kOrdSmallSort ? OrderSort::kBitonic : OrderSort::kRadix;
+}
 
 // Steps 1-4 above. num_buffers == 0: imoe_build_map_ordered (out_indices
 // only); else imoe_compact_ordered (move mode applies all of P, as
 // imoe_cuda_apply_ordered does).
-imoe_status ordered_select(const char *fn, const imoe_view *buffers, int32_t num_buffers, const imoe_selection *sel,
-                           imoe_order order, const imoe_view *oi, int64_t n, int32_t *ws, int64_t ws_elems,
-                           const imoe_exec *exec, imoe_error *err) {
+imoe_status ordered_select(const char *fn, const imoe_view *buffers, int32_t num_buffers,
+                           const imoe_selection *sel, imoe_order order, const imoe_view *oi, int64_t n,
+                           int32_t *ws, int64_t ws_elems, const imoe_exec *exec, imoe_error *err) {
   DeviceGuard guard;
   DevInfo *di = nullptr;
   imoe_status s = enter(exec, fn, err, &guard, &di);
@@ -309,11 +324,11 @@ imoe_status ordered_select(const char *fn, const imoe_view *buffers, int32_t num
   views.push_back(scores);
   views.push_back(oi);
   for (int b = 0; b < num_buffers; ++b) views.push_back(&buffers[b]);
-  Plan pl;
-  if (!make_plan(oi, views, &pl)) return fail(err, IMOE_ERR_ARGUMENT, "%s: more than 2^32 - 1 rows", fn);
+  CallRows pl;
+  if (!merge_rows(oi, views, &pl)) return fail(err, IMOE_ERR_ARGUMENT, "%s: more than 2^32 - 1 rows", fn);
   const uint64_t rows = pl.R;
-  s = check_workspace(fn, ws, ws_elems, imoe_plan_workspace_elems(IMOE_PLAN_ORDERED, IMOE_DEVICE_CUDA, (int64_t)rows, n),
-                      err);
+  s = check_workspace(fn, ws, ws_elems,
+                      imoe_plan_workspace_elems(IMOE_PLAN_ORDERED, IMOE_DEVICE_CUDA, (int64_t)rows, n), err);
   if (s != IMOE_OK) return s;
   if (rows == 0 || n == 0) return IMOE_OK;
   if (rows > 0x7FFFFFFFull) return fail(err, IMOE_ERR_ARGUMENT, "%s: too many rows for one launch", fn);
@@ -355,36 +370,43 @@ imoe_status ordered_select(const char *fn, const imoe_view *buffers, int32_t num
   op.plan_dropped = num_buffers > 0 ? 1 : 0;
   op.token = v.token;
   op.nverdict = v.nverdict;
-  cudaError_t e = launch(k_ord_kept, (unsigned)rows, kOrdThreads, 0, st, false, op);
+  op.words = di->words;
+  cudaError_t e = launch(k_ord_kept, shape((unsigned)rows, kOrdThreads), st, op);
   if (e != cudaSuccess) return cuda_fail(err, fn, "launch of k_ord_kept", e);
-  if (order == IMOE_ORDER_SCORE && kept > 0) {
+  const OrderSort sort = plan_order_sort(order, kept);
+  if (sort != OrderSort::kNone) {
     op.write_idx = 1;
-    if (kept <= kOrdSmallSort) e = launch(k_ord_sort_small, (unsigned)rows, kOrdThreads, 0, st, false, op);
-    else e = launch(k_ord_sort, (unsigned)rows, kOrdThreads, 0, st, false, op);
+    const LaunchShape sh = shape((unsigned)rows, kOrdThreads);
+    e = sort == OrderSort::kBitonic ? launch(k_ord_sort_small, sh, st, op) : launch(k_ord_sort, sh, st, op);
     if (e != cudaSuccess) return cuda_fail(err, fn, "launch of k_ord_sort", e);
   }
 
   // 4. apply P, unless it is the identity
   if (num_buffers == 0 || kept == 0 || (order == IMOE_ORDER_STABLE && kept == n)) return IMOE_OK;
   const InView plan = ws_view(ws + kOrdPlan * op.region, pl.lead, n, true);
-  return launch_cycles_and_swaps(fn, buffers, num_buffers, pl, 2, plan, true, n, false, ws, v.token, v.nverdict, di,
-                                 st, err);
+  return launch_cycles_and_swaps(fn, buffers, num_buffers, pl, 2, plan, true, n, false, ws, v.token,
+                                 v.nverdict, di, st, err);
 }
 
 }  // namespace
 
+}  // namespace imoe_cu
+
+using namespace imoe_cu;
+
 extern "C" {
 
-imoe_status imoe_cuda_compact_ordered(const imoe_view *buffers, int32_t num_buffers, const imoe_selection *sel,
-                                      imoe_order order, const imoe_view *out_indices, int32_t *workspace,
+imoe_status imoe_cuda_compact_ordered(const imoe_view *buffers, int32_t num_buffers,
+                                      const imoe_selection *sel, imoe_order order,
+                                      const imoe_view *out_indices, int32_t *workspace,
                                       int64_t workspace_elems, const imoe_exec *exec, imoe_error *err) {
-  return ordered_select("imoe_cuda_compact_ordered", buffers, num_buffers, sel, order, out_indices, buffers[0].n,
-                        workspace, workspace_elems, exec, err);
+  return ordered_select("imoe_cuda_compact_ordered", buffers, num_buffers, sel, order, out_indices,
+                        buffers[0].n, workspace, workspace_elems, exec, err);
 }
 
 imoe_status imoe_cuda_build_map_ordered(const imoe_selection *sel, imoe_order order, int64_t n,
-                                        const imoe_view *out_indices, int32_t *workspace, int64_t workspace_elems,
-                                        const imoe_exec *exec, imoe_error *err) {
+                                        const imoe_view *out_indices, int32_t *workspace,
+                                        int64_t workspace_elems, const imoe_exec *exec, imoe_error *err) {
   return ordered_select("imoe_cuda_build_map_ordered", nullptr, 0, sel, order, out_indices, n, workspace,
                         workspace_elems, exec, err);
 }

@@ -1,5 +1,5 @@
-// imoe_wide.cuh: the selection of a few long rows, spread over the GPU
-// (k_select_wide). Included by imoe_cuda.cu after imoe_kernels.cuh.
+// imoe_select_wide.cuh: the selection of a few long rows, spread over the GPU
+// (k_select_wide; docs/cuda-design.md, "Select paths"). Part of imoe_select.cu.
 //
 // k_select (long rows) gives every block of a row the whole row: each one
 // runs every radix pass and every hole and tail scan over all N slots, so a
@@ -32,6 +32,8 @@
 // block reads them any more, so every launch leaves them zero), a barrier
 // word per row, and one count record per block.
 #pragma once
+
+#include "imoe_select_common.cuh"
 
 namespace imoe_cu {
 
@@ -76,6 +78,100 @@ __device__ __forceinline__ void row_sync(unsigned *w, unsigned nb, bool leader) 
 // Slot classes against the row's threshold.
 enum { kDropped = 0, kKept = 1, kTie = 2 };
 
+// One radix pass over this block's chunk [c0, c1): the candidates' keys
+// whose higher digits match prefix counted into this pass's histogram
+// (hist); with nan_pass, also whether a score of the chunk is NaN (returned).
+__device__ __forceinline__ bool wide_count_chunk(const char *srow, int64_t c0, int64_t c1, int64_t clo,
+                                                 int64_t chi, int dt, bool sal, int64_t sns, int tid, int nt,
+                                                 int pass, int shift, uint32_t prefix, bool nan_pass,
+                                                 bool done, int *hist) {
+  bool nan_here = false;
+  for (int64_t x = c0 + tid; x < c1; x += nt) {
+    const uint32_t raw = ldg_raw(srow + x * sns, dt, sal);
+    if (nan_pass) nan_here |= raw_is_nan(raw, dt);
+    if (!done && x >= clo && x < chi) {
+      const uint32_t key = key_of_raw(raw, dt);
+      if (pass == 0 || (key >> (shift + 8)) == (prefix >> (shift + 8)))
+        atomicAdd(&hist[(key >> shift) & 255u], 1);
+    }
+  }
+  return nan_here;
+}
+
+// Bin tid of this block's pass counts added to the row's histogram (buffer
+// pass & 1), and its pass - 2 counts taken back out (every block read those
+// before the last row barrier).
+__device__ __forceinline__ void wide_publish_counts(int (*G)[256], const int (*s_h)[256], int pass, int tid) {
+  const int v = s_h[pass][tid];
+  if (v) atomicAdd(&G[pass & 1][tid], v);
+  if (pass >= 2) {
+    const int u = s_h[pass - 2][tid];
+    if (u) atomicSub(&G[pass & 1][tid], u);
+  }
+}
+
+// This chunk's holes (dropped below C'), kept tails (at or beyond C', ties
+// aside), ties and ties below C' into its count record of g_wcnt; cls(x, raw)
+// is a slot's class against the row's threshold.
+template <class Cls>
+__device__ __forceinline__ void wide_chunk_counts(const SelParams &p, const char *srow, int64_t c0,
+                                                  int64_t c1, int64_t Cp, int dt, bool sal, int64_t sns,
+                                                  int tid, int lane, int nt, const Cls &cls, int *s_cnt) {
+  int hn = 0, tn = 0, ti = 0, tl = 0;
+  for (int64_t x = c0 + tid; x < c1; x += nt) {
+    const int c = cls(x, ldg_raw(srow + x * sns, dt, sal));
+    if (c == kTie) {
+      ++ti;
+      tl += x < Cp ? 1 : 0;
+    } else if (x < Cp) {
+      hn += c == kDropped ? 1 : 0;
+    } else {
+      tn += c == kKept ? 1 : 0;
+    }
+  }
+  hn = __reduce_add_sync(0xFFFFFFFFu, hn);
+  tn = __reduce_add_sync(0xFFFFFFFFu, tn);
+  ti = __reduce_add_sync(0xFFFFFFFFu, ti);
+  tl = __reduce_add_sync(0xFFFFFFFFu, tl);
+  if (lane == 0) {
+    if (hn) atomicAdd(&s_cnt[0], hn);
+    if (tn) atomicAdd(&s_cnt[1], tn);
+    if (ti) atomicAdd(&s_cnt[2], ti);
+    if (tl) atomicAdd(&s_cnt[3], tl);
+  }
+  __syncthreads();
+  if (tid == 0) __stcg(&g_wcnt[p.wslot][blockIdx.x], make_int4(s_cnt[0], s_cnt[1], s_cnt[2], s_cnt[3]));
+}
+
+// The row's ranks from its chunks' count records (g_wcnt: holes, kept tails,
+// ties, ties below C'): one thread per chunk (nblk <= kSelThreads),
+// three block scans. Per chunk the row rank of its first hole, kept tail and
+// tie, and its ties below C' (entry nblk: the row's totals). A chunk's kept
+// ties are its lowest: min(max(Q - ties before it, 0), its ties).
+__device__ __forceinline__ void wide_row_ranks(const SelParams &p, uint32_t r, int nblk, bool rank, int Q,
+                                               int tid, int (*s_wsum)[32], int *s_hpre, int *s_tpre,
+                                               int *s_tq, int *s_tlo) {
+  const int4 v = tid < nblk ? __ldcg(&g_wcnt[p.wslot][r * (uint32_t)nblk + tid]) : make_int4(0, 0, 0, 0);
+  int tq, hp, tp;
+  const int tqc = block_excl_scan_1sync(v.z, &tq, s_wsum[0]);  // ties before chunk tid
+  const int kc = rank ? min(max(Q - tqc, 0), v.z) : 0;           // its kept ties (its lowest)
+  const int klo = min(kc, v.w);                                  // ... below C'
+  const int holes = v.x + (v.w - klo), tails = v.y + (kc - klo);
+  const int hx = block_excl_scan_1sync(holes, &hp, s_wsum[1]);
+  const int tx = block_excl_scan_1sync(tails, &tp, s_wsum[2]);
+  if (tid < nblk) {
+    s_tq[tid] = tqc;
+    s_tlo[tid] = v.w;
+    s_hpre[tid] = hx;
+    s_tpre[tid] = tx;
+  }
+  if (tid == 0) {
+    s_hpre[nblk] = hp;
+    s_tpre[nblk] = tp;
+    s_tq[nblk] = tq;
+  }
+}
+
 __global__ void __launch_bounds__(kSelThreads, 1) k_select_wide(const __grid_constant__ SelParams p) {
   extern __shared__ __align__(16) unsigned char dsm[];
   __shared__ int s_h[4][256];  // this block's counts, one histogram per pass
@@ -86,8 +182,8 @@ __global__ void __launch_bounds__(kSelThreads, 1) k_select_wide(const __grid_con
   // a batch of pieces: offset in kbuf (entry npc: the batch's size), first
   // slot, mode, the task's first tie rank (-1: a task's later piece) and
   // first selected rank
-  __shared__ int s_pc_off[kWidePieces + 1], s_pc_x[kWidePieces], s_pc_mode[kWidePieces], s_pc_tie[kWidePieces],
-      s_pc_sel[kWidePieces];
+  __shared__ int s_pc_off[kWidePieces + 1], s_pc_x[kWidePieces], s_pc_mode[kWidePieces],
+      s_pc_tie[kWidePieces], s_pc_sel[kWidePieces];
   __shared__ int s_npc;
   __shared__ int s_wsum[4][32];
   // per chunk of the row: rank of its first hole, kept tail and tie; its
@@ -110,7 +206,7 @@ __global__ void __launch_bounds__(kSelThreads, 1) k_select_wide(const __grid_con
   const int dt = p.scores.dtype;
   const bool sal = p.scores.aligned != 0;
   const int64_t sns = p.scores.n_stride;
-  int(*G)[256] = g_whist[p.wslot][r];
+  int (*G)[256] = g_whist[p.wslot][r];
   unsigned *rbar = &g_wbar[p.wslot][r];
   const bool leader = b == 0;
 
@@ -135,16 +231,8 @@ __global__ void __launch_bounds__(kSelThreads, 1) k_select_wide(const __grid_con
     const bool nan_pass = pass == 0 && p.fused_nan;
     if (done && !nan_pass) break;  // uniform over the row
     const int shift = 24 - 8 * pass;
-    bool nan_here = false;
-    for (int64_t x = c0 + tid; x < c1; x += nt) {
-      const uint32_t raw = ldg_raw(srow + x * sns, dt, sal);
-      if (nan_pass) nan_here |= raw_is_nan(raw, dt);
-      if (!done && x >= clo && x < chi) {
-        const uint32_t key = key_of_raw(raw, dt);
-        if (pass == 0 || (key >> (shift + 8)) == (prefix >> (shift + 8)))
-          atomicAdd(&s_h[pass][(key >> shift) & 255u], 1);
-      }
-    }
+    const bool nan_here = wide_count_chunk(srow, c0, c1, clo, chi, dt, sal, sns, tid, nt, pass, shift, prefix,
+                                           nan_pass, done, s_h[pass]);
     if (nan_pass) {
       const bool row_nan = __syncthreads_or(nan_here) != 0;
       if (tid == 0) nan_arrive(gbar, s_phase, row_nan);
@@ -153,14 +241,7 @@ __global__ void __launch_bounds__(kSelThreads, 1) k_select_wide(const __grid_con
     }
     if (pass == 0) IMOE_PHASE(1);
     if (done) break;
-    if (tid < 256) {
-      const int v = s_h[pass][tid];
-      if (v) atomicAdd(&G[pass & 1][tid], v);
-      if (pass >= 2) {  // every block read pass - 2 before the last row barrier
-        const int u = s_h[pass - 2][tid];
-        if (u) atomicSub(&G[pass & 1][tid], u);
-      }
-    }
+    if (tid < 256) wide_publish_counts(G, s_h, pass, tid);
     last = pass;
     row_sync(rbar, (unsigned)nblk, leader);
     if (tid < 256) s_g[tid] = __ldcg(&G[pass & 1][tid]);
@@ -191,32 +272,7 @@ __global__ void __launch_bounds__(kSelThreads, 1) k_select_wide(const __grid_con
   };
 
   // ---- 2. this chunk's counts, then the row's ranks
-  {
-    int hn = 0, tn = 0, ti = 0, tl = 0;
-    for (int64_t x = c0 + tid; x < c1; x += nt) {
-      const int c = cls(x, ldg_raw(srow + x * sns, dt, sal));
-      if (c == kTie) {
-        ++ti;
-        tl += x < Cp ? 1 : 0;
-      } else if (x < Cp) {
-        hn += c == kDropped ? 1 : 0;
-      } else {
-        tn += c == kKept ? 1 : 0;
-      }
-    }
-    hn = __reduce_add_sync(0xFFFFFFFFu, hn);
-    tn = __reduce_add_sync(0xFFFFFFFFu, tn);
-    ti = __reduce_add_sync(0xFFFFFFFFu, ti);
-    tl = __reduce_add_sync(0xFFFFFFFFu, tl);
-    if (lane == 0) {
-      if (hn) atomicAdd(&s_cnt[0], hn);
-      if (tn) atomicAdd(&s_cnt[1], tn);
-      if (ti) atomicAdd(&s_cnt[2], ti);
-      if (tl) atomicAdd(&s_cnt[3], tl);
-    }
-    __syncthreads();
-    if (tid == 0) __stcg(&g_wcnt[p.wslot][blockIdx.x], make_int4(s_cnt[0], s_cnt[1], s_cnt[2], s_cnt[3]));
-  }
+  wide_chunk_counts(p, srow, c0, c1, Cp, dt, sal, sns, tid, lane, nt, cls, s_cnt);
   row_sync(rbar, (unsigned)nblk, leader);
   IMOE_PHASE(6);
   if (last >= 0 && tid < 256) {  // no block reads the row's histograms any more
@@ -227,34 +283,14 @@ __global__ void __launch_bounds__(kSelThreads, 1) k_select_wide(const __grid_con
       if (u) atomicSub(&G[(last - 1) & 1][tid], u);
     }
   }
-  {  // the row's ranks: one thread per chunk (nblk <= kSelThreads), three block scans
-    const int4 v = tid < nblk ? __ldcg(&g_wcnt[p.wslot][r * (uint32_t)nblk + tid]) : make_int4(0, 0, 0, 0);
-    int tq, hp, tp;
-    const int tqc = block_excl_scan_1sync(v.z, &tq, s_wsum[0]);  // ties before chunk tid
-    const int kc = rank ? min(max(Q - tqc, 0), v.z) : 0;           // its kept ties (its lowest)
-    const int klo = min(kc, v.w);                                  // ... below C'
-    const int holes = v.x + (v.w - klo), tails = v.y + (kc - klo);
-    const int hx = block_excl_scan_1sync(holes, &hp, s_wsum[1]);
-    const int tx = block_excl_scan_1sync(tails, &tp, s_wsum[2]);
-    if (tid < nblk) {
-      s_tq[tid] = tqc;
-      s_tlo[tid] = v.w;
-      s_hpre[tid] = hx;
-      s_tpre[tid] = tx;
-    }
-    if (tid == 0) {
-      s_hpre[nblk] = hp;
-      s_tpre[nblk] = tp;
-      s_tq[nblk] = tq;
-    }
-  }
+  wide_row_ranks(p, r, nblk, rank, Q, tid, s_wsum, s_hpre, s_tpre, s_tq, s_tlo);
 
   // ---- from here on the call writes: the NaN verdict, or the check kernel's
   bool bad = false;
   if (p.fused_nan) {
     if (tid == 0) bad = nan_verdict(gbar, s_phase, p.token, ld_relaxed_u64(gbar));
   } else {
-    bad = verdict_bad(p.token, p.nverdict);
+    bad = verdict_bad(module_words(), p.token, p.nverdict);
   }
   if (__syncthreads_or(bad)) return;  // also completes the ranks above
   IMOE_PHASE(7);
@@ -304,8 +340,10 @@ __global__ void __launch_bounds__(kSelThreads, 1) k_select_wide(const __grid_con
       const int k = mode ? t0 + (t - nh) : h0 + t;
       a = min(N, (int64_t)k * S);
       e = min(N, a + S);
-      if (mode == 0) e = min(e, Cp);
-      else a = max(a, Cp);
+      if (mode == 0)
+        e = min(e, Cp);
+      else
+        a = max(a, Cp);
       tie0 = s_tq[k] + (mode ? s_tlo[k] : 0);
       sel0 = mode ? s_tpre[k] : s_hpre[k];
     };
@@ -389,7 +427,8 @@ __global__ void __launch_bounds__(kSelThreads, 1) k_select_wide(const __grid_con
         if (rank) {  // uniform: the row's first Q ties are kept
           int tot;
           const int ex = block_excl_scan_1sync(__popc(tiem), &tot, s_wsum[(it & 1) * 2]);
-          const int nk = min(max(Q - (run_tie + ex), 0), __popc(tiem));  // this thread's kept ties: its first nk
+          const int nk =
+              min(max(Q - (run_tie + ex), 0), __popc(tiem));  // this thread's kept ties: its first nk
           uint32_t tm_ = tiem;
 #pragma unroll 1
           for (int j = 0; j < nk; ++j) {
@@ -455,10 +494,7 @@ __global__ void __launch_bounds__(kSelThreads, 1) k_select_wide(const __grid_con
     }
     __syncthreads();
   }
-#ifdef IMOE_PHASE_TIMES
-  __syncthreads();
-  IMOE_PHASE(10);
-#endif
+  IMOE_PHASE_END(10);
 }
 
 }  // namespace imoe_cu
