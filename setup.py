@@ -88,7 +88,7 @@ class BuildExt(build_ext):
         os.makedirs(obj_dir, exist_ok=True)
         for src in cu_sources:
             obj = os.path.join(obj_dir, os.path.basename(src) + ".o")
-            cmd = [nvcc, "-c", src, "-o", obj, "-O3", "-std=c++17", "-Xcompiler", "-fPIC",
+            cmd = [nvcc, "-c", src, "-o", obj, "-O3", "-std=c++17", "-Xcompiler", "-fPIC,-fvisibility=hidden",
                    "--expt-relaxed-constexpr", "--threads", "0", "-Icsrc", *gencode]
             print(" ".join(cmd))
             subprocess.check_call(cmd, cwd=ROOT)

@@ -70,7 +70,7 @@ imoe_status imoe_cuda_apply_target_map(const imoe_view *buffers, int32_t num_buf
  * and clears it. Returns IMOE_ERR_DEVICE when the runtime fails. */
 imoe_status imoe_cuda_read_device_status(const imoe_exec *exec, int32_t *status_out);
 
-/* ---- paged pools (cuda/imoe_paged.cuh) ----
+/* ---- paged pools (cuda/imoe_paged.cu) ----
  * imoe_paged_apply_target_map on the device. workspace: int32 device memory
  * of at least imoe_paged_workspace_elems(num_blocks, S, max_blocks)
  * elements (per-block claims, per-entry flags, the check kernel's error
@@ -81,7 +81,7 @@ imoe_status imoe_cuda_paged_apply_target_map(const imoe_view *buffers, int32_t n
                                              const imoe_view *target_map, imoe_mode mode,
                                              int32_t *workspace, int64_t workspace_elems,
                                              const imoe_exec *exec, imoe_error *err);
-/* ---- permutations (imoe_permute.cuh) ----------------------------------
+/* ---- permutations (cuda/imoe_permute.cu) -----------------------------
  * The workspace is device memory of imoe_plan_workspace_elems(kind,
  * IMOE_DEVICE_CUDA, rows, N) int32 elements (IMOE_ERR_ARGUMENT when it is
  * missing or short). A bad perm, bad indices or expert ids out of range are
@@ -99,7 +99,7 @@ imoe_status imoe_cuda_apply_ordered(const imoe_view *buffers, int32_t num_buffer
                                     int64_t workspace_elems, const imoe_exec *exec,
                                     imoe_error *err);
 
-/* imoe_compact_ordered with STABLE or SCORE on the device (cuda/imoe_ordered.cuh):
+/* imoe_compact_ordered with STABLE or SCORE on the device (cuda/imoe_ordered.cu):
  * out_indices receives the kept slots in order and P = kept-in-order ++
  * dropped-ascending is applied to every buffer (move mode, like
  * imoe_cuda_apply_ordered, applies all of P). Workspace: IMOE_PLAN_ORDERED,

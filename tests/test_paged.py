@@ -339,7 +339,7 @@ def test_binding_rejects_bad_axes_dtypes_and_modes(rng):
 
 # --------------------------------------------------------------------------- CUDA
 # The same checks with pools, tables, scores and maps on the GPU: the kernels
-# of cuda/imoe_paged.cuh against the gather reference and the CPU core, bit for bit.
+# of cuda/imoe_paged.cu against the gather reference and the CPU core, bit for bit.
 
 
 def _cuda_check(mode, dtype, block_size, layout="NHD", score_heads="kv", table_dtype=np.int64,

@@ -95,8 +95,8 @@ class Problem:
         """Evict everything from the caches. On a GPU by a read (a
         reduction): a memset would leave tens of MB of dirty lines in L2 whose
         write-back the timed call would pay; the read evicts them, a restore's
-        included, so every timed call starts from a clean, cold L2 (the method
-        of cuda/NOTES.md)."""
+        included, so every timed call starts from a clean, cold L2 (see
+        docs/cuda-design.md, "Where it stands")."""
         if self._flush.is_cuda:
             import torch
 
