@@ -45,7 +45,11 @@ static imoe_status check_map_args(const imoe_view *buffers, int32_t num_buffers,
   }
   st = imoe_check_mode(mode, err);
   if (st == IMOE_OK) st = imoe_check_exec(exec, err);
-  return st;
+  if (st != IMOE_OK) return st;
+  imoe_alias_arg args[IMOE_MAX_ALIAS_ARGS];
+  int count = imoe_alias_add_buffers(args, 0, buffers, num_buffers);
+  count = imoe_alias_add(args, count, map, name, 0);
+  return imoe_check_aliasing(args, count, err);
 }
 
 static imoe_status apply_map(const imoe_view *buffers, int32_t num_buffers, const imoe_view *map,
@@ -55,6 +59,8 @@ static imoe_status apply_map(const imoe_view *buffers, int32_t num_buffers, cons
   const imoe_status st =
       check_map_args(buffers, num_buffers, map, name, is_indices, mode, exec, err);
   if (st != IMOE_OK) return st;
+  /* An empty map (no row, or C' = 0) has nothing to check and moves nothing. */
+  if (imoe_view_is_empty(map)) return IMOE_OK;
   if (imoe_on_cuda(exec)) {
     return is_indices ? imoe_cuda_apply_indices(buffers, num_buffers, map, mode, exec, err)
                       : imoe_cuda_apply_target_map(buffers, num_buffers, map, mode, exec, err);

@@ -420,6 +420,7 @@ imoe_status imoe_take_device_status(const imoe_exec *exec, imoe_status *recorded
  * recorded on the device (imoe_take_device_status) and nothing is written.
  */
 #define IMOE_PAGED_WORKSPACE_EXTRA 512
+/* -1 for a negative argument or a count beyond int64. */
 int64_t imoe_paged_workspace_elems(int64_t num_blocks, int64_t num_seqs, int64_t max_blocks);
 
 imoe_status imoe_paged_apply_target_map(const imoe_view *buffers, int32_t num_buffers,

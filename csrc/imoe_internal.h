@@ -55,7 +55,7 @@ imoe_status imoe_check_view(const imoe_view *v, const char *name, imoe_error *er
 /* dtype within mask (IMOE_ERR_DTYPE) and row_bytes == its element size. */
 imoe_status imoe_check_typed(const imoe_view *v, const char *name, unsigned dtype_mask,
                              imoe_error *err);
-/* A view written in place: its slots must not overlap one another. */
+/* A view written in place: no byte reached twice (alias.c). */
 imoe_status imoe_check_writable(const imoe_view *v, const char *name, imoe_error *err);
 /* Same lead_ndim and lead shape as ref. */
 imoe_status imoe_check_same_lead(const imoe_view *v, const char *name, const imoe_view *ref,
@@ -119,6 +119,47 @@ imoe_status imoe_check_selection(const imoe_selection *sel, const imoe_view *ref
 imoe_status imoe_check_map_outputs(const imoe_view *indices, const imoe_view *target_map,
                                    const imoe_view *ref, const char *ref_name, int64_t n,
                                    int64_t kept, imoe_error *err);
+
+/* ---- aliasing (alias.c) ------------------------------------------------- */
+
+/* One argument of a call, for the aliasing rules: every argument the call
+ * writes must share no byte with any other argument, read or written. The
+ * one exception is scores that are one of the buffers slot for slot
+ * (may_be_a_buffer): the selection is read in full before anything moves. */
+typedef struct imoe_alias_arg {
+  const imoe_view *view; /* NULL: the argument is absent */
+  const char *name;
+  int index;             /* >= 0: the message says name[index] */
+  int written;
+  int is_buffer;
+  int may_be_a_buffer;
+  int empty; /* set by imoe_check_aliasing, with the byte extent [lo, hi) */
+  int64_t lo, hi;
+} imoe_alias_arg;
+
+/* Room for the buffers and the few other arguments of any call. */
+#define IMOE_MAX_ALIAS_ARGS (IMOE_MAX_BUFFERS + 6)
+
+/* IMOE_ERR_ARGUMENT naming both arguments when two of them may share a byte
+ * against the rules above. The views must have passed imoe_check_view. */
+imoe_status imoe_check_aliasing(imoe_alias_arg *args, int count, imoe_error *err);
+/* After imoe_check_aliasing: 1 when every argument but the workspace has no
+ * element. Such a call reads and writes nothing: it returns at once, whatever
+ * its lead shape (2^60 empty rows included). */
+int imoe_alias_all_empty(const imoe_alias_arg *args, int count);
+/* Appends the buffers (written, is_buffer); returns the new count. */
+int imoe_alias_add_buffers(imoe_alias_arg *args, int count, const imoe_view *buffers,
+                           int32_t num_buffers);
+/* Appends the selection's view, read: scores (which may be one of the
+ * buffers) or active indices. */
+int imoe_alias_add_selection(imoe_alias_arg *args, int count, const imoe_selection *sel);
+/* Appends one argument (NULL view: skipped); returns the new count. */
+int imoe_alias_add(imoe_alias_arg *args, int count, const imoe_view *view, const char *name,
+                   int written);
+/* A caller's int32 workspace as a view of its bytes (NULL data: empty). */
+imoe_view imoe_workspace_view(const int32_t *workspace, int64_t workspace_elems);
+/* A view with no element (some axis of extent 0). */
+int imoe_view_is_empty(const imoe_view *v);
 
 /* ---- parallel stages (parallel.c) --------------------------------------- */
 

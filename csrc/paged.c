@@ -198,6 +198,7 @@ static imoe_status check_args(const imoe_view *pools, int32_t num_pools, const i
 static imoe_status check_workspace(const imoe_view *pools, const imoe_view *tables,
                                    const int32_t *workspace, int64_t workspace_elems,
                                    const imoe_exec *exec, imoe_error *err) {
+  /* The views passed imoe_check_view: their shapes fit in int64 elements. */
   const int64_t need = imoe_paged_workspace_elems(pools[0].lead_shape[0], tables->lead_shape[0],
                                                   tables->n);
   if (workspace == NULL) {
@@ -217,7 +218,9 @@ static imoe_status check_workspace(const imoe_view *pools, const imoe_view *tabl
 }
 
 int64_t imoe_paged_workspace_elems(int64_t num_blocks, int64_t num_seqs, int64_t max_blocks) {
-  if (num_blocks < 0 || num_seqs < 0 || max_blocks < 0) return 0;
+  if (num_blocks < 0 || num_seqs < 0 || max_blocks < 0) return -1;
+  if (max_blocks != 0 && num_seqs > (INT64_MAX - IMOE_PAGED_WORKSPACE_EXTRA - num_blocks) / max_blocks)
+    return -1;
   return num_blocks + num_seqs * max_blocks + IMOE_PAGED_WORKSPACE_EXTRA;
 }
 
@@ -231,6 +234,15 @@ imoe_status imoe_paged_apply_target_map(const imoe_view *buffers, int32_t num_bu
     st = check_workspace(buffers, block_tables, workspace, workspace_elems, exec, err);
   }
   if (st != IMOE_OK) return st;
+  imoe_alias_arg args[IMOE_MAX_ALIAS_ARGS];
+  const imoe_view ws = imoe_workspace_view(workspace, workspace_elems);
+  int count = imoe_alias_add_buffers(args, 0, buffers, num_buffers);
+  count = imoe_alias_add(args, count, block_tables, "block_tables", 0);
+  count = imoe_alias_add(args, count, target_map, "target_map", 0);
+  count = imoe_alias_add(args, count, &ws, "workspace", 1);
+  st = imoe_check_aliasing(args, count, err);
+  if (st != IMOE_OK) return st;
+  if (imoe_alias_all_empty(args, count)) return IMOE_OK;
   if (imoe_on_cuda(exec)) {
     return imoe_cuda_paged_apply_target_map(buffers, num_buffers, block_tables, target_map, mode,
                                             workspace, workspace_elems, exec, err);

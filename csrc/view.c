@@ -144,27 +144,6 @@ imoe_status imoe_check_typed(const imoe_view *v, const char *name, unsigned dtyp
   return IMOE_OK;
 }
 
-imoe_status imoe_check_writable(const imoe_view *v, const char *name, imoe_error *err) {
-  /* Overlapping slots would make the result depend on the order of moves
-   * (and memcpy between them undefined). A zero lead stride writes two rows
-   * into one. Layouts that interleave rows in other ways are not detected. */
-  int64_t stride;
-  if (v->n == 0 || imoe_view_rows(v) == 0) return IMOE_OK; /* nothing is written */
-  if (v->n > 1 && (!checked_abs(v->n_stride, &stride) || stride < v->row_bytes)) {
-    return imoe_fail(err, IMOE_ERR_ARGUMENT,
-                     "%s: |n_stride| %" PRId64 " < row_bytes %" PRId64
-                     ": slots overlap, cannot write in place",
-                     name, v->n_stride, v->row_bytes);
-  }
-  for (int32_t d = 0; d < v->lead_ndim; d++) {
-    if (v->lead_shape[d] > 1 && v->lead_stride[d] == 0 && v->n > 0) {
-      return imoe_fail(err, IMOE_ERR_ARGUMENT,
-                       "%s: lead_stride[%d] is 0 (broadcast): cannot write in place", name, (int)d);
-    }
-  }
-  return IMOE_OK;
-}
-
 static void format_lead(const imoe_view *v, char *out, size_t size) {
   size_t used = (size_t)snprintf(out, size, "[");
   for (int32_t d = 0; d < v->lead_ndim && used < size; d++) {
@@ -187,6 +166,9 @@ imoe_status imoe_check_same_lead(const imoe_view *v, const char *name, const imo
 }
 
 int64_t imoe_view_rows(const imoe_view *v) {
+  /* A zero extent first: the product of the others may not fit in int64. */
+  for (int32_t d = 0; d < v->lead_ndim; d++)
+    if (v->lead_shape[d] == 0) return 0;
   int64_t rows = 1;
   for (int32_t d = 0; d < v->lead_ndim; d++) rows *= v->lead_shape[d];
   return rows;

@@ -39,8 +39,9 @@ def build(src_dir, out_dir, arch, defines):
     objs, reports = [], []
     for cu in sorted(glob.glob(os.path.join(src_dir, "cuda", "*.cu"))):
         obj = os.path.join(out_dir, os.path.basename(cu) + ".o")
-        cmd = ["nvcc", "-c", cu, "-o", obj, "-O3", "-std=c++17", "-Xcompiler", "-fPIC", "--expt-relaxed-constexpr",
-               "-I" + os.path.join(src_dir, "csrc"), f"-gencode=arch=compute_{arch[3:]},code={arch}", "-Xptxas", "-v"]
+        cmd = ["nvcc", "-c", cu, "-o", obj, "-O3", "-std=c++17", "-Xcompiler", "-fPIC",
+               "--expt-relaxed-constexpr", "-I" + os.path.join(src_dir, "csrc"),
+               f"-gencode=arch=compute_{arch[3:]},code={arch}", "-Xptxas", "-v"]
         cmd += ["-D" + d for d in defines]
         res = subprocess.run(cmd, capture_output=True, text=True)
         if res.returncode:

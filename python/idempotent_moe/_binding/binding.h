@@ -85,12 +85,6 @@ int imoe_py_buffer_view(const imoe_import *im, int64_t dim, int64_t row_ndim, im
 int imoe_py_typed_view(const imoe_import *im, unsigned accepted, const char *accepted_names,
                        imoe_view *view);
 
-/* ValueError unless writing im's elements touches each byte once. */
-int imoe_py_check_no_self_overlap(const imoe_import *im);
-
-/* ValueError unless the written imports start at distinct addresses. */
-int imoe_py_check_distinct_outputs(const imoe_import *const *written, int count);
-
 /* Fills exec with the one device of every import (ValueError for mixed
  * devices, an unknown device, or CUDA in a build without it). */
 int imoe_py_exec_for(const imoe_imports *set, int32_t num_threads, imoe_exec *exec);
@@ -117,8 +111,6 @@ typedef struct imoe_py_call {
   imoe_imports imports;
   imoe_view buffers[IMOE_MAX_BUFFERS];
   int32_t num_buffers;
-  const imoe_import *written[IMOE_MAX_IMPORTS];
-  int num_written;
   /* Tuples made from the buffers, dims and row_ndims lists: __dlpack__ runs
    * Python code, which must not be able to free an item under us. */
   PyObject *held[3];

@@ -1,8 +1,8 @@
 /*
  * call.c: what every function of the binding does per call: the stream and
- * thread count, the imports (the written ones checked for self-overlap and,
- * at the end, against each other), the buffers, the plan workspace and the
- * one device the call runs on. Every import is released on every path by
+ * thread count, the imports, the buffers, the plan workspace and the one
+ * device the call runs on. Whether arguments overlap is the C core's to
+ * judge (csrc/alias.c). Every import is released on every path by
  * imoe_py_call_free.
  */
 #include "binding.h"
@@ -25,7 +25,6 @@ imoe_py_call *imoe_py_call_new(PyObject *stream, PyObject *threads) {
   c->imports.count = 0;
   c->imports.stream = stream;
   c->num_buffers = 0;
-  c->num_written = 0;
   for (int i = 0; i < 3; ++i) c->held[i] = NULL;
   c->workspace = NULL;
   c->workspace_elems = 0;
@@ -42,11 +41,6 @@ void imoe_py_call_free(imoe_py_call *c) {
 
 imoe_import *imoe_py_call_import(imoe_py_call *c, PyObject *obj, const char *name, int written) {
   imoe_import *im = imoe_py_import_array(&c->imports, obj, name, written);
-  if (im == NULL) return NULL;
-  if (written) {
-    if (imoe_py_check_no_self_overlap(im) < 0) return NULL;
-    c->written[c->num_written++] = im;
-  }
   return im;
 }
 
@@ -173,6 +167,5 @@ int imoe_py_call_import_workspace(imoe_py_call *c, PyObject *obj) {
 }
 
 int imoe_py_call_finish(imoe_py_call *c) {
-  if (imoe_py_check_distinct_outputs(c->written, c->num_written) < 0) return -1;
   return imoe_py_exec_for(&c->imports, c->threads, &c->exec);
 }

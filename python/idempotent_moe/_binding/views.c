@@ -8,10 +8,6 @@
 #include <stdio.h>
 #include <string.h>
 
-static int64_t abs64(int64_t x) {
-  return x < 0 ? -x : x;
-}
-
 static int is_empty(const imoe_import *im) {
   for (int i = 0; i < im->ndim; ++i)
     if (im->shape[i] == 0) return 1;
@@ -93,124 +89,6 @@ int imoe_py_typed_view(const imoe_import *im, unsigned accepted, const char *acc
   view->dtype = im->dtype;
   return 0;
 }
-
-/*
- * A sufficient test, NumPy's fast one: with the axes sorted by |stride|, each
- * stride spans at least everything the smaller axes reach. It catches zero
- * strides (broadcast, expand) and as_strided views whose slots overlap.
- */
-int imoe_py_check_no_self_overlap(const imoe_import *im) {
-  int axis[IMOE_MAX_NDIM], count = 0;
-  if (is_empty(im)) return 0;
-  for (int i = 0; i < im->ndim; ++i) {
-    if (im->shape[i] <= 1) continue;
-    int j = count++;
-    while (j > 0 && abs64(im->strides[axis[j - 1]]) > abs64(im->strides[i])) {
-      axis[j] = axis[j - 1];
-      --j;
-    }
-    axis[j] = i;
-  }
-  int64_t span = im->itemsize; /* bytes reached by the axes taken so far */
-  for (int j = 0; j < count; ++j) {
-    int i = axis[j];
-    int64_t stride = abs64(im->strides[i]);
-    if (stride == 0) {
-      PyErr_Format(PyExc_ValueError,
-                   "%s has a zero stride on axis %d of size %lld (broadcast or expanded "
-                   "memory); writing it would alias",
-                   im->name, i, (long long)im->shape[i]);
-      return -1;
-    }
-    if (stride < span) {
-      PyErr_Format(PyExc_ValueError,
-                   "%s has overlapping elements (axis %d's stride of %lld bytes is inside the "
-                   "%lld bytes its faster axes span); writing it would alias",
-                   im->name, i, (long long)stride, (long long)span);
-      return -1;
-    }
-    if (im->shape[i] - 1 > (INT64_MAX - span) / stride) {
-      PyErr_Format(PyExc_ValueError, "%s spans more than 2**63 bytes", im->name);
-      return -1;
-    }
-    span += stride * (im->shape[i] - 1);
-  }
-  return 0;
-}
-
-static int64_t gcd64(int64_t a, int64_t b) {
-  while (b != 0) {
-    int64_t t = a % b;
-    a = b;
-    b = t;
-  }
-  return a;
-}
-
-/* First and one-past-last byte an import reaches (it is not empty). */
-static void byte_extent(const imoe_import *im, int64_t *lo, int64_t *hi) {
-  int64_t low = 0, high = im->itemsize;
-  for (int i = 0; i < im->ndim; ++i) {
-    int64_t reach = im->strides[i] * (im->shape[i] - 1);
-    if (reach < 0) low += reach;
-    else high += reach;
-  }
-  *lo = (int64_t)(intptr_t)im->data + low;
-  *hi = (int64_t)(intptr_t)im->data + high;
-}
-
-/*
- * Every byte of an import is data + (a multiple of `period`) + [0, block):
- * block is its innermost C-contiguous run, period the gcd of the strides of
- * the other axes (0 when there are none).
- */
-static void block_and_period(const imoe_import *im, int64_t *block, int64_t *period) {
-  int i = im->ndim - 1;
-  int64_t run = im->itemsize, g = 0;
-  for (; i >= 0; --i) {
-    if (im->shape[i] == 1) continue;
-    if (im->strides[i] != run) break;
-    run *= im->shape[i];
-  }
-  for (; i >= 0; --i)
-    if (im->shape[i] > 1) g = gcd64(g, abs64(im->strides[i]));
-  *block = run;
-  *period = g;
-}
-
-/*
- * A sufficient test that two written arrays share no byte: disjoint byte
- * extents, or blocks that fall into disjoint residues modulo the common
- * period (K and V as interleaved halves of one fused tensor pass).
- */
-static int may_overlap(const imoe_import *a, const imoe_import *b) {
-  int64_t a_lo, a_hi, b_lo, b_hi, a_block, b_block, a_period, b_period;
-  byte_extent(a, &a_lo, &a_hi);
-  byte_extent(b, &b_lo, &b_hi);
-  if (a_hi <= b_lo || b_hi <= a_lo) return 0;
-  block_and_period(a, &a_block, &a_period);
-  block_and_period(b, &b_block, &b_period);
-  int64_t period = gcd64(a_period, b_period);
-  if (period == 0) return 1;
-  int64_t shift = ((int64_t)(intptr_t)b->data - (int64_t)(intptr_t)a->data) % period;
-  if (shift < 0) shift += period;
-  return !(shift >= a_block && shift + b_block <= period);
-}
-
-int imoe_py_check_distinct_outputs(const imoe_import *const *written, int count) {
-  for (int a = 0; a < count; ++a) {
-    for (int b = 0; b < a; ++b) {
-      if (is_empty(written[a]) || is_empty(written[b]) || !may_overlap(written[a], written[b]))
-        continue;
-      PyErr_Format(PyExc_ValueError,
-                   "%s and %s overlap in memory; writing both in place would alias",
-                   written[b]->name, written[a]->name);
-      return -1;
-    }
-  }
-  return 0;
-}
-
 
 static void format_device(char *out, size_t size, const imoe_exec *e) {
   if (e->device == IMOE_DEVICE_CUDA)

@@ -1,0 +1,165 @@
+"""Aliasing is part of validation: an argument a call reads that shares memory
+with one it writes (or two written ones that share a byte) is refused with a
+ValueError naming both, and every byte of every array is left as it was.
+The two layouts that are well defined are accepted: scores that are one of
+the buffers slot for slot, and buffers interleaved without sharing a byte.
+Empty inputs return at once, whatever their lead shape.
+
+Cases repeat a little on purpose: each is one aliasing class spelled out."""
+
+from __future__ import annotations
+
+import time
+
+import idempotent_moe as imoe
+import numpy as np
+import pytest
+from conftest import assert_unchanged, snapshot
+from idempotent_moe.paged import apply_paged_map_
+
+CASES = {}
+
+
+def case(fn):
+    CASES[fn.__name__] = fn
+    return fn
+
+
+def both(*names):
+    return "(?s)^" + "".join(f"(?=.*{n})" for n in names)
+
+
+@case
+def indices_inside_the_buffer():
+    """The issue's example: a map read from memory the move rewrites."""
+    x = np.zeros((8, 2), np.int64)
+    idx = x.reshape(-1)[:4]
+    idx[:] = [4, 1, 2, 3]
+    x[4, 1] = 10**12
+    return (lambda: imoe.apply_map_(x, idx, dim=0)), [x], both("indices", "buffers")
+
+
+@case
+def restore_indices_inside_the_buffer():
+    x = np.zeros((8, 2), np.int64)
+    idx = x.reshape(-1)[:4]
+    idx[:] = [4, 1, 2, 3]
+    return (lambda: imoe.restore_(x, idx, dim=0)), [x], both("indices", "buffers")
+
+
+@case
+def target_map_inside_the_buffer():
+    x = np.zeros((3, 8, 2), np.int32)
+    tm = x[:, :, 0]
+    tm[:] = np.arange(8)
+    return (lambda: imoe.apply_map_(x, target_map=tm, dim=1)), [x], both("target_map", "buffers")
+
+
+@case
+def out_indices_over_the_scores():
+    s = np.random.default_rng(0).random((4, 16)).astype(np.float32)
+    x = np.zeros((4, 16, 3), np.float32)
+    out = s.view(np.int32)[:, :4]  # the first 4 columns of the scores' memory
+    return (lambda: imoe.compact_(x, s, 4, out_indices=out)), [x, s], both("scores", "out_indices")
+
+
+@case
+def out_indices_over_the_buffer():
+    x = np.zeros((4, 16, 2), np.int64)
+    s = np.random.default_rng(1).random((4, 16)).astype(np.float32)
+    out = x[:, :4, 0]
+    return (lambda: imoe.compact_(x, s, 4, out_indices=out)), [x, s], both("out_indices", "buffers")
+
+
+@case
+def active_indices_inside_the_buffer():
+    x = np.zeros((16, 2), np.int64)
+    act = x[:, 0][:4]
+    act[:] = [15, 3, 7, 1]
+    return (lambda: imoe.compact_(x, active_indices=act, dim=0)), [x], both("active_indices", "buffers")
+
+
+@case
+def out_target_map_over_out_indices():
+    s = np.random.default_rng(2).random((2, 10)).astype(np.float32)
+    store = np.zeros(64, np.int32)
+    out = store[:8].reshape(2, 4)
+    tm = store[4:24].reshape(2, 10)
+    return (lambda: imoe.idempotent_map(s, 4, form="both", out_indices=out, out_target_map=tm)), \
+        [s, store], both("out_indices", "out_target_map")
+
+
+@case
+def two_buffers_sharing_bytes():
+    x = np.zeros((4, 16, 4), np.float32)
+    s = np.random.default_rng(3).random((4, 16)).astype(np.float32)
+    return (lambda: imoe.compact_([x[..., :3], x[..., 2:]], s, 4)), [x, s], \
+        both(r"buffers\[0\]", r"buffers\[1\]", "overlap")
+
+
+@case
+def perm_inside_the_buffer():
+    x = np.zeros((8, 3), np.int64)
+    perm = x[:, 0]
+    perm[:] = np.arange(8)[::-1]
+    return (lambda: imoe.permute_(x, perm, dim=0)), [x], both("perm", "buffers")
+
+
+@case
+def workspace_over_expert_ids():
+    ids = np.zeros(64, np.int32)
+    ids[:16] = np.random.default_rng(4).integers(0, 4, 16)
+    x = np.zeros((16, 2), np.float32)
+    return (lambda: imoe.group_by_expert_(x, ids[:16], 4, workspace=ids)), [x, ids], \
+        both("expert_ids", "workspace")
+
+
+@case
+def workspace_over_the_buffer():
+    x = np.zeros((3, 8, 4), np.float32)
+    ws = x.view(np.int32).reshape(-1)
+    perm = np.arange(8)[::-1].copy()
+    return (lambda: imoe.permute_(x, perm, dim=1, workspace=ws)), [x], both("workspace", "buffers")
+
+
+@case
+def paged_target_map_inside_the_pool():
+    pool = np.zeros((4, 4, 2), np.int32)  # [num_blocks, block_size, row]
+    tables = np.array([[0, 1], [2, 3]], np.int32)
+    tm = pool.reshape(-1)[:16].reshape(2, 8)
+    tm[:] = np.arange(8)
+    return (lambda: apply_paged_map_(pool, tables, tm)), [pool, tables], both("target_map", "buffers")
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_aliased_arguments_are_refused_and_nothing_changes(name):
+    call, arrays, pattern = CASES[name]()
+    snaps = snapshot(*arrays)
+    with pytest.raises(ValueError, match=pattern):
+        call()
+    assert_unchanged(arrays, snaps)
+
+
+def test_scores_that_are_a_buffer_are_read_before_anything_moves():
+    s = np.random.default_rng(5).random((3, 20)).astype(np.float32)
+    x = np.random.default_rng(6).random((3, 20, 2)).astype(np.float32)
+    want = np.sort(s, axis=1)[:, ::-1][:, :6]
+    res = imoe.compact_([x, s], s, 6)
+    np.testing.assert_array_equal(np.sort(res.values[1], axis=1)[:, ::-1], want)
+
+
+def test_interleaved_halves_share_no_byte():
+    kv = np.random.default_rng(7).random((2, 30, 8)).astype(np.float16)
+    s = np.random.default_rng(8).random((2, 30)).astype(np.float32)
+    imoe.compact_([kv[..., :4], kv[..., 4:]], s, 10)  # accepted: no byte in common
+
+
+@pytest.mark.parametrize("lead", [(2**20, 2**20, 2**20), (2**62, 0)])
+def test_empty_inputs_return_at_once_whatever_their_lead_shape(lead):
+    torch = pytest.importorskip("torch")
+    t0 = time.perf_counter()
+    scores = torch.empty(*lead, 0)
+    assert imoe.idempotent_map(scores, 3).shape == (*lead, 0)
+    x = torch.empty(*lead, 0, 4)
+    assert imoe.compact_(x, scores, 3).values.shape == (*lead, 0, 4)
+    assert time.perf_counter() - t0 < 2.0
