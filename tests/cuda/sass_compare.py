@@ -95,7 +95,8 @@ def classify(a, b):
     if a == b:
         return "identical"
     if len(a) == len(b):
-        cb = lambda s: re.sub(r"c\[0x[04]\]\[[^\]]*\]", "c[*]", ENC.sub("", s)).strip()
+        def cb(s):
+            return re.sub(r"c\[0x[04]\]\[[^\]]*\]", "c[*]", ENC.sub("", s)).strip()
         diffs = [(x, y) for x, y in zip(a, b) if x != y]
         if all(cb(x) == cb(y) for x, y in diffs):
             return f"cbank-only({sum(1 for x, _ in diffs if not ENC.fullmatch(x))})"
