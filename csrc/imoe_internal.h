@@ -303,6 +303,11 @@ imoe_status imoe_check_cuda_workspace(const int32_t *workspace, int64_t workspac
                                       imoe_plan_kind kind, int64_t rows, int64_t n,
                                       imoe_error *err);
 
+/* IMOE_ERR_ARGUMENT when a caller's workspace (not NULL) has fewer than need
+ * elements. */
+imoe_status imoe_check_plan_workspace(const int32_t *given, int64_t given_elems, int64_t need,
+                                      imoe_error *err);
+
 /* The plan workspace of a call: the caller's (at least `need` elements, else
  * IMOE_ERR_ARGUMENT) or, when given is NULL, *owned = malloc'ed here
  * (IMOE_ERR_NO_MEMORY). Free *owned after the call. */

@@ -80,18 +80,21 @@ int64_t imoe_plan_encode_checked(int32_t *plan, int64_t n) {
   return -1;
 }
 
+imoe_status imoe_check_plan_workspace(const int32_t *given, int64_t given_elems, int64_t need,
+                                      imoe_error *err) {
+  if (given != NULL && given_elems < need) {
+    return imoe_fail(err, IMOE_ERR_ARGUMENT,
+                     "workspace: %" PRId64 " int32 elements, the call needs %" PRId64, given_elems,
+                     need);
+  }
+  return IMOE_OK;
+}
+
 imoe_status imoe_plan_workspace(int32_t *given, int64_t given_elems, int64_t need, int32_t **plan,
                                 int32_t **owned, imoe_error *err) {
   *owned = NULL;
   *plan = given;
-  if (given != NULL) {
-    if (given_elems < need) {
-      return imoe_fail(err, IMOE_ERR_ARGUMENT,
-                       "workspace: %" PRId64 " int32 elements, the call needs %" PRId64,
-                       given_elems, need);
-    }
-    return IMOE_OK;
-  }
+  if (given != NULL) return imoe_check_plan_workspace(given, given_elems, need, err);
   if (need == 0) return IMOE_OK;
   if ((uint64_t)need > SIZE_MAX / sizeof(int32_t)) {
     return imoe_fail(err, IMOE_ERR_NO_MEMORY, "workspace: %" PRId64 " int32 elements is too many",
@@ -442,13 +445,18 @@ imoe_status imoe_permute(const imoe_view *buffers, int32_t num_buffers, const im
   count = imoe_alias_add(args, count, &ws, "workspace", 1);
   st = imoe_check_aliasing(args, count, err);
   if (st != IMOE_OK) return st;
-  if (imoe_alias_all_empty(args, count)) return IMOE_OK;
+  const int empty = imoe_alias_all_empty(args, count);
   if (imoe_on_cuda(exec)) {
     st = imoe_check_cuda_workspace(workspace, workspace_elems, IMOE_PLAN_PERMUTE,
                                    imoe_view_rows(perm), buffers[0].n, err);
     if (st != IMOE_OK) return st;
+    if (empty) return IMOE_OK;
     return imoe_cuda_permute(buffers, num_buffers, perm, inverse, workspace, workspace_elems, exec,
                              err);
+  }
+  if (empty) { /* a shared perm still plans one row: its workspace is checked */
+    return imoe_check_plan_workspace(workspace, workspace_elems,
+                                     imoe_view_rows(perm) * buffers[0].n, err);
   }
   plan_ctx ctx = {perm, "perm", 0, NULL, inverse != 0};
   return run_planned(buffers, num_buffers, &ctx, plan_perm_row, 0, buffers[0].n, workspace,
@@ -471,13 +479,18 @@ imoe_status imoe_apply_kept_order(const imoe_view *buffers, int32_t num_buffers,
   count = imoe_alias_add(args, count, &ws, "workspace", 1);
   st = imoe_check_aliasing(args, count, err);
   if (st != IMOE_OK) return st;
-  if (imoe_alias_all_empty(args, count)) return IMOE_OK;
+  const int empty = imoe_alias_all_empty(args, count);
   if (imoe_on_cuda(exec)) {
     st = imoe_check_cuda_workspace(workspace, workspace_elems, IMOE_PLAN_ORDERED,
                                    imoe_view_rows(indices), buffers[0].n, err);
     if (st != IMOE_OK) return st;
+    if (empty) return IMOE_OK;
     return imoe_cuda_apply_ordered(buffers, num_buffers, indices, restore, workspace,
                                    workspace_elems, exec, err);
+  }
+  if (empty) {
+    return imoe_check_plan_workspace(workspace, workspace_elems,
+                                     imoe_view_rows(indices) * buffers[0].n, err);
   }
   plan_ctx ctx = {indices, "indices", 0, NULL, restore};
   const int64_t limit = mode == IMOE_MODE_MOVE ? indices->n : buffers[0].n;

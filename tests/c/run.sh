@@ -48,8 +48,11 @@ else
   clang -std=c11 -Wall -Wextra -Werror -Wno-missing-field-initializers -O1 -g -fsanitize=fuzzer,address,undefined \
     -fno-sanitize-recover=all -I"$root/csrc" "${lib[@]}" "${support[@]}" \
     "$here/fuzz_compact.c" -lm -o "$out/fuzz_compact"
+  echo "== fuzz: inputs that once failed (tests/c/fuzz_regressions/)"
+  "$out/fuzz_compact" "$here"/fuzz_regressions/*
   echo "== fuzz: run for ${fuzz_seconds}s"
   mkdir -p "$out/corpus"
+  cp "$here"/fuzz_regressions/* "$out/corpus/"
   "$out/fuzz_compact" -max_total_time="$fuzz_seconds" -max_len=4096 -print_final_stats=1 \
     "$out/corpus"
 fi
