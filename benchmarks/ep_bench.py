@@ -36,8 +36,9 @@ Usage:
   python benchmarks/ep_bench.py --quick --no-plot   # gloo on the CPU, small sizes (a smoke test)
   torchrun --nproc-per-node 2 benchmarks/ep_bench.py
   python benchmarks/ep_bench.py --table-from benchmarks/results/ep-cuda.json --docs docs/distributed.md
-Writes OUT/ep-cuda.json (ep-cpu-quick.json with --quick) and its plot; with
---docs, replaces the <!-- bench:ep --> section of that file with the table.
+Writes OUT/ep-cuda.json (ep-cpu-quick.json with --quick) and its plot, OUT
+being --out (default imoe-results/, ignored by git); with --docs, replaces the
+<!-- bench:ep --> section of that file with the table.
 """
 
 from __future__ import annotations
@@ -517,7 +518,9 @@ def parse(argv: list):
     p.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
     p.add_argument("--tokens", nargs="+", type=int, default=list(TOKENS), help="tokens per rank")
     p.add_argument("--runs", type=int, default=0, help="timed runs (default 50, 5 with --quick)")
-    p.add_argument("--out", default=os.path.join("benchmarks", "results"))
+    p.add_argument("--out", default="imoe-results",
+                   help="folder for JSON and plot (default imoe-results/, ignored by git; "
+                        "benchmarks/results to replace the committed results)")
     p.add_argument("--no-plot", dest="plot", action="store_false")
     p.add_argument("--docs", help="a markdown file whose <!-- bench:ep --> section gets the table")
     p.add_argument("--table-from", help="no run: table, plot and --docs from this JSON")

@@ -61,6 +61,19 @@ def test_readme_update_needs_markers(tmp_path):
         report.update_readme(str(readme), data)
 
 
+def test_a_table_that_cannot_be_written_stops_the_run_before_it_starts(tmp_path):
+    readme = tmp_path / "README.md"
+    readme.write_text("no markers\n")
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit, match="bench:cpu"):
+        main(["bench", "--device", "cpu", "--quick", "--runs", "1", "--out", str(out),
+              "--readme", str(readme)])
+    assert not out.exists()
+    with pytest.raises(SystemExit, match="kv:cpu"):
+        main(["kv", "--device", "cpu", "--quick", "--runs", "1", "--out", str(out), "--doc", str(readme)])
+    assert not out.exists()
+
+
 def test_sweep_quick_writes_every_axis(tmp_path):
     assert main(["sweep", "--device", "cpu", "--quick", "--runs", "1", "--out", str(tmp_path),
                  "--no-plot"]) == 0

@@ -23,7 +23,6 @@ benchmarks/results/permute-cuda[-quick].{json,png}.
 
 from __future__ import annotations
 
-import os
 import sys
 from dataclasses import dataclass
 from typing import Callable
@@ -285,13 +284,15 @@ def _cuda_group_cases(t: int, d: int, experts: int, gen) -> list:
     ]
 
 
-def run_cuda(runs: int = 0, quick: bool = False, out: str = os.path.join("benchmarks", "results"),
+def run_cuda(runs: int = 0, quick: bool = False, out: str = report.DEFAULT_OUT,
              plot: bool = True, doc: str | None = None) -> dict:
     """The GPU half (see the module docstring); `doc`: regenerate its table there."""
     import torch
 
     if not (torch.cuda.is_available() and imoe.cuda_available()):
         raise SystemExit("--device cuda needs a GPU and a CUDA build of idempotent_moe")
+    if doc:
+        report.require_section(doc, "permute:cuda")
     sizes = CUDA_QUICK if quick else CUDA_FULL
     runs = max(runs or 100, 100) if not quick else (runs or 10)
     gen = torch.Generator().manual_seed(0)
@@ -354,7 +355,7 @@ def doc_from_json(doc: str, json_path: str) -> None:
 
 
 def run(runs: int = 0, threads: int = 0, quick: bool = False,
-        out: str = os.path.join("benchmarks", "results"), plot: bool = True) -> dict:
+        out: str = report.DEFAULT_OUT, plot: bool = True) -> dict:
     import torch
 
     sizes = QUICK if quick else FULL

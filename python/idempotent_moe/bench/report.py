@@ -7,6 +7,23 @@ import json
 import os
 import re
 
+# Where a run writes its JSON and plot unless told otherwise: a folder that git
+# ignores (.gitignore), so that running a benchmark in a clone changes no
+# tracked file. The committed results (benchmarks/results/ and the tables of
+# README.md and docs/, which tests/test_results_tables.py checks against each
+# other) change only when asked: --out benchmarks/results, --readme, --doc.
+DEFAULT_OUT = "imoe-results"
+COMMITTED_OUT = os.path.join("benchmarks", "results")
+
+
+def output_dir(out: str | None, doc: str | None) -> str:
+    """The folder a run writes to: `out` when given; else, when the run is to
+    regenerate a document's table (`doc`), the committed results, so that the
+    table and the JSON it is checked against change together; else DEFAULT_OUT."""
+    if out:
+        return out
+    return COMMITTED_OUT if doc else DEFAULT_OUT
+
 
 def add_speedups(rows: list) -> None:
     """speedup = torch baseline median / this median, same workload and dtype."""
@@ -69,14 +86,29 @@ def write(data: dict, out_dir: str, plot: bool = True) -> list:
     return write_results(data, out_dir, _stem(data), _plot if plot else None)
 
 
+def _section_text(path: str, key: str) -> str:
+    start, end = f"<!-- {key} -->", f"<!-- /{key} -->"
+    try:
+        with open(path) as f:
+            content = f.read()
+    except OSError as e:
+        raise SystemExit(f"cannot read {path}: {e.strerror}") from None
+    if start not in content or end not in content:
+        raise SystemExit(f"{path} has no {start} ... {end} section to update")
+    return content
+
+
+def require_section(path: str, key: str) -> None:
+    """Exit before a run whose table could not be written: `path` must hold
+    a <!-- key --> ... <!-- /key --> section."""
+    _section_text(path, key)
+
+
 def replace_section(path: str, key: str, render) -> None:
     """Replace what stands between <!-- key --> and <!-- /key --> in a file
     with render(), called once the markers are found."""
     start, end = f"<!-- {key} -->", f"<!-- /{key} -->"
-    with open(path) as f:
-        content = f.read()
-    if start not in content or end not in content:
-        raise SystemExit(f"{path} has no {start} ... {end} section to update")
+    content = _section_text(path, key)
     pattern = re.compile(re.escape(start) + ".*?" + re.escape(end), re.S)
     text = render()
     with open(path, "w") as f:

@@ -3,8 +3,6 @@ topk + gather (as W1), every point checked bit for bit."""
 
 from __future__ import annotations
 
-import os
-
 from . import report, runner, workloads
 from .timing import copy_bandwidth
 
@@ -30,7 +28,7 @@ def _points(total_bytes: int) -> list:
     return points
 
 
-def run(device: str = "auto", runs: int = 0, out: str = os.path.join("benchmarks", "results"),
+def run(device: str = "auto", runs: int = 0, out: str = report.DEFAULT_OUT,
         quick: bool = False, plot: bool = True) -> dict:
     import torch
 

@@ -21,7 +21,6 @@ relative difference). `--quick` runs a reduced block on the CPU in seconds.
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass
 
 from . import report, runner
@@ -136,7 +135,7 @@ def _max_diff(a, b) -> float:
 
 
 def run(device: str = "auto", runs: int = 0, quick: bool = False, tokens: tuple = (),
-        capacity_factors: tuple = CAPACITY_FACTORS, out: str = os.path.join("benchmarks", "results"),
+        capacity_factors: tuple = CAPACITY_FACTORS, out: str = report.DEFAULT_OUT,
         plot: bool = True, doc: str | None = None) -> dict:
     import torch
 
@@ -145,6 +144,8 @@ def run(device: str = "auto", runs: int = 0, quick: bool = False, tokens: tuple 
 
     register()
     device = _device(device)
+    if doc:
+        report.require_section(doc, "bench:w4")
     shape = QUICK if quick else FULL
     if tokens:
         shape = Block(shape.hidden, shape.intermediate, shape.experts, shape.top_k, tuple(tokens),
