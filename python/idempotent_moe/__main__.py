@@ -16,6 +16,9 @@ import os
 import sys
 
 from .bench.report import COMMITTED_OUT, DEFAULT_OUT, output_dir
+from .bench.workloads import DTYPES, FULL
+
+WORKLOADS = tuple(FULL)
 
 
 def _out_help(doc_flag: str | None) -> str:
@@ -31,10 +34,10 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     bench = sub.add_parser("bench", help="W1 and W2 beside torch topk + gather")
     bench.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    bench.add_argument("--workloads", default="W1,W2", help="comma-separated: W1,W2,W3")
+    bench.add_argument("--workloads", default="W1,W2", help=f"comma-separated: {','.join(WORKLOADS)}")
     bench.add_argument("--dtypes", default="",
-                       help="comma-separated torch dtypes (default: each workload's own dtype, "
-                            "and float32 too on the CPU)")
+                       help=f"comma-separated: {','.join(DTYPES)} (default: each workload's own "
+                            "dtype, and float32 too on the CPU)")
     bench.add_argument("--runs", type=int, default=0,
                        help="timed runs per row (default 15 on the CPU, 100 on the GPU)")
     bench.add_argument("--threads", type=int, default=0,
@@ -67,7 +70,8 @@ def _parser() -> argparse.ArgumentParser:
                     help="with --doc: regenerate the table from this JSON instead of running")
     kv = sub.add_parser("kv", help="W2 through the KV hook, the paged hook and the HF cache")
     kv.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    kv.add_argument("--dtypes", default="", help="comma-separated torch dtypes")
+    kv.add_argument("--dtypes", default="",
+                    help=f"comma-separated: {','.join(DTYPES)} (default float16, and float32 too on the CPU)")
     kv.add_argument("--runs", type=int, default=0)
     kv.add_argument("--threads", type=int, default=0)
     kv.add_argument("--quick", action="store_true", help="small shapes, for a smoke test")
@@ -97,6 +101,14 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _names(text: str, flag: str, choices: tuple) -> tuple:
+    names = tuple(v.strip() for v in text.split(",") if v.strip())
+    unknown = [v for v in names if v not in choices]
+    if unknown:
+        raise SystemExit(f"{flag}: unknown {', '.join(unknown)}; choose from {', '.join(choices)}")
+    return names
+
+
 def _ints(text: str, flag: str) -> tuple:
     try:
         return tuple(int(v) for v in text.split(",") if v.strip())
@@ -116,12 +128,8 @@ def main(argv: list | None = None) -> int:
     if args.command == "bench":
         from .bench import Options, run
 
-        workloads = tuple(w.strip() for w in args.workloads.split(",") if w.strip())
-        unknown = [w for w in workloads if w not in ("W1", "W2", "W3")]
-        if unknown:
-            raise SystemExit(f"unknown workloads {unknown}: choose from W1, W2, W3")
-        run(Options(device=args.device, workloads=workloads,
-                    dtypes=tuple(d.strip() for d in args.dtypes.split(",") if d.strip()),
+        run(Options(device=args.device, workloads=_names(args.workloads, "--workloads", WORKLOADS),
+                    dtypes=_names(args.dtypes, "--dtypes", DTYPES),
                     runs=args.runs, threads=args.threads, quick=args.quick,
                     out=output_dir(args.out, args.readme), plot=not args.no_plot, readme=args.readme))
     elif args.command == "sweep":
@@ -152,7 +160,7 @@ def main(argv: list | None = None) -> int:
             doc_from_json(args.doc, args.from_json)
             return 0
         run_kv(KVOptions(device=args.device, runs=args.runs, threads=args.threads, quick=args.quick,
-                         dtypes=tuple(d.strip() for d in args.dtypes.split(",") if d.strip()),
+                         dtypes=_names(args.dtypes, "--dtypes", DTYPES),
                          out=output_dir(args.out, args.doc), plot=not args.no_plot, doc=args.doc))
     elif args.command == "permute":
         from .bench.permute import doc_from_json as permute_doc
