@@ -1,7 +1,8 @@
 """A Hugging Face transformers (5.x) cache that evicts in place.
 
 `InplaceEvictionCache(budget, ...)` is a `transformers.Cache` for
-`model.generate(..., past_key_values=cache)`. Each full-attention layer keeps
+`model.generate(..., cache=cache)` (`past_key_values=cache` before
+transformers 5.24, which renamed the argument). Each full-attention layer keeps
 its keys and values in one preallocated buffer per layer,
 [batch, kv_heads, slots, head_dim], with a valid length: new tokens are
 written into the next free slots (no `torch.cat` per step), and an eviction
@@ -371,7 +372,7 @@ class InplaceEvictionCache(Cache):
 
     cache = InplaceEvictionCache(budget=256, sink_tokens=4, recent_window=32,
                                  evict_every=64, config=model.config)
-    out = model.generate(input_ids, past_key_values=cache, max_new_tokens=512)
+    out = model.generate(input_ids, cache=cache, max_new_tokens=512)
 
     budget         tokens kept per layer after an eviction.
     sink_tokens    the first logical positions, always kept.
