@@ -18,7 +18,7 @@ compacted cache and the original index of every kept token:
 
 Every row is checked bit for bit against its baseline (same kept set, every
 kept token identical to the original at its reported index). JSON and a plot
-go under benchmarks/results/ (kv-DEVICE.json / .png).
+go under --out (kv-DEVICE.json / .png; default imoe-results/).
 """
 
 from __future__ import annotations

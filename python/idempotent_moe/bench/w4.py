@@ -250,7 +250,8 @@ def _mib(nbytes) -> str:
 def table(data: dict) -> str:
     rows = data["results"]
     has_mem = any("peak_allocated_bytes" in r for r in rows)
-    head = ["tokens", "implementation", "median ms", "min ms", "vs eager", "vs grouped_mm", "host ms"]
+    head = ["tokens", "implementation", "median ms", "min ms", "x faster than eager",
+            "x faster than grouped_mm", "host ms"]
     if has_mem:
         head += ["peak alloc MiB", "reserved MiB before -> after"]
     head += ["dropped", "check"]
@@ -334,8 +335,8 @@ def _plot(data: dict, path: str) -> str:
         ax.set_ylabel(label)
     m = data["machine"]
     axes[0][0].set_title(f"W4 Mixtral MoE block: {m.get('gpu') or m.get('cpu')}", fontsize=9)
-    axes[0][0].legend(fontsize=7)
+    report.legend_outside(axes[0][-1], fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
     return path
