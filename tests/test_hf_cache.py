@@ -398,6 +398,34 @@ def test_growth_without_decode_eviction_is_geometric():
     assert len(set(sizes[1:])) <= 4  # 8 -> 16 -> 32 -> 64: a few reallocations, not one per step
 
 
+@pytest.mark.skipif(CACHE_ARG == "past_key_values",
+                    reason="transformers before 5.24 does not pass the position ids to the cache")
+def test_a_padded_batch_is_refused_before_anything_is_written():
+    """generate() numbers a left-padded row from its first real token: its
+    position ids do not follow the tokens the cache has seen, and the
+    padding mask could not follow the tokens an eviction moves."""
+    model, config = tiny_llama()
+    ids = prompt(batch=2, length=14)
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    cache = InplaceEvictionCache(8, evict_every=2, config=config)
+    with pytest.raises(ValueError, match="padded batches.*row 1"), torch.no_grad():
+        model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0,
+                       **{CACHE_ARG: cache})
+    assert all(layer.seen == 0 and layer.length == 0 and layer.slots == 0 for layer in cache.layers)
+    # the same prompts unpadded (an all-ones mask) generate as without a mask
+    ours = InplaceEvictionCache(8, evict_every=2, config=config)
+    with torch.no_grad():
+        seq = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6,
+                             do_sample=False, pad_token_id=0, **{CACHE_ARG: ours})
+    ref_seq, _ = run_generate(model, ids, InplaceEvictionCache(8, evict_every=2, config=config),
+                              new_tokens=6)
+    assert ours.layers[0].evictions >= 1 and torch.equal(seq, ref_seq)
+    # position ids that skip ahead of the tokens seen are refused alike
+    with pytest.raises(ValueError, match="padded batches"), torch.no_grad():
+        model(ids[:1], position_ids=torch.arange(5, 19)[None], **{CACHE_ARG: InplaceEvictionCache(8)})
+
+
 def test_bad_policies():
     for kwargs in (dict(budget=0), dict(budget=4, sink_tokens=3, recent_window=2),
                    dict(budget=4, evict_every=0), dict(budget=4, score="entropy"),
