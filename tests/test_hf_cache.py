@@ -426,6 +426,36 @@ def test_a_padded_batch_is_refused_before_anything_is_written():
         model(ids[:1], position_ids=torch.arange(5, 19)[None], **{CACHE_ARG: InplaceEvictionCache(8)})
 
 
+@pytest.mark.skipif(CACHE_ARG == "past_key_values",
+                    reason="transformers before 5.24 does not pass the position ids to the cache")
+def test_a_hybrid_model_keeps_its_sliding_layers_and_refuses_padding_first():
+    """A sliding-window first layer (as in GPT-OSS or Gemma) stays
+    transformers' own; a padded batch is refused before even that layer has
+    cached anything."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, use_sliding_window=True,
+                         sliding_window=6, layer_types=["sliding_attention", "full_attention"])
+    model = Qwen2ForCausalLM(config).eval()
+    cache = InplaceEvictionCache(8, evict_every=2, config=config)
+    assert not isinstance(cache.layers[0], InplaceEvictionLayer)
+    assert isinstance(cache.layers[1], InplaceEvictionLayer)
+    ids = prompt(batch=2, length=12)
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    with pytest.raises(ValueError, match="padded batches"), torch.no_grad():
+        model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False, pad_token_id=0,
+                       **{CACHE_ARG: cache})
+    assert [layer.get_seq_length() for layer in cache.layers] == [0, 0]
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=6, min_new_tokens=6, do_sample=False,
+                             **{CACHE_ARG: cache})
+    assert out.shape == (2, 18) and cache.layers[1].evictions >= 2
+    assert [layer.get_seq_length() for layer in cache.layers] == [17, 17]
+
+
 def test_bad_policies():
     for kwargs in (dict(budget=0), dict(budget=4, sink_tokens=3, recent_window=2),
                    dict(budget=4, evict_every=0), dict(budget=4, score="entropy"),

@@ -460,11 +460,13 @@ class InplaceEvictionCache(Cache):
         layers = []
         if config is not None:
             types, kwargs = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
-            for i, kind in enumerate(types):
+            # transformers 5.24 returns one kwargs dict per layer, earlier versions one for all
+            per_layer = kwargs if isinstance(kwargs, list) else [kwargs] * len(types)
+            for i, (kind, layer_kwargs) in enumerate(zip(types, per_layer)):
                 if kind == "full_attention":
                     layers.append(InplaceEvictionLayer(self.policy, i))
                 else:
-                    layers.append(DYNAMIC_LAYER_TYPE_MAPPING[kind](**kwargs))
+                    layers.append(DYNAMIC_LAYER_TYPE_MAPPING[kind](**layer_kwargs))
         super().__init__(layers=layers)
 
     def __repr__(self) -> str:
@@ -474,7 +476,15 @@ class InplaceEvictionCache(Cache):
                *args, **kwargs) -> tuple:
         while len(self.layers) <= layer_idx:
             self.layers.append(InplaceEvictionLayer(self.policy, len(self.layers)))
-        return self.layers[layer_idx].update(key_states, value_states, *args, **kwargs)
+        layer = self.layers[layer_idx]
+        if layer_idx == 0 and not isinstance(layer, InplaceEvictionLayer):
+            # A first layer of transformers' own (sliding window: GPT-OSS, Gemma) would
+            # cache a padded batch before an evicting layer refuses it: check here, against
+            # an evicting layer that has not seen this forward's tokens yet.
+            evicting = self._evicting_layers()
+            if evicting:
+                evicting[0]._check_positions(_position_ids(args, kwargs), key_states.shape[-2])
+        return layer.update(key_states, value_states, *args, **kwargs)
 
     def _evicting_layers(self) -> list:
         return [layer for layer in self.layers if isinstance(layer, InplaceEvictionLayer)]
