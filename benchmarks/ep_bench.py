@@ -36,8 +36,9 @@ Usage:
   python benchmarks/ep_bench.py --quick --no-plot   # gloo on the CPU, small sizes (a smoke test)
   torchrun --nproc-per-node 2 benchmarks/ep_bench.py
   python benchmarks/ep_bench.py --table-from benchmarks/results/ep-cuda.json --docs docs/distributed.md
-Writes OUT/ep-cuda.json (ep-cpu-quick.json with --quick) and its plot; with
---docs, replaces the <!-- bench:ep --> section of that file with the table.
+Writes OUT/ep-cuda.json (ep-cpu-quick.json with --quick) and its plot, OUT
+being --out (default imoe-results/, ignored by git); with --docs, replaces the
+<!-- bench:ep --> section of that file with the table.
 """
 
 from __future__ import annotations
@@ -374,12 +375,14 @@ def _mib(nbytes) -> str:
 
 
 def with_ratios(rows: list) -> list:
-    """Each row with its median over the reference's, same model, tokens and mode."""
+    """Each row with the reference's median over its own (times faster than
+    the torch reference; above 1, faster) and its peak over the reference's,
+    same model, tokens and mode."""
     ref = {(r["model"], r["tokens_per_rank"], r["mode"]): r for r in rows if r["impl"] == REFERENCE}
     out = []
     for r in rows:
         base = ref[(r["model"], r["tokens_per_rank"], r["mode"])]
-        out.append({**r, "time_vs_reference": r["median_ms"] / base["median_ms"],
+        out.append({**r, "speedup_vs_reference": base["median_ms"] / r["median_ms"],
                     "peak_vs_reference": (r["peak_transient_bytes"] / base["peak_transient_bytes"]
                                           if base.get("peak_transient_bytes") else None)})
     return out
@@ -388,14 +391,15 @@ def with_ratios(rows: list) -> list:
 def table(data: dict) -> str:
     rows = with_ratios(data["results"])
     has_mem = any("peak_transient_bytes" in r for r in rows)
-    head = ["model", "tokens / GPU", "mode", "implementation", "median ms", "min ms", "time / ref"]
+    head = ["model", "tokens / GPU", "mode", "implementation", "median ms", "min ms",
+            "x faster than torch ref"]
     if has_mem:
         head += ["peak transient MiB", "peak / ref", "reserved MiB before -> after"]
     head += ["bit-exact vs ref", "dropped"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         cells = [r["model"], str(r["tokens_per_rank"]), r["mode"], r["impl"], f"{r['median_ms']:.3f}",
-                 f"{r['min_ms']:.3f}", f"{r['time_vs_reference']:.2f}"]
+                 f"{r['min_ms']:.3f}", f"{r['speedup_vs_reference']:.2f}x"]
         if has_mem:
             cells += [_mib(r.get("peak_transient_bytes")),
                       f"{r['peak_vs_reference']:.2f}" if r["peak_vs_reference"] is not None else "",
@@ -445,12 +449,12 @@ def plot(data: dict, path: str) -> str:
         ax.set_ylabel(label, fontsize=8)
         ax.set_xticks([g + width / 2 for g in range(len(groups))])
         ax.set_xticklabels([f"{m}\nT={t}\n{mode}" for m, t, mode in groups], fontsize=6)
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
     m = data["machine"]
     axes[0, 0].set_title(f"expert-parallel dispatch + expert fn + combine, {m['world_size']} x "
                          f"{m.get('gpu') or m.get('cpu')} ({m['backend']})", fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
     return path
 
@@ -517,7 +521,9 @@ def parse(argv: list):
     p.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
     p.add_argument("--tokens", nargs="+", type=int, default=list(TOKENS), help="tokens per rank")
     p.add_argument("--runs", type=int, default=0, help="timed runs (default 50, 5 with --quick)")
-    p.add_argument("--out", default=os.path.join("benchmarks", "results"))
+    p.add_argument("--out", default="imoe-results",
+                   help="folder for JSON and plot (default imoe-results/, ignored by git; "
+                        "benchmarks/results to replace the committed results)")
     p.add_argument("--no-plot", dest="plot", action="store_false")
     p.add_argument("--docs", help="a markdown file whose <!-- bench:ep --> section gets the table")
     p.add_argument("--table-from", help="no run: table, plot and --docs from this JSON")

@@ -18,7 +18,8 @@ GPUs the group is replicated data-parallel), L = E / P local experts:
   indices; in place: the grouping's int32 plan workspace and int64
   permutation (N * 12 bytes) and the int64 indices [L, C].
 
-Prints a markdown table and writes benchmarks/results/scale-model.json.
+Prints a markdown table and writes --out (default imoe-results/scale-model.json;
+the committed figures are benchmarks/results/scale-model.json).
 """
 
 from __future__ import annotations
@@ -85,8 +86,9 @@ def table(rows: list) -> str:
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens-per-gpu", type=int, default=4096)
-    parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)),
-                                                      "results", "scale-model.json"))
+    parser.add_argument("--out", default=os.path.join("imoe-results", "scale-model.json"),
+                        help="the JSON to write (default imoe-results/scale-model.json, ignored by git; "
+                             "benchmarks/results/scale-model.json replaces the committed one)")
     args = parser.parse_args(argv)
     rows = [model_row(name, g, f, args.tokens_per_gpu) for name in MODELS for f in FACTORS for g in GPUS]
     print(table(rows))

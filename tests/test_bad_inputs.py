@@ -594,6 +594,14 @@ def restore_float_indices(fw, rng):
     return (lambda: imoe.restore_(x, idx)), [x, idx]
 
 
+@bad(ValueError, r"\bindices\b", "mode='move'")
+def restore_indices_of_a_move_compaction(fw, rng):
+    """A move overwrote the dropped tokens: its indices cannot undo it."""
+    x, s, _ = setup(fw, rng)
+    idx = imoe.compact_(x, s, C, mode="move").indices
+    return (lambda: imoe.restore_(x, idx)), [x, idx]
+
+
 @bad(ValueError, r"\bindices\b")
 def apply_map_indices_wrong_lead_shape(fw, rng):
     x = make_data((2, 8, 3), "int8", fw, rng)

@@ -14,6 +14,7 @@ random Llama built from a config (no download):
 
 from __future__ import annotations
 
+import inspect
 import math
 
 import pytest
@@ -31,6 +32,10 @@ from idempotent_moe.integrations.hf_cache import (  # noqa: E402
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM  # noqa: E402
 from transformers.cache_utils import Cache, CacheLayerMixin  # noqa: E402
 
+# The keyword that hands a cache to forward() and generate(): transformers 5.24
+# renamed past_key_values (deprecated there, a FutureWarning) to cache.
+CACHE_ARG = "cache" if "cache" in inspect.signature(LlamaForCausalLM.forward).parameters \
+    else "past_key_values"
 FLT_MAX = float(torch.finfo(torch.float32).max)
 ORDERS = native().ORDERS
 
@@ -186,7 +191,7 @@ class GatherCache(Cache):
 
 def run_generate(model, ids, cache, new_tokens=24):
     with torch.no_grad():
-        out = model.generate(ids, max_new_tokens=new_tokens, do_sample=False, past_key_values=cache,
+        out = model.generate(ids, max_new_tokens=new_tokens, do_sample=False, **{CACHE_ARG: cache},
                              output_logits=True, return_dict_in_generate=True, min_new_tokens=new_tokens)
     return out.sequences, torch.stack(out.logits)
 
@@ -270,6 +275,16 @@ def test_callable_scores_per_query_head_and_batch():
     assert torch.equal(seq, ref_seq) and torch.equal(logits, ref_logits)
 
 
+@pytest.mark.skipif(CACHE_ARG == "past_key_values",
+                    reason="this transformers does not deprecate past_key_values")
+def test_transformers_deprecations_fail_the_tests():
+    """conftest.py makes transformers' deprecation warnings errors: a call in
+    the deprecated style fails, so none creeps back into the tests."""
+    model, config = tiny_llama()
+    with pytest.raises(FutureWarning, match="past_key_values"), torch.no_grad():
+        model(prompt(length=4), past_key_values=DynamicCache(config=config))
+
+
 # --------------------------------------------------------------------------- positions and masks
 
 
@@ -285,7 +300,7 @@ def masked_reference_logits(model, config, ids, cache, steps):
     with torch.no_grad():
         for step in range(len(chunks) + steps):
             x = chunks[step] if step < len(chunks) else tokens[:, -1:]
-            out = model(x, past_key_values=cache)
+            out = model(x, **{CACHE_ARG: cache})
             held = cache.layers[0].positions  # [B, Hkv, L]
             for layer in cache.layers[1:]:
                 assert torch.equal(layer.positions, held)
@@ -299,7 +314,7 @@ def masked_reference_logits(model, config, ids, cache, steps):
                     allowed[b, h] = kept[None, :] & (torch.arange(total)[None, :] <= qpos[:, None])
             allowed = allowed.repeat_interleave(group, dim=1)
             mask = torch.zeros(allowed.shape).masked_fill(~allowed, torch.finfo(torch.float32).min)
-            ref = model(x, past_key_values=full, attention_mask=mask,
+            ref = model(x, **{CACHE_ARG: full}, attention_mask=mask,
                         position_ids=qpos[None].expand(x.shape[0], -1))
             ours.append(out.logits[:, -1])
             theirs.append(ref.logits[:, -1])
@@ -334,7 +349,7 @@ def test_positions_count_from_the_true_length():
     with torch.no_grad():
         x = ids
         for _ in range(10):
-            out = model(x, past_key_values=manual, logits_to_keep=1)
+            out = model(x, **{CACHE_ARG: manual}, logits_to_keep=1)
             got.append(out.logits[:, -1])
             x = out.logits[:, -1:].argmax(-1)
     assert manual.get_seq_length() == 25 + 9
@@ -354,7 +369,7 @@ def test_one_buffer_per_layer_reused_by_new_tokens():
     with torch.no_grad():
         x = ids
         for _ in range(20):
-            out = model(x, past_key_values=cache)
+            out = model(x, **{CACHE_ARG: cache})
             x = out.logits[:, -1:].argmax(-1)
             pointers.append([(layer._k.data_ptr(), layer._v.data_ptr()) for layer in cache.layers])
     # the prefill's own tensors were replaced by the steady buffer at the first eviction
@@ -376,11 +391,69 @@ def test_growth_without_decode_eviction_is_geometric():
     with torch.no_grad():
         x = prompt(length=12)
         for _ in range(30):
-            out = model(x, past_key_values=cache)
+            out = model(x, **{CACHE_ARG: cache})
             x = out.logits[:, -1:].argmax(-1)
             sizes.append(cache.layers[0].slots)
     assert cache.layers[0].length == 6 + 29 and cache.layers[0].evictions == 1
     assert len(set(sizes[1:])) <= 4  # 8 -> 16 -> 32 -> 64: a few reallocations, not one per step
+
+
+@pytest.mark.skipif(CACHE_ARG == "past_key_values",
+                    reason="transformers before 5.24 does not pass the position ids to the cache")
+def test_a_padded_batch_is_refused_before_anything_is_written():
+    """generate() numbers a left-padded row from its first real token: its
+    position ids do not follow the tokens the cache has seen, and the
+    padding mask could not follow the tokens an eviction moves."""
+    model, config = tiny_llama()
+    ids = prompt(batch=2, length=14)
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    cache = InplaceEvictionCache(8, evict_every=2, config=config)
+    with pytest.raises(ValueError, match="padded batches.*row 1"), torch.no_grad():
+        model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0,
+                       **{CACHE_ARG: cache})
+    assert all(layer.seen == 0 and layer.length == 0 and layer.slots == 0 for layer in cache.layers)
+    # the same prompts unpadded (an all-ones mask) generate as without a mask
+    ours = InplaceEvictionCache(8, evict_every=2, config=config)
+    with torch.no_grad():
+        seq = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6,
+                             do_sample=False, pad_token_id=0, **{CACHE_ARG: ours})
+    ref_seq, _ = run_generate(model, ids, InplaceEvictionCache(8, evict_every=2, config=config),
+                              new_tokens=6)
+    assert ours.layers[0].evictions >= 1 and torch.equal(seq, ref_seq)
+    # position ids that skip ahead of the tokens seen are refused alike
+    with pytest.raises(ValueError, match="padded batches"), torch.no_grad():
+        model(ids[:1], position_ids=torch.arange(5, 19)[None], **{CACHE_ARG: InplaceEvictionCache(8)})
+
+
+@pytest.mark.skipif(CACHE_ARG == "past_key_values",
+                    reason="transformers before 5.24 does not pass the position ids to the cache")
+def test_a_hybrid_model_keeps_its_sliding_layers_and_refuses_padding_first():
+    """A sliding-window first layer (as in GPT-OSS or Gemma) stays
+    transformers' own; a padded batch is refused before even that layer has
+    cached anything."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, use_sliding_window=True,
+                         sliding_window=6, layer_types=["sliding_attention", "full_attention"])
+    model = Qwen2ForCausalLM(config).eval()
+    cache = InplaceEvictionCache(8, evict_every=2, config=config)
+    assert not isinstance(cache.layers[0], InplaceEvictionLayer)
+    assert isinstance(cache.layers[1], InplaceEvictionLayer)
+    ids = prompt(batch=2, length=12)
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    with pytest.raises(ValueError, match="padded batches"), torch.no_grad():
+        model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False, pad_token_id=0,
+                       **{CACHE_ARG: cache})
+    assert [layer.get_seq_length() for layer in cache.layers] == [0, 0]
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=6, min_new_tokens=6, do_sample=False,
+                             **{CACHE_ARG: cache})
+    assert out.shape == (2, 18) and cache.layers[1].evictions >= 2
+    assert [layer.get_seq_length() for layer in cache.layers] == [17, 17]
 
 
 def test_bad_policies():
@@ -396,7 +469,7 @@ def test_crop_is_refused_and_evict_on_demand():
     model, config = tiny_llama()
     cache = InplaceEvictionCache(50, config=config)
     with torch.no_grad():
-        model(prompt(length=30), past_key_values=cache)
+        model(prompt(length=30), **{CACHE_ARG: cache})
     assert cache.evict(budget=10) == 2 * 20
     assert cache.layers[0].length == 10 and cache.get_seq_length() == 30
     with pytest.raises(NotImplementedError):
@@ -421,7 +494,7 @@ def test_gpu_peak_memory_below_dynamic_cache():
         before = torch.cuda.memory_allocated()
         with torch.no_grad():
             out = model.generate(ids, max_new_tokens=2048, min_new_tokens=2048, do_sample=False,
-                                 past_key_values=cache)
+                                 **{CACHE_ARG: cache})
         torch.cuda.synchronize()
         assert out.shape[1] == 512 + 2048
         return torch.cuda.max_memory_allocated() - before

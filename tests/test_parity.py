@@ -17,6 +17,7 @@ from conftest import (
     SCORE_DTYPES,
     assert_involution,
     bits,
+    clone,
     data_ptr,
     expected_after,
     is_torch,
@@ -313,6 +314,41 @@ def test_numpy_empty_arrays(x_shape):
     assert res.values.shape == (x_shape[0], min(3, x_shape[1]), 3)
     imoe.restore_(x, res.indices)
     assert imoe.idempotent_map(scores, 3, form="target_map").shape == x_shape[:2]
+
+
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_restore_knows_the_indices_of_a_move_compaction(framework, rng):
+    """restore_ refuses the index array a move-mode compact_ wrote (its
+    refusal, buffers unchanged, is a case of test_bad_inputs.py), and only
+    that array while it holds a move's map: a swap compaction into the same
+    out_indices, or a copy, restores as usual."""
+    import gc
+
+    from idempotent_moe import functional
+
+    x = make_data((3, 30, 4), "float32", framework, rng)
+    scores = make_scores((3, 30), "float32", framework, rng)
+    before = bits(x)
+    idx = imoe.compact_(x, scores, 9, mode="move").indices
+    with pytest.raises(ValueError, match="mode='move'"):
+        imoe.restore_(x, idx)
+    assert not np.array_equal(bits(x), before)
+    z = make_data((3, 30, 4), "float32", framework, rng)
+    z_before, copy = bits(z), clone(idx)
+    imoe.apply_map_(z, copy)  # the move's map applied in swap mode to another buffer
+    imoe.restore_(z, copy)    # a copy is not the array the move wrote
+    np.testing.assert_array_equal(bits(z), z_before)
+    y = make_data((3, 30, 4), "float32", framework, rng)
+    y_before = bits(y)
+    imoe.compact_(y, scores, 9, out_indices=idx)  # a swap compaction rewrites the array
+    imoe.restore_(y, idx)
+    np.testing.assert_array_equal(bits(y), y_before)
+    # the record is weak: the indices' death removes it
+    idx = imoe.compact_(x, scores, 9, mode="move").indices
+    entries = len(functional._move_indices)
+    del idx
+    gc.collect()
+    assert len(functional._move_indices) == entries - 1
 
 
 @pytest.mark.parametrize("framework", FRAMEWORKS)

@@ -76,3 +76,49 @@ def test_every_table_has_its_json(doc, tmp_path):
     filled = {key for key, body in SECTION.findall(copy.read_text()) if body.strip()}
     assert filled == keys, (f"{doc}: generated sections {sorted(keys - filled)} have no entry in "
                             "TABLES (document, result JSON, renderer)")
+
+
+# A speed ratio that does not read "x faster than ...": "vs torch" (ambiguous),
+# "time / torch" or "time / ref" (a slowdown).
+OTHER_RATIOS = re.compile(r"\| *(vs [^|]*|time / (torch|ref)[^|]*) *\|")
+
+
+@pytest.mark.parametrize("doc", _documents())
+def test_one_ratio_convention(doc):
+    """Every speed ratio in a generated table says how many times faster than
+    its baseline a row is: above 1 means faster."""
+    with open(os.path.join(ROOT, doc)) as f:
+        text = f.read()
+    for key, body in SECTION.findall(text):
+        header = body.strip().splitlines()[0]
+        assert not OTHER_RATIOS.search(header), f"{doc}, section {key}: {header}"
+
+
+def _cells(markdown: str) -> list:
+    lines = [ln for ln in markdown.splitlines() if ln.startswith("|") and not ln.startswith("|---")]
+    head = [c.strip() for c in lines[0].strip("|").split("|")]
+    return [dict(zip(head, (c.strip() for c in ln.strip("|").split("|")))) for ln in lines[1:]]
+
+
+def _row(impl: str, median_ms: float, kind: str, **extra) -> dict:
+    return {"impl": impl, "kind": kind, "median_ms": median_ms, "min_ms": median_ms, **extra}
+
+
+def test_faster_reads_above_one():
+    """A row twice as fast as torch shows 2.00x in every renderer."""
+    machine = {"device": "cpu", "cpu": "test", "threads": 1, "torch": "0", "date": "today",
+               "copy_bandwidth_GBps": 1.0}
+    main_rows = [{**_row(impl, ms, kind, mode="gather"), "workload": "W1", "dtype": "float16",
+                  "floor_ms": 0.5, "bit_exact": True}
+                 for impl, ms, kind in (("torch topk+gather", 2.0, "baseline"),
+                                        ("idempotent_moe move", 1.0, "ours"))]
+    report.add_speedups(main_rows)
+    cells = _cells(report.table({"machine": machine, "results": main_rows}))
+    assert cells[1]["x faster than torch"] == "2.00x"
+    permute_rows = [{**_row(impl, ms, kind), "workload": "permute", "bit_exact": True,
+                     "transient_bytes": 0, "time_ratio_vs_torch": ms / 2.0}
+                    for impl, ms, kind in (("torch index_select", 2.0, "baseline"),
+                                           ("idempotent_moe permute_", 1.0, "ours"))]
+    cells = _cells(permute.table({"machine": machine, "results": permute_rows}))
+    assert cells[1]["x faster than torch"] == "2.00x"
+

@@ -1,7 +1,13 @@
 """Command line: `python -m idempotent_moe bench` runs the main job (W1 and W2
 beside torch on the best device present: table, JSON and plot); `w4` runs one
 Mixtral MoE block through transformers' experts implementations and ours; `kv`
-runs W2 through the KV hook, the paged hook and the Hugging Face cache."""
+runs W2 through the KV hook, the paged hook and the Hugging Face cache.
+
+Results go to `--out` (default imoe-results/, which git ignores: a run in a
+clone changes no tracked file). The committed results change only when asked:
+`--readme FILE` / `--doc FILE` regenerate that file's table and write the JSON
+under benchmarks/results (or `--out`); `--out benchmarks/results` alone
+replaces the JSON."""
 
 from __future__ import annotations
 
@@ -9,22 +15,35 @@ import argparse
 import os
 import sys
 
+from .bench.report import COMMITTED_OUT, DEFAULT_OUT, output_dir
+from .bench.workloads import DTYPES, FULL
+
+WORKLOADS = tuple(FULL)
+
+
+def _out_help(doc_flag: str | None) -> str:
+    text = (f"folder for JSON and plot (default {DEFAULT_OUT}/, ignored by git; {COMMITTED_OUT} "
+            "holds the committed results")
+    if doc_flag:
+        text += f"; with {doc_flag} the default is {COMMITTED_OUT}"
+    return text + ")"
+
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m idempotent_moe")
     sub = parser.add_subparsers(dest="command", required=True)
     bench = sub.add_parser("bench", help="W1 and W2 beside torch topk + gather")
     bench.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    bench.add_argument("--workloads", default="W1,W2", help="comma-separated: W1,W2,W3")
+    bench.add_argument("--workloads", default="W1,W2", help=f"comma-separated: {','.join(WORKLOADS)}")
     bench.add_argument("--dtypes", default="",
-                       help="comma-separated torch dtypes (default: each workload's own dtype, "
-                            "and float32 too on the CPU)")
+                       help=f"comma-separated: {','.join(DTYPES)} (default: each workload's own "
+                            "dtype, and float32 too on the CPU)")
     bench.add_argument("--runs", type=int, default=0,
                        help="timed runs per row (default 15 on the CPU, 100 on the GPU)")
     bench.add_argument("--threads", type=int, default=0,
                        help="CPU threads for torch and idempotent_moe alike (default: torch's)")
     bench.add_argument("--quick", action="store_true", help="small shapes, for a smoke test")
-    bench.add_argument("--out", default="benchmarks/results", help="folder for JSON and plot")
+    bench.add_argument("--out", default=None, help=_out_help("--readme"))
     bench.add_argument("--no-plot", action="store_true")
     bench.add_argument("--readme", default=None,
                        help="regenerate the results table of this file (README.md, docs/results.md) "
@@ -33,7 +52,7 @@ def _parser() -> argparse.ArgumentParser:
     sweep.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     sweep.add_argument("--runs", type=int, default=0)
     sweep.add_argument("--quick", action="store_true", help="small sizes, for a smoke test")
-    sweep.add_argument("--out", default="benchmarks/results")
+    sweep.add_argument("--out", default=None, help=_out_help(None))
     sweep.add_argument("--no-plot", action="store_true")
     w4 = sub.add_parser("w4", help="W4: a Mixtral MoE block, eager and grouped_mm beside idempotent")
     w4.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
@@ -43,7 +62,7 @@ def _parser() -> argparse.ArgumentParser:
     w4.add_argument("--capacity-factors", default="1.0,1.25",
                     help="comma-separated capacity factors for capacity-mode rows ('' for none)")
     w4.add_argument("--quick", action="store_true", help="a reduced block on the CPU, for a smoke test")
-    w4.add_argument("--out", default="benchmarks/results")
+    w4.add_argument("--out", default=None, help=_out_help("--doc"))
     w4.add_argument("--no-plot", action="store_true")
     w4.add_argument("--doc", default=None,
                     help="regenerate the W4 table of this file (docs/moe.md) from the new JSON")
@@ -51,11 +70,12 @@ def _parser() -> argparse.ArgumentParser:
                     help="with --doc: regenerate the table from this JSON instead of running")
     kv = sub.add_parser("kv", help="W2 through the KV hook, the paged hook and the HF cache")
     kv.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    kv.add_argument("--dtypes", default="", help="comma-separated torch dtypes")
+    kv.add_argument("--dtypes", default="",
+                    help=f"comma-separated: {','.join(DTYPES)} (default float16, and float32 too on the CPU)")
     kv.add_argument("--runs", type=int, default=0)
     kv.add_argument("--threads", type=int, default=0)
     kv.add_argument("--quick", action="store_true", help="small shapes, for a smoke test")
-    kv.add_argument("--out", default="benchmarks/results")
+    kv.add_argument("--out", default=None, help=_out_help("--doc"))
     kv.add_argument("--no-plot", action="store_true")
     kv.add_argument("--doc", default=None,
                     help="regenerate the table of this file (docs/kv.md) from the new JSON")
@@ -72,13 +92,21 @@ def _parser() -> argparse.ArgumentParser:
                          help="with --doc: regenerate the table from this JSON instead of running")
     permute.add_argument("--threads", type=int, default=0, help="CPU threads (default: torch's)")
     permute.add_argument("--quick", action="store_true", help="small shapes, for a smoke test")
-    permute.add_argument("--out", default="benchmarks/results")
+    permute.add_argument("--out", default=None, help=_out_help("--doc"))
     permute.add_argument("--no-plot", action="store_true")
     readme = sub.add_parser("readme", help="regenerate main-job tables from result JSON files "
                                             "(README.md: the GPU table; docs/results.md: all)")
     readme.add_argument("json", nargs="+")
     readme.add_argument("--readme", default="README.md", help="the file to update")
     return parser
+
+
+def _names(text: str, flag: str, choices: tuple) -> tuple:
+    names = tuple(v.strip() for v in text.split(",") if v.strip())
+    unknown = [v for v in names if v not in choices]
+    if unknown:
+        raise SystemExit(f"{flag}: unknown {', '.join(unknown)}; choose from {', '.join(choices)}")
+    return names
 
 
 def _ints(text: str, flag: str) -> tuple:
@@ -100,19 +128,15 @@ def main(argv: list | None = None) -> int:
     if args.command == "bench":
         from .bench import Options, run
 
-        workloads = tuple(w.strip() for w in args.workloads.split(",") if w.strip())
-        unknown = [w for w in workloads if w not in ("W1", "W2", "W3")]
-        if unknown:
-            raise SystemExit(f"unknown workloads {unknown}: choose from W1, W2, W3")
-        run(Options(device=args.device, workloads=workloads,
-                    dtypes=tuple(d.strip() for d in args.dtypes.split(",") if d.strip()),
-                    runs=args.runs, threads=args.threads, quick=args.quick, out=args.out,
-                    plot=not args.no_plot, readme=args.readme))
+        run(Options(device=args.device, workloads=_names(args.workloads, "--workloads", WORKLOADS),
+                    dtypes=_names(args.dtypes, "--dtypes", DTYPES),
+                    runs=args.runs, threads=args.threads, quick=args.quick,
+                    out=output_dir(args.out, args.readme), plot=not args.no_plot, readme=args.readme))
     elif args.command == "sweep":
         from .bench.sweep import run as run_sweep
 
-        run_sweep(device=args.device, runs=args.runs, out=args.out, quick=args.quick,
-                  plot=not args.no_plot)
+        run_sweep(device=args.device, runs=args.runs, out=output_dir(args.out, None),
+                  quick=args.quick, plot=not args.no_plot)
     elif args.command == "w4":
         from .bench import w4 as w4_bench
 
@@ -126,7 +150,7 @@ def main(argv: list | None = None) -> int:
         w4_bench.run(device=device, runs=args.runs, quick=args.quick,
                      tokens=_ints(args.tokens, "--tokens"),
                      capacity_factors=_floats(args.capacity_factors, "--capacity-factors"),
-                     out=args.out, plot=not args.no_plot, doc=args.doc)
+                     out=output_dir(args.out, args.doc), plot=not args.no_plot, doc=args.doc)
     elif args.command == "kv":
         from .bench.kv import KVOptions, doc_from_json, run_kv
 
@@ -136,26 +160,30 @@ def main(argv: list | None = None) -> int:
             doc_from_json(args.doc, args.from_json)
             return 0
         run_kv(KVOptions(device=args.device, runs=args.runs, threads=args.threads, quick=args.quick,
-                         dtypes=tuple(d.strip() for d in args.dtypes.split(",") if d.strip()),
-                         out=args.out, plot=not args.no_plot, doc=args.doc))
+                         dtypes=_names(args.dtypes, "--dtypes", DTYPES),
+                         out=output_dir(args.out, args.doc), plot=not args.no_plot, doc=args.doc))
     elif args.command == "permute":
         from .bench.permute import doc_from_json as permute_doc
         from .bench.permute import run as run_permute
         from .bench.permute import run_cuda as run_permute_cuda
+        from .bench.report import require_section
 
+        out = output_dir(args.out, args.doc)
         if args.from_json:
             if not args.doc:
                 raise SystemExit("--from-json needs --doc")
             permute_doc(args.doc, args.from_json)
         elif args.device == "cuda":
-            run_permute_cuda(runs=args.runs, quick=args.quick, out=args.out, plot=not args.no_plot,
+            run_permute_cuda(runs=args.runs, quick=args.quick, out=out, plot=not args.no_plot,
                              doc=args.doc)
         else:
-            run_permute(runs=args.runs, threads=args.threads, quick=args.quick, out=args.out,
+            if args.doc:
+                require_section(args.doc, "permute:cpu")
+            run_permute(runs=args.runs, threads=args.threads, quick=args.quick, out=out,
                         plot=not args.no_plot)
             if args.doc:
                 stem = "permute-cpu" + ("-quick" if args.quick else "")
-                permute_doc(args.doc, os.path.join(args.out, stem + ".json"))
+                permute_doc(args.doc, os.path.join(out, stem + ".json"))
     elif args.command == "readme":
         from .bench.report import readme_from_json
 

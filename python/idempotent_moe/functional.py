@@ -31,6 +31,7 @@ as above: 7 x rows x N, "ordered" plan workspace in both.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -196,6 +197,28 @@ def _capacity(capacity: Any, active: Any) -> int:
     return _arrays.check_int(capacity, "capacity", minimum=None)
 
 
+# The index arrays a move-mode compact_ wrote last, by id, while they live
+# (weak references: nothing is kept alive). restore_ refuses them: a move
+# overwrote the dropped tokens, so "undoing" it would scramble the buffer. An
+# object without weak references (a DLPack capsule) is not tracked.
+_move_indices: dict = {}
+
+
+def _track_move_indices(indices: Any, mode: str) -> None:
+    key = id(indices)
+    _move_indices.pop(key, None)
+    if mode == "move":
+        try:
+            _move_indices[key] = weakref.ref(indices, lambda _, key=key: _move_indices.pop(key, None))
+        except TypeError:
+            pass
+
+
+def _from_move(indices: Any) -> bool:
+    ref = _move_indices.get(id(indices))
+    return ref is not None and ref() is indices
+
+
 def compact_(
     x: Any,
     scores: Any = None,
@@ -260,7 +283,8 @@ def compact_(
 
     Returns Compacted(values, indices): values is a view of x narrowed to
     [:C'] on `dim` (a tuple of views for a list of buffers). A call that
-    raises leaves every buffer and output exactly as it was.
+    raises leaves every buffer and output exactly as it was. The indices of
+    a move-mode call are remembered (weakly): `restore_` refuses them.
     """
     bufs, many = _buffers(x)
     scores, active = _selector(scores, active_indices, bufs[0])
@@ -279,6 +303,7 @@ def compact_(
         workspace=_workspace(workspace, bufs[0], order, _prod(lead), n),
         num_threads=resolve_num_threads(num_threads), stream=_arrays.dlpack_stream(bufs[0]),
     )
+    _track_move_indices(out_indices, mode)
     views = tuple(_arrays.narrow(b, d, kept) for b, d in zip(bufs, dims))
     return Compacted(views if many else views[0], out_indices)
 
@@ -408,8 +433,14 @@ def restore_(x: Any, indices: Any, *, dim: int | None = None, order: str = "inpl
     dropped slots in [C', N) in ascending order, so their permutation is
     indices ++ (the other slots, ascending) and its inverse is applied
     (with the plan workspace of `compact_`). "stable" and "score" undo alike.
-    A move-mode compaction cannot be undone (its dropped tokens are gone).
-    Returns x."""
+    A move-mode compaction cannot be undone (its dropped tokens are gone):
+    ValueError for the indices array such a compaction wrote, unless a swap
+    compaction has written it since. Returns x."""
+    if _from_move(indices):
+        raise ValueError(
+            "restore_ undoes swap compactions only: these indices were written by "
+            "compact_(..., mode='move'), which overwrote the dropped tokens (to restore another "
+            "buffer compacted in swap mode with them, pass a copy)")
     bufs, _ = _buffers(x)
     _arrays.check_array(indices, "indices")
     dims = _dims(bufs, dim, indices, False)

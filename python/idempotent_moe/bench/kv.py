@@ -18,14 +18,13 @@ compacted cache and the original index of every kept token:
 
 Every row is checked bit for bit against its baseline (same kept set, every
 kept token identical to the original at its reported index). JSON and a plot
-go under benchmarks/results/ (kv-DEVICE.json / .png).
+go under --out (kv-DEVICE.json / .png; default imoe-results/).
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
-import os
 from dataclasses import dataclass
 
 from . import report, workloads
@@ -42,7 +41,7 @@ class KVOptions:
     runs: int = 0
     threads: int = 0
     quick: bool = False
-    out: str = os.path.join("benchmarks", "results")
+    out: str = report.DEFAULT_OUT
     plot: bool = True
     doc: str | None = None  # regenerate the table between <!-- kv:DEVICE --> markers here
 
@@ -182,6 +181,8 @@ def run_kv(opts: KVOptions) -> dict:
     import torch
 
     device = pick_device(opts.device)
+    if opts.doc:
+        report.require_section(opts.doc, f"kv:{device}")
     threads = opts.threads or torch.get_num_threads()
     torch.set_num_threads(threads)
     runs = opts.runs or (100 if device == "cuda" else 15)

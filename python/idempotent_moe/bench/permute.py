@@ -2,8 +2,8 @@
 a random permutation of T x D bf16 rows (and a rotation, one cycle), dropless
 grouping by expert and its inverse, and the "stable" / "score" orders of a
 compaction. Every row is checked bit for bit against torch; JSON and a plot go
-to benchmarks/results/permute-cpu[-quick].{json,png}. "time / torch" is the
-median time over that of torch's out-of-place form (below 1: faster); torch's
+to OUT/permute-cpu[-quick].{json,png}. "x faster than torch" is the median
+time of torch's out-of-place form over this row's (above 1: faster); torch's
 time includes allocating its output, so a row with a preallocated `out=` is
 given too for the permutation itself.
 
@@ -18,12 +18,11 @@ for bit against the out-of-place baseline, peak memory allocated by one call
 (max_memory_allocated minus what was allocated before) and the reserved pool
 before/after; "time / gather floor" divides by the time a plain copy of the
 buffer takes (every row read and written once). Results in
-benchmarks/results/permute-cuda[-quick].{json,png}.
+OUT/permute-cuda[-quick].{json,png}.
 """
 
 from __future__ import annotations
 
-import os
 import sys
 from dataclasses import dataclass
 from typing import Callable
@@ -285,13 +284,15 @@ def _cuda_group_cases(t: int, d: int, experts: int, gen) -> list:
     ]
 
 
-def run_cuda(runs: int = 0, quick: bool = False, out: str = os.path.join("benchmarks", "results"),
+def run_cuda(runs: int = 0, quick: bool = False, out: str = report.DEFAULT_OUT,
              plot: bool = True, doc: str | None = None) -> dict:
     """The GPU half (see the module docstring); `doc`: regenerate its table there."""
     import torch
 
     if not (torch.cuda.is_available() and imoe.cuda_available()):
         raise SystemExit("--device cuda needs a GPU and a CUDA build of idempotent_moe")
+    if doc:
+        report.require_section(doc, "permute:cuda")
     sizes = CUDA_QUICK if quick else CUDA_FULL
     runs = max(runs or 100, 100) if not quick else (runs or 10)
     gen = torch.Generator().manual_seed(0)
@@ -328,6 +329,7 @@ def run_cuda(runs: int = 0, quick: bool = False, out: str = os.path.join("benchm
     for r in rows:
         base = next(b for b in rows if b["workload"] == r["workload"] and b["kind"] == "baseline")
         r["time_ratio_vs_torch"] = r["median_ms"] / base["median_ms"]
+        r["speedup_vs_torch"] = base["median_ms"] / r["median_ms"]
     data = {"machine": runner._machine("cuda", torch.get_num_threads(), bandwidth), "quick": quick,
             "results": rows}
     stem = "permute-cuda" + ("-quick" if quick else "")
@@ -354,7 +356,7 @@ def doc_from_json(doc: str, json_path: str) -> None:
 
 
 def run(runs: int = 0, threads: int = 0, quick: bool = False,
-        out: str = os.path.join("benchmarks", "results"), plot: bool = True) -> dict:
+        out: str = report.DEFAULT_OUT, plot: bool = True) -> dict:
     import torch
 
     sizes = QUICK if quick else FULL
@@ -391,6 +393,7 @@ def run(runs: int = 0, threads: int = 0, quick: bool = False,
     for r in rows:
         base = next(b for b in rows if b["workload"] == r["workload"] and b["kind"] == "baseline")
         r["time_ratio_vs_torch"] = r["median_ms"] / base["median_ms"]
+        r["speedup_vs_torch"] = base["median_ms"] / r["median_ms"]
     data = {"machine": runner._machine("cpu", threads, bandwidth), "quick": quick, "results": rows}
     stem = "permute-cpu" + ("-quick" if quick else "")
     paths = report.write_results(data, out, stem, _plot if plot else None)
@@ -403,24 +406,31 @@ def run(runs: int = 0, threads: int = 0, quick: bool = False,
     return data
 
 
+def _speedup(r: dict) -> float:
+    """Times faster than the workload's torch baseline; result files written
+    before speedup_vs_torch was recorded have its inverse only."""
+    return r["speedup_vs_torch"] if "speedup_vs_torch" in r else 1.0 / r["time_ratio_vs_torch"]
+
+
 def table(data: dict) -> str:
     rows = data["results"]
     if any("peak_allocated_bytes" in r for r in rows):  # CUDA: measured memory
-        lines = ["| workload | impl | median ms | min ms | time / torch | time / gather floor | "
+        lines = [f"| workload | impl | median ms | min ms | {report.SPEEDUP_HEAD} | time / gather floor | "
                  "bit-exact | peak alloc MiB | reserved MiB before -> after |",
                  "|---|---|---:|---:|---:|---:|:-:|---:|---|"]
         for r in rows:
             lines.append(
                 f"| {r['workload']} | {r['impl']} | {r['median_ms']:.3f} | {r['min_ms']:.3f} | "
-                f"{r['time_ratio_vs_torch']:.2f} | {r['time_over_gather_floor']:.2f} | "
+                f"{_speedup(r):.2f}x | {r['time_over_gather_floor']:.2f} | "
                 f"{'yes' if r['bit_exact'] else 'NO'} | {r['peak_allocated_bytes'] / 2**20:.2f} | "
                 f"{r['reserved_before_bytes'] / 2**20:.0f} -> {r['reserved_after_bytes'] / 2**20:.0f} |")
     else:
-        lines = ["| workload | impl | median ms | min ms | time / torch | bit-exact | transient MiB |",
+        lines = [f"| workload | impl | median ms | min ms | {report.SPEEDUP_HEAD} | bit-exact | "
+                 "transient MiB |",
                  "|---|---|---:|---:|---:|:-:|---:|"]
         for r in rows:
             lines.append(f"| {r['workload']} | {r['impl']} | {r['median_ms']:.3f} | "
-                         f"{r['min_ms']:.3f} | {r['time_ratio_vs_torch']:.2f} | "
+                         f"{r['min_ms']:.3f} | {_speedup(r):.2f}x | "
                          f"{'yes' if r['bit_exact'] else 'NO'} | {r['transient_bytes'] / 2**20:.2f} |")
     m = data["machine"]
     where = m.get("gpu") or f"{m['cpu']}, {m['threads']} threads"
@@ -448,8 +458,8 @@ def _plot(data: dict, path: str) -> str:
     y = list(range(len(labels)))[::-1]
     ax.barh(y, values, color=colors)
     for yy, v, r in zip(y, values, [r for w in workloads for r in rows if r["workload"] == w]):
-        ax.text(v, yy, f" {v:.2f} ms ({r['time_ratio_vs_torch']:.2f}x torch)", va="center",
-                fontsize=7)
+        what = "the torch baseline" if r["kind"] == "baseline" else f"{_speedup(r):.2f}x faster than torch"
+        ax.text(v, yy, f" {v:.2f} ms ({what})", va="center", fontsize=7)
     ax.set_yticks(y)
     ax.set_yticklabels(labels, fontsize=7)
     ax.set_xscale("log")
@@ -461,6 +471,6 @@ def _plot(data: dict, path: str) -> str:
     else:
         ax.set_title(f"permutation engine on the CPU ({m['cpu']}, {m['threads']} threads)", fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
     return path

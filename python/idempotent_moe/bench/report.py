@@ -7,6 +7,34 @@ import json
 import os
 import re
 
+# Where a run writes its JSON and plot unless told otherwise: a folder that git
+# ignores (.gitignore), so that running a benchmark in a clone changes no
+# tracked file. The committed results (benchmarks/results/ and the tables of
+# README.md and docs/, which tests/test_results_tables.py checks against each
+# other) change only when asked: --out benchmarks/results, --readme, --doc.
+DEFAULT_OUT = "imoe-results"
+COMMITTED_OUT = os.path.join("benchmarks", "results")
+
+
+def output_dir(out: str | None, doc: str | None) -> str:
+    """The folder a run writes to: `out` when given; else, when the run is to
+    regenerate a document's table (`doc`), the committed results, so that the
+    table and the JSON it is checked against change together; else DEFAULT_OUT."""
+    if out:
+        return out
+    return COMMITTED_OUT if doc else DEFAULT_OUT
+
+
+# The one ratio convention of every table and plot: how many times faster
+# than torch (the baseline's median over this row's; above 1, we are faster).
+SPEEDUP_HEAD = "x faster than torch"
+
+
+def legend_outside(ax, **kwargs) -> None:
+    """The legend to the right of the axes, where it hides no bar or line
+    (savefig(bbox_inches="tight") keeps it in the picture)."""
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0, **kwargs)
+
 
 def add_speedups(rows: list) -> None:
     """speedup = torch baseline median / this median, same workload and dtype."""
@@ -25,7 +53,7 @@ def _mib(nbytes) -> str:
 def table(data: dict, markdown: bool = True) -> str:
     rows = data["results"]
     has_mem = any("peak_allocated_bytes" in r for r in rows)
-    head = ["workload", "dtype", "implementation", "median ms", "min ms", "vs torch",
+    head = ["workload", "dtype", "implementation", "median ms", "min ms", SPEEDUP_HEAD,
             "time / floor", "bit-exact"]
     if has_mem:
         head += ["host ms / call", "peak alloc MiB", "reserved MiB before -> after"]
@@ -69,14 +97,29 @@ def write(data: dict, out_dir: str, plot: bool = True) -> list:
     return write_results(data, out_dir, _stem(data), _plot if plot else None)
 
 
+def _section_text(path: str, key: str) -> str:
+    start, end = f"<!-- {key} -->", f"<!-- /{key} -->"
+    try:
+        with open(path) as f:
+            content = f.read()
+    except OSError as e:
+        raise SystemExit(f"cannot read {path}: {e.strerror}") from None
+    if start not in content or end not in content:
+        raise SystemExit(f"{path} has no {start} ... {end} section to update")
+    return content
+
+
+def require_section(path: str, key: str) -> None:
+    """Exit before a run whose table could not be written: `path` must hold
+    a <!-- key --> ... <!-- /key --> section."""
+    _section_text(path, key)
+
+
 def replace_section(path: str, key: str, render) -> None:
     """Replace what stands between <!-- key --> and <!-- /key --> in a file
     with render(), called once the markers are found."""
     start, end = f"<!-- {key} -->", f"<!-- /{key} -->"
-    with open(path) as f:
-        content = f.read()
-    if start not in content or end not in content:
-        raise SystemExit(f"{path} has no {start} ... {end} section to update")
+    content = _section_text(path, key)
     pattern = re.compile(re.escape(start) + ".*?" + re.escape(end), re.S)
     text = render()
     with open(path, "w") as f:
@@ -120,9 +163,9 @@ def _plot(data: dict, path: str) -> str:
     m = data["machine"]
     ax.set_title(f"end to end, scores to compacted buffer + indices: {m.get('gpu') or m['cpu']}",
                  fontsize=9)
-    ax.legend(fontsize=8)
+    legend_outside(ax, fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
     return path
 

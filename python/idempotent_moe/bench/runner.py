@@ -26,7 +26,7 @@ class Options:
     runs: int = 0
     threads: int = 0
     quick: bool = False
-    out: str = os.path.join("benchmarks", "results")
+    out: str = report.DEFAULT_OUT
     plot: bool = True
     readme: str | None = None
 
@@ -164,6 +164,8 @@ def run(opts: Options) -> dict:
     import torch
 
     device = pick_device(opts.device)
+    if opts.readme:
+        report.require_section(opts.readme, f"bench:{device}")
     threads = opts.threads or torch.get_num_threads()
     torch.set_num_threads(threads)
     runs = opts.runs or (100 if device == "cuda" else 15)

@@ -3,8 +3,6 @@ topk + gather (as W1), every point checked bit for bit."""
 
 from __future__ import annotations
 
-import os
-
 from . import report, runner, workloads
 from .timing import copy_bandwidth
 
@@ -30,7 +28,7 @@ def _points(total_bytes: int) -> list:
     return points
 
 
-def run(device: str = "auto", runs: int = 0, out: str = os.path.join("benchmarks", "results"),
+def run(device: str = "auto", runs: int = 0, out: str = report.DEFAULT_OUT,
         quick: bool = False, plot: bool = True) -> dict:
     import torch
 
@@ -86,11 +84,11 @@ def _plot(data: dict, path: str) -> str:
         ax.set_xlabel(axis)
         ax.set_ylabel("time / floor of its mode")
         ax.grid(alpha=0.3)
-    plots[0].legend(fontsize=8)
+    report.legend_outside(plots[-1], fontsize=8)
     m = data["machine"]
     fig.suptitle(f"W5 sweeps (fp16 rows; N sweep at keep 1/2, row 2 KiB): {m.get('gpu') or m['cpu']}",
                  fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
     return path

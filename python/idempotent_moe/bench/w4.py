@@ -21,7 +21,6 @@ relative difference). `--quick` runs a reduced block on the CPU in seconds.
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass
 
 from . import report, runner
@@ -136,7 +135,7 @@ def _max_diff(a, b) -> float:
 
 
 def run(device: str = "auto", runs: int = 0, quick: bool = False, tokens: tuple = (),
-        capacity_factors: tuple = CAPACITY_FACTORS, out: str = os.path.join("benchmarks", "results"),
+        capacity_factors: tuple = CAPACITY_FACTORS, out: str = report.DEFAULT_OUT,
         plot: bool = True, doc: str | None = None) -> dict:
     import torch
 
@@ -145,6 +144,8 @@ def run(device: str = "auto", runs: int = 0, quick: bool = False, tokens: tuple 
 
     register()
     device = _device(device)
+    if doc:
+        report.require_section(doc, "bench:w4")
     shape = QUICK if quick else FULL
     if tokens:
         shape = Block(shape.hidden, shape.intermediate, shape.experts, shape.top_k, tuple(tokens),
@@ -249,7 +250,8 @@ def _mib(nbytes) -> str:
 def table(data: dict) -> str:
     rows = data["results"]
     has_mem = any("peak_allocated_bytes" in r for r in rows)
-    head = ["tokens", "implementation", "median ms", "min ms", "vs eager", "vs grouped_mm", "host ms"]
+    head = ["tokens", "implementation", "median ms", "min ms", "x faster than eager",
+            "x faster than grouped_mm", "host ms"]
     if has_mem:
         head += ["peak alloc MiB", "reserved MiB before -> after"]
     head += ["dropped", "check"]
@@ -333,8 +335,8 @@ def _plot(data: dict, path: str) -> str:
         ax.set_ylabel(label)
     m = data["machine"]
     axes[0][0].set_title(f"W4 Mixtral MoE block: {m.get('gpu') or m.get('cpu')}", fontsize=9)
-    axes[0][0].legend(fontsize=7)
+    report.legend_outside(axes[0][-1], fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
     return path

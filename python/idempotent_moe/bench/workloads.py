@@ -36,6 +36,8 @@ QUICK = {
 }
 # The dtype each workload is defined with (on the CPU, C1 also runs float32).
 DTYPE = {"W1": "float16", "W2": "float16", "W3": "bfloat16"}
+# The dtypes a run takes (--dtypes), on every device and workload.
+DTYPES = ("float32", "float16", "bfloat16")
 
 FLUSH_BYTES = 256 << 20
 
@@ -129,13 +131,30 @@ def torch_baseline(p: Problem) -> Impl:
     return Impl(name, "baseline", "gather", run)
 
 
+def _numpy_view(t):
+    """A NumPy view of a CPU tensor's memory, and the name of the dtype it
+    reads: a dtype NumPy lacks (bfloat16, the float8s) is read as the
+    integer of its width, which moves the same bytes."""
+    import torch
+
+    try:
+        return t.numpy(), None
+    except TypeError:
+        as_int = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
+        return t.view(as_int).numpy(), str(as_int).replace("torch.", "")
+
+
 def numpy_baseline(p: Problem) -> Impl:
     """argpartition + take_along_axis on NumPy views of the same memory."""
     import numpy as np
 
     s, d, keep, sinks = p.shape, p.dim, p.shape.keep, p.shape.sinks
-    work = [w.numpy() for w in p.work]
+    views = [_numpy_view(w) for w in p.work]
+    work = [v for v, _ in views]
     scores = p.scores.numpy()
+    name = "numpy argpartition+take"
+    if views[0][1]:  # the row says that NumPy moved the tokens as integers
+        name += f" ({str(p.dtype).replace('torch.', '')} as {views[0][1]})"
 
     def run():
         part = np.argpartition(-scores[..., sinks:], keep - sinks - 1, axis=-1)[..., : keep - sinks]
@@ -145,7 +164,7 @@ def numpy_baseline(p: Problem) -> Impl:
             idx = np.sort(np.concatenate([prefix, idx], axis=-1), axis=-1)
         return [np.take_along_axis(w, idx[..., None], axis=d) for w in work], idx
 
-    return Impl("numpy argpartition+take", "baseline", "gather", run)
+    return Impl(name, "baseline", "gather", run)
 
 
 def ours(p: Problem, mode: str, threads: int) -> Impl:

@@ -1,7 +1,8 @@
 """A Hugging Face transformers (5.x) cache that evicts in place.
 
 `InplaceEvictionCache(budget, ...)` is a `transformers.Cache` for
-`model.generate(..., past_key_values=cache)`. Each full-attention layer keeps
+`model.generate(..., cache=cache)` (`past_key_values=cache` before
+transformers 5.24, which renamed the argument). Each full-attention layer keeps
 its keys and values in one preallocated buffer per layer,
 [batch, kv_heads, slots, head_dim], with a valid length: new tokens are
 written into the next free slots (no `torch.cat` per step), and an eviction
@@ -32,7 +33,11 @@ A prompt longer than the steady buffer is held in the prompt's own K and V
 tensors (no copy) until its eviction; the kept tokens then move once into the
 steady buffer and the prompt-sized tensors are freed: memory falls to
 `slots` per layer. Batches must not be padded (the padding mask cannot
-follow tokens that moved); one sequence, or prompts of equal length.
+follow tokens that moved); one sequence, or prompts of equal length. A
+padded batch is refused (ValueError, before anything is written) where
+transformers hands the position ids to the cache (5.24 on): `generate()`
+derives them from the attention mask, so a padded row does not count on
+from the tokens the cache has seen.
 """
 
 from __future__ import annotations
@@ -100,6 +105,16 @@ class EvictionPolicy:
             raise ValueError(f"order must be one of {native().ORDERS}, got {self.order!r}")
         if self.slots < self.budget + 1:
             raise ValueError(f"max_cache_len ({self.slots}) must exceed budget ({self.budget})")
+
+
+def _position_ids(args: tuple, kwargs: dict) -> torch.Tensor | None:
+    """The position ids of the tokens being cached, where transformers passes
+    them to `Cache.update` (5.24 on: the attention's keyword arguments, as
+    `kwargs={"position_ids": ...}`); None where it does not."""
+    for where in (kwargs, kwargs.get("kwargs"), *args):
+        if isinstance(where, dict) and isinstance(where.get("position_ids"), torch.Tensor):
+            return where["position_ids"]
+    return None
 
 
 class InplaceEvictionLayer(CacheLayerMixin):
@@ -216,9 +231,33 @@ class InplaceEvictionLayer(CacheLayerMixin):
 
     # ---- the CacheLayerMixin interface
 
+    def _check_positions(self, position_ids: torch.Tensor | None, q: int) -> None:
+        """Refuse tokens whose position ids do not count on from the tokens
+        seen: a padded batch (generate() numbers each row from its first
+        unmasked token), whose padding mask could not follow the tokens an
+        eviction moves. Checked when a prompt or chunk arrives (q > 1) or the
+        layer is empty: a decode step would pay a host synchronisation."""
+        if position_ids is None or position_ids.dim() != 2 or position_ids.shape[-1] != q:
+            return
+        if q == 1 and self.seen > 0:
+            return
+        expected = torch.arange(self.seen, self.seen + q, device=position_ids.device)
+        wrong = (position_ids != expected).any(dim=-1)
+        if bool(wrong.any()):
+            row = int(wrong.nonzero()[0, 0])
+            raise ValueError(
+                "InplaceEvictionCache does not support padded batches (an attention mask with "
+                f"padding): the position ids of row {row} ({position_ids[row, :4].tolist()}...) do "
+                f"not count on from the {self.seen} tokens the cache has seen, and a padding mask "
+                "cannot follow the tokens an eviction moves. Generate one sequence at a time, or "
+                "prompts of equal length without padding.")
+
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs) -> tuple:
         """Evict if an eviction is due, write the new tokens into the next free
-        slots, and return views of the valid slots [B, H, length, D]."""
+        slots, and return views of the valid slots [B, H, length, D]. Refuses
+        (ValueError, nothing written) tokens whose position ids, where
+        transformers passes them, do not follow the tokens seen: a padded batch."""
+        self._check_positions(_position_ids(args, kwargs), key_states.shape[-2])
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         if self._pending:
@@ -371,7 +410,10 @@ class InplaceEvictionCache(Cache):
 
     cache = InplaceEvictionCache(budget=256, sink_tokens=4, recent_window=32,
                                  evict_every=64, config=model.config)
-    out = model.generate(input_ids, past_key_values=cache, max_new_tokens=512)
+    out = model.generate(input_ids, cache=cache, max_new_tokens=512)
+
+    One sequence, or prompts of equal length: a padded batch is refused
+    (ValueError) where transformers passes the position ids to the cache.
 
     budget         tokens kept per layer after an eviction.
     sink_tokens    the first logical positions, always kept.
@@ -418,11 +460,13 @@ class InplaceEvictionCache(Cache):
         layers = []
         if config is not None:
             types, kwargs = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
-            for i, kind in enumerate(types):
+            # transformers 5.24 returns one kwargs dict per layer, earlier versions one for all
+            per_layer = kwargs if isinstance(kwargs, list) else [kwargs] * len(types)
+            for i, (kind, layer_kwargs) in enumerate(zip(types, per_layer)):
                 if kind == "full_attention":
                     layers.append(InplaceEvictionLayer(self.policy, i))
                 else:
-                    layers.append(DYNAMIC_LAYER_TYPE_MAPPING[kind](**kwargs))
+                    layers.append(DYNAMIC_LAYER_TYPE_MAPPING[kind](**layer_kwargs))
         super().__init__(layers=layers)
 
     def __repr__(self) -> str:
@@ -432,7 +476,15 @@ class InplaceEvictionCache(Cache):
                *args, **kwargs) -> tuple:
         while len(self.layers) <= layer_idx:
             self.layers.append(InplaceEvictionLayer(self.policy, len(self.layers)))
-        return self.layers[layer_idx].update(key_states, value_states, *args, **kwargs)
+        layer = self.layers[layer_idx]
+        if layer_idx == 0 and not isinstance(layer, InplaceEvictionLayer):
+            # A first layer of transformers' own (sliding window: GPT-OSS, Gemma) would
+            # cache a padded batch before an evicting layer refuses it: check here, against
+            # an evicting layer that has not seen this forward's tokens yet.
+            evicting = self._evicting_layers()
+            if evicting:
+                evicting[0]._check_positions(_position_ids(args, kwargs), key_states.shape[-2])
+        return layer.update(key_states, value_states, *args, **kwargs)
 
     def _evicting_layers(self) -> list:
         return [layer for layer in self.layers if isinstance(layer, InplaceEvictionLayer)]
