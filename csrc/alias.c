@@ -7,7 +7,7 @@
  *     NumPy test: with the axes sorted by |stride|, each stride spans at
  *     least every byte the faster axes reach;
  *   - two views share no byte when their extents are disjoint, or when every
- *     byte of each is `base + k * period + [0, block)` for a common period
+ *     byte of each is `lo + k * period + [0, block)` for a common period
  *     and the blocks fall into disjoint residues (K and V as the halves of
  *     one fused tensor).
  */
@@ -117,7 +117,8 @@ static int may_overlap(const imoe_alias_arg *a, const imoe_alias_arg *b) {
   block_and_period(b->view, &b_block, &b_period);
   const int64_t period = gcd64(a_period, b_period);
   if (period == 0) return 1;
-  int64_t shift = ((int64_t)(intptr_t)b->view->data - (int64_t)(intptr_t)a->view->data) % period;
+  /* From the lowest byte: with |strides|, every byte is lo + sum(j * |s|). */
+  int64_t shift = (b->lo - a->lo) % period;
   if (shift < 0) shift += period;
   return !(shift >= a_block && shift + b_block <= period);
 }

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds and runs the C tests of the core under ASan and UBSan, once
-# without and once with OpenMP, then (where clang has libFuzzer) the fuzz
-# target for ${FUZZ_SECONDS:-30} seconds. Exits non-zero on any failure.
+# without and once with OpenMP, then (where clang has libFuzzer) the two fuzz
+# targets for ${FUZZ_SECONDS:-30} seconds in all. Exits non-zero on any failure.
 #   CC            compiler for the unit tests (default gcc)
 #   BUILD_DIR     where binaries go (default: a temporary directory)
 #   FUZZ_SECONDS  fuzzing time; 0 skips the fuzzer
@@ -44,16 +44,22 @@ if [ "$fuzz_seconds" = 0 ]; then
 elif ! command -v clang >/dev/null 2>&1; then
   echo "== fuzz: skipped (no clang on PATH)"
 else
-  echo "== fuzz: build"
-  clang -std=c11 -Wall -Wextra -Werror -Wno-missing-field-initializers -O1 -g -fsanitize=fuzzer,address,undefined \
-    -fno-sanitize-recover=all -I"$root/csrc" "${lib[@]}" "${support[@]}" \
-    "$here/fuzz_compact.c" -lm -o "$out/fuzz_compact"
-  echo "== fuzz: inputs that once failed (tests/c/fuzz_regressions/)"
-  "$out/fuzz_compact" "$here"/fuzz_regressions/*
-  echo "== fuzz: run for ${fuzz_seconds}s"
-  mkdir -p "$out/corpus"
-  cp "$here"/fuzz_regressions/* "$out/corpus/"
-  "$out/fuzz_compact" -max_total_time="$fuzz_seconds" -max_len=4096 -print_final_stats=1 \
-    "$out/corpus"
+  # Two targets share the time: compaction parity (fuzz_compact.c) and
+  # aliased arguments carved out of one arena (fuzz_alias.c).
+  half=$(( (fuzz_seconds + 1) / 2 ))
+  for target in compact alias; do
+    echo "== fuzz $target: build"
+    clang -std=c11 -Wall -Wextra -Werror -Wno-missing-field-initializers -O1 -g \
+      -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=all -I"$root/csrc" "${lib[@]}" \
+      $([ $target = compact ] && echo "${support[@]}") "$here/fuzz_$target.c" -lm \
+      -o "$out/fuzz_$target"
+    seeds=("$here"/fuzz_regressions/$target/*)
+    echo "== fuzz $target: inputs that once failed"
+    "$out/fuzz_$target" "${seeds[@]}"
+    echo "== fuzz $target: run for ${half}s"
+    mkdir -p "$out/corpus_$target"
+    cp "${seeds[@]}" "$out/corpus_$target/"
+    "$out/fuzz_$target" -max_total_time="$half" -print_final_stats=1 "$out/corpus_$target"
+  done
 fi
 echo "== all C tests passed"
