@@ -39,8 +39,9 @@ def build(src_dir, out_dir, arch, defines):
     objs, reports = [], []
     for cu in sorted(glob.glob(os.path.join(src_dir, "cuda", "*.cu"))):
         obj = os.path.join(out_dir, os.path.basename(cu) + ".o")
-        cmd = ["nvcc", "-c", cu, "-o", obj, "-O3", "-std=c++17", "-Xcompiler", "-fPIC", "--expt-relaxed-constexpr",
-               "-I" + os.path.join(src_dir, "csrc"), f"-gencode=arch=compute_{arch[3:]},code={arch}", "-Xptxas", "-v"]
+        cmd = ["nvcc", "-c", cu, "-o", obj, "-O3", "-std=c++17", "-Xcompiler", "-fPIC",
+               "--expt-relaxed-constexpr", "-I" + os.path.join(src_dir, "csrc"),
+               f"-gencode=arch=compute_{arch[3:]},code={arch}", "-Xptxas", "-v"]
         cmd += ["-D" + d for d in defines]
         res = subprocess.run(cmd, capture_output=True, text=True)
         if res.returncode:
@@ -94,7 +95,9 @@ def classify(a, b):
     if a == b:
         return "identical"
     if len(a) == len(b):
-        cb = lambda s: re.sub(r"c\[0x[04]\]\[[^\]]*\]", "c[*]", ENC.sub("", s)).strip()
+        def cb(s):
+            return re.sub(r"c\[0x[04]\]\[[^\]]*\]", "c[*]", ENC.sub("", s)).strip()
+
         diffs = [(x, y) for x, y in zip(a, b) if x != y]
         if all(cb(x) == cb(y) for x, y in diffs):
             return f"cbank-only({sum(1 for x, _ in diffs if not ENC.fullmatch(x))})"
