@@ -85,8 +85,10 @@ class BuildExt(build_ext):
         # device check in cuda/imoe_launch.cu counts on this layout).
         gencode = [f"-gencode=arch=compute_{arch},code=sm_{arch}" for arch in archs]
         gencode.append(f"-gencode=arch=compute_{archs[-1]},code=compute_{archs[-1]}")
-        flags = ["-O3", "-std=c++17", "-Xcompiler", "-fPIC,-fvisibility=hidden", "--expt-relaxed-constexpr",
-                 "--threads", "0", "-Icsrc", *gencode]
+        # No sized operator delete: it would need libstdc++'s CXXABI_1.3.9
+        # (GCC 5), which manylinux2014 systems lack.
+        flags = ["-O3", "-std=c++17", "-Xcompiler", "-fPIC,-fvisibility=hidden,-fno-sized-deallocation",
+                 "--expt-relaxed-constexpr", "--threads", "0", "-Icsrc", *gencode]
         # The objects hold no Python: one set serves every interpreter, and
         # is rebuilt when a source, a header, nvcc or the flags change.
         key = hashlib.sha256(" ".join([os.path.realpath(nvcc), *flags]).encode()).hexdigest()[:12]

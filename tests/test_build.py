@@ -5,6 +5,7 @@ means a device that runs the kernels, not only kernels compiled in."""
 from __future__ import annotations
 
 import ctypes
+import os
 import shutil
 import subprocess
 
@@ -31,6 +32,20 @@ def _driver_loadable() -> bool:
 def _needed(path: str) -> list:
     out = subprocess.run(["readelf", "-d", path], capture_output=True, text=True, check=True).stdout
     return [line.split("[", 1)[1].rstrip("]") for line in out.splitlines() if "(NEEDED)" in line]
+
+
+@pytest.mark.skipif("IMOE_EXPECT_INSTALLED_IN" not in os.environ,
+                    reason="set by .ci/run, which tests an installed wheel")
+def test_the_installed_package_is_under_test():
+    prefix = os.path.realpath(os.environ["IMOE_EXPECT_INSTALLED_IN"]) + os.sep
+    assert os.path.realpath(imoe.__file__).startswith(prefix), imoe.__file__
+    assert os.path.realpath(_C.__file__).startswith(prefix), _C.__file__
+
+
+@pytest.mark.skipif(os.environ.get("IMOE_EXPECT_CUDA_COMPILED") != "1",
+                    reason="set by .ci/run, whose wheel must carry the CUDA kernels")
+def test_the_build_has_its_cuda_kernels():
+    assert imoe.cuda_compiled()
 
 
 @pytest.mark.skipif(shutil.which("readelf") is None, reason="needs readelf (binutils)")
