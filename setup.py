@@ -91,7 +91,8 @@ class BuildExt(build_ext):
                  "--expt-relaxed-constexpr", "--threads", "0", "-Icsrc", *gencode]
         # The objects hold no Python: one set serves every interpreter, and
         # is rebuilt when a source, a header, nvcc or the flags change.
-        key = hashlib.sha256(" ".join([os.path.realpath(nvcc), *flags]).encode()).hexdigest()[:12]
+        version = subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout
+        key = hashlib.sha256(" ".join([version, *flags]).encode()).hexdigest()[:12]
         obj_dir = os.path.join(ROOT, "build", f"cuda-{key}")
         os.makedirs(obj_dir, exist_ok=True)
         headers = _rel("cuda/*.cuh") + _rel("csrc/*.h")

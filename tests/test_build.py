@@ -75,3 +75,62 @@ def test_cuda_available_with_a_device():
 
     assert imoe.cuda_compiled() and imoe.cuda_available()
     assert 1 <= _C.cuda_device_count() <= torch.cuda.device_count()
+
+
+# --------------------------------------------------------------------------- tools/glibc_compat.py
+
+def _glibc_compat():
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "tools" / "glibc_compat.py"
+    spec = importlib.util.spec_from_file_location("glibc_compat", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _glibc_versions(path: str) -> set:
+    out = subprocess.run(["objdump", "-T", path], capture_output=True, text=True, check=True).stdout
+    found = set()
+    for line in out.splitlines():
+        for field in line.split():
+            name = field.strip("()")
+            if name.startswith("GLIBC_2"):
+                found.add(tuple(int(p) for p in name[6:].split(".")))
+    return found
+
+
+needs_toolchain = pytest.mark.skipif(
+    shutil.which("objdump") is None or shutil.which("gcc") is None, reason="needs gcc and objdump")
+
+
+@needs_toolchain
+def test_glibc_compat_lowers_the_moved_symbols(tmp_path):
+    lib = subprocess.run(["gcc", "-print-file-name=libgomp.so.1"], capture_output=True, text=True,
+                         check=True).stdout.strip()
+    if not os.path.isabs(lib) or max(_glibc_versions(lib)) <= (2, 17):
+        pytest.skip("this machine's libgomp asks for no glibc newer than 2.17")
+    copy = str(tmp_path / "libgomp.so.1")
+    shutil.copy(lib, copy)
+    result = _glibc_compat().lower(copy, (2, 17))
+    assert result["blocked"] == [] and result["lowered"]
+    assert max(_glibc_versions(copy)) <= (2, 17)
+    lowered = {name: old for name, _, old in result["lowered"]}
+    if "pthread_create" in lowered:
+        assert lowered["pthread_create"] == "GLIBC_2.2.5"
+    ctypes.CDLL(copy)  # still loads here: the old versions are compatibility symbols
+
+
+@needs_toolchain
+def test_glibc_compat_refuses_functions_older_glibcs_lack(tmp_path):
+    src = tmp_path / "new.c"
+    src.write_text("#include <stdlib.h>\nunsigned f(void) { return arc4random(); }\n")
+    so = str(tmp_path / "libnew.so")
+    build = subprocess.run(["gcc", "-shared", "-fPIC", str(src), "-o", so], capture_output=True)
+    if build.returncode or (2, 36) not in _glibc_versions(so):
+        pytest.skip("this glibc has no arc4random (2.36)")
+    before = open(so, "rb").read()
+    result = _glibc_compat().lower(so, (2, 17))
+    assert ("arc4random", "GLIBC_2.36") in result["blocked"]
+    assert open(so, "rb").read() == before
