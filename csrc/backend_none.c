@@ -7,6 +7,8 @@
 
 int imoe_backend_has_cuda(void) { return 0; }
 
+int imoe_backend_device_count(void) { return 0; }
+
 imoe_status imoe_cuda_build_map(const imoe_selection *sel, const imoe_view *out_indices,
                                 const imoe_view *out_target_map, const imoe_exec *exec,
                                 imoe_error *err) {

@@ -186,6 +186,14 @@ const char *imoe_status_string(imoe_status status);
 /* 1 when this library was built with the CUDA launchers, else 0. */
 int imoe_cuda_compiled(void);
 
+/* The CUDA devices this build can run its kernels on now: visible devices
+ * whose compute capability the build has machine code or PTX for. 0 in a
+ * build without CUDA, without a driver, or without such a device; never an
+ * error, and no CUDA error is left pending. Counted on the first call
+ * (which initialises the driver, as any CUDA call does, but creates no
+ * context), then cached for the process. */
+int imoe_cuda_device_count(void);
+
 /*
  * The options' names, one table for every layer above the C API (the Python
  * API takes mode="swap", order="stable", nan="lowest", ...):

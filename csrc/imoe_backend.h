@@ -43,6 +43,12 @@ extern "C" {
 /* 1 when the CUDA launchers are linked into this build, else 0. */
 int imoe_backend_has_cuda(void);
 
+/* The CUDA devices the launchers can run on now: visible devices whose
+ * compute capability the build has code for. 0 without a driver or a device
+ * (no CUDA error is left behind) and in a build without CUDA. Counted once
+ * per process; it initialises the driver but creates no context. */
+int imoe_backend_device_count(void);
+
 /* imoe_build_map on the device: writes out_indices and/or out_target_map. */
 imoe_status imoe_cuda_build_map(const imoe_selection *sel, const imoe_view *out_indices,
                                 const imoe_view *out_target_map, const imoe_exec *exec,

@@ -33,6 +33,10 @@ int imoe_cuda_compiled(void) {
   return imoe_backend_has_cuda();
 }
 
+int imoe_cuda_device_count(void) {
+  return imoe_backend_device_count();
+}
+
 imoe_status imoe_take_device_status(const imoe_exec *exec, imoe_status *recorded,
                                     imoe_error *err) {
   if (recorded == NULL) return imoe_fail(err, IMOE_ERR_ARGUMENT, "recorded is NULL");

@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <mutex>
 
 namespace imoe_cu {
 
@@ -242,3 +243,54 @@ imoe_status check_workspace(const char *fn, int32_t *ws, int64_t elems, int64_t 
 }
 
 }  // namespace imoe_cu
+
+// ------------------------------------------------------------ devices
+namespace imoe_cu {
+namespace {
+// The virtual architectures this build was compiled for, ascending (nvcc's
+// __CUDA_ARCH_LIST__: 800, 900, 1000, ...). Every build of the project
+// (setup.py's IMOE_CUDA_ARCHS, nvcc -arch=sm_XY) has machine code for each of
+// them and PTX for the last.
+constexpr int kBuildArchs[] = {__CUDA_ARCH_LIST__};
+constexpr int kNumBuildArchs = sizeof kBuildArchs / sizeof kBuildArchs[0];
+
+// Whether a device of compute capability major.minor runs the build: machine
+// code for sm_XY runs on X.Y and later minors of major X; the PTX of the last
+// architecture is compiled by the driver for any later capability.
+bool runs_build(int major, int minor) {
+  const int cc = major * 100 + minor * 10;
+  if (cc >= kBuildArchs[kNumBuildArchs - 1]) return true;
+  for (int i = 0; i < kNumBuildArchs; ++i)
+    if (kBuildArchs[i] / 100 == major && kBuildArchs[i] <= cc) return true;
+  return false;
+}
+
+int count_runnable_devices() {
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess) {
+    (void)cudaGetLastError();  // no driver or no device: 0, and nothing left for the next call to see
+    return 0;
+  }
+  int runnable = 0;
+  for (int dev = 0; dev < count; ++dev) {
+    int major = 0, minor = 0;
+    if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
+        cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev) != cudaSuccess) {
+      (void)cudaGetLastError();
+      continue;
+    }
+    if (runs_build(major, minor)) ++runnable;
+  }
+  return runnable;
+}
+}  // namespace
+}  // namespace imoe_cu
+
+extern "C" int imoe_backend_device_count(void) {
+  // The visible devices are fixed when the driver initialises, so the count
+  // holds for the process (and a missing driver is not looked for again).
+  static std::once_flag once;
+  static int count = 0;
+  std::call_once(once, [] { count = imoe_cu::count_runnable_devices(); });
+  return count;
+}

@@ -73,7 +73,22 @@ def get_num_threads() -> int:
 
 
 def cuda_available() -> bool:
-    """True when this build of idempotent_moe has its CUDA kernels."""
+    """True when a CUDA device can run this build's kernels now: the build has
+    them (`cuda_compiled()`), a driver is loaded and at least one visible
+    device has a compute capability the build has code for. False otherwise,
+    also when the native part is missing; never raises. The first call
+    initialises the CUDA driver (as `torch.cuda.is_available()` does) but
+    creates no context; the answer is kept for the process."""
+    try:
+        return native().cuda_device_count() > 0
+    except ImportError:
+        return False
+
+
+def cuda_compiled() -> bool:
+    """True when this build of idempotent_moe contains its CUDA kernels
+    (nvcc was present when it was built), whether or not a device is here.
+    False also when the native part is missing; never raises."""
     try:
         return bool(native().cuda_compiled())
     except ImportError:

@@ -559,6 +559,7 @@ static void test_status_strings(void) {
   CHECK(imoe_status_string((imoe_status)99) != NULL, "unknown status string");
   /* The C tests link the core with csrc/backend_none.c. */
   CHECK(imoe_cuda_compiled() == 0, "cuda not compiled");
+  CHECK(imoe_cuda_device_count() == 0, "no CUDA device usable without the CUDA backend");
 }
 
 int main(void) {

@@ -87,6 +87,16 @@ static PyObject *py_cuda_compiled(PyObject *self, PyObject *unused) {
   return PyBool_FromLong(imoe_cuda_compiled());
 }
 
+static PyObject *py_cuda_device_count(PyObject *self, PyObject *unused) {
+  (void)self;
+  (void)unused;
+  int count;
+  Py_BEGIN_ALLOW_THREADS
+  count = imoe_cuda_device_count();
+  Py_END_ALLOW_THREADS
+  return PyLong_FromLong(count);
+}
+
 /* ---- the module ---- */
 
 #define FASTCALL(f) (PyCFunction)(void (*)(void))(f), METH_FASTCALL | METH_KEYWORDS
@@ -139,6 +149,9 @@ static PyMethodDef methods[] = {
      "imoe_paged_workspace_elems: int32 elements of the paged workspace."},
     {"cuda_compiled", py_cuda_compiled, METH_NOARGS,
      "cuda_compiled() -> bool\n\nWhether this build has the CUDA launchers."},
+    {"cuda_device_count", py_cuda_device_count, METH_NOARGS,
+     "cuda_device_count() -> int\n\nimoe_cuda_device_count: the CUDA devices this build can run its "
+     "kernels on now (0 without CUDA, a driver or such a device)."},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef module_def = {
