@@ -31,7 +31,7 @@ run() { "$@" 2>>"$log" | tee -a "$log" || status=1; }
 step "clean build"
 rm -rf build python/idempotent_moe/_C*.so
 python -m pip install --no-build-isolation -e . >>"$log" 2>&1 || { tail -40 "$log"; exit 1; }
-python -c "import idempotent_moe as m, torch; print('cuda build:', m.cuda_available(), \
+python -c "import idempotent_moe as m, torch; print('cuda build:', m.cuda_compiled(), 'device:', m.cuda_available(), \
   torch.cuda.device_count(), 'x', torch.cuda.get_device_name(0), 'torch', torch.__version__)" 2>&1 | tee -a "$log"
 gpus=$(python -c "import torch; print(torch.cuda.device_count())")
 
