@@ -18,6 +18,18 @@
 
 #include "imoe_internal.h"
 
+/* One argument of a call, with its byte extent [lo, hi) once computed. */
+typedef struct imoe_alias_arg {
+  const imoe_view *view;
+  const char *name;
+  int index; /* >= 0: the message says name[index] */
+  int written;
+  int is_buffer;
+  int may_be_a_buffer;
+  int empty;
+  int64_t lo, hi;
+} imoe_alias_arg;
+
 typedef struct axis {
   int64_t shape, stride; /* stride as |stride| */
 } axis;
@@ -135,51 +147,12 @@ static int same_slots(const imoe_view *a, const imoe_view *b) {
   return 1;
 }
 
-int imoe_alias_add_buffers(imoe_alias_arg *args, int count, const imoe_view *buffers,
-                           int32_t num_buffers) {
-  for (int32_t b = 0; b < num_buffers; b++) {
-    args[count++] = (imoe_alias_arg){&buffers[b], "buffers", (int)b, 1, 1, 0, 0, 0, 0};
-  }
-  return count;
-}
-
-int imoe_alias_add(imoe_alias_arg *args, int count, const imoe_view *view, const char *name,
-                   int written) {
-  if (view == NULL) return count;
-  args[count++] = (imoe_alias_arg){view, name, -1, written, 0, 0, 0, 0, 0};
-  return count;
-}
-
-int imoe_alias_add_selection(imoe_alias_arg *args, int count, const imoe_selection *sel) {
-  if (sel->scores != NULL) {
-    args[count++] = (imoe_alias_arg){sel->scores, "scores", -1, 0, 0, 1, 0, 0, 0};
-    return count;
-  }
-  return imoe_alias_add(args, count, sel->active, "active_indices", 0);
-}
-
-imoe_view imoe_workspace_view(const int32_t *workspace, int64_t workspace_elems) {
-  imoe_view v;
-  memset(&v, 0, sizeof v);
-  v.data = (void *)(uintptr_t)workspace;
-  v.n = workspace == NULL || workspace_elems <= 0 ? 0 : 1;
-  v.row_bytes = workspace_elems > 0 ? workspace_elems * (int64_t)sizeof(int32_t) : 1;
-  v.dtype = IMOE_DTYPE_BYTES;
-  return v;
-}
-
-int imoe_alias_all_empty(const imoe_alias_arg *args, int count) {
-  for (int i = 0; i < count; i++)
-    if (!args[i].empty && strcmp(args[i].name, "workspace") != 0) return 0;
-  return 1;
-}
-
 static void arg_name(const imoe_alias_arg *a, char *out, size_t size) {
   if (a->index >= 0) snprintf(out, size, "%s[%d]", a->name, a->index);
   else snprintf(out, size, "%s", a->name);
 }
 
-imoe_status imoe_check_aliasing(imoe_alias_arg *args, int count, imoe_error *err) {
+static imoe_status check_aliasing(imoe_alias_arg *args, int count, imoe_error *err) {
   for (int i = 0; i < count; i++) {
     imoe_alias_arg *a = &args[i];
     a->empty = a->view == NULL || imoe_view_is_empty(a->view);
@@ -213,4 +186,41 @@ imoe_status imoe_check_aliasing(imoe_alias_arg *args, int count, imoe_error *err
     }
   }
   return IMOE_OK;
+}
+
+static int add(imoe_alias_arg *args, int count, const imoe_view *view, const char *name, int index,
+               int written, int is_buffer, int may_be_a_buffer) {
+  if (view == NULL) return count;
+  args[count] = (imoe_alias_arg){view, name, index, written, is_buffer, may_be_a_buffer, 0, 0, 0};
+  return count + 1;
+}
+
+imoe_status imoe_check_call(const imoe_call_args *call, int *empty, imoe_error *err) {
+  imoe_alias_arg args[IMOE_MAX_BUFFERS + 6];
+  int count = 0;
+  for (int32_t b = 0; b < call->num_buffers; b++)
+    count = add(args, count, &call->buffers[b], "buffers", (int)b, 1, 1, 0);
+  if (call->sel != NULL) {
+    count = call->sel->scores != NULL
+                ? add(args, count, call->sel->scores, "scores", -1, 0, 0, 1)
+                : add(args, count, call->sel->active, "active_indices", -1, 0, 0, 0);
+  }
+  for (int i = 0; i < 2; i++) {
+    count = add(args, count, call->read[i], call->read_name[i], -1, 0, 0, 0);
+    count = add(args, count, call->out[i], call->out_name[i], -1, 1, 0, 0);
+  }
+  /* The caller's int32 workspace as one slot of bytes. */
+  imoe_view ws;
+  memset(&ws, 0, sizeof ws);
+  ws.data = (void *)(uintptr_t)call->workspace;
+  ws.n = call->workspace != NULL && call->workspace_elems > 0 ? 1 : 0;
+  ws.row_bytes = call->workspace_elems > 0 ? call->workspace_elems * (int64_t)sizeof(int32_t) : 1;
+  ws.dtype = IMOE_DTYPE_BYTES;
+  const int data_args = count;
+  count = add(args, count, &ws, "workspace", -1, 1, 0, 0);
+  const imoe_status st = check_aliasing(args, count, err);
+  *empty = 1;
+  for (int i = 0; i < data_args; i++)
+    if (!args[i].empty) *empty = 0;
+  return st;
 }

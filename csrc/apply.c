@@ -46,10 +46,9 @@ static imoe_status check_map_args(const imoe_view *buffers, int32_t num_buffers,
   st = imoe_check_mode(mode, err);
   if (st == IMOE_OK) st = imoe_check_exec(exec, err);
   if (st != IMOE_OK) return st;
-  imoe_alias_arg args[IMOE_MAX_ALIAS_ARGS];
-  int count = imoe_alias_add_buffers(args, 0, buffers, num_buffers);
-  count = imoe_alias_add(args, count, map, name, 0);
-  return imoe_check_aliasing(args, count, err);
+  int empty;
+  const imoe_call_args call = {buffers, num_buffers, NULL, {map}, {name}, {NULL}, {NULL}, NULL, 0};
+  return imoe_check_call(&call, &empty, err);
 }
 
 static imoe_status apply_map(const imoe_view *buffers, int32_t num_buffers, const imoe_view *map,

@@ -5,6 +5,11 @@
  * so these only keep the link complete; each answers IMOE_ERR_UNSUPPORTED. */
 #include "imoe_backend.h"
 
+/* Every launcher ignores its arguments. */
+#if defined(__GNUC__)
+#pragma GCC diagnostic ignored "-Wunused-parameter"
+#endif
+
 int imoe_backend_has_cuda(void) { return 0; }
 
 int imoe_backend_device_count(void) { return 0; }
@@ -12,11 +17,6 @@ int imoe_backend_device_count(void) { return 0; }
 imoe_status imoe_cuda_build_map(const imoe_selection *sel, const imoe_view *out_indices,
                                 const imoe_view *out_target_map, const imoe_exec *exec,
                                 imoe_error *err) {
-  (void)sel;
-  (void)out_indices;
-  (void)out_target_map;
-  (void)exec;
-  (void)err;
   return IMOE_ERR_UNSUPPORTED;
 }
 
@@ -24,44 +24,22 @@ imoe_status imoe_cuda_compact(const imoe_view *buffers, int32_t num_buffers,
                               const imoe_selection *sel, const imoe_view *out_indices,
                               const imoe_view *out_target_map, imoe_mode mode,
                               const imoe_exec *exec, imoe_error *err) {
-  (void)buffers;
-  (void)num_buffers;
-  (void)sel;
-  (void)out_indices;
-  (void)out_target_map;
-  (void)mode;
-  (void)exec;
-  (void)err;
   return IMOE_ERR_UNSUPPORTED;
 }
 
 imoe_status imoe_cuda_apply_indices(const imoe_view *buffers, int32_t num_buffers,
                                     const imoe_view *indices, imoe_mode mode, const imoe_exec *exec,
                                     imoe_error *err) {
-  (void)buffers;
-  (void)num_buffers;
-  (void)indices;
-  (void)mode;
-  (void)exec;
-  (void)err;
   return IMOE_ERR_UNSUPPORTED;
 }
 
 imoe_status imoe_cuda_apply_target_map(const imoe_view *buffers, int32_t num_buffers,
                                        const imoe_view *target_map, imoe_mode mode,
                                        const imoe_exec *exec, imoe_error *err) {
-  (void)buffers;
-  (void)num_buffers;
-  (void)target_map;
-  (void)mode;
-  (void)exec;
-  (void)err;
   return IMOE_ERR_UNSUPPORTED;
 }
 
 imoe_status imoe_cuda_read_device_status(const imoe_exec *exec, int32_t *status_out) {
-  (void)exec;
-  (void)status_out;
   return IMOE_ERR_UNSUPPORTED;
 }
 
@@ -70,29 +48,12 @@ imoe_status imoe_cuda_paged_apply_target_map(const imoe_view *buffers, int32_t n
                                              const imoe_view *target_map, imoe_mode mode,
                                              int32_t *workspace, int64_t workspace_elems,
                                              const imoe_exec *exec, imoe_error *err) {
-  (void)buffers;
-  (void)num_buffers;
-  (void)block_tables;
-  (void)target_map;
-  (void)mode;
-  (void)workspace;
-  (void)workspace_elems;
-  (void)exec;
-  (void)err;
   return IMOE_ERR_UNSUPPORTED;
 }
 
 imoe_status imoe_cuda_permute(const imoe_view *buffers, int32_t num_buffers, const imoe_view *perm,
                               int32_t inverse, int32_t *workspace, int64_t workspace_elems,
                               const imoe_exec *exec, imoe_error *err) {
-  (void)buffers;
-  (void)num_buffers;
-  (void)perm;
-  (void)inverse;
-  (void)workspace;
-  (void)workspace_elems;
-  (void)exec;
-  (void)err;
   return IMOE_ERR_UNSUPPORTED;
 }
 
@@ -100,14 +61,6 @@ imoe_status imoe_cuda_apply_ordered(const imoe_view *buffers, int32_t num_buffer
                                     const imoe_view *indices, int32_t restore, int32_t *workspace,
                                     int64_t workspace_elems, const imoe_exec *exec,
                                     imoe_error *err) {
-  (void)buffers;
-  (void)num_buffers;
-  (void)indices;
-  (void)restore;
-  (void)workspace;
-  (void)workspace_elems;
-  (void)exec;
-  (void)err;
   return IMOE_ERR_UNSUPPORTED;
 }
 
@@ -116,15 +69,6 @@ imoe_status imoe_cuda_compact_ordered(const imoe_view *buffers, int32_t num_buff
                                       const imoe_view *out_indices, int32_t *workspace,
                                       int64_t workspace_elems, const imoe_exec *exec,
                                       imoe_error *err) {
-  (void)buffers;
-  (void)num_buffers;
-  (void)sel;
-  (void)order;
-  (void)out_indices;
-  (void)workspace;
-  (void)workspace_elems;
-  (void)exec;
-  (void)err;
   return IMOE_ERR_UNSUPPORTED;
 }
 
@@ -132,14 +76,6 @@ imoe_status imoe_cuda_build_map_ordered(const imoe_selection *sel, imoe_order or
                                         const imoe_view *out_indices, int32_t *workspace,
                                         int64_t workspace_elems, const imoe_exec *exec,
                                         imoe_error *err) {
-  (void)sel;
-  (void)order;
-  (void)n;
-  (void)out_indices;
-  (void)workspace;
-  (void)workspace_elems;
-  (void)exec;
-  (void)err;
   return IMOE_ERR_UNSUPPORTED;
 }
 
@@ -148,15 +84,5 @@ imoe_status imoe_cuda_group_by_expert(const imoe_view *buffers, int32_t num_buff
                                       const imoe_view *out_offsets, const imoe_view *out_perm,
                                       int32_t *workspace, int64_t workspace_elems,
                                       const imoe_exec *exec, imoe_error *err) {
-  (void)buffers;
-  (void)num_buffers;
-  (void)expert_ids;
-  (void)num_experts;
-  (void)out_offsets;
-  (void)out_perm;
-  (void)workspace;
-  (void)workspace_elems;
-  (void)exec;
-  (void)err;
   return IMOE_ERR_UNSUPPORTED;
 }

@@ -124,15 +124,11 @@ imoe_status imoe_build_map(const imoe_selection *sel, const imoe_view *out_indic
   }
   if (st == IMOE_OK) st = imoe_check_exec(exec, err);
   if (st != IMOE_OK) return st;
-  imoe_alias_arg args[IMOE_MAX_ALIAS_ARGS];
-  const imoe_view ws = imoe_workspace_view(workspace, workspace_elems);
-  int count = imoe_alias_add_selection(args, 0, sel);
-  count = imoe_alias_add(args, count, out_indices, "out_indices", 1);
-  count = imoe_alias_add(args, count, out_target_map, "out_target_map", 1);
-  count = imoe_alias_add(args, count, &ws, "workspace", 1);
-  st = imoe_check_aliasing(args, count, err);
-  if (st != IMOE_OK) return st;
-  if (imoe_alias_all_empty(args, count)) return IMOE_OK;
+  int empty;
+  const imoe_call_args call = {NULL, 0, sel, {NULL}, {NULL}, {out_indices, out_target_map},
+                               {"out_indices", "out_target_map"}, workspace, workspace_elems};
+  st = imoe_check_call(&call, &empty, err);
+  if (st != IMOE_OK || empty) return st;
   if (imoe_on_cuda(exec)) {
     if (sel->order != IMOE_ORDER_INPLACE) {
       return imoe_cuda_build_map_ordered(sel, sel->order, n, out_indices, workspace,
@@ -207,16 +203,12 @@ imoe_status imoe_compact(const imoe_view *buffers, int32_t num_buffers, const im
   if (st == IMOE_OK) st = imoe_check_mode(mode, err);
   if (st == IMOE_OK) st = imoe_check_exec(exec, err);
   if (st != IMOE_OK) return st;
-  imoe_alias_arg args[IMOE_MAX_ALIAS_ARGS];
-  const imoe_view ws = imoe_workspace_view(workspace, workspace_elems);
-  int count = imoe_alias_add_buffers(args, 0, buffers, num_buffers);
-  count = imoe_alias_add_selection(args, count, sel);
-  count = imoe_alias_add(args, count, out_indices, "out_indices", 1);
-  count = imoe_alias_add(args, count, out_target_map, "out_target_map", 1);
-  count = imoe_alias_add(args, count, &ws, "workspace", 1);
-  st = imoe_check_aliasing(args, count, err);
-  if (st != IMOE_OK) return st;
-  if (imoe_alias_all_empty(args, count)) return IMOE_OK;
+  int empty;
+  const imoe_call_args call = {buffers, num_buffers, sel, {NULL}, {NULL},
+                               {out_indices, out_target_map}, {"out_indices", "out_target_map"},
+                               workspace, workspace_elems};
+  st = imoe_check_call(&call, &empty, err);
+  if (st != IMOE_OK || empty) return st;
   if (imoe_on_cuda(exec)) {
     if (sel->order != IMOE_ORDER_INPLACE) {
       return imoe_cuda_compact_ordered(buffers, num_buffers, sel, sel->order, out_indices,

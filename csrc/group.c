@@ -105,16 +105,12 @@ imoe_status imoe_group_by_expert(const imoe_view *buffers, int32_t num_buffers,
   if (st == IMOE_OK && out_perm != NULL) st = check_output(out_perm, "out_perm", &buffers[0], n, err);
   if (st == IMOE_OK) st = imoe_check_exec(exec, err);
   if (st != IMOE_OK) return st;
-  imoe_alias_arg args[IMOE_MAX_ALIAS_ARGS];
-  const imoe_view ws = imoe_workspace_view(workspace, workspace_elems);
-  int count = imoe_alias_add_buffers(args, 0, buffers, num_buffers);
-  count = imoe_alias_add(args, count, expert_ids, "expert_ids", 0);
-  count = imoe_alias_add(args, count, out_offsets, "out_offsets", 1);
-  count = imoe_alias_add(args, count, out_perm, "out_perm", 1);
-  count = imoe_alias_add(args, count, &ws, "workspace", 1);
-  st = imoe_check_aliasing(args, count, err);
-  if (st != IMOE_OK) return st;
-  if (imoe_alias_all_empty(args, count)) return IMOE_OK;
+  int empty;
+  const imoe_call_args call = {buffers, num_buffers, NULL, {expert_ids}, {"expert_ids"},
+                               {out_offsets, out_perm}, {"out_offsets", "out_perm"},
+                               workspace, workspace_elems};
+  st = imoe_check_call(&call, &empty, err);
+  if (st != IMOE_OK || empty) return st;
   if (imoe_on_cuda(exec)) {
     st = imoe_check_cuda_workspace(workspace, workspace_elems, IMOE_PLAN_GROUP,
                                    imoe_view_rows(&buffers[0]), n, err);

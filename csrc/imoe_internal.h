@@ -122,42 +122,28 @@ imoe_status imoe_check_map_outputs(const imoe_view *indices, const imoe_view *ta
 
 /* ---- aliasing (alias.c) ------------------------------------------------- */
 
-/* One argument of a call, for the aliasing rules: every argument the call
- * writes must share no byte with any other argument, read or written. The
- * one exception is scores that are one of the buffers slot for slot
- * (may_be_a_buffer): the selection is read in full before anything moves. */
-typedef struct imoe_alias_arg {
-  const imoe_view *view; /* NULL: the argument is absent */
-  const char *name;
-  int index;             /* >= 0: the message says name[index] */
-  int written;
-  int is_buffer;
-  int may_be_a_buffer;
-  int empty; /* set by imoe_check_aliasing, with the byte extent [lo, hi) */
-  int64_t lo, hi;
-} imoe_alias_arg;
-
-/* Room for the buffers and the few other arguments of any call. */
-#define IMOE_MAX_ALIAS_ARGS (IMOE_MAX_BUFFERS + 6)
+/* The arguments of one call, for the aliasing rules: every argument the call
+ * writes (buffers, outputs, workspace) must share no byte with any other
+ * argument, read or written. The one exception is scores that are one of
+ * the buffers slot for slot: the selection is read in full before anything
+ * moves. Absent arguments are NULL. */
+typedef struct imoe_call_args {
+  const imoe_view *buffers;
+  int32_t num_buffers;
+  const imoe_selection *sel; /* read */
+  const imoe_view *read[2];
+  const char *read_name[2];
+  const imoe_view *out[2]; /* written */
+  const char *out_name[2];
+  const int32_t *workspace; /* written */
+  int64_t workspace_elems;
+} imoe_call_args;
 
 /* IMOE_ERR_ARGUMENT naming both arguments when two of them may share a byte
- * against the rules above. The views must have passed imoe_check_view. */
-imoe_status imoe_check_aliasing(imoe_alias_arg *args, int count, imoe_error *err);
-/* After imoe_check_aliasing: 1 when every argument but the workspace has no
- * element. Such a call reads and writes nothing: it returns at once, whatever
- * its lead shape (2^60 empty rows included). */
-int imoe_alias_all_empty(const imoe_alias_arg *args, int count);
-/* Appends the buffers (written, is_buffer); returns the new count. */
-int imoe_alias_add_buffers(imoe_alias_arg *args, int count, const imoe_view *buffers,
-                           int32_t num_buffers);
-/* Appends the selection's view, read: scores (which may be one of the
- * buffers) or active indices. */
-int imoe_alias_add_selection(imoe_alias_arg *args, int count, const imoe_selection *sel);
-/* Appends one argument (NULL view: skipped); returns the new count. */
-int imoe_alias_add(imoe_alias_arg *args, int count, const imoe_view *view, const char *name,
-                   int written);
-/* A caller's int32 workspace as a view of its bytes (NULL data: empty). */
-imoe_view imoe_workspace_view(const int32_t *workspace, int64_t workspace_elems);
+ * against the rules above (the views must have passed imoe_check_view).
+ * *empty = 1 when no argument but the workspace has an element: such a call
+ * reads and writes nothing and returns at once, whatever its lead shape. */
+imoe_status imoe_check_call(const imoe_call_args *call, int *empty, imoe_error *err);
 /* A view with no element (some axis of extent 0). */
 int imoe_view_is_empty(const imoe_view *v);
 

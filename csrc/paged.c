@@ -234,15 +234,12 @@ imoe_status imoe_paged_apply_target_map(const imoe_view *buffers, int32_t num_bu
     st = check_workspace(buffers, block_tables, workspace, workspace_elems, exec, err);
   }
   if (st != IMOE_OK) return st;
-  imoe_alias_arg args[IMOE_MAX_ALIAS_ARGS];
-  const imoe_view ws = imoe_workspace_view(workspace, workspace_elems);
-  int count = imoe_alias_add_buffers(args, 0, buffers, num_buffers);
-  count = imoe_alias_add(args, count, block_tables, "block_tables", 0);
-  count = imoe_alias_add(args, count, target_map, "target_map", 0);
-  count = imoe_alias_add(args, count, &ws, "workspace", 1);
-  st = imoe_check_aliasing(args, count, err);
-  if (st != IMOE_OK) return st;
-  if (imoe_alias_all_empty(args, count)) return IMOE_OK;
+  int empty;
+  const imoe_call_args call = {buffers, num_buffers, NULL, {block_tables, target_map},
+                               {"block_tables", "target_map"}, {NULL}, {NULL}, workspace,
+                               workspace_elems};
+  st = imoe_check_call(&call, &empty, err);
+  if (st != IMOE_OK || empty) return st;
   if (imoe_on_cuda(exec)) {
     return imoe_cuda_paged_apply_target_map(buffers, num_buffers, block_tables, target_map, mode,
                                             workspace, workspace_elems, exec, err);

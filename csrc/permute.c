@@ -438,14 +438,11 @@ imoe_status imoe_permute(const imoe_view *buffers, int32_t num_buffers, const im
   if (st == IMOE_OK) st = check_plan_source(perm, "perm", buffers, 1, err);
   if (st == IMOE_OK) st = imoe_check_exec(exec, err);
   if (st != IMOE_OK) return st;
-  imoe_alias_arg args[IMOE_MAX_ALIAS_ARGS];
-  const imoe_view ws = imoe_workspace_view(workspace, workspace_elems);
-  int count = imoe_alias_add_buffers(args, 0, buffers, num_buffers);
-  count = imoe_alias_add(args, count, perm, "perm", 0);
-  count = imoe_alias_add(args, count, &ws, "workspace", 1);
-  st = imoe_check_aliasing(args, count, err);
+  int empty;
+  const imoe_call_args call = {buffers, num_buffers, NULL, {perm}, {"perm"}, {NULL}, {NULL},
+                               workspace, workspace_elems};
+  st = imoe_check_call(&call, &empty, err);
   if (st != IMOE_OK) return st;
-  const int empty = imoe_alias_all_empty(args, count);
   if (imoe_on_cuda(exec)) {
     st = imoe_check_cuda_workspace(workspace, workspace_elems, IMOE_PLAN_PERMUTE,
                                    imoe_view_rows(perm), buffers[0].n, err);
@@ -472,14 +469,11 @@ imoe_status imoe_apply_kept_order(const imoe_view *buffers, int32_t num_buffers,
   if (st == IMOE_OK) st = imoe_check_mode(mode, err);
   if (st == IMOE_OK) st = imoe_check_exec(exec, err);
   if (st != IMOE_OK) return st;
-  imoe_alias_arg args[IMOE_MAX_ALIAS_ARGS];
-  const imoe_view ws = imoe_workspace_view(workspace, workspace_elems);
-  int count = imoe_alias_add_buffers(args, 0, buffers, num_buffers);
-  count = imoe_alias_add(args, count, indices, "indices", 0);
-  count = imoe_alias_add(args, count, &ws, "workspace", 1);
-  st = imoe_check_aliasing(args, count, err);
+  int empty;
+  const imoe_call_args call = {buffers, num_buffers, NULL, {indices}, {"indices"}, {NULL}, {NULL},
+                               workspace, workspace_elems};
+  st = imoe_check_call(&call, &empty, err);
   if (st != IMOE_OK) return st;
-  const int empty = imoe_alias_all_empty(args, count);
   if (imoe_on_cuda(exec)) {
     st = imoe_check_cuda_workspace(workspace, workspace_elems, IMOE_PLAN_ORDERED,
                                    imoe_view_rows(indices), buffers[0].n, err);

@@ -118,6 +118,7 @@ typedef struct imoe_py_call {
   int64_t workspace_elems;
   int32_t threads; /* 0: the OpenMP default */
   imoe_exec exec;  /* set by imoe_py_call_finish */
+  imoe_error err;  /* the C API's message for this call */
 } imoe_py_call;
 
 /* A call on `stream` (None or a DLPack stream value) with num_threads (an
@@ -200,5 +201,17 @@ IMOE_PY_FASTCALL(imoe_py_paged_apply_target_map);
 
 /* The result of a C API call: None, or the exception of its status. */
 PyObject *imoe_py_done(imoe_status status, const imoe_error *err);
+
+/* Runs `expr`, a C API call that reports into &c->err, with the GIL
+ * released, and sets result to None or the exception of its status. */
+#define IMOE_PY_CALL_C(c, result, expr) \
+  do {                                   \
+    imoe_status status_;                 \
+    (c)->err.message[0] = '\0';          \
+    Py_BEGIN_ALLOW_THREADS               \
+    status_ = (expr);                    \
+    Py_END_ALLOW_THREADS                 \
+    (result) = imoe_py_done(status_, &(c)->err); \
+  } while (0)
 
 #endif /* IMOE_BINDING_H */

@@ -43,12 +43,12 @@ static int import_optional(imoe_py_call *c, PyObject *obj, const char *name, int
 enum { S_SCORES, S_ACTIVE, S_CAPACITY, S_PREFIX, S_WINDOW, S_NAN, S_ORDER, S_COUNT };
 #define SELECTION_NAMES \
   "scores", "active_indices", "capacity", "protected_prefix", "recent_window", "nan", "order"
-#define SELECTION_DEFAULTS(a, at)                                                   \
-  do {                                                                              \
-    a[(at) + S_SCORES] = a[(at) + S_ACTIVE] = Py_None;                              \
-    a[(at) + S_CAPACITY] = NULL;                                                    \
-    a[(at) + S_PREFIX] = a[(at) + S_WINDOW] = Py_None;                              \
-    a[(at) + S_NAN] = a[(at) + S_ORDER] = Py_None;                                  \
+#define SELECTION_DEFAULTS(a, at)                      \
+  do {                                                 \
+    a[(at) + S_SCORES] = a[(at) + S_ACTIVE] = Py_None; \
+    a[(at) + S_CAPACITY] = NULL;                       \
+    a[(at) + S_PREFIX] = a[(at) + S_WINDOW] = Py_None; \
+    a[(at) + S_NAN] = a[(at) + S_ORDER] = Py_None;     \
   } while (0)
 
 /* s[S_*]: the selection's arguments (None: the option's default); view[0]
@@ -57,17 +57,20 @@ static int read_selection(imoe_py_call *c, PyObject **s, imoe_view *view, imoe_s
   memset(sel, 0, sizeof *sel);
   int nan = IMOE_NAN_ERROR, order = IMOE_ORDER_INPLACE;
   if (imoe_py_as_int64(s[S_CAPACITY], "capacity", &sel->capacity) < 0 ||
-      (s[S_PREFIX] != Py_None && imoe_py_as_int64(s[S_PREFIX], "protected_prefix", &sel->protected_prefix) < 0) ||
-      (s[S_WINDOW] != Py_None && imoe_py_as_int64(s[S_WINDOW], "recent_window", &sel->recent_window) < 0) ||
+      (s[S_PREFIX] != Py_None &&
+       imoe_py_as_int64(s[S_PREFIX], "protected_prefix", &sel->protected_prefix) < 0) ||
+      (s[S_WINDOW] != Py_None &&
+       imoe_py_as_int64(s[S_WINDOW], "recent_window", &sel->recent_window) < 0) ||
       (s[S_NAN] != Py_None && imoe_py_as_option(s[S_NAN], IMOE_OPTION_NAN, "nan", &nan) < 0) ||
-      (s[S_ORDER] != Py_None && imoe_py_as_option(s[S_ORDER], IMOE_OPTION_ORDER, "order", &order) < 0))
+      (s[S_ORDER] != Py_None &&
+       imoe_py_as_option(s[S_ORDER], IMOE_OPTION_ORDER, "order", &order) < 0))
     return -1;
   sel->nan_policy = (imoe_nan_policy)nan;
   sel->order = (imoe_order)order;
   /* Both are imported when both are given: the core refuses that. */
   int present;
-  if (import_optional(c, s[S_SCORES], "scores", 0, FLOAT_DTYPES, FLOAT_NAMES, &view[0],
-                      &present) < 0)
+  if (import_optional(c, s[S_SCORES], "scores", 0, FLOAT_DTYPES, FLOAT_NAMES, &view[0], &present) <
+      0)
     return -1;
   if (present) sel->scores = &view[0];
   if (import_optional(c, s[S_ACTIVE], "active_indices", 0, INDEX_DTYPES, INDEX_NAMES, &view[1],
@@ -89,7 +92,8 @@ static int read_workspace_and_finish(imoe_py_call *c, PyObject *workspace) {
 /* ---- compact and build_map ---- */
 
 static imoe_py_signature compact_sig = {
-    "compact", 16,
+    "compact",
+    16,
     {BUFFER_NAMES, SELECTION_NAMES, "out_indices", "out_target_map", "mode", "workspace",
      "num_threads", "stream"}};
 
@@ -111,28 +115,25 @@ IMOE_PY_FASTCALL(imoe_py_compact) {
   if ((a[MODE] != Py_None && imoe_py_as_option(a[MODE], IMOE_OPTION_MODE, "mode", &mode) < 0) ||
       imoe_py_call_import_buffers(c, a[BUFS], a[DIMS], a[ROWS]) < 0 ||
       read_selection(c, a + SEL, sel_view, &sel) < 0 ||
-      imoe_py_call_import_typed(c, a[OUT_IDX], "out_indices", 1, INDEX_DTYPES, INDEX_NAMES,
-                                &idx) < 0 ||
+      imoe_py_call_import_typed(c, a[OUT_IDX], "out_indices", 1, INDEX_DTYPES, INDEX_NAMES, &idx) <
+          0 ||
       import_optional(c, a[OUT_MAP], "out_target_map", 1, IMOE_DTYPE_BIT(IMOE_DTYPE_I32), "int32",
                       &map, &has_map) < 0 ||
       read_workspace_and_finish(c, a[WS]) < 0)
     goto done;
-  imoe_error err = {{0}};
-  imoe_status status;
-  Py_BEGIN_ALLOW_THREADS
-  status = imoe_compact(c->buffers, c->num_buffers, &sel, &idx, has_map ? &map : NULL,
-                        (imoe_mode)mode, c->workspace, c->workspace_elems, &c->exec, &err);
-  Py_END_ALLOW_THREADS
-  result = imoe_py_done(status, &err);
+  IMOE_PY_CALL_C(
+      c, result,
+      imoe_compact(c->buffers, c->num_buffers, &sel, &idx, has_map ? &map : NULL, (imoe_mode)mode,
+                   c->workspace, c->workspace_elems, &c->exec, &c->err));
 done:
   imoe_py_call_free(c);
   return result;
 }
 
-static imoe_py_signature build_map_sig = {
-    "build_map", 13,
-    {SELECTION_NAMES, "num_slots", "out_indices", "out_target_map", "workspace", "num_threads",
-     "stream"}};
+static imoe_py_signature build_map_sig = {"build_map",
+                                          13,
+                                          {SELECTION_NAMES, "num_slots", "out_indices",
+                                           "out_target_map", "workspace", "num_threads", "stream"}};
 
 IMOE_PY_FASTCALL(imoe_py_build_map) {
   (void)self;
@@ -150,20 +151,16 @@ IMOE_PY_FASTCALL(imoe_py_build_map) {
   int64_t num_slots = 0;
   if (read_selection(c, a + SEL, sel_view, &sel) < 0 ||
       (a[SLOTS] != Py_None && imoe_py_as_int64(a[SLOTS], "num_slots", &num_slots) < 0) ||
-      import_optional(c, a[OUT_IDX], "out_indices", 1, INDEX_DTYPES, INDEX_NAMES, &idx,
-                      &has_idx) < 0 ||
+      import_optional(c, a[OUT_IDX], "out_indices", 1, INDEX_DTYPES, INDEX_NAMES, &idx, &has_idx) <
+          0 ||
       import_optional(c, a[OUT_MAP], "out_target_map", 1, IMOE_DTYPE_BIT(IMOE_DTYPE_I32), "int32",
                       &map, &has_map) < 0 ||
       read_workspace_and_finish(c, a[WS]) < 0)
     goto done;
   sel.num_slots = num_slots;
-  imoe_error err = {{0}};
-  imoe_status status;
-  Py_BEGIN_ALLOW_THREADS
-  status = imoe_build_map(&sel, has_idx ? &idx : NULL, has_map ? &map : NULL, c->workspace,
-                          c->workspace_elems, &c->exec, &err);
-  Py_END_ALLOW_THREADS
-  result = imoe_py_done(status, &err);
+  IMOE_PY_CALL_C(c, result,
+                 imoe_build_map(&sel, has_idx ? &idx : NULL, has_map ? &map : NULL, c->workspace,
+                                c->workspace_elems, &c->exec, &c->err));
 done:
   imoe_py_call_free(c);
   return result;
@@ -174,13 +171,16 @@ done:
 enum { M_BUFS, M_DIMS, M_ROWS, M_MAP, M_ORDER, M_MODE, M_WS, M_THREADS, M_STREAM, M_COUNT };
 
 static imoe_py_signature apply_indices_sig = {
-    "apply_indices", M_COUNT,
+    "apply_indices",
+    M_COUNT,
     {BUFFER_NAMES, "indices", "order", "mode", "workspace", "num_threads", "stream"}};
 static imoe_py_signature restore_sig = {
-    "restore", M_COUNT,
+    "restore",
+    M_COUNT,
     {BUFFER_NAMES, "indices", "order", "mode", "workspace", "num_threads", "stream"}};
 static imoe_py_signature apply_target_map_sig = {
-    "apply_target_map", M_COUNT,
+    "apply_target_map",
+    M_COUNT,
     {BUFFER_NAMES, "target_map", "order", "mode", "workspace", "num_threads", "stream"}};
 
 enum apply_kind { APPLY_INDICES, APPLY_TARGET_MAP, RESTORE };
@@ -190,7 +190,8 @@ static PyObject *apply(enum apply_kind kind, imoe_py_signature *sig, PyObject *c
   PyObject *a[M_COUNT] = {NULL, NULL, NULL, NULL, Py_None, Py_None, Py_None, Py_None, Py_None};
   if (imoe_py_parse(sig, args, nargs, kwnames, a) < 0) return NULL;
   int order = IMOE_ORDER_INPLACE, mode = IMOE_MODE_SWAP;
-  if ((a[M_ORDER] != Py_None && imoe_py_as_option(a[M_ORDER], IMOE_OPTION_ORDER, "order", &order) < 0) ||
+  if ((a[M_ORDER] != Py_None &&
+       imoe_py_as_option(a[M_ORDER], IMOE_OPTION_ORDER, "order", &order) < 0) ||
       (a[M_MODE] != Py_None && imoe_py_as_option(a[M_MODE], IMOE_OPTION_MODE, "mode", &mode) < 0))
     return NULL;
   if (kind == APPLY_TARGET_MAP && order != IMOE_ORDER_INPLACE) {
@@ -208,26 +209,24 @@ static PyObject *apply(enum apply_kind kind, imoe_py_signature *sig, PyObject *c
                                 &map) < 0 ||
       read_workspace_and_finish(c, a[M_WS]) < 0)
     goto done;
-  imoe_error err = {{0}};
-  imoe_status status;
-  Py_BEGIN_ALLOW_THREADS
+  const imoe_order ord = (imoe_order)order;
   switch (kind) {
     case APPLY_INDICES:
-      status = imoe_apply_indices(c->buffers, c->num_buffers, &map, (imoe_order)order,
-                                  (imoe_mode)mode, c->workspace, c->workspace_elems, &c->exec,
-                                  &err);
+      IMOE_PY_CALL_C(c, result,
+                     imoe_apply_indices(c->buffers, c->num_buffers, &map, ord, (imoe_mode)mode,
+                                        c->workspace, c->workspace_elems, &c->exec, &c->err));
       break;
     case APPLY_TARGET_MAP:
-      status = imoe_apply_target_map(c->buffers, c->num_buffers, &map, (imoe_mode)mode, &c->exec,
-                                     &err);
+      IMOE_PY_CALL_C(c, result,
+                     imoe_apply_target_map(c->buffers, c->num_buffers, &map, (imoe_mode)mode,
+                                           &c->exec, &c->err));
       break;
     default:
-      status = imoe_restore(c->buffers, c->num_buffers, &map, (imoe_order)order, c->workspace,
-                            c->workspace_elems, &c->exec, &err);
+      IMOE_PY_CALL_C(c, result,
+                     imoe_restore(c->buffers, c->num_buffers, &map, ord, c->workspace,
+                                  c->workspace_elems, &c->exec, &c->err));
       break;
   }
-  Py_END_ALLOW_THREADS
-  result = imoe_py_done(status, &err);
 done:
   imoe_py_call_free(c);
   return result;
@@ -268,22 +267,18 @@ IMOE_PY_FASTCALL(imoe_py_permute) {
       imoe_py_call_import_typed(c, a[PERM], "perm", 0, INDEX_DTYPES, INDEX_NAMES, &perm) < 0 ||
       read_workspace_and_finish(c, a[WS]) < 0)
     goto done;
-  imoe_error err = {{0}};
-  imoe_status status;
-  Py_BEGIN_ALLOW_THREADS
-  status = imoe_permute(c->buffers, c->num_buffers, &perm, inverse, c->workspace,
-                        c->workspace_elems, &c->exec, &err);
-  Py_END_ALLOW_THREADS
-  result = imoe_py_done(status, &err);
+  IMOE_PY_CALL_C(c, result,
+                 imoe_permute(c->buffers, c->num_buffers, &perm, inverse, c->workspace,
+                              c->workspace_elems, &c->exec, &c->err));
 done:
   imoe_py_call_free(c);
   return result;
 }
 
-static imoe_py_signature group_sig = {
-    "group_by_expert", 10,
-    {BUFFER_NAMES, "expert_ids", "num_experts", "out_offsets", "out_perm", "workspace",
-     "num_threads", "stream"}};
+static imoe_py_signature group_sig = {"group_by_expert",
+                                      10,
+                                      {BUFFER_NAMES, "expert_ids", "num_experts", "out_offsets",
+                                       "out_perm", "workspace", "num_threads", "stream"}};
 
 IMOE_PY_FASTCALL(imoe_py_group_by_expert) {
   (void)self;
@@ -304,14 +299,10 @@ IMOE_PY_FASTCALL(imoe_py_group_by_expert) {
       import_optional(c, a[PERM], "out_perm", 1, INDEX_DTYPES, INDEX_NAMES, &perm, &has_perm) < 0 ||
       read_workspace_and_finish(c, a[WS]) < 0)
     goto done;
-  imoe_error err = {{0}};
-  imoe_status status;
-  Py_BEGIN_ALLOW_THREADS
-  status = imoe_group_by_expert(c->buffers, c->num_buffers, &ids, num_experts, &offsets,
-                                has_perm ? &perm : NULL, c->workspace, c->workspace_elems,
-                                &c->exec, &err);
-  Py_END_ALLOW_THREADS
-  result = imoe_py_done(status, &err);
+  IMOE_PY_CALL_C(c, result,
+                 imoe_group_by_expert(c->buffers, c->num_buffers, &ids, num_experts, &offsets,
+                                      has_perm ? &perm : NULL, c->workspace, c->workspace_elems,
+                                      &c->exec, &c->err));
 done:
   imoe_py_call_free(c);
   return result;

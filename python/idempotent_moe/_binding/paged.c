@@ -45,10 +45,10 @@ static int import_pools(imoe_py_call *c, PyObject *buffers, PyObject *dims, PyOb
   return 0;
 }
 
-static imoe_py_signature paged_sig = {
-    "paged_apply_target_map", 9,
-    {"buffers", "dims", "row_ndims", "block_tables", "target_map", "mode", "workspace",
-     "num_threads", "stream"}};
+static imoe_py_signature paged_sig = {"paged_apply_target_map",
+                                      9,
+                                      {"buffers", "dims", "row_ndims", "block_tables", "target_map",
+                                       "mode", "workspace", "num_threads", "stream"}};
 
 /* paged_apply_target_map(buffers, dims, row_ndims, block_tables, target_map,
  * mode="swap", workspace=None, num_threads, stream=None): workspace is int32,
@@ -60,7 +60,8 @@ IMOE_PY_FASTCALL(imoe_py_paged_apply_target_map) {
   PyObject *a[9] = {NULL, NULL, NULL, NULL, NULL, Py_None, Py_None, Py_None, Py_None};
   if (imoe_py_parse(&paged_sig, args, nargs, kwnames, a) < 0) return NULL;
   int mode = IMOE_MODE_SWAP;
-  if (a[MODE] != Py_None && imoe_py_as_option(a[MODE], IMOE_OPTION_MODE, "mode", &mode) < 0) return NULL;
+  if (a[MODE] != Py_None && imoe_py_as_option(a[MODE], IMOE_OPTION_MODE, "mode", &mode) < 0)
+    return NULL;
   imoe_py_call *c = imoe_py_call_new(a[STREAM], a[THREADS]);
   if (c == NULL) return NULL;
 
@@ -73,13 +74,10 @@ IMOE_PY_FASTCALL(imoe_py_paged_apply_target_map) {
       imoe_py_call_import_workspace(c, a[WS]) < 0 || imoe_py_call_finish(c) < 0)
     goto done;
 
-  imoe_error err = {{0}};
-  imoe_status status;
-  Py_BEGIN_ALLOW_THREADS
-  status = imoe_paged_apply_target_map(c->buffers, c->num_buffers, &tables, &map, (imoe_mode)mode,
-                                       c->workspace, c->workspace_elems, &c->exec, &err);
-  Py_END_ALLOW_THREADS
-  result = imoe_py_done(status, &err);
+  IMOE_PY_CALL_C(
+      c, result,
+      imoe_paged_apply_target_map(c->buffers, c->num_buffers, &tables, &map, (imoe_mode)mode,
+                                  c->workspace, c->workspace_elems, &c->exec, &c->err));
 done:
   imoe_py_call_free(c);
   return result;
