@@ -163,3 +163,31 @@ def test_empty_inputs_return_at_once_whatever_their_lead_shape(lead):
     x = torch.empty(*lead, 0, 4)
     assert imoe.compact_(x, scores, 3).values.shape == (*lead, 0, 4)
     assert time.perf_counter() - t0 < 2.0
+
+
+class _ShapeOnlyProducer:
+    """A DLPack producer with a shape but no __getitem__: it cannot be sliced."""
+
+    def __init__(self, array):
+        self._array = array
+        self.shape = array.shape
+
+    def __dlpack__(self, **kwargs):
+        return self._array.__dlpack__(**{k: v for k, v in kwargs.items() if k == "stream"})
+
+    def __dlpack_device__(self):
+        return self._array.__dlpack_device__()
+
+
+def test_a_producer_that_cannot_be_sliced_is_compacted_and_returned_whole():
+    """compact_ used to move the data, then fail to narrow such a buffer and
+    raise: the move-mode indices were lost. Now nothing can raise after the
+    write, and the buffer itself comes back."""
+    data = np.random.default_rng(9).random((3, 12, 2)).astype(np.float32)
+    scores = np.random.default_rng(10).random((3, 12)).astype(np.float32)
+    producer = _ShapeOnlyProducer(data)
+    res = imoe.compact_(producer, scores, 4, mode="move")
+    assert res.values is producer
+    want = np.sort(scores, axis=1)[:, ::-1][:, :4]
+    got = np.take_along_axis(scores, np.asarray(res.indices), axis=1)
+    np.testing.assert_array_equal(np.sort(got, axis=1)[:, ::-1], want)

@@ -69,9 +69,13 @@ def check_int(value: Any, name: str, minimum: int | None = 0) -> int:
 
 
 def narrow(x: Any, dim: int, length: int) -> Any:
-    """A view of the first `length` slots of axis `dim`."""
+    """A view of the first `length` slots of axis `dim`; an object that cannot
+    be sliced (a DLPack capsule or producer without __getitem__) is returned
+    whole, so that a call never fails after it has written."""
     if is_torch(x):
         return x.narrow(dim, 0, length)
+    if not hasattr(x, "__getitem__") or is_capsule(x):
+        return x
     return x[(slice(None),) * dim + (slice(0, length),)]
 
 

@@ -311,6 +311,8 @@ def compact_(
     kept = max(0, min(capacity, n))
     if out_indices is None:
         out_indices = _arrays.empty_index(bufs[0], lead + (kept,), index_dtype)
+    # Everything that can raise happens before the call writes: the views too.
+    views = tuple(_arrays.narrow(b, d, kept) for b, d in zip(bufs, dims))
     native().compact(
         bufs, dims, _row_ndims(bufs, dims), scores=scores, active_indices=active,
         capacity=capacity, protected_prefix=protected_prefix, recent_window=recent_window,
@@ -319,7 +321,6 @@ def compact_(
         num_threads=resolve_num_threads(num_threads), stream=_arrays.dlpack_stream(bufs[0]),
     )
     _track_move_indices(out_indices, mode)
-    views = tuple(_arrays.narrow(b, d, kept) for b, d in zip(bufs, dims))
     return Compacted(views if many else views[0], out_indices)
 
 
@@ -431,10 +432,10 @@ def apply_map_(
         return x
     n = _arrays.shape_of(bufs[0])[dims[0]]
     ws = _workspace(workspace, bufs[0], order, _prod(_arrays.shape_of(indices)[:-1]), n)
-    native().apply_indices(bufs, dims, rows, indices=indices, order=order, mode=mode,
-                           workspace=ws, num_threads=resolve_num_threads(num_threads), stream=stream)
     kept = _arrays.shape_of(indices)[-1]
     views = tuple(_arrays.narrow(b, d, kept) for b, d in zip(bufs, dims))
+    native().apply_indices(bufs, dims, rows, indices=indices, order=order, mode=mode,
+                           workspace=ws, num_threads=resolve_num_threads(num_threads), stream=stream)
     return views if many else views[0]
 
 
