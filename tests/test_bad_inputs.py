@@ -687,3 +687,37 @@ def test_bad_input(build, framework, exc, match, rng):
     with pytest.raises(exc, match=match):
         call()
     assert_unchanged(arrays, snaps)
+
+
+# ------------------------------------------------------- values that would be truncated
+
+
+@bad(TypeError, "active_indices", "ints")
+def float_active_indices_list(fw, rng):
+    """A list of floats used to become int64 silently (1.5 -> 1)."""
+    x, _, out = setup(fw, rng)
+    return (lambda: imoe.compact_(x, active_indices=[0.5, 2.0, 7.25, 9.0, 11.0], dim=1,
+                                  out_indices=out)), [x, out]
+
+
+@bad(TypeError, "capacity", frameworks=("numpy",))
+def float_capacity_of_the_vllm_hook(fw, rng):
+    from idempotent_moe.integrations import VLLMInplaceCompactionHook
+
+    x, _, _ = setup(fw, rng)
+    return (lambda: VLLMInplaceCompactionHook(capacity=3.5)), [x]
+
+
+@bad(BufferError, "buffers", frameworks=("torch",))
+def meta_tensor_without_a_cpp_stack_trace(fw, rng):
+    """The producer's message comes through on one line."""
+    x, _, _ = setup(fw, rng)
+
+    def call():
+        try:
+            imoe.compact_(torch.empty(3, N, 4, device="meta"), torch.empty(3, N, device="meta"), C)
+        except BufferError as e:
+            assert "\n" not in str(e) and "Exception raised from" not in str(e), str(e)
+            raise
+
+    return call, [x]

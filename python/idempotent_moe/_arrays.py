@@ -99,7 +99,11 @@ def empty_index(like: Any, shape: Sequence[int], dtype: str) -> Any:
 def as_index_array(values: Any, like: Any, name: str) -> Any:
     """Lists and tuples of ints become an int64 array beside `like`."""
     if isinstance(values, (list, tuple, range)):
-        arr = np.asarray(values, dtype=np.int64)
+        arr = np.asarray(values)
+        if arr.size and (arr.dtype.kind not in "iu" or arr.dtype == np.bool_):
+            # np.asarray(..., dtype=int64) would truncate 1.5 to 1 silently.
+            raise TypeError(f"{name} must hold ints, got {arr.dtype} values")
+        arr = arr.astype(np.int64)
         if is_torch(like):
             return _torch().from_numpy(arr).to(like.device)
         return arr

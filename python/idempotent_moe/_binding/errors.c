@@ -40,7 +40,13 @@ PyObject *imoe_py_reraise_as(PyObject *type, const char *name, const char *what)
     PyErr_Format(type, "%s %s", name, what);
     return NULL;
   }
-  PyObject *text = PyObject_Str(cause);
+  /* The cause's first line: a producer's message may carry a C++ stack trace. */
+  PyObject *full = PyObject_Str(cause), *text = NULL;
+  if (full != NULL) {
+    Py_ssize_t end = PyUnicode_FindChar(full, '\n', 0, PyUnicode_GET_LENGTH(full), 1);
+    text = end < 0 ? (Py_INCREF(full), full) : PyUnicode_Substring(full, 0, end);
+    Py_DECREF(full);
+  }
   if (text == NULL) {
     PyErr_Clear();
     PyErr_Format(type, "%s %s", name, what);

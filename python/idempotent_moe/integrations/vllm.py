@@ -56,8 +56,10 @@ class VLLMInplaceCompactionHook:
         layout: str = "NHD",
         nan: str = "raise",
     ) -> None:
-        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 0:
-            raise ValueError(f"capacity must be an int >= 0, got {capacity!r}")
+        if isinstance(capacity, bool) or not isinstance(capacity, int):
+            raise TypeError(f"capacity must be an int, got {type(capacity).__name__}")
+        if capacity < 0:
+            raise ValueError(f"capacity must be >= 0, got {capacity}")
         if protected_prefix_len < 0 or recent_window < 0:
             raise ValueError("protected_prefix_len and recent_window must be >= 0")
         if protected_prefix_len + recent_window > capacity:
