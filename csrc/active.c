@@ -1,5 +1,4 @@
 /* active.c: the kept set of one row from explicit active indices. */
-#include <inttypes.h>
 
 #include "imoe_internal.h"
 
@@ -12,16 +11,11 @@ imoe_status imoe_check_active_row(const imoe_view *active, int64_t row, int64_t 
   for (; j < k; j++) {
     const int64_t slot = imoe_load_index(base + j * stride, active->dtype);
     if (slot < 0 || slot >= n) {
-      st = imoe_fail(err, IMOE_ERR_INDEX_RANGE,
-                     "active_indices: row %" PRId64 ", position %" PRId64 " holds %" PRId64
-                     ", outside [0, %" PRId64 ")",
-                     row, j, slot, n);
+      st = imoe_fail_range(err, "active_indices", row, j, slot, n);
       break;
     }
     if (seen[slot]) {
-      st = imoe_fail(err, IMOE_ERR_INDEX_DUPLICATE,
-                     "active_indices: row %" PRId64 ", position %" PRId64 " repeats slot %" PRId64, row, j,
-                     slot);
+      st = imoe_fail_repeat(err, IMOE_ERR_INDEX_DUPLICATE, "active_indices", row, j, slot);
       break;
     }
     seen[slot] = 1;

@@ -80,17 +80,26 @@ static imoe_status apply_map(const imoe_view *buffers, int32_t num_buffers, cons
   return imoe_run_stages(stages, 2, workspace, threads, err);
 }
 
-imoe_status imoe_apply_indices(const imoe_view *buffers, int32_t num_buffers,
-                               const imoe_view *indices, imoe_order order, imoe_mode mode,
-                               int32_t *workspace, int64_t workspace_elems,
-                               const imoe_exec *exec, imoe_error *err) {
+/* The map of an earlier compaction (indices, in `order`), applied or, restore: undone. */
+static imoe_status apply_indices(const imoe_view *buffers, int32_t num_buffers,
+                                 const imoe_view *indices, imoe_order order, imoe_mode mode,
+                                 int restore, int32_t *workspace, int64_t workspace_elems,
+                                 const imoe_exec *exec, imoe_error *err) {
   imoe_status st = imoe_check_order(order, 1, err);
   if (st != IMOE_OK) return st;
   if (order != IMOE_ORDER_INPLACE) {
-    return imoe_apply_kept_order(buffers, num_buffers, indices, mode, 0, workspace,
+    return imoe_apply_kept_order(buffers, num_buffers, indices, mode, restore, workspace,
                                  workspace_elems, exec, err);
   }
   return apply_map(buffers, num_buffers, indices, 1, mode, exec, err);
+}
+
+imoe_status imoe_apply_indices(const imoe_view *buffers, int32_t num_buffers,
+                               const imoe_view *indices, imoe_order order, imoe_mode mode,
+                               int32_t *workspace, int64_t workspace_elems, const imoe_exec *exec,
+                               imoe_error *err) {
+  return apply_indices(buffers, num_buffers, indices, order, mode, 0, workspace, workspace_elems,
+                       exec, err);
 }
 
 imoe_status imoe_apply_target_map(const imoe_view *buffers, int32_t num_buffers,
@@ -102,11 +111,6 @@ imoe_status imoe_apply_target_map(const imoe_view *buffers, int32_t num_buffers,
 imoe_status imoe_restore(const imoe_view *buffers, int32_t num_buffers, const imoe_view *indices,
                          imoe_order order, int32_t *workspace, int64_t workspace_elems,
                          const imoe_exec *exec, imoe_error *err) {
-  imoe_status st = imoe_check_order(order, 1, err);
-  if (st != IMOE_OK) return st;
-  if (order != IMOE_ORDER_INPLACE) {
-    return imoe_apply_kept_order(buffers, num_buffers, indices, IMOE_MODE_SWAP, 1, workspace,
-                                 workspace_elems, exec, err);
-  }
-  return apply_map(buffers, num_buffers, indices, 1, IMOE_MODE_SWAP, exec, err);
+  return apply_indices(buffers, num_buffers, indices, order, IMOE_MODE_SWAP, 1, workspace,
+                       workspace_elems, exec, err);
 }

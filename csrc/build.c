@@ -21,15 +21,21 @@ static imoe_status check_row(const void *vctx, int64_t row, unsigned char *mem, 
   return imoe_check_active_row(ctx->sel->active, row, ctx->n, ws.flags, err);
 }
 
-static imoe_status select_row(const void *vctx, int64_t row, unsigned char *mem, imoe_error *err) {
-  const select_ctx *ctx = vctx;
+/* The row's workspace in mem, its flags set to the kept slots of the row. */
+static imoe_row_workspace select_flags(const select_ctx *ctx, int64_t row, unsigned char *mem) {
   const imoe_row_workspace ws = imoe_row_workspace_at(mem, ctx->n, 1);
-  (void)err;
   if (ctx->sel->scores != NULL) {
     imoe_select_scores_row(ctx->sel, row, ctx->n, ws);
   } else {
     imoe_select_active_row(ctx->sel->active, row, ctx->n, ws.flags);
   }
+  return ws;
+}
+
+static imoe_status select_row(const void *vctx, int64_t row, unsigned char *mem, imoe_error *err) {
+  const select_ctx *ctx = vctx;
+  const imoe_row_workspace ws = select_flags(ctx, row, mem);
+  (void)err;
   imoe_write_map_row(ws.flags, ctx->n, ctx->kept, ws.list, ctx->indices, ctx->target_map, row);
   return IMOE_OK;
 }
@@ -53,13 +59,8 @@ static imoe_status select_ordered_row(const void *vctx, int64_t row, unsigned ch
                                       imoe_error *err) {
   const ordered_ctx *ctx = vctx;
   const select_ctx *s = &ctx->sel;
-  const imoe_row_workspace ws = imoe_row_workspace_at(mem, s->n, 1);
+  const imoe_row_workspace ws = select_flags(s, row, mem);
   (void)err;
-  if (s->sel->scores != NULL) {
-    imoe_select_scores_row(s->sel, row, s->n, ws);
-  } else {
-    imoe_select_active_row(s->sel->active, row, s->n, ws.flags);
-  }
   /* The candidate list of the selection is free again: it takes the order. */
   imoe_kept_in_order(s->sel, row, s->n, s->kept, ctx->order, ws,
                      mem + imoe_row_workspace_bytes(s->n, 1), ws.list);

@@ -46,6 +46,12 @@
 
 /* Writes the message into err (when not NULL) and returns status. */
 imoe_status imoe_fail(imoe_error *err, imoe_status status, const char *fmt, ...) IMOE_PRINTF(3, 4);
+/* IMOE_ERR_INDEX_RANGE: entry pos of row `row` of `name` holds value, outside [0, n). */
+imoe_status imoe_fail_range(imoe_error *err, const char *name, int64_t row, int64_t pos,
+                            int64_t value, int64_t n);
+/* status: entry pos of row `row` of `name` names a slot an earlier entry named. */
+imoe_status imoe_fail_repeat(imoe_error *err, imoe_status status, const char *name, int64_t row,
+                             int64_t pos, int64_t slot);
 
 /* ---- views (view.c) ----------------------------------------------------- */
 

@@ -13,10 +13,7 @@ imoe_status imoe_check_indices_row(const imoe_view *indices, int64_t row, int64_
     const int64_t e = imoe_load_index(base + i * stride, indices->dtype);
     if (e == i) continue;
     if (e < 0 || e >= n) {
-      st = imoe_fail(err, IMOE_ERR_INDEX_RANGE,
-                     "indices: row %" PRId64 ", position %" PRId64 " holds %" PRId64
-                     ", outside [0, %" PRId64 ")",
-                     row, i, e, n);
+      st = imoe_fail_range(err, "indices", row, i, e, n);
       break;
     }
     if (e < kept) {
@@ -28,9 +25,7 @@ imoe_status imoe_check_indices_row(const imoe_view *indices, int64_t row, int64_
       break;
     }
     if (seen[e]) {
-      st = imoe_fail(err, IMOE_ERR_BAD_MAP,
-                     "indices: row %" PRId64 ", position %" PRId64 " repeats slot %" PRId64, row, i,
-                     e);
+      st = imoe_fail_repeat(err, IMOE_ERR_BAD_MAP, "indices", row, i, e);
       break;
     }
     seen[e] = 1;

@@ -238,10 +238,7 @@ typedef struct plan_ctx {
 
 static imoe_status range_error(const plan_ctx *ctx, int64_t row, int64_t pos, int64_t value,
                                imoe_error *err) {
-  return imoe_fail(err, IMOE_ERR_INDEX_RANGE,
-                   "%s: row %" PRId64 ", position %" PRId64 " holds %" PRId64
-                   ", outside [0, %" PRId64 ")",
-                   ctx->name, row, pos, value, ctx->n);
+  return imoe_fail_range(err, ctx->name, row, pos, value, ctx->n);
 }
 
 static imoe_status repeat_error(const plan_ctx *ctx, int64_t row, int64_t first, int64_t second,
@@ -431,6 +428,28 @@ static imoe_status run_planned(const imoe_view *buffers, int32_t num_buffers, pl
   return st;
 }
 
+/* The checks of a planned call after its arguments' own: aliasing (imoe_check_call), then the
+ * workspace of a `kind` plan on CUDA, or on the CPU when the call is empty (a shared map still
+ * plans one row: its workspace is checked). *empty: nothing to move. */
+static imoe_status check_planned_call(const imoe_view *buffers, int32_t num_buffers,
+                                      const imoe_view *map, const char *name, imoe_plan_kind kind,
+                                      int32_t *workspace, int64_t workspace_elems,
+                                      const imoe_exec *exec, int *empty, imoe_error *err) {
+  const imoe_call_args call = {buffers, num_buffers, NULL,      {map},          {name},
+                               {NULL},  {NULL},      workspace, workspace_elems};
+  imoe_status st = imoe_check_call(&call, empty, err);
+  if (st != IMOE_OK) return st;
+  if (imoe_on_cuda(exec)) {
+    return imoe_check_cuda_workspace(workspace, workspace_elems, kind, imoe_view_rows(map),
+                                     buffers[0].n, err);
+  }
+  if (*empty) {
+    return imoe_check_plan_workspace(workspace, workspace_elems, imoe_view_rows(map) * buffers[0].n,
+                                     err);
+  }
+  return IMOE_OK;
+}
+
 imoe_status imoe_permute(const imoe_view *buffers, int32_t num_buffers, const imoe_view *perm,
                          int32_t inverse, int32_t *workspace, int64_t workspace_elems,
                          const imoe_exec *exec, imoe_error *err) {
@@ -439,21 +458,12 @@ imoe_status imoe_permute(const imoe_view *buffers, int32_t num_buffers, const im
   if (st == IMOE_OK) st = imoe_check_exec(exec, err);
   if (st != IMOE_OK) return st;
   int empty;
-  const imoe_call_args call = {buffers, num_buffers, NULL, {perm}, {"perm"}, {NULL}, {NULL},
-                               workspace, workspace_elems};
-  st = imoe_check_call(&call, &empty, err);
-  if (st != IMOE_OK) return st;
+  st = check_planned_call(buffers, num_buffers, perm, "perm", IMOE_PLAN_PERMUTE, workspace,
+                          workspace_elems, exec, &empty, err);
+  if (st != IMOE_OK || empty) return st;
   if (imoe_on_cuda(exec)) {
-    st = imoe_check_cuda_workspace(workspace, workspace_elems, IMOE_PLAN_PERMUTE,
-                                   imoe_view_rows(perm), buffers[0].n, err);
-    if (st != IMOE_OK) return st;
-    if (empty) return IMOE_OK;
     return imoe_cuda_permute(buffers, num_buffers, perm, inverse, workspace, workspace_elems, exec,
                              err);
-  }
-  if (empty) { /* a shared perm still plans one row: its workspace is checked */
-    return imoe_check_plan_workspace(workspace, workspace_elems,
-                                     imoe_view_rows(perm) * buffers[0].n, err);
   }
   plan_ctx ctx = {perm, "perm", 0, NULL, inverse != 0};
   return run_planned(buffers, num_buffers, &ctx, plan_perm_row, 0, buffers[0].n, workspace,
@@ -470,21 +480,12 @@ imoe_status imoe_apply_kept_order(const imoe_view *buffers, int32_t num_buffers,
   if (st == IMOE_OK) st = imoe_check_exec(exec, err);
   if (st != IMOE_OK) return st;
   int empty;
-  const imoe_call_args call = {buffers, num_buffers, NULL, {indices}, {"indices"}, {NULL}, {NULL},
-                               workspace, workspace_elems};
-  st = imoe_check_call(&call, &empty, err);
-  if (st != IMOE_OK) return st;
+  st = check_planned_call(buffers, num_buffers, indices, "indices", IMOE_PLAN_ORDERED, workspace,
+                          workspace_elems, exec, &empty, err);
+  if (st != IMOE_OK || empty) return st;
   if (imoe_on_cuda(exec)) {
-    st = imoe_check_cuda_workspace(workspace, workspace_elems, IMOE_PLAN_ORDERED,
-                                   imoe_view_rows(indices), buffers[0].n, err);
-    if (st != IMOE_OK) return st;
-    if (empty) return IMOE_OK;
     return imoe_cuda_apply_ordered(buffers, num_buffers, indices, restore, workspace,
                                    workspace_elems, exec, err);
-  }
-  if (empty) {
-    return imoe_check_plan_workspace(workspace, workspace_elems,
-                                     imoe_view_rows(indices) * buffers[0].n, err);
   }
   plan_ctx ctx = {indices, "indices", 0, NULL, restore};
   const int64_t limit = mode == IMOE_MODE_MOVE ? indices->n : buffers[0].n;

@@ -15,6 +15,20 @@ imoe_status imoe_fail(imoe_error *err, imoe_status status, const char *fmt, ...)
   return status;
 }
 
+imoe_status imoe_fail_range(imoe_error *err, const char *name, int64_t row, int64_t pos,
+                            int64_t value, int64_t n) {
+  return imoe_fail(err, IMOE_ERR_INDEX_RANGE,
+                   "%s: row %" PRId64 ", position %" PRId64 " holds %" PRId64
+                   ", outside [0, %" PRId64 ")",
+                   name, row, pos, value, n);
+}
+
+imoe_status imoe_fail_repeat(imoe_error *err, imoe_status status, const char *name, int64_t row,
+                             int64_t pos, int64_t slot) {
+  return imoe_fail(err, status, "%s: row %" PRId64 ", position %" PRId64 " repeats slot %" PRId64,
+                   name, row, pos, slot);
+}
+
 static int64_t dtype_size(imoe_dtype dtype) {
   switch (dtype) {
     case IMOE_DTYPE_BYTES:

@@ -29,6 +29,15 @@ def _out_help(doc_flag: str | None) -> str:
     return text + ")"
 
 
+def _doc_outputs(parser: argparse.ArgumentParser, doc_help: str) -> None:
+    """--out, --no-plot, --doc (the file whose table a run regenerates: `doc_help`) and --from-json."""
+    parser.add_argument("--out", default=None, help=_out_help("--doc"))
+    parser.add_argument("--no-plot", action="store_true")
+    parser.add_argument("--doc", default=None, help=doc_help)
+    parser.add_argument("--from-json", default=None,
+                        help="with --doc: regenerate the table from this JSON instead of running")
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m idempotent_moe")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -62,12 +71,7 @@ def _parser() -> argparse.ArgumentParser:
     w4.add_argument("--capacity-factors", default="1.0,1.25",
                     help="comma-separated capacity factors for capacity-mode rows ('' for none)")
     w4.add_argument("--quick", action="store_true", help="a reduced block on the CPU, for a smoke test")
-    w4.add_argument("--out", default=None, help=_out_help("--doc"))
-    w4.add_argument("--no-plot", action="store_true")
-    w4.add_argument("--doc", default=None,
-                    help="regenerate the W4 table of this file (docs/moe.md) from the new JSON")
-    w4.add_argument("--from-json", default=None,
-                    help="with --doc: regenerate the table from this JSON instead of running")
+    _doc_outputs(w4, "regenerate the W4 table of this file (docs/moe.md) from the new JSON")
     kv = sub.add_parser("kv", help="W2 through the KV hook, the paged hook and the HF cache")
     kv.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     kv.add_argument("--dtypes", default="",
@@ -75,25 +79,15 @@ def _parser() -> argparse.ArgumentParser:
     kv.add_argument("--runs", type=int, default=0)
     kv.add_argument("--threads", type=int, default=0)
     kv.add_argument("--quick", action="store_true", help="small shapes, for a smoke test")
-    kv.add_argument("--out", default=None, help=_out_help("--doc"))
-    kv.add_argument("--no-plot", action="store_true")
-    kv.add_argument("--doc", default=None,
-                    help="regenerate the table of this file (docs/kv.md) from the new JSON")
-    kv.add_argument("--from-json", default=None,
-                    help="with --doc: regenerate the table from this JSON instead of running")
+    _doc_outputs(kv, "regenerate the table of this file (docs/kv.md) from the new JSON")
     permute = sub.add_parser("permute", help="permute_, grouping and ordered compaction beside torch "
                                               "(CPU; --device cuda: the GPU half)")
     permute.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     permute.add_argument("--runs", type=int, default=0,
                          help="timed runs per row (default 15 on the CPU, 100 on CUDA)")
-    permute.add_argument("--doc", default=None,
-                         help="regenerate this file's permute table (docs/results.md) from the new JSON")
-    permute.add_argument("--from-json", default=None,
-                         help="with --doc: regenerate the table from this JSON instead of running")
     permute.add_argument("--threads", type=int, default=0, help="CPU threads (default: torch's)")
     permute.add_argument("--quick", action="store_true", help="small shapes, for a smoke test")
-    permute.add_argument("--out", default=None, help=_out_help("--doc"))
-    permute.add_argument("--no-plot", action="store_true")
+    _doc_outputs(permute, "regenerate this file's permute table (docs/results.md) from the new JSON")
     readme = sub.add_parser("readme", help="regenerate main-job tables from result JSON files "
                                             "(README.md: the GPU table; docs/results.md: all)")
     readme.add_argument("json", nargs="+")

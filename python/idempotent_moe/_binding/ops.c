@@ -91,6 +91,14 @@ static int read_workspace_and_finish(imoe_py_call *c, PyObject *workspace) {
 
 /* ---- compact and build_map ---- */
 
+/* The arguments into a (defaults on entry) and a call on a[stream] with a[threads]; NULL with
+ * an exception set. */
+static imoe_py_call *parse_call(imoe_py_signature *sig, PyObject *const *args, Py_ssize_t nargs,
+                                PyObject *kwnames, PyObject **a, int stream, int threads) {
+  if (imoe_py_parse(sig, args, nargs, kwnames, a) < 0) return NULL;
+  return imoe_py_call_new(a[stream], a[threads]);
+}
+
 static imoe_py_signature compact_sig = {
     "compact",
     16,
@@ -105,8 +113,7 @@ IMOE_PY_FASTCALL(imoe_py_compact) {
   a[OUT_IDX] = NULL;
   a[OUT_MAP] = a[WS] = a[STREAM] = a[MODE] = Py_None;
   a[THREADS] = Py_None;
-  if (imoe_py_parse(&compact_sig, args, nargs, kwnames, a) < 0) return NULL;
-  imoe_py_call *c = imoe_py_call_new(a[STREAM], a[THREADS]);
+  imoe_py_call *c = parse_call(&compact_sig, args, nargs, kwnames, a, STREAM, THREADS);
   if (c == NULL) return NULL;
   PyObject *result = NULL;
   imoe_view sel_view[2], idx, map;
@@ -141,8 +148,7 @@ IMOE_PY_FASTCALL(imoe_py_build_map) {
   PyObject *a[13];
   SELECTION_DEFAULTS(a, SEL);
   a[OUT_IDX] = a[OUT_MAP] = a[WS] = a[STREAM] = a[SLOTS] = a[THREADS] = Py_None;
-  if (imoe_py_parse(&build_map_sig, args, nargs, kwnames, a) < 0) return NULL;
-  imoe_py_call *c = imoe_py_call_new(a[STREAM], a[THREADS]);
+  imoe_py_call *c = parse_call(&build_map_sig, args, nargs, kwnames, a, STREAM, THREADS);
   if (c == NULL) return NULL;
   PyObject *result = NULL;
   imoe_view sel_view[2], idx, map;

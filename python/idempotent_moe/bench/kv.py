@@ -28,21 +28,14 @@ import json
 from dataclasses import dataclass
 
 from . import report, workloads
-from .runner import _machine, _memory, _progress, pick_device
+from .runner import RunOptions, _machine, _memory, _progress, start
 from .timing import copy_bandwidth, time_calls
 
 BLOCK_SIZE = 16
 
 
 @dataclass
-class KVOptions:
-    device: str = "auto"
-    dtypes: tuple = ()
-    runs: int = 0
-    threads: int = 0
-    quick: bool = False
-    out: str = report.DEFAULT_OUT
-    plot: bool = True
+class KVOptions(RunOptions):
     doc: str | None = None  # regenerate the table between <!-- kv:DEVICE --> markers here
 
 
@@ -180,12 +173,7 @@ def _paged_values(pp: PagedProblem, result: tuple) -> tuple:
 def run_kv(opts: KVOptions) -> dict:
     import torch
 
-    device = pick_device(opts.device)
-    if opts.doc:
-        report.require_section(opts.doc, f"kv:{device}")
-    threads = opts.threads or torch.get_num_threads()
-    torch.set_num_threads(threads)
-    runs = opts.runs or (100 if device == "cuda" else 15)
+    device, threads, runs = start(opts, opts.doc, "kv")
     shape = (workloads.QUICK if opts.quick else workloads.FULL)["W2"]
     names = opts.dtypes or (("float16",) if device == "cuda" else ("float16", "float32"))
     dtypes = [getattr(torch, n) for n in names]

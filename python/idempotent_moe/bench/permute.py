@@ -65,19 +65,84 @@ def _same(a, b) -> bool:
     return torch.equal(a, b)
 
 
+def _random_rows(shape: tuple, gen):
+    """Random bf16 rows (every bit pattern, NaNs included: compared bit for bit)."""
+    import torch
+
+    return torch.randint(-(2**15), 2**15, shape, dtype=torch.int16, generator=gen).view(torch.bfloat16)
+
+
+def _permutation(t: int, kind: str, gen):
+    import torch
+
+    return torch.randperm(t, generator=gen) if kind == "random" else torch.roll(torch.arange(t), 1)
+
+
+def _restorer(x, x0):
+    """The reset of a case: put `x` back to `x0`."""
+
+    def reset():
+        x.copy_(x0)
+
+    return reset
+
+
+def _group_inputs(t: int, d: int, experts: int, gen, device: str, ws_elems: int):
+    """Rows, random expert ids (on `device`), the rows to regroup and what group_by_expert_ writes:
+    its workspace, offsets and permutation."""
+    import torch
+
+    x0 = _random_rows((t, d), gen)
+    ids = torch.randint(0, experts, (t,), generator=gen)
+    x0, ids = x0.to(device), ids.to(device)
+    ws = torch.empty(ws_elems, dtype=torch.int32, device=device)
+    offsets = torch.empty(experts + 1, dtype=torch.int64, device=device)
+    perm = torch.empty(t, dtype=torch.int64, device=device)
+    return x0, ids, x0.clone(), ws, offsets, perm
+
+
+def _torch_group(x, ids, experts: int):
+    order, offs = _torch_order_offsets(ids, experts)
+    return _bits(x).index_select(0, order), offs, order
+
+
+def _torch_order_offsets(ids, experts: int):
+    """torch's grouping by expert: the stable order and the experts' offsets."""
+    import torch
+
+    order = torch.argsort(ids, stable=True)
+    offs = torch.cat([torch.zeros(1, dtype=torch.int64, device=ids.device),
+                      torch.cumsum(torch.bincount(ids, minlength=experts), 0)])
+    return order, offs
+
+
+def _ungroup_input(x0, ids):
+    """Rows of `x0` grouped by expert (the input of ungroup_), its order and reset."""
+    import torch
+
+    order = torch.argsort(ids, stable=True)
+    g0 = x0.index_select(0, order)
+    g = g0.clone()
+    return g, order, _restorer(g, g0)
+
+
+def _torch_ungroup(g, order):
+    import torch
+
+    return torch.empty_like(_bits(g)).index_copy_(0, order, _bits(g))
+
+
 def _permute_cases(t: int, d: int, kind: str, threads: int, gen) -> list:
     import torch
 
-    x0 = torch.randint(-(2**15), 2**15, (t, d), dtype=torch.int16, generator=gen).view(torch.bfloat16)
-    perm = torch.randperm(t, generator=gen) if kind == "random" else torch.roll(torch.arange(t), 1)
+    x0 = _random_rows((t, d), gen)
+    perm = _permutation(t, kind, gen)
     x = x0.clone()
     ws = torch.empty(t, dtype=torch.int32)
     out = torch.empty(t, d, dtype=torch.int16)
     row = d * x0.element_size()
     name = f"permute {kind} {t}x{d}"
-
-    def reset():
-        x.copy_(x0)
+    reset = _restorer(x, x0)
 
     def ours():
         imoe.permute_(x, perm, workspace=ws, num_threads=threads)
@@ -98,26 +163,11 @@ def _permute_cases(t: int, d: int, kind: str, threads: int, gen) -> list:
 
 
 def _group_cases(t: int, d: int, experts: int, threads: int, gen, with_ungroup: bool) -> list:
-    import torch
 
-    x0 = torch.randint(-(2**15), 2**15, (t, d), dtype=torch.int16, generator=gen).view(torch.bfloat16)
-    ids = torch.randint(0, experts, (t,), generator=gen)
-    x = x0.clone()
-    ws = torch.empty(t, dtype=torch.int32)
-    offsets = torch.empty(experts + 1, dtype=torch.int64)
-    perm = torch.empty(t, dtype=torch.int64)
+    x0, ids, x, ws, offsets, perm = _group_inputs(t, d, experts, gen, "cpu", t)
     row = d * x0.element_size()
     name = f"group E={experts} {t}x{d}"
-
-    def reset():
-        x.copy_(x0)
-
-    def torch_group():
-        order = torch.argsort(ids, stable=True)
-        grouped = _bits(x).index_select(0, order)
-        offs = torch.cat([torch.zeros(1, dtype=torch.int64),
-                          torch.cumsum(torch.bincount(ids, minlength=experts), 0)])
-        return grouped, offs, order
+    reset = _restorer(x, x0)
 
     def ours():
         imoe.group_by_expert_(x, ids, experts, out_offsets=offsets, out_perm=perm, workspace=ws,
@@ -125,28 +175,22 @@ def _group_cases(t: int, d: int, experts: int, threads: int, gen, with_ungroup: 
         return _bits(x), offsets, perm
 
     cases = [
-        Case(name, "torch argsort + index_select + bincount", "baseline", torch_group, reset,
+        Case(name, "torch argsort + index_select + bincount", "baseline",
+             lambda: _torch_group(x, ids, experts), reset,
              t * row + 3 * 8 * t),
         Case(name, "idempotent_moe group_by_expert_", "ours", ours, reset, 0, 4 * t),
     ]
     if with_ungroup:  # the inverse: put grouped rows back
-        order = torch.argsort(ids, stable=True)
-        g0 = x0.index_select(0, order)
-        g = g0.clone()
+        g, order, reset_g = _ungroup_input(x0, ids)
         ug = f"ungroup E={experts} {t}x{d}"
-
-        def reset_g():
-            g.copy_(g0)
-
-        def torch_ungroup():
-            return torch.empty_like(_bits(g)).index_copy_(0, order, _bits(g))
 
         def ours_ungroup():
             imoe.ungroup_(g, order, workspace=ws, num_threads=threads)
             return _bits(g)
 
         cases += [
-            Case(ug, "torch index_copy_ (out of place)", "baseline", torch_ungroup, reset_g, t * row),
+            Case(ug, "torch index_copy_ (out of place)", "baseline", lambda: _torch_ungroup(g, order),
+                 reset_g, t * row),
             Case(ug, "idempotent_moe ungroup_", "ours", ours_ungroup, reset_g, 0, 4 * t),
         ]
     return cases
@@ -156,17 +200,14 @@ def _compact_cases(shape: tuple, order: str, threads: int, gen) -> list:
     import torch
 
     e, t, d, c = shape
-    x0 = torch.randint(-(2**15), 2**15, (e, t, d), dtype=torch.int16,
-                       generator=gen).view(torch.bfloat16)
+    x0 = _random_rows((e, t, d), gen)
     s = torch.randn(e, t, generator=gen)
     x = x0.clone()
     ws = torch.empty(e * t, dtype=torch.int32)
     idx = torch.empty(e, c, dtype=torch.int64)
     row = d * x0.element_size()
     name = f"compact order={order} {e}x{t}x{d} C={c}"
-
-    def reset():
-        x.copy_(x0)
+    reset = _restorer(x, x0)
 
     def torch_compact():
         top = torch.topk(s, c, dim=-1, sorted=True).indices
@@ -192,17 +233,15 @@ def _compact_cases(shape: tuple, order: str, threads: int, gen) -> list:
 def _cuda_permute_cases(t: int, d: int, kind: str, gen) -> list:
     import torch
 
-    x0 = torch.randint(-(2**15), 2**15, (t, d), dtype=torch.int16, generator=gen).view(torch.bfloat16)
-    perm = torch.randperm(t, generator=gen) if kind == "random" else torch.roll(torch.arange(t), 1)
+    x0 = _random_rows((t, d), gen)
+    perm = _permutation(t, kind, gen)
     x0, perm = x0.cuda(), perm.cuda()
     x = x0.clone()
     ws = torch.empty(imoe.plan_workspace_elems("permute", 1, t, cuda=True), dtype=torch.int32,
                      device="cuda")
     row = d * x0.element_size()
     name = f"permute {kind} {t}x{d} bf16"
-
-    def reset():
-        x.copy_(x0)
+    reset = _restorer(x, x0)
 
     def in_place_torch():
         return _bits(x).copy_(_bits(x).index_select(0, perm))
@@ -226,62 +265,57 @@ def _cuda_permute_cases(t: int, d: int, kind: str, gen) -> list:
 
 
 def _cuda_group_cases(t: int, d: int, experts: int, gen) -> list:
-    import torch
 
-    x0 = torch.randint(-(2**15), 2**15, (t, d), dtype=torch.int16, generator=gen).view(torch.bfloat16)
-    ids = torch.randint(0, experts, (t,), generator=gen)
-    x0, ids = x0.cuda(), ids.cuda()
-    x = x0.clone()
-    ws = torch.empty(imoe.plan_workspace_elems("group", 1, t, cuda=True), dtype=torch.int32,
-                     device="cuda")
-    offsets = torch.empty(experts + 1, dtype=torch.int64, device="cuda")
-    perm = torch.empty(t, dtype=torch.int64, device="cuda")
+    x0, ids, x, ws, offsets, perm = _group_inputs(
+        t, d, experts, gen, "cuda", imoe.plan_workspace_elems("group", 1, t, cuda=True))
     row = d * x0.element_size()
     name = f"group E={experts} {t}x{d} bf16"
-
-    def reset():
-        x.copy_(x0)
-
-    def torch_group():
-        order = torch.argsort(ids, stable=True)
-        grouped = _bits(x).index_select(0, order)
-        offs = torch.cat([torch.zeros(1, dtype=torch.int64, device="cuda"),
-                          torch.cumsum(torch.bincount(ids, minlength=experts), 0)])
-        return grouped, offs, order
+    reset = _restorer(x, x0)
 
     def torch_group_in_place():
-        order = torch.argsort(ids, stable=True)
+        order, offs = _torch_order_offsets(ids, experts)
         _bits(x).copy_(_bits(x).index_select(0, order))
-        offs = torch.cat([torch.zeros(1, dtype=torch.int64, device="cuda"),
-                          torch.cumsum(torch.bincount(ids, minlength=experts), 0)])
         return _bits(x), offs, order
 
     def ours():
         imoe.group_by_expert_(x, ids, experts, out_offsets=offsets, out_perm=perm, workspace=ws)
         return _bits(x), offsets, perm
 
-    order = torch.argsort(ids, stable=True)
-    g0 = x0.index_select(0, order)
-    g = g0.clone()
+    g, order, reset_g = _ungroup_input(x0, ids)
     ug = f"ungroup E={experts} {t}x{d} bf16"
-
-    def reset_g():
-        g.copy_(g0)
 
     def ours_ungroup():
         imoe.ungroup_(g, order, workspace=ws)
         return _bits(g)
 
     return [
-        Case(name, "torch argsort + index_select + bincount", "baseline", torch_group, reset,
+        Case(name, "torch argsort + index_select + bincount", "baseline",
+             lambda: _torch_group(x, ids, experts), reset,
              t * row + 3 * 8 * t),
         Case(name, "torch argsort + x.copy_(x.index_select(...))", "torch", torch_group_in_place,
              reset, t * row + 3 * 8 * t),
         Case(name, "idempotent_moe group_by_expert_", "ours", ours, reset, 0, ws.numel() * 4),
         Case(ug, "torch index_copy_ (out of place)", "baseline",
-             lambda: torch.empty_like(_bits(g)).index_copy_(0, order, _bits(g)), reset_g, t * row),
+             lambda: _torch_ungroup(g, order), reset_g, t * row),
         Case(ug, "idempotent_moe ungroup_", "ours", ours_ungroup, reset_g, 0, ws.numel() * 4),
     ]
+
+
+def _against_baseline(rows: list) -> None:
+    """Each row's time beside its workload's torch baseline."""
+    for r in rows:
+        base = next(b for b in rows if b["workload"] == r["workload"] and b["kind"] == "baseline")
+        r["time_ratio_vs_torch"] = r["median_ms"] / base["median_ms"]
+        r["speedup_vs_torch"] = base["median_ms"] / r["median_ms"]
+
+
+def _write(data: dict, out: str, stem: str, plot: bool) -> list:
+    """Write the JSON (and the plot), print the table and the paths written."""
+    paths = report.write_results(data, out, stem, _plot if plot else None)
+    print(table(data))
+    for p in paths:
+        print(f"wrote {p}", file=sys.stderr)
+    return paths
 
 
 def run_cuda(runs: int = 0, quick: bool = False, out: str = report.DEFAULT_OUT,
@@ -326,17 +360,10 @@ def run_cuda(runs: int = 0, quick: bool = False, out: str = report.DEFAULT_OUT,
         del result
         bar.update()
     bar.close()
-    for r in rows:
-        base = next(b for b in rows if b["workload"] == r["workload"] and b["kind"] == "baseline")
-        r["time_ratio_vs_torch"] = r["median_ms"] / base["median_ms"]
-        r["speedup_vs_torch"] = base["median_ms"] / r["median_ms"]
+    _against_baseline(rows)
     data = {"machine": runner._machine("cuda", torch.get_num_threads(), bandwidth), "quick": quick,
             "results": rows}
-    stem = "permute-cuda" + ("-quick" if quick else "")
-    paths = report.write_results(data, out, stem, _plot if plot else None)
-    print(table(data))
-    for p in paths:
-        print(f"wrote {p}", file=sys.stderr)
+    paths = _write(data, out, "permute-cuda" + ("-quick" if quick else ""), plot)
     if doc:
         doc_from_json(doc, paths[0])
         print(f"updated {doc}", file=sys.stderr)
@@ -390,17 +417,10 @@ def run(runs: int = 0, threads: int = 0, quick: bool = False,
         })
         bar.update()
     bar.close()
-    for r in rows:
-        base = next(b for b in rows if b["workload"] == r["workload"] and b["kind"] == "baseline")
-        r["time_ratio_vs_torch"] = r["median_ms"] / base["median_ms"]
-        r["speedup_vs_torch"] = base["median_ms"] / r["median_ms"]
+    _against_baseline(rows)
     data = {"machine": runner._machine("cpu", threads, bandwidth), "quick": quick, "results": rows}
-    stem = "permute-cpu" + ("-quick" if quick else "")
-    paths = report.write_results(data, out, stem, _plot if plot else None)
+    paths = _write(data, out, "permute-cpu" + ("-quick" if quick else ""), plot)
     path = paths[0]
-    print(table(data))
-    for p in paths:
-        print(f"wrote {p}", file=sys.stderr)
     if not all(r["bit_exact"] for r in rows):
         raise SystemExit("a result differs from torch's: see bit_exact in " + path)
     return data

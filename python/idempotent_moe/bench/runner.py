@@ -19,16 +19,35 @@ FLUSH, QUICK_FLUSH = workloads.FLUSH_BYTES, 4 << 20
 
 
 @dataclass
-class Options:
+class RunOptions:
+    """What every benchmark run takes (0 and () for the device's defaults)."""
+
     device: str = "auto"
-    workloads: tuple = ("W1", "W2")
     dtypes: tuple = ()
     runs: int = 0
     threads: int = 0
     quick: bool = False
     out: str = report.DEFAULT_OUT
     plot: bool = True
+
+
+@dataclass
+class Options(RunOptions):
+    workloads: tuple = ("W1", "W2")
     readme: str | None = None
+
+
+def start(opts: RunOptions, doc: str | None, section: str) -> tuple:
+    """The device, thread count and runs of a benchmark run by its options (device, threads,
+    runs); fails before anything is measured when `doc` has no `section:DEVICE` to fill."""
+    import torch
+
+    device = pick_device(opts.device)
+    if doc:
+        report.require_section(doc, f"{section}:{device}")
+    threads = opts.threads or torch.get_num_threads()
+    torch.set_num_threads(threads)
+    return device, threads, opts.runs or (100 if device == "cuda" else 15)
 
 
 def pick_device(requested: str) -> str:
@@ -163,12 +182,7 @@ def measure(problem: workloads.Problem, impls: list, device: str, runs: int, ban
 def run(opts: Options) -> dict:
     import torch
 
-    device = pick_device(opts.device)
-    if opts.readme:
-        report.require_section(opts.readme, f"bench:{device}")
-    threads = opts.threads or torch.get_num_threads()
-    torch.set_num_threads(threads)
-    runs = opts.runs or (100 if device == "cuda" else 15)
+    device, threads, runs = start(opts, opts.readme, "bench")
     shapes = workloads.QUICK if opts.quick else workloads.FULL
 
     def dtypes_of(workload: str) -> list:
