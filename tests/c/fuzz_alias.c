@@ -24,6 +24,8 @@
 #define ARENA 4096
 #define MAX_VIEWS 5
 
+/* The input reader of fuzz_compact.c, repeated on purpose: each fuzz target
+ * is one file that libFuzzer links alone. */
 typedef struct reader {
   const uint8_t *p;
   size_t left;
