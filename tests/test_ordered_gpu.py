@@ -360,3 +360,15 @@ def test_on_side_stream(rng):
     stream.synchronize()
     np.testing.assert_array_equal(bits(seen), want[0])
     np.testing.assert_array_equal(seen_idx.cpu().numpy(), want_idx)
+
+
+@pytest.mark.parametrize("order", ["sorted", ["stable"]])
+def test_a_bad_order_on_cuda_is_named_as_the_order(order):
+    """The plan workspace is allocated for orders only: a name that is no
+    order reaches the core, whose message names `order` (not a plan kind)."""
+    x = torch.randn(2, 16, 4, device="cuda")
+    s = torch.rand(2, 16, device="cuda")
+    before = x.clone()
+    with pytest.raises((ValueError, TypeError), match="order"):
+        imoe.compact_(x, s, 4, order=order)
+    assert torch.equal(x, before)

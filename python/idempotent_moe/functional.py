@@ -146,6 +146,9 @@ def plan_workspace_elems(kind: str, rows: int, n: int, *, cuda: bool) -> int:
     return int(native().plan_workspace_elems(kind, rows, n, bool(cuda)))
 
 
+_ORDER_PLANS = {"stable": "ordered", "score": "ordered"}
+
+
 def _workspace(workspace: Any, like: Any, kind: str, rows: int, n: int) -> Any:
     """The caller's workspace; or, for CUDA buffers, a new one from the
     framework on their device (the C/CUDA code never allocates). On the CPU
@@ -154,10 +157,12 @@ def _workspace(workspace: Any, like: Any, kind: str, rows: int, n: int) -> Any:
     plan)."""
     if workspace is not None:
         return workspace
-    if kind == "inplace" or like is None or _arrays.cuda_device_of(like) is None:
+    # An order needs the "ordered" plan unless it is "inplace"; a name that is
+    # no order gets none here, so the core's message names `order`.
+    kind = _ORDER_PLANS.get(kind, kind) if isinstance(kind, str) else None
+    if kind not in native().PLAN_KINDS or like is None \
+            or _arrays.cuda_device_of(like) is None:
         return None
-    if kind in ("stable", "score"):
-        kind = "ordered"
     return _arrays.empty_index(like, (plan_workspace_elems(kind, rows, n, cuda=True),), "int32")
 
 
