@@ -65,9 +65,7 @@ __global__ void __launch_bounds__(1024) k_check_nan(const __grid_constant__ NanP
   } else {
     for (uint32_t it = blockIdx.x; it < p.items; it += gridDim.x) {
       const uint32_t r = it / p.bpr, s = it - r * p.bpr;
-      uint32_t c[kMaxDims];
-      row_coords(p.lead, r, c);
-      const char *row = p.scores.data + row_offset(p.lead, c, p.scores.lead);
+      const char *row = row_data(p.lead, p.scores, r);
       const int64_t x0 = (int64_t)s * p.per, x1 = min(x0 + p.per, p.N);
       for (int64_t xb = x0 + threadIdx.x; xb < x1; xb += 8 * (int64_t)blockDim.x) {
         uint32_t raw[8];  // eight independent loads in flight
@@ -156,9 +154,7 @@ __global__ void __launch_bounds__(kCheckThreads) k_check_rows(const __grid_const
   const int64_t lo = p.kind == 1 ? 0 : p.M;
   bool bad = false;  // thread 0
   for (uint32_t r = blockIdx.x; r < p.rows; r += gridDim.x) {
-    uint32_t c[kMaxDims];
-    row_coords(p.lead, r, c);
-    const char *row = p.v.data + row_offset(p.lead, c, p.v.lead);
+    const char *row = row_data(p.lead, p.v, r);
     if (tid == 0) {
       s_max = (unsigned long long)max(p.M, (int64_t)0);
       s_code = 0;
@@ -223,9 +219,7 @@ __global__ void __launch_bounds__(256) k_check_tm(const __grid_constant__ TmPara
   int code = 0;
   for (uint32_t it = blockIdx.x; it < p.items; it += gridDim.x) {
     const uint32_t r = it / p.bpr, s = it - r * p.bpr;
-    uint32_t c[kMaxDims];
-    row_coords(p.lead, r, c);
-    const char *row = p.tm.data + row_offset(p.lead, c, p.tm.lead);
+    const char *row = row_data(p.lead, p.tm, r);
     const int64_t x0 = (int64_t)s * p.per, x1 = min(x0 + p.per, p.N);
     for (int64_t x = x0 + threadIdx.x; x < x1; x += blockDim.x) {
       const int64_t v = load_index(row + x * p.tm.n_stride, p.tm.dtype, al);

@@ -101,6 +101,13 @@ __device__ __forceinline__ int64_t row_offset(const Lead &L, const uint32_t (&c)
   return o;
 }
 
+// The start of row r of a view laid out by L.
+__device__ __forceinline__ const char *row_data(const Lead &L, const InView &v, uint32_t r) {
+  uint32_t c[kMaxDims];
+  row_coords(L, r, c);
+  return v.data + row_offset(L, c, v.lead);
+}
+
 // ---------------------------------------------------------------- scalars
 __device__ __forceinline__ uint32_t load_u16(const char *p, bool aligned) {
   if (aligned) return *reinterpret_cast<const unsigned short *>(p);
@@ -195,6 +202,17 @@ __device__ __forceinline__ void record_status(const StatusWords &w, int code) {
 // One thread per validation block, at its end.
 __device__ __forceinline__ void write_verdict(const StatusWords &w, uint32_t token, bool bad) {
   if (token) w.verdict[token % kSlots][blockIdx.x] = bad ? token : 0u;
+}
+
+// The end of a validation block: `code` when any thread found `bad`, and the
+// block's verdict (also bad when `aborted`: an earlier kernel's failure).
+__device__ __forceinline__ void block_verdict(const StatusWords &w, uint32_t token, bool bad, int code,
+                                              bool aborted = false) {
+  bad = __syncthreads_or(bad) != 0;
+  if (threadIdx.x == 0) {
+    if (bad) record_status(w, code);
+    write_verdict(w, token, bad || aborted);
+  }
 }
 
 // This thread's verdict word of call `token` (thread t reads word t).

@@ -248,9 +248,7 @@ __global__ void __launch_bounds__(kOrdThreads) k_ord_sort_small(const __grid_con
   const uint32_t r = blockIdx.x;
   const int tid = threadIdx.x;
   const int kept = (int)p.kept;
-  uint32_t c[kMaxDims];
-  row_coords(p.lead, r, c);
-  const char *srow = p.scores.data + row_offset(p.lead, c, p.scores.lead);
+  const char *srow = row_data(p.lead, p.scores, r);
   const bool sal = p.scores.aligned != 0;
   const int dt = p.scores.dtype;
   const uint32_t mask = p.key16 ? 0xFFFFu : 0xFFFFFFFFu;

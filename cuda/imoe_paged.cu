@@ -245,6 +245,18 @@ __global__ void __launch_bounds__(kPagedThreads) k_paged_apply(const __grid_cons
 
 namespace {
 
+// The moves see the call as the checks did: sequences, map, tables and sizes.
+void copy_geometry(PagedApplyParams &ap, const PagedCheckParams &cp) {
+  ap.inner = cp.inner;
+  ap.map_inner = cp.map_inner;
+  ap.map_seq = cp.map_seq;
+  ap.map = cp.map;
+  ap.tab = cp.tab;
+  ap.N = cp.N;
+  ap.bs = cp.bs;
+  ap.per_seq = cp.per_seq;
+}
+
 imoe_status paged_apply(const imoe_view *pools, int32_t num_pools, const imoe_view *tables,
                         const imoe_view *map, imoe_mode mode, int32_t *workspace, int64_t workspace_elems,
                         const imoe_exec *exec, imoe_error *err) {
@@ -341,14 +353,7 @@ imoe_status paged_apply(const imoe_view *pools, int32_t num_pools, const imoe_vi
   // ---- moves
   PagedApplyParams ap;
   memset(&ap, 0, sizeof ap);
-  ap.inner = inner;
-  ap.map_inner = map_inner;
-  ap.map_seq = map->lead_stride[0];
-  ap.map = mv;
-  ap.tab = tv;
-  ap.N = N;
-  ap.bs = bs;
-  ap.per_seq = (uint32_t)per_seq;
+  copy_geometry(ap, cp);
   ap.swap = mode == IMOE_MODE_SWAP ? 1 : 0;
   ap.nverdict = n1 + n2;
   ap.token = token;

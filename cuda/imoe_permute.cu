@@ -63,29 +63,39 @@ struct PermCheckParams {
   StatusWords words;  // imoe_select.cu's status and verdict words (DevInfo::words)
 };
 
+// Element f of a grid-strided pass over rows of m indices: its row r, its
+// place i in the row and its value.
+__device__ __forceinline__ int64_t flat_index(const Lead &L, const InView &v, uint64_t f, uint64_t m, bool al,
+                                              uint64_t &r, uint64_t &i) {
+  r = f / m;
+  i = f - r * m;
+  return load_index(row_data(L, v, (uint32_t)r) + (int64_t)i * v.n_stride, v.dtype, al);
+}
+
+// Whether an index this thread visits, of `items` over rows of m, is outside [0, hi).
+__device__ __forceinline__ bool any_out_of_range(const Lead &L, const InView &v, uint64_t items, uint64_t m,
+                                                 int64_t hi) {
+  const bool al = v.aligned != 0;
+  bool bad = false;
+  const uint64_t step = (uint64_t)gridDim.x * blockDim.x;
+  for (uint64_t f = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x; f < items; f += step) {
+    uint64_t r, i;
+    const int64_t x = flat_index(L, v, f, m, al, r, i);
+    if (x < 0 || x >= hi) bad = true;
+  }
+  return bad;
+}
+
 // Both let the next kernel launch early (it waits for them before reading);
 // k_perm_unique, launched early itself by imoe_cuda_permute, waits for the
 // scatter's reset.
 __global__ void __launch_bounds__(kPermCheckThreads) k_perm_range(const __grid_constant__ PermCheckParams p) {
   griddep_launch_dependents();
-  const bool al = p.perm.aligned != 0;
-  bool bad = false;
+  const bool bad = any_out_of_range(p.lead, p.perm, p.items, (uint64_t)p.m, p.n);
   const uint64_t step = (uint64_t)gridDim.x * blockDim.x;
-  for (uint64_t f = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x; f < p.items; f += step) {
-    const uint64_t r = f / (uint64_t)p.m, i = f - r * (uint64_t)p.m;
-    uint32_t c[kMaxDims];
-    row_coords(p.lead, (uint32_t)r, c);
-    const int64_t v = load_index(
-        p.perm.data + row_offset(p.lead, c, p.perm.lead) + (int64_t)i * p.perm.n_stride, p.perm.dtype, al);
-    if (v < 0 || v >= p.n) bad = true;
-  }
   for (uint64_t f = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x; f < p.scatter_items; f += step)
     p.scatter[f] = -1;
-  bad = __syncthreads_or(bad) != 0;
-  if (threadIdx.x == 0) {
-    if (bad) record_status(p.words, IMOE_ERR_INDEX_RANGE);
-    write_verdict(p.words, p.token, bad);
-  }
+  block_verdict(p.words, p.token, bad, IMOE_ERR_INDEX_RANGE);
 }
 
 __global__ void __launch_bounds__(kPermCheckThreads)
@@ -97,19 +107,12 @@ __global__ void __launch_bounds__(kPermCheckThreads)
   bool dup = false;
   const uint64_t step = (uint64_t)gridDim.x * blockDim.x;
   for (uint64_t f = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x; f < p.items; f += step) {
-    const uint64_t r = f / (uint64_t)p.m, i = f - r * (uint64_t)p.m;
-    uint32_t c[kMaxDims];
-    row_coords(p.lead, (uint32_t)r, c);
-    const int64_t v = load_index(
-        p.perm.data + row_offset(p.lead, c, p.perm.lead) + (int64_t)i * p.perm.n_stride, p.perm.dtype, al);
+    uint64_t r, i;
+    const int64_t v = flat_index(p.lead, p.perm, f, (uint64_t)p.m, al, r, i);
     if (v < 0 || v >= p.n) continue;  // pass 1's error
     if (atomicCAS(&p.scatter[r * (uint64_t)p.n + (uint64_t)v], -1, (int32_t)i) != -1) dup = true;
   }
-  dup = __syncthreads_or(dup) != 0;
-  if (threadIdx.x == 0) {
-    if (dup) record_status(p.words, IMOE_ERR_BAD_MAP);
-    write_verdict(p.words, p.token, dup || before);
-  }
+  block_verdict(p.words, p.token, dup, IMOE_ERR_BAD_MAP, before);
 }
 
 // ------------------------------------------------------------ cycles
@@ -153,10 +156,12 @@ constexpr int kRotThreads = 384;
 
 // The cycle kernels follow each other with programmatic dependent launch
 // (sm_90): the next one is launched while this one runs and waits here for
-// its predecessor's completion (and memory) before reading anything.
-__device__ __forceinline__ void cyc_enter() {
+// its predecessor's completion (and memory) before reading anything; then
+// whether the call failed validation (the kernel then does nothing).
+__device__ __forceinline__ bool cyc_enter(const CycleParams &p) {
   griddep_launch_dependents();
   griddep_wait();
+  return call_aborted(p.words, p.token, p.nverdict);
 }
 
 __device__ __forceinline__ const char *succ_row(const CycleParams &p, uint32_t r) {
@@ -207,6 +212,22 @@ __device__ __forceinline__ void cyc_write_aggregate(const CycleParams &p, uint32
   if (threadIdx.x == 0) reinterpret_cast<uint32_t *>(p.ws + 3 * p.fin * p.region)[blockIdx.x] = total;
 }
 
+// A pass over every slot f of every row (row r, its first slot row0, place x
+// in the row): `slot` does the slot's work and returns its cycle's length if
+// it leads one, else 0; the last kernel's blocks then write their aggregates.
+template <class Slot>
+__device__ __forceinline__ void cyc_slots(const CycleParams &p, uint32_t *s_warp, Slot slot) {
+  if (cyc_enter(p)) return;
+  const uint64_t f = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x;
+  uint32_t len = 0;
+  if (f < p.items) {
+    const uint32_t r = (uint32_t)(f / (uint64_t)p.n);
+    const uint64_t row0 = (uint64_t)r * (uint64_t)p.n;
+    len = slot(f, r, row0, (int32_t)(f - row0));
+  }
+  if (p.last) cyc_write_aggregate(p, len, s_warp);
+}
+
 // Set 0 after a window of kWalk: every slot follows p itself, kWalk steps:
 // jump p^kWalk(x), the min of x .. p^(kWalk-1)(x) and its distance. A walk
 // that comes back to x has seen its whole cycle: min and distance are final,
@@ -214,13 +235,7 @@ __device__ __forceinline__ void cyc_write_aggregate(const CycleParams &p, uint32
 // n <= kWalk every walk comes back, and this is the final kernel.
 __global__ void __launch_bounds__(kCycThreads) k_cyc_init(const __grid_constant__ CycleParams p) {
   __shared__ uint32_t s_warp[33];
-  cyc_enter();
-  if (call_aborted(p.words, p.token, p.nverdict)) return;
-  const uint64_t f = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x;
-  uint32_t len = 0;
-  if (f < p.items) {
-    const uint32_t r = (uint32_t)(f / (uint64_t)p.n);
-    const int32_t x = (int32_t)(f - (uint64_t)r * (uint64_t)p.n);
+  cyc_slots(p, s_warp, [&](uint64_t f, uint32_t r, uint64_t, int32_t x) -> uint32_t {
     const char *row = succ_row(p, r);
     int32_t y = x, mn = x, d = 0, L = 0;
     for (int t = 1; t <= kWalk; ++t) {
@@ -237,9 +252,8 @@ __global__ void __launch_bounds__(kCycThreads) k_cyc_init(const __grid_constant_
     if (!p.last) p.ws[f] = L ? x : y;
     p.ws[p.region + f] = mn;
     p.ws[2 * p.region + f] = d;
-    if (mn == x) len = (uint32_t)L;
-  }
-  if (p.last) cyc_write_aggregate(p, len, s_warp);
+    return mn == x ? (uint32_t)L : 0u;
+  });
 }
 
 // Follows the jumps of the set read from slot x0 over `arity` windows of w
@@ -270,14 +284,7 @@ __device__ __forceinline__ int32_t cyc_jump(const int32_t *J, const int32_t *M, 
 // L = 1 + (distance of p[m]), which it computes for p[m] itself.
 __global__ void __launch_bounds__(kCycThreads) k_cyc_round(const __grid_constant__ CycleParams p) {
   __shared__ uint32_t s_warp[33];
-  cyc_enter();
-  if (call_aborted(p.words, p.token, p.nverdict)) return;
-  const uint64_t f = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x;
-  uint32_t len = 0;
-  if (f < p.items) {
-    const uint32_t r = (uint32_t)(f / (uint64_t)p.n);
-    const uint64_t row0 = (uint64_t)r * (uint64_t)p.n;
-    const int32_t x = (int32_t)(f - row0);
+  cyc_slots(p, s_warp, [&](uint64_t f, uint32_t r, uint64_t row0, int32_t x) -> uint32_t {
     const int32_t *J = p.ws + 3 * p.src * p.region, *M = J + p.region, *D = J + 2 * p.region;
     int32_t *J2 = p.ws + 3 * (1 - p.src) * p.region, *M2 = J2 + p.region, *D2 = J2 + 2 * p.region;
     int32_t m2, d2;
@@ -288,16 +295,13 @@ __global__ void __launch_bounds__(kCycThreads) k_cyc_round(const __grid_constant
       J2[f] = J[row0 + cur];
     } else if (m2 == x) {
       const int32_t y = succ_at(p, succ_row(p, r), x);
-      if (y == x) {
-        len = 1;
-      } else {
-        int32_t my, dy;
-        cyc_jump(J, M, D, row0, y, p.w, p.arity, &my, &dy);
-        len = (uint32_t)dy + 1u;
-      }
+      if (y == x) return 1u;
+      int32_t my, dy;
+      cyc_jump(J, M, D, row0, y, p.w, p.arity, &my, &dy);
+      return (uint32_t)dy + 1u;
     }
-  }
-  if (p.last) cyc_write_aggregate(p, len, s_warp);
+    return 0u;
+  });
 }
 
 // Many aggregates (more than kAggDirect): one block turns them, in place,
@@ -305,8 +309,7 @@ __global__ void __launch_bounds__(kCycThreads) k_cyc_round(const __grid_constant
 // slot (in [0, n]: every row's lengths add up to n).
 __global__ void __launch_bounds__(kCycThreads) k_cyc_agg_scan(const __grid_constant__ CycleParams p) {
   __shared__ unsigned long long s_warp[33];
-  cyc_enter();
-  if (call_aborted(p.words, p.token, p.nverdict)) return;
+  if (cyc_enter(p)) return;
   uint32_t *agg = reinterpret_cast<uint32_t *>(p.ws + 3 * p.fin * p.region);
   unsigned long long carry = 0;
   for (uint32_t t0 = 0; t0 < p.nagg; t0 += blockDim.x) {
@@ -327,8 +330,7 @@ __global__ void __launch_bounds__(kCycThreads) k_cyc_agg_scan(const __grid_const
 __global__ void __launch_bounds__(kCycThreads) k_cyc_bases(const __grid_constant__ CycleParams p) {
   __shared__ unsigned long long s_w64[33];
   __shared__ uint32_t s_w32[33];
-  cyc_enter();
-  if (call_aborted(p.words, p.token, p.nverdict)) return;
+  if (cyc_enter(p)) return;
   const uint32_t t = blockIdx.x;
   const uint64_t f0 = (uint64_t)t * blockDim.x;
   const uint64_t rt = f0 / (uint64_t)p.n;
@@ -360,8 +362,7 @@ __global__ void __launch_bounds__(kCycThreads) k_cyc_bases(const __grid_constant
 // The cycles laid out: order[B(m) + e(x)] = x, written as ~x where e = 0
 // (a cycle starts there).
 __global__ void __launch_bounds__(kCycThreads) k_cyc_order(const __grid_constant__ CycleParams p) {
-  cyc_enter();
-  if (call_aborted(p.words, p.token, p.nverdict)) return;
+  if (cyc_enter(p)) return;
   const uint64_t f = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x;
   if (f >= p.items) return;
   const uint64_t row0 = f - f % (uint64_t)p.n;
@@ -588,22 +589,8 @@ struct GroupCheckParams {
 
 __global__ void __launch_bounds__(kPermCheckThreads)
     k_group_check(const __grid_constant__ GroupCheckParams p) {
-  const bool al = p.ids.aligned != 0;
-  bool bad = false;
-  const uint64_t step = (uint64_t)gridDim.x * blockDim.x;
-  for (uint64_t f = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x; f < p.items; f += step) {
-    const uint64_t r = f / (uint64_t)p.n, t = f - r * (uint64_t)p.n;
-    uint32_t c[kMaxDims];
-    row_coords(p.lead, (uint32_t)r, c);
-    const int64_t e = load_index(p.ids.data + row_offset(p.lead, c, p.ids.lead) + (int64_t)t * p.ids.n_stride,
-                                 p.ids.dtype, al);
-    if (e < 0 || e >= p.experts) bad = true;
-  }
-  bad = __syncthreads_or(bad) != 0;
-  if (threadIdx.x == 0) {
-    if (bad) record_status(p.words, IMOE_ERR_INDEX_RANGE);
-    write_verdict(p.words, p.token, bad);
-  }
+  const bool bad = any_out_of_range(p.lead, p.ids, p.items, (uint64_t)p.n, p.experts);
+  block_verdict(p.words, p.token, bad, IMOE_ERR_INDEX_RANGE);
 }
 
 struct GroupParams {
@@ -886,6 +873,35 @@ imoe_status start_perm_call(const char *fn, const imoe_view *buffers, int32_t nu
   return IMOE_OK;
 }
 
+// The checks of m entries per row of `map` (values in [0, N), then distinct):
+// k_perm_range, then k_perm_unique (launched early when pdl_unique) on
+// *nverdict blocks; *cp comes back with the second's token.
+imoe_status launch_perm_checks(const char *fn, const PermCall &c, const imoe_view *map, int64_t m,
+                               int32_t *workspace, bool pdl_unique, PermCheckParams *cp, int *nverdict,
+                               imoe_error *err) {
+  memset(cp, 0, sizeof *cp);
+  cp->lead = c.pl.lead;
+  if (!c.per_row) memset(&cp->lead, 0, sizeof cp->lead);
+  cp->n = c.n;
+  cp->m = m;
+  cp->items = c.rows * (uint64_t)m;
+  cp->scatter_items = c.rows * (uint64_t)c.n;
+  cp->perm = in_view(map, c.pl.st[0], c.pl.lead.nd);
+  cp->scatter = workspace + 3 * (int64_t)c.rows * c.n;
+  const int grid = check_grid(std::max(cp->items, cp->scatter_items));
+  cp->token = next_token();
+  cp->words = c.di->words;
+  cudaError_t e = launch(k_perm_range, shape((unsigned)grid, kPermCheckThreads, 0, false), c.st, *cp);
+  if (e != cudaSuccess) return cuda_fail(err, fn, "launch of k_perm_range", e);
+  cp->prev_token = cp->token;
+  cp->prev_nverdict = grid;
+  cp->token = next_token();
+  e = launch(k_perm_unique, shape((unsigned)grid, kPermCheckThreads, 0, pdl_unique), c.st, *cp);
+  if (e != cudaSuccess) return cuda_fail(err, fn, "launch of k_perm_unique", e);
+  *nverdict = grid;
+  return IMOE_OK;
+}
+
 }  // namespace
 
 }  // namespace imoe_cu
@@ -903,27 +919,10 @@ imoe_status imoe_cuda_permute(const imoe_view *buffers, int32_t num_buffers, con
   imoe_status s = start_perm_call(fn, buffers, num_buffers, perm, IMOE_PLAN_PERMUTE, workspace,
                                   workspace_elems, exec, err, &guard, &c);
   if (s != IMOE_OK || c.empty) return s;
-  const int nd = c.pl.lead.nd;
   PermCheckParams cp;
-  memset(&cp, 0, sizeof cp);
-  cp.lead = c.pl.lead;
-  if (!c.per_row) memset(&cp.lead, 0, sizeof cp.lead);
-  cp.n = c.n;
-  cp.m = c.n;
-  cp.items = c.rows * (uint64_t)c.n;
-  cp.scatter_items = cp.items;
-  cp.perm = in_view(perm, c.pl.st[0], nd);
-  cp.scatter = workspace + 3 * (int64_t)c.rows * c.n;
-  const int grid = check_grid(cp.items);
-  cp.token = next_token();
-  cp.words = c.di->words;
-  cudaError_t e = launch(k_perm_range, shape((unsigned)grid, kPermCheckThreads, 0, false), c.st, cp);
-  if (e != cudaSuccess) return cuda_fail(err, fn, "launch of k_perm_range", e);
-  cp.prev_token = cp.token;
-  cp.prev_nverdict = grid;
-  cp.token = next_token();
-  e = launch(k_perm_unique, shape((unsigned)grid, kPermCheckThreads, 0, c.di->cc_major >= 9), c.st, cp);
-  if (e != cudaSuccess) return cuda_fail(err, fn, "launch of k_perm_unique", e);
+  int grid;
+  s = launch_perm_checks(fn, c, perm, c.n, workspace, c.di->cc_major >= 9, &cp, &grid, err);
+  if (s != IMOE_OK) return s;
   return launch_cycles_and_swaps(fn, buffers, num_buffers, c.pl, 1, cp.perm, c.per_row, c.n, inverse != 0,
                                  workspace, cp.token, grid, c.di, c.st, err);
 }
@@ -939,33 +938,15 @@ imoe_status imoe_cuda_apply_ordered(const imoe_view *buffers, int32_t num_buffer
   if (s != IMOE_OK || c.empty) return s;
   const int64_t kept = indices->n;
   if (c.rows > 0x7FFFFFFFull) return fail(err, IMOE_ERR_ARGUMENT, "%s: too many rows for one launch", fn);
-  const int nd = c.pl.lead.nd;
-  Lead plead = c.pl.lead;
-  if (!c.per_row) memset(&plead, 0, sizeof plead);
   // the indices: in [0, N), then distinct (IMOE_ERR_BAD_MAP, as the CPU core)
   PermCheckParams cp;
-  memset(&cp, 0, sizeof cp);
-  cp.lead = plead;
-  cp.n = c.n;
-  cp.m = kept;
-  cp.items = c.rows * (uint64_t)kept;
-  cp.scatter_items = c.rows * (uint64_t)c.n;
-  cp.perm = in_view(indices, c.pl.st[0], nd);
-  cp.scatter = workspace + 3 * (int64_t)c.rows * c.n;
-  const int nverdict = check_grid(std::max(cp.items, cp.scatter_items));
-  cp.token = next_token();
-  cp.words = c.di->words;
-  cudaError_t e = launch(k_perm_range, shape((unsigned)nverdict, kPermCheckThreads, 0, false), c.st, cp);
-  if (e != cudaSuccess) return cuda_fail(err, fn, "launch of k_perm_range", e);
-  cp.prev_token = cp.token;
-  cp.prev_nverdict = nverdict;
-  cp.token = next_token();
-  e = launch(k_perm_unique, shape((unsigned)nverdict, kPermCheckThreads, 0, false), c.st, cp);
-  if (e != cudaSuccess) return cuda_fail(err, fn, "launch of k_perm_unique", e);
+  int nverdict;
+  s = launch_perm_checks(fn, c, indices, kept, workspace, false, &cp, &nverdict, err);
+  if (s != IMOE_OK) return s;
   const uint32_t token = cp.token;
   OrderedPlanParams op;
   memset(&op, 0, sizeof op);
-  op.lead = plead;
+  op.lead = cp.lead;
   op.n = c.n;
   op.kept = kept;
   op.region = (int64_t)c.rows * c.n;
@@ -974,7 +955,7 @@ imoe_status imoe_cuda_apply_ordered(const imoe_view *buffers, int32_t num_buffer
   op.token = token;
   op.nverdict = nverdict;
   op.words = c.di->words;
-  e = launch(k_ordered_plan, shape((unsigned)c.rows, kPermThreads, 0, false), c.st, op);
+  cudaError_t e = launch(k_ordered_plan, shape((unsigned)c.rows, kPermThreads, 0, false), c.st, op);
   if (e != cudaSuccess) return cuda_fail(err, fn, "launch of k_ordered_plan", e);
   const InView plan = ws_view(workspace + 6 * op.region, c.pl.lead, c.n, c.per_row);
   return launch_cycles_and_swaps(fn, buffers, num_buffers, c.pl, 1, plan, c.per_row, c.n, restore != 0,
