@@ -137,7 +137,9 @@ ext = Extension(
     define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_22_API_VERSION"),
                    ("NPY_TARGET_VERSION", "NPY_1_25_API_VERSION")],
     extra_compile_args=["-std=c11", "-O0" if _debug else "-O3", "-g" if _debug else "-g0",
-                        "-Wall", "-Wextra", "-Wno-unused-parameter", "-Wno-missing-field-initializers"],
+                        "-Wall", "-Wextra", "-Wno-unused-parameter", "-Wno-missing-field-initializers",
+                        # products rounded before they are summed (csrc/moe_combine.c)
+                        "-ffp-contract=off"],
     depends=_rel("csrc/*.h") + _rel("python/idempotent_moe/_binding/*.h") + _rel("cuda/*.cuh"),
 )
 

@@ -196,7 +196,7 @@ static int add(imoe_alias_arg *args, int count, const imoe_view *view, const cha
 }
 
 imoe_status imoe_check_call(const imoe_call_args *call, int *empty, imoe_error *err) {
-  imoe_alias_arg args[IMOE_MAX_BUFFERS + 6];
+  imoe_alias_arg args[IMOE_MAX_BUFFERS + 2 + IMOE_CALL_READS + IMOE_CALL_OUTS];
   int count = 0;
   for (int32_t b = 0; b < call->num_buffers; b++)
     count = add(args, count, &call->buffers[b], "buffers", (int)b, 1, 1, 0);
@@ -205,10 +205,10 @@ imoe_status imoe_check_call(const imoe_call_args *call, int *empty, imoe_error *
                 ? add(args, count, call->sel->scores, "scores", -1, 0, 0, 1)
                 : add(args, count, call->sel->active, "active_indices", -1, 0, 0, 0);
   }
-  for (int i = 0; i < 2; i++) {
+  for (int i = 0; i < IMOE_CALL_READS; i++)
     count = add(args, count, call->read[i], call->read_name[i], -1, 0, 0, 0);
+  for (int i = 0; i < IMOE_CALL_OUTS; i++)
     count = add(args, count, call->out[i], call->out_name[i], -1, 1, 0, 0);
-  }
   /* The caller's int32 workspace as one slot of bytes. */
   imoe_view ws;
   memset(&ws, 0, sizeof ws);

@@ -86,3 +86,22 @@ imoe_status imoe_cuda_group_by_expert(const imoe_view *buffers, int32_t num_buff
                                       const imoe_exec *exec, imoe_error *err) {
   return IMOE_ERR_UNSUPPORTED;
 }
+
+imoe_status imoe_cuda_moe_dispatch(const imoe_moe_routing *routing, const imoe_view *hidden,
+                                   int64_t rows, const imoe_view *out_rows,
+                                   const imoe_view *out_offsets, const imoe_view *out_dest,
+                                   const imoe_view *out_src, const imoe_view *out_dropped,
+                                   int32_t *workspace, const imoe_exec *exec, imoe_error *err) {
+  return IMOE_ERR_UNSUPPORTED;
+}
+
+imoe_status imoe_cuda_moe_combine(const imoe_view *rows, const imoe_view *dest,
+                                  const imoe_view *weights, const imoe_view *out,
+                                  const imoe_exec *exec, imoe_error *err) {
+  return IMOE_ERR_UNSUPPORTED;
+}
+
+imoe_status imoe_cuda_gated_act(const imoe_view *gate_up, const imoe_view *out, imoe_act act,
+                                const imoe_view *limit, const imoe_exec *exec, imoe_error *err) {
+  return IMOE_ERR_UNSUPPORTED;
+}

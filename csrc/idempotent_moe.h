@@ -201,6 +201,8 @@ int imoe_cuda_device_count(void);
  *   IMOE_OPTION_ORDER  imoe_order        "inplace", "stable", "score"
  *   IMOE_OPTION_NAN    imoe_nan_policy   "raise", "lowest"
  *   IMOE_OPTION_PLAN   imoe_plan_kind    "permute", "ordered", "group"
+ *   IMOE_OPTION_ACT    imoe_act          "silu", "gelu", "gelu_tanh", "relu"
+ *   IMOE_OPTION_LAYOUT imoe_moe_layout   "grouped", "padded"
  * imoe_option_name: the name of a value, NULL outside the enum (also for a
  * value past the last: iterate from 0 until NULL).
  * imoe_option_from_name: the value of a name, or IMOE_ERR_ARGUMENT with a
@@ -210,7 +212,9 @@ typedef enum imoe_option {
   IMOE_OPTION_MODE = 0,
   IMOE_OPTION_ORDER = 1,
   IMOE_OPTION_NAN = 2,
-  IMOE_OPTION_PLAN = 3
+  IMOE_OPTION_PLAN = 3,
+  IMOE_OPTION_ACT = 4,
+  IMOE_OPTION_LAYOUT = 5
 } imoe_option;
 
 const char *imoe_option_name(imoe_option option, int value);
@@ -378,6 +382,111 @@ imoe_status imoe_group_by_expert(const imoe_view *buffers, int32_t num_buffers,
                                  const imoe_view *out_offsets, const imoe_view *out_perm,
                                  int32_t *workspace, int64_t workspace_elems,
                                  const imoe_exec *exec, imoe_error *err);
+
+/*
+ * MoE dispatch and combine: the routing of an experts layer in and out of
+ * the expert-sorted rows that grouped GEMMs take (csrc/moe_dispatch.c,
+ * csrc/moe_combine.c; cuda/imoe_moe.cu). T tokens, k experts per token,
+ * S = T x k assignments (t, j) in token order i = t x k + j, E experts,
+ * H features per row.
+ *
+ * imoe_moe_dispatch: a stable counting sort of the assignments by expert
+ * (each expert's assignments in token order) and the gather of their
+ * tokens' rows.
+ *   top_k_index    [T, k] I32/I64: assignment (t, j) goes to expert
+ *                  top_k_index[t, j] in [0, E). With skip_foreign, values
+ *                  >= E (another rank's experts, as expert parallelism
+ *                  passes them) are assignments of no local expert: they
+ *                  are neither computed nor counted as dropped. Otherwise
+ *                  they are IMOE_ERR_INDEX_RANGE, as negative values always
+ *                  are. A token may name an expert twice (two assignments).
+ *   top_k_weights  [T, k] F32/F16/BF16, read only with a capacity: each
+ *                  expert keeps its C assignments of highest weight, ties
+ *                  to the lower i, NaN lowest; the others are dropped.
+ *   num_experts    E in [1, IMOE_MOE_MAX_EXPERTS].
+ *   capacity       -1: dropless (every assignment kept); else C >= 0.
+ *   layout         GROUPED: expert e's kept rows follow expert e - 1's,
+ *                  rows R = S (rows past the last kept one hold no
+ *                  assignment). PADDED (needs a capacity): expert e owns
+ *                  rows [e x C, e x C + C), R = E x C, its kept rows first.
+ *   hidden         [T, H] any dtype (moved as bytes), rows contiguous.
+ *   out_rows       [R, H], hidden's dtype: row r holds hidden[token of r],
+ *                  zeros where r holds no assignment.
+ *   out_offsets    [E] I32/I64: expert e's rows end at offsets[e] (the
+ *                  inclusive cumulative sum grouped_mm takes; PADDED:
+ *                  (e + 1) x C).
+ *   out_dest       [T, k] I32/I64: the row of assignment (t, j), or -1
+ *                  when it was dropped or names no local expert.
+ *   out_src        [R] I32/I64: the token of row r, -1 for a row that holds
+ *                  no assignment.
+ *   out_dropped    [1] I64 or NULL: how many assignments the capacity
+ *                  dropped (written on the device on CUDA: no host sync).
+ *   workspace      CUDA with a capacity: imoe_moe_workspace_elems(S) int32
+ *                  elements (its contents undefined afterwards); else
+ *                  unused (pass NULL, 0).
+ * On CUDA, at most IMOE_MOE_MAX_EXPERTS experts and S < 2^31; two kernels
+ * (the sort, one block; the gather), no host synchronisation; an id out of
+ * range is a recorded data error (imoe_take_device_status) and nothing is
+ * written.
+ *
+ * imoe_moe_combine: out[t] = sum over j with dest[t, j] >= 0, in j order,
+ * of term(t, j) = rows[dest[t, j]] x weights[t, j], each term rounded to
+ * the promoted dtype of rows and weights (F16 and BF16 promote to F32) and
+ * summed in F32 from +0.0, rounded once into out's dtype (round to nearest
+ * even): the arithmetic of torch's `out.add_(y[dest[:, j]] * w[:, j, None])`
+ * in an F32 `out`. Terms are formed without fused multiply-add.
+ *   rows     [R, H] F32/F16/BF16, rows contiguous.
+ *   dest     [T, k] I32/I64, each in [-1, R) (IMOE_ERR_INDEX_RANGE).
+ *   weights  [T, k] F32/F16/BF16.
+ *   out      [T, H] F32/F16/BF16, rows contiguous, written whole.
+ *
+ * imoe_gated_act: out[r, i] = act(gate_up[r, i]) x gate_up[r, I + i] for
+ * i < I (transformers' default gate: the first half of the features is
+ * the gate, the second half up), both factors rounded to gate_up's dtype
+ * as torch's `act(gate) * up` rounds them (act evaluated in F32).
+ *   gate_up  [R, 2I] F32/F16/BF16, rows contiguous.
+ *   out      [R, I], gate_up's dtype.
+ *   act      imoe_act.
+ *   limit    [E] I32/I64 or NULL: the offsets of imoe_moe_dispatch; only
+ *            rows below limit[E - 1] (clamped to [0, R]) are computed and
+ *            written, the others keep their bytes.
+ */
+#define IMOE_MOE_MAX_EXPERTS 1024
+
+typedef enum imoe_moe_layout { IMOE_MOE_GROUPED = 0, IMOE_MOE_PADDED = 1 } imoe_moe_layout;
+
+typedef enum imoe_act {
+  IMOE_ACT_SILU = 0,      /* x / (1 + exp(-x)) */
+  IMOE_ACT_GELU = 1,      /* 0.5 x (1 + erf(x / sqrt(2))) */
+  IMOE_ACT_GELU_TANH = 2, /* 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))) */
+  IMOE_ACT_RELU = 3
+} imoe_act;
+
+typedef struct imoe_moe_routing {
+  const imoe_view *top_k_index;
+  const imoe_view *top_k_weights; /* NULL when dropless */
+  int64_t num_experts;
+  int64_t capacity; /* -1: dropless */
+  imoe_moe_layout layout;
+  int32_t skip_foreign;
+} imoe_moe_routing;
+
+/* The int32 workspace imoe_moe_dispatch takes on CUDA with a capacity, for
+ * S assignments; 0 elsewhere; -1 for S < 0 or beyond the limits. */
+int64_t imoe_moe_workspace_elems(imoe_device_type device, int64_t assignments, int64_t capacity);
+
+imoe_status imoe_moe_dispatch(const imoe_moe_routing *routing, const imoe_view *hidden,
+                              const imoe_view *out_rows, const imoe_view *out_offsets,
+                              const imoe_view *out_dest, const imoe_view *out_src,
+                              const imoe_view *out_dropped, int32_t *workspace,
+                              int64_t workspace_elems, const imoe_exec *exec, imoe_error *err);
+
+imoe_status imoe_moe_combine(const imoe_view *rows, const imoe_view *dest,
+                             const imoe_view *weights, const imoe_view *out,
+                             const imoe_exec *exec, imoe_error *err);
+
+imoe_status imoe_gated_act(const imoe_view *gate_up, const imoe_view *out, imoe_act act,
+                           const imoe_view *limit, const imoe_exec *exec, imoe_error *err);
 
 /*
  * Data errors found on a device. A CUDA call never synchronises the host, so

@@ -131,6 +131,25 @@ imoe_status imoe_cuda_group_by_expert(const imoe_view *buffers, int32_t num_buff
                                       int32_t *workspace, int64_t workspace_elems,
                                       const imoe_exec *exec, imoe_error *err);
 
+/* ---- MoE dispatch and combine (cuda/imoe_moe.cu) ----------------------
+ * imoe_moe_dispatch on the device, `rows` rows in out_rows: the sort (one
+ * block, which checks the ids before it writes) and the gather. workspace:
+ * imoe_moe_workspace_elems(IMOE_DEVICE_CUDA, S, capacity) int32 elements. */
+imoe_status imoe_cuda_moe_dispatch(const imoe_moe_routing *routing, const imoe_view *hidden,
+                                   int64_t rows, const imoe_view *out_rows,
+                                   const imoe_view *out_offsets, const imoe_view *out_dest,
+                                   const imoe_view *out_src, const imoe_view *out_dropped,
+                                   int32_t *workspace, const imoe_exec *exec, imoe_error *err);
+
+/* imoe_moe_combine on the device; dest out of range is a recorded data error. */
+imoe_status imoe_cuda_moe_combine(const imoe_view *rows, const imoe_view *dest,
+                                  const imoe_view *weights, const imoe_view *out,
+                                  const imoe_exec *exec, imoe_error *err);
+
+/* imoe_gated_act on the device. */
+imoe_status imoe_cuda_gated_act(const imoe_view *gate_up, const imoe_view *out, imoe_act act,
+                                const imoe_view *limit, const imoe_exec *exec, imoe_error *err);
+
 #ifdef __cplusplus
 }
 #endif

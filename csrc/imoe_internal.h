@@ -133,14 +133,16 @@ imoe_status imoe_check_map_outputs(const imoe_view *indices, const imoe_view *ta
  * argument, read or written. The one exception is scores that are one of
  * the buffers slot for slot: the selection is read in full before anything
  * moves. Absent arguments are NULL. */
+#define IMOE_CALL_READS 3
+#define IMOE_CALL_OUTS 5
 typedef struct imoe_call_args {
   const imoe_view *buffers;
   int32_t num_buffers;
   const imoe_selection *sel; /* read */
-  const imoe_view *read[2];
-  const char *read_name[2];
-  const imoe_view *out[2]; /* written */
-  const char *out_name[2];
+  const imoe_view *read[IMOE_CALL_READS];
+  const char *read_name[IMOE_CALL_READS];
+  const imoe_view *out[IMOE_CALL_OUTS]; /* written */
+  const char *out_name[IMOE_CALL_OUTS];
   const int32_t *workspace; /* written */
   int64_t workspace_elems;
 } imoe_call_args;

@@ -17,6 +17,8 @@ static const option_table kTables[] = {
     {"order", {"inplace", "stable", "score"}, 3},
     {"nan", {"raise", "lowest"}, 2},
     {"kind", {"permute", "ordered", "group"}, 3},
+    {"act", {"silu", "gelu", "gelu_tanh", "relu"}, 4},
+    {"layout", {"grouped", "padded"}, 2},
 };
 
 static const option_table *table_of(imoe_option option) {

@@ -26,6 +26,7 @@ from .functional import (
 )
 from .kv import InplaceKVCompactor, compact_kv_cache_inplace, reduce_head_scores
 from .moe import InplaceMoERouter, compact_moe_tokens_inplace, generate_idempotent_moe_map
+from .moe_ops import MoEDispatch, gated_act, moe_combine, moe_dispatch
 from .paged import PagedCompaction, apply_paged_map_, compact_paged_, paged_target_map
 
 __version__ = "0.1.0"
@@ -35,6 +36,7 @@ __all__ = [
     "Grouped",
     "InplaceKVCompactor",
     "InplaceMoERouter",
+    "MoEDispatch",
     "PagedCompaction",
     "apply_map_",
     "apply_paged_map_",
@@ -45,10 +47,13 @@ __all__ = [
     "compact_paged_",
     "cuda_available",
     "cuda_compiled",
+    "gated_act",
     "generate_idempotent_moe_map",
     "get_num_threads",
     "group_by_expert_",
     "idempotent_map",
+    "moe_combine",
+    "moe_dispatch",
     "paged_target_map",
     "permute_",
     "plan_workspace_elems",

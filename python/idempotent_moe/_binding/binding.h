@@ -198,6 +198,9 @@ IMOE_PY_FASTCALL(imoe_py_restore);
 IMOE_PY_FASTCALL(imoe_py_permute);
 IMOE_PY_FASTCALL(imoe_py_group_by_expert);
 IMOE_PY_FASTCALL(imoe_py_paged_apply_target_map);
+IMOE_PY_FASTCALL(imoe_py_moe_dispatch);
+IMOE_PY_FASTCALL(imoe_py_moe_combine);
+IMOE_PY_FASTCALL(imoe_py_gated_act);
 
 /* The result of a C API call: None, or the exception of its status. */
 PyObject *imoe_py_done(imoe_status status, const imoe_error *err);

@@ -81,6 +81,30 @@ static IMOE_PY_FASTCALL(py_paged_workspace_elems) {
   return PyLong_FromLongLong((long long)elems);
 }
 
+static imoe_py_signature moe_ws_sig = {"moe_workspace_elems", 3,
+                                       {"assignments", "capacity", "cuda"}};
+
+/* moe_workspace_elems(assignments, capacity, cuda) -> int (capacity None: dropless). */
+static IMOE_PY_FASTCALL(py_moe_workspace_elems) {
+  (void)self;
+  PyObject *a[3] = {NULL, NULL, NULL};
+  int64_t assignments, capacity = -1;
+  if (imoe_py_parse(&moe_ws_sig, args, nargs, kwnames, a) < 0 ||
+      imoe_py_as_int64(a[0], "assignments", &assignments) < 0 ||
+      (a[1] != Py_None && imoe_py_as_int64(a[1], "capacity", &capacity) < 0))
+    return NULL;
+  const int cuda = PyObject_IsTrue(a[2]);
+  if (cuda < 0) return NULL;
+  const int64_t elems = imoe_moe_workspace_elems(cuda ? IMOE_DEVICE_CUDA : IMOE_DEVICE_CPU,
+                                                 assignments, capacity);
+  if (elems < 0) {
+    PyErr_Format(PyExc_ValueError, "moe_workspace_elems: %lld assignments are outside [0, 2^31 - 1]",
+                 (long long)assignments);
+    return NULL;
+  }
+  return PyLong_FromLongLong((long long)elems);
+}
+
 static PyObject *py_cuda_compiled(PyObject *self, PyObject *unused) {
   (void)self;
   (void)unused;
@@ -135,6 +159,21 @@ static PyMethodDef methods[] = {
      "paged_apply_target_map(buffers, dims, row_ndims, *, block_tables, target_map, "
      "mode='swap', workspace=None, num_threads, stream=None) -> None\n\n"
      "imoe_paged_apply_target_map: per-sequence involutions through block tables."},
+    {"moe_dispatch", FASTCALL(imoe_py_moe_dispatch),
+     "moe_dispatch(*, hidden, top_k_index, top_k_weights=None, num_experts, capacity=None, "
+     "layout='grouped', skip_foreign=False, out_rows, out_offsets, out_dest, out_src, "
+     "out_dropped=None, workspace=None, num_threads, stream=None) -> None\n\n"
+     "imoe_moe_dispatch: the assignments sorted by expert (capacity: each expert's "
+     "lowest-weight overflow dropped) and their tokens' rows gathered."},
+    {"moe_combine", FASTCALL(imoe_py_moe_combine),
+     "moe_combine(*, rows, dest, weights, out, num_threads, stream=None) -> None\n\n"
+     "imoe_moe_combine: out[t] = sum_j weights[t, j] * rows[dest[t, j]] (dest -1: nothing)."},
+    {"gated_act", FASTCALL(imoe_py_gated_act),
+     "gated_act(*, gate_up, out, act='silu', limit=None, num_threads, stream=None) -> None\n\n"
+     "imoe_gated_act: out = act(gate_up[:, :I]) * gate_up[:, I:]."},
+    {"moe_workspace_elems", FASTCALL(py_moe_workspace_elems),
+     "moe_workspace_elems(assignments, capacity, cuda) -> int\n\n"
+     "imoe_moe_workspace_elems: int32 elements of moe_dispatch's workspace."},
     {"take_device_status", py_take_device_status, METH_VARARGS,
      "take_device_status(device_id, stream=None) -> int\n\n"
      "Synchronise the stream and return (and clear) the status of a data error that an "
@@ -188,7 +227,10 @@ PyMODINIT_FUNC PyInit__C(void) {
       add_names(module, "MODES", IMOE_OPTION_MODE) < 0 ||
       add_names(module, "ORDERS", IMOE_OPTION_ORDER) < 0 ||
       add_names(module, "NAN_POLICIES", IMOE_OPTION_NAN) < 0 ||
-      add_names(module, "PLAN_KINDS", IMOE_OPTION_PLAN) < 0) {
+      add_names(module, "PLAN_KINDS", IMOE_OPTION_PLAN) < 0 ||
+      add_names(module, "ACTS", IMOE_OPTION_ACT) < 0 ||
+      add_names(module, "MOE_LAYOUTS", IMOE_OPTION_LAYOUT) < 0 ||
+      PyModule_AddIntConstant(module, "MOE_MAX_EXPERTS", IMOE_MOE_MAX_EXPERTS) < 0) {
     Py_DECREF(module);
     return NULL;
   }

@@ -25,12 +25,12 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from .._moe import check_capacity_factor
+from .._moe import check_capacity_factor, expert_capacity
 
 try:
     import torch
 
-    from . import _dispatch
+    from . import _dispatch, _fused
 except ImportError:  # the hook works on NumPy arrays without torch; the experts need it
     torch = None
 
@@ -62,6 +62,11 @@ def idempotent_experts_forward(self, hidden_states, top_k_index, top_k_weights):
     if num_tokens == 0:
         self.idempotent_stats = None
         return torch.zeros_like(hidden_states)
+    if _fused.applies(self, hidden_states):  # the library's dispatch and combine kernels
+        capacity = None if factor is None else expert_capacity(num_tokens, top_k, self.num_experts, factor)
+        out, dropped = _fused.forward(self, hidden_states, top_k_index, top_k_weights, capacity)
+        self.idempotent_stats = None if factor is None else (num_tokens * top_k, capacity, dropped)
+        return out
     if factor is None:
         self.idempotent_stats = None
         return _dispatch.dropless_forward(self, hidden_states, top_k_index, top_k_weights)

@@ -1,0 +1,628 @@
+// imoe_moe.cu: the MoE dispatch, combine and gated activation on the device
+// (imoe_moe_dispatch, imoe_moe_combine, imoe_gated_act; contract in
+// idempotent_moe.h, CPU core in csrc/moe_dispatch.c and csrc/moe_combine.c,
+// design in docs/cuda-design.md, "MoE dispatch and combine").
+//   k_moe_sort      one block: checks every id, counts per expert, chooses
+//                   each overloaded expert's kept assignments (capacity),
+//                   and writes offsets, dest, src and the dropped count with
+//                   a stable counting sort (tiles of 1024 assignments, warp
+//                   match for the rank within a tile);
+//   k_moe_gather    one block per row: the row's token copied, or zeros;
+//   k_moe_combine   one block per token: the weighted sum of its rows, in j
+//                   order, in F32, each product rounded first (no FMA);
+//   k_moe_dest_check  one block: the combine's dest checked, when there are
+//                   too many entries for every combine block to check them;
+//   k_gated_act     act(gate) x up, vectorised by 16 bytes where aligned.
+// Data errors (ids or dest out of range) are recorded in the status word and
+// nothing is written, as everywhere in the library.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <math.h>
+#include <string.h>
+
+#include <initializer_list>
+
+#include "imoe_device.cuh"
+#include "imoe_launch.cuh"
+
+namespace imoe_cu {
+
+constexpr int kSortThreads = 1024;   // k_moe_sort: one block
+constexpr int kRowThreads = 128;     // k_moe_gather, k_moe_combine, k_gated_act
+constexpr int kInlineDestCheck = 2048;  // combine: at most this many dest entries are
+                                        // checked by every block (no check kernel)
+
+// A 2-d typed array: element (r, c) at data + r * row + c * col (bytes).
+struct Mat {
+  char *data;
+  int64_t row, col;
+  int32_t dtype, aligned;
+};
+
+__device__ __forceinline__ int64_t mat_index(const Mat &m, int64_t r, int64_t c) {
+  return load_index(m.data + r * m.row + c * m.col, m.dtype, m.aligned != 0);
+}
+__device__ __forceinline__ void mat_store_index(const Mat &m, int64_t r, int64_t c, int64_t v) {
+  store_index(m.data + r * m.row + c * m.col, m.dtype, m.aligned != 0, v);
+}
+
+__device__ __forceinline__ float load_float(const char *p, int dt) {
+  if (dt == IMOE_DTYPE_F32) return *reinterpret_cast<const float *>(p);
+  if (dt == IMOE_DTYPE_F16) return __half2float(*reinterpret_cast<const __half *>(p));
+  return __bfloat162float(*reinterpret_cast<const __nv_bfloat16 *>(p));
+}
+__device__ __forceinline__ float round_to(float v, int dt) {
+  if (dt == IMOE_DTYPE_F16) return __half2float(__float2half_rn(v));
+  if (dt == IMOE_DTYPE_BF16) return __bfloat162float(__float2bfloat16_rn(v));
+  return v;
+}
+__device__ __forceinline__ void store_float(char *p, int dt, float v) {
+  if (dt == IMOE_DTYPE_F32) *reinterpret_cast<float *>(p) = v;
+  else if (dt == IMOE_DTYPE_F16) *reinterpret_cast<__half *>(p) = __float2half_rn(v);
+  else *reinterpret_cast<__nv_bfloat16 *>(p) = __float2bfloat16_rn(v);
+}
+
+// ------------------------------------------------------------ the sort
+struct SortParams {
+  Mat ids, weights, dest;
+  OutView offs, src;  // [E], [R]: n_stride, dtype, aligned
+  char *dropped;      // [1] int64 or null
+  int64_t T, R, C;    // C < 0: dropless
+  int32_t k, E, padded, foreign;
+  int32_t *ws;  // capacity: [S] assignments by expert (dropless order), [S] kept flags
+  uint32_t token;
+  StatusWords words;
+};
+
+// Whether assignment a beats assignment b for a place: higher weight, NaN
+// lowest, ties to the lower assignment.
+__device__ __forceinline__ bool better(float wa, int64_t a, float wb, int64_t b) {
+  const bool na = isnan(wa), nb = isnan(wb);
+  if (na != nb) return nb;
+  if (!na && wa != wb) return wa > wb;
+  return a < b;
+}
+
+// Each assignment with key(i) >= 0 gets its place among the assignments of
+// its key, in assignment order, from base[key]; emit(i, key, place) runs for
+// every i < S (key -1: place -1). base advances by the counts. wc: [E x 33].
+template <class Key, class Emit>
+__device__ void stable_places(int64_t S, int E, int *base, int *wc, Key key, Emit emit) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  for (int64_t i0 = 0; i0 < S; i0 += blockDim.x) {
+    for (int x = threadIdx.x; x < E * 33; x += blockDim.x) wc[x] = 0;
+    __syncthreads();
+    const int64_t i = i0 + threadIdx.x;
+    const int e = i < S ? key(i) : -1;
+    const unsigned peers = __match_any_sync(0xFFFFFFFFu, e);
+    const int rank = __popc(peers & ((1u << lane) - 1u));
+    if (e >= 0 && rank == 0) wc[e * 33 + warp] = __popc(peers);
+    __syncthreads();
+    for (int x = threadIdx.x; x < E; x += blockDim.x) {
+      int sum = base[x];
+      for (int w = 0; w < 32; ++w) {
+        const int c = wc[x * 33 + w];
+        wc[x * 33 + w] = sum;
+        sum += c;
+      }
+      base[x] = sum;
+    }
+    __syncthreads();
+    if (i < S) emit(i, e, e >= 0 ? wc[e * 33 + warp] + rank : -1);
+    __syncthreads();
+  }
+}
+
+__global__ void __launch_bounds__(kSortThreads) k_moe_sort(const __grid_constant__ SortParams p) {
+  griddep_launch_dependents();  // the gather may start; it waits for this grid
+  extern __shared__ __align__(16) unsigned char dsm[];
+  __shared__ int s_warp[33];
+  __shared__ unsigned long long s_dropped;
+  const int E = p.E, k = p.k;
+  const int64_t S = p.T * k;
+  int *cnt = reinterpret_cast<int *>(dsm);  // [E] assignments per expert
+  int *start = cnt + E;                     // [E] first place (sort) or row (dispatch)
+  int *base = start + E;                    // [E] running place
+  int *wc = base + E;                       // [E x 33]
+  for (int e = threadIdx.x; e < E; e += blockDim.x) cnt[e] = 0;
+  if (threadIdx.x == 0) s_dropped = 0;
+  __syncthreads();
+  bool bad = false;
+  for (int64_t i = threadIdx.x; i < S; i += blockDim.x) {
+    const int64_t e = mat_index(p.ids, i / k, i % k);
+    if (e < 0 || (e >= E && !p.foreign)) bad = true;
+    else if (e < E) atomicAdd(&cnt[e], 1);
+  }
+  bad = __syncthreads_or(bad) != 0;
+  if (threadIdx.x == 0) {
+    if (bad) record_status(p.words, IMOE_ERR_INDEX_RANGE);
+    write_verdict(p.words, p.token, bad);
+  }
+  if (bad) return;
+  auto expert = [&](int64_t i) -> int {
+    const int64_t e = mat_index(p.ids, i / k, i % k);
+    return e < E ? (int)e : -1;
+  };
+  const bool capacity = p.C >= 0;
+  int32_t *order = p.ws, *keep = p.ws + S;
+  if (capacity) {  // each overloaded expert keeps its C best
+    int carry = 0;
+    for (int e0 = 0; e0 < E; e0 += blockDim.x) {
+      const int e = e0 + threadIdx.x;
+      int total;
+      const int excl = perm_block_scan(e < E ? cnt[e] : 0, &total, s_warp);
+      if (e < E) start[e] = base[e] = carry + excl;
+      carry += total;
+    }
+    __syncthreads();
+    stable_places(S, E, base, wc, expert, [&](int64_t i, int e, int place) {
+      if (e >= 0) order[place] = (int32_t)i;
+    });
+    for (int64_t i = threadIdx.x; i < S; i += blockDim.x) {
+      const int e = expert(i);
+      int kept = e >= 0;
+      if (e >= 0 && cnt[e] > p.C) {
+        const float wi = load_float(p.weights.data + (i / k) * p.weights.row + (i % k) * p.weights.col,
+                                    p.weights.dtype);
+        int64_t ahead = 0;
+        for (int q = start[e], end = start[e] + cnt[e]; q < end && ahead < p.C; ++q) {
+          const int64_t a = order[q];
+          const float wa = load_float(p.weights.data + (a / k) * p.weights.row + (a % k) * p.weights.col,
+                                      p.weights.dtype);
+          ahead += better(wa, a, wi, i);
+        }
+        kept = ahead < p.C;
+      }
+      keep[i] = kept;
+    }
+  }
+  // Rows: each expert's kept assignments, in assignment order.
+  int carry = 0;
+  for (int e0 = 0; e0 < E; e0 += blockDim.x) {
+    const int e = e0 + threadIdx.x;
+    const int c = e < E ? cnt[e] : 0;
+    const int kept = capacity && c > p.C ? (int)p.C : c;
+    int total;
+    const int excl = perm_block_scan(kept, &total, s_warp);
+    if (e < E) {
+      const int64_t first = p.padded ? (int64_t)e * p.C : (int64_t)(carry + excl);
+      start[e] = base[e] = (int)first;
+      const int64_t end = p.padded ? first + p.C : first + kept;
+      store_index(p.offs.data + (int64_t)e * p.offs.n_stride, p.offs.dtype, p.offs.aligned != 0, end);
+      if (c > kept) atomicAdd(&s_dropped, (unsigned long long)(c - kept));
+    }
+    carry += total;
+  }
+  for (int64_t r = threadIdx.x; r < p.R; r += blockDim.x)
+    store_index(p.src.data + r * p.src.n_stride, p.src.dtype, p.src.aligned != 0, -1);
+  __syncthreads();
+  auto kept_expert = [&](int64_t i) -> int {
+    const int e = expert(i);
+    return e >= 0 && (!capacity || keep[i]) ? e : -1;
+  };
+  stable_places(S, E, base, wc, kept_expert, [&](int64_t i, int e, int row) {
+    mat_store_index(p.dest, i / k, i % k, row);
+    if (e >= 0) store_index(p.src.data + (int64_t)row * p.src.n_stride, p.src.dtype, p.src.aligned != 0, i / k);
+  });
+  if (threadIdx.x == 0 && p.dropped) *reinterpret_cast<long long *>(p.dropped) = (long long)s_dropped;
+}
+
+// ------------------------------------------------------------ the gather
+struct GatherParams {
+  const char *hidden;
+  int64_t hidden_row;
+  char *rows;
+  int64_t rows_row;
+  InView src;  // [R]: n_stride, dtype, aligned
+  int64_t R, row_bytes;
+  uint32_t token;
+  StatusWords words;
+};
+
+template <int VW>
+__global__ void __launch_bounds__(kRowThreads) k_moe_gather(const __grid_constant__ GatherParams p) {
+  typedef typename VecOf<VW>::T V;
+  griddep_wait();
+  if (call_aborted(p.words, p.token, 1)) return;
+  const int64_t nv = p.row_bytes / VW;
+  for (int64_t r = blockIdx.x; r < p.R; r += gridDim.x) {
+    const int64_t s = load_index(p.src.data + r * p.src.n_stride, p.src.dtype, p.src.aligned != 0);
+    V *to = reinterpret_cast<V *>(p.rows + r * p.rows_row);
+    if (s < 0) {
+      V zero;
+      memset(&zero, 0, sizeof zero);
+      for (int64_t x = threadIdx.x; x < nv; x += blockDim.x) to[x] = zero;
+    } else {
+      const V *from = reinterpret_cast<const V *>(p.hidden + s * p.hidden_row);
+      for (int64_t x = threadIdx.x; x < nv; x += blockDim.x) to[x] = from[x];
+    }
+  }
+}
+
+// ------------------------------------------------------------ the combine
+struct CombineParams {
+  const char *rows;
+  int64_t rows_row;
+  Mat dest, weights;
+  char *out;
+  int64_t out_row;
+  int64_t T, R, H;
+  int32_t k, ydt, odt, tdt;  // rows, out and term dtypes
+  int32_t inline_check;      // every block checks all of dest (else k_moe_dest_check did)
+  uint32_t token;
+  StatusWords words;
+};
+
+__device__ __forceinline__ bool dest_bad(const Mat &dest, int64_t T, int k, int64_t R) {
+  bool bad = false;
+  for (int64_t i = threadIdx.x; i < T * k; i += blockDim.x) {
+    const int64_t d = mat_index(dest, i / k, i % k);
+    bad |= d < -1 || d >= R;
+  }
+  return __syncthreads_or(bad) != 0;
+}
+
+__global__ void __launch_bounds__(1024) k_moe_dest_check(const __grid_constant__ CombineParams p) {
+  griddep_launch_dependents();
+  const bool bad = dest_bad(p.dest, p.T, p.k, p.R);
+  if (threadIdx.x == 0) {
+    if (bad) record_status(p.words, IMOE_ERR_INDEX_RANGE);
+    write_verdict(p.words, p.token, bad);
+  }
+}
+
+// VEC: 8 consecutive features per thread, 16-byte loads of 16-bit rows.
+template <int YDT, bool VEC>
+__global__ void __launch_bounds__(kRowThreads) k_moe_combine(const __grid_constant__ CombineParams p) {
+  if (p.inline_check) {
+    if (dest_bad(p.dest, p.T, p.k, p.R)) {
+      if (threadIdx.x == 0 && blockIdx.x == 0) record_status(p.words, IMOE_ERR_INDEX_RANGE);
+      return;
+    }
+  } else {
+    griddep_wait();
+    if (call_aborted(p.words, p.token, 1)) return;
+  }
+  constexpr int ysize = YDT == IMOE_DTYPE_F32 ? 4 : 2;
+  for (int64_t t = blockIdx.x; t < p.T; t += gridDim.x) {
+    char *out = p.out + t * p.out_row;
+    if (VEC) {
+      for (int64_t h0 = (int64_t)threadIdx.x * 8; h0 < p.H; h0 += (int64_t)blockDim.x * 8) {
+        float acc[8];
+#pragma unroll
+        for (int u = 0; u < 8; ++u) acc[u] = 0.0f;
+        for (int j = 0; j < p.k; ++j) {
+          const int64_t d = mat_index(p.dest, t, j);
+          if (d < 0) continue;
+          const float w = load_float(p.weights.data + t * p.weights.row + j * p.weights.col, p.weights.dtype);
+          const char *y = p.rows + d * p.rows_row + h0 * ysize;
+          float v[8];
+          if (YDT == IMOE_DTYPE_F32) {
+            const float4 a = reinterpret_cast<const float4 *>(y)[0], b = reinterpret_cast<const float4 *>(y)[1];
+            v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
+          } else {
+            const uint4 q = *reinterpret_cast<const uint4 *>(y);
+            const uint32_t words[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+            for (int u = 0; u < 4; ++u) {
+              const uint16_t lo = (uint16_t)(words[u] & 0xFFFFu), hi = (uint16_t)(words[u] >> 16);
+              if (YDT == IMOE_DTYPE_F16) {
+                v[2 * u] = __half2float(__ushort_as_half(lo));
+                v[2 * u + 1] = __half2float(__ushort_as_half(hi));
+              } else {
+                v[2 * u] = __bfloat162float(__ushort_as_bfloat16(lo));
+                v[2 * u + 1] = __bfloat162float(__ushort_as_bfloat16(hi));
+              }
+            }
+          }
+#pragma unroll
+          for (int u = 0; u < 8; ++u) acc[u] = __fadd_rn(acc[u], round_to(__fmul_rn(v[u], w), p.tdt));
+        }
+#pragma unroll
+        for (int u = 0; u < 8; ++u) store_float(out + (h0 + u) * (p.odt == IMOE_DTYPE_F32 ? 4 : 2), p.odt, acc[u]);
+      }
+    } else {
+      const int osize = p.odt == IMOE_DTYPE_F32 ? 4 : 2;
+      for (int64_t h = threadIdx.x; h < p.H; h += blockDim.x) {
+        float acc = 0.0f;
+        for (int j = 0; j < p.k; ++j) {
+          const int64_t d = mat_index(p.dest, t, j);
+          if (d < 0) continue;
+          const float w = load_float(p.weights.data + t * p.weights.row + j * p.weights.col, p.weights.dtype);
+          const float y = load_float(p.rows + d * p.rows_row + h * ysize, YDT);
+          acc = __fadd_rn(acc, round_to(__fmul_rn(y, w), p.tdt));
+        }
+        store_float(out + h * osize, p.odt, acc);
+      }
+    }
+  }
+}
+
+// ------------------------------------------------------------ the gated activation
+struct ActParams {
+  const char *in;
+  int64_t in_row;
+  char *out;
+  int64_t out_row;
+  InView limit;  // [E] offsets, or data null
+  int64_t limit_last;  // E - 1
+  int64_t R, I;
+  int32_t act;
+};
+
+__device__ __forceinline__ float activate(float x, int act) {
+  switch (act) {
+    case IMOE_ACT_SILU: return x / (1.0f + expf(-x));
+    case IMOE_ACT_GELU: {
+      constexpr float kAlpha = (float)M_SQRT1_2;
+      return 0.5f * x * (1.0f + erff(x * kAlpha));
+    }
+    case IMOE_ACT_GELU_TANH: {
+      constexpr float kBeta = (float)(M_SQRT2 * M_2_SQRTPI * 0.5);
+      constexpr float kKappa = 0.044715f;
+      const float cube = x * x * x;
+      const float inner = kBeta * (x + kKappa * cube);
+      return 0.5f * x * (1.0f + tanhf(inner));
+    }
+    default: return isnan(x) ? x : fmaxf(x, 0.0f);
+  }
+}
+
+template <int DT, bool VEC>
+__global__ void __launch_bounds__(kRowThreads) k_gated_act(const __grid_constant__ ActParams p) {
+  constexpr int size = DT == IMOE_DTYPE_F32 ? 4 : 2;
+  int64_t rows = p.R;
+  if (p.limit.data) {
+    const int64_t end = load_index(p.limit.data + p.limit_last * p.limit.n_stride, p.limit.dtype,
+                                   p.limit.aligned != 0);
+    rows = end < 0 ? 0 : end < p.R ? end : p.R;
+  }
+  constexpr int per = VEC ? 16 / size : 1;  // features per thread and step
+  const int64_t steps = p.I / per;
+  for (int64_t item = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; item < rows * steps;
+       item += (int64_t)gridDim.x * blockDim.x) {
+    const int64_t r = item / steps, i0 = (item - r * steps) * per;
+    const char *gate = p.in + r * p.in_row + i0 * size;
+    const char *up = gate + p.I * size;
+    char *out = p.out + r * p.out_row + i0 * size;
+    if (VEC) {
+      const uint4 g = *reinterpret_cast<const uint4 *>(gate), u = *reinterpret_cast<const uint4 *>(up);
+      uint4 o;
+      const char *gb = reinterpret_cast<const char *>(&g), *ub = reinterpret_cast<const char *>(&u);
+      char *ob = reinterpret_cast<char *>(&o);
+#pragma unroll
+      for (int e = 0; e < per; ++e) {
+        const float a = round_to(activate(load_float(gb + e * size, DT), p.act), DT);
+        store_float(ob + e * size, DT, __fmul_rn(a, load_float(ub + e * size, DT)));
+      }
+      *reinterpret_cast<uint4 *>(out) = o;
+    } else {
+      const float a = round_to(activate(load_float(gate, DT), p.act), DT);
+      store_float(out, DT, __fmul_rn(a, load_float(up, DT)));
+    }
+  }
+}
+
+// ------------------------------------------------------------ host side
+namespace {
+
+Mat mat_of(const imoe_view *v) {
+  Mat m;
+  m.data = static_cast<char *>(v->data);
+  m.row = v->lead_ndim ? v->lead_stride[0] : 0;
+  m.col = v->n_stride;
+  m.dtype = v->dtype;
+  const int64_t size = dtype_size(v->dtype);
+  m.aligned = (uintptr_t)m.data % size == 0 && m.row % size == 0 && m.col % size == 0;
+  return m;
+}
+
+OutView vec_of(const imoe_view *v) {
+  OutView o;
+  memset(&o, 0, sizeof o);
+  o.data = static_cast<char *>(v->data);
+  o.n_stride = v->n_stride;
+  o.dtype = v->dtype;
+  const int64_t size = dtype_size(v->dtype);
+  o.aligned = (uintptr_t)o.data % size == 0 && o.n_stride % size == 0;
+  return o;
+}
+
+InView in_vec_of(const imoe_view *v) {
+  const OutView o = vec_of(v);
+  InView i;
+  memset(&i, 0, sizeof i);
+  i.data = o.data;
+  i.n_stride = o.n_stride;
+  i.dtype = o.dtype;
+  i.aligned = o.aligned;
+  return i;
+}
+
+int64_t gcd64(int64_t a, int64_t b) {
+  a = a < 0 ? -a : a;
+  b = b < 0 ? -b : b;
+  while (b) {
+    const int64_t t = a % b;
+    a = b;
+    b = t;
+  }
+  return a;
+}
+
+// The widest vector (16, 8, 4, 2, 1 bytes) every row start and the row length are multiples of.
+int vector_width(std::initializer_list<int64_t> values) {
+  int64_t g = 16;
+  for (int64_t v : values) g = gcd64(g, v);
+  return g >= 16 ? 16 : g >= 8 ? 8 : g >= 4 ? 4 : g >= 2 ? 2 : 1;
+}
+
+unsigned grid_for(int64_t items, const DevInfo *di) {
+  const int64_t cap = (int64_t)di->sms * 16;
+  return (unsigned)(items < 1 ? 1 : items < cap ? items : cap);
+}
+
+template <int YDT>
+cudaError_t launch_combine(bool vec, unsigned grid, bool pdl, cudaStream_t st, const CombineParams &cp) {
+  return vec ? launch(k_moe_combine<YDT, true>, shape(grid, kRowThreads, 0, pdl), st, cp)
+             : launch(k_moe_combine<YDT, false>, shape(grid, kRowThreads, 0, pdl), st, cp);
+}
+
+template <int DT>
+cudaError_t launch_act(bool vec, unsigned grid, cudaStream_t st, const ActParams &ap) {
+  return vec ? launch(k_gated_act<DT, true>, shape(grid, kRowThreads), st, ap)
+             : launch(k_gated_act<DT, false>, shape(grid, kRowThreads), st, ap);
+}
+
+}  // namespace
+}  // namespace imoe_cu
+
+using namespace imoe_cu;
+
+extern "C" {
+
+imoe_status imoe_cuda_moe_dispatch(const imoe_moe_routing *routing, const imoe_view *hidden, int64_t rows,
+                                   const imoe_view *out_rows, const imoe_view *out_offsets,
+                                   const imoe_view *out_dest, const imoe_view *out_src,
+                                   const imoe_view *out_dropped, int32_t *workspace, const imoe_exec *exec,
+                                   imoe_error *err) {
+  const char *fn = "imoe_cuda_moe_dispatch";
+  DeviceGuard guard;
+  DevInfo *di = nullptr;
+  imoe_status s = enter(exec, fn, err, &guard, &di);
+  if (s != IMOE_OK) return s;
+  cudaStream_t st = static_cast<cudaStream_t>(exec->stream);
+  SortParams sp;
+  memset(&sp, 0, sizeof sp);
+  sp.ids = mat_of(routing->top_k_index);
+  if (routing->capacity >= 0) sp.weights = mat_of(routing->top_k_weights);
+  sp.dest = mat_of(out_dest);
+  sp.offs = vec_of(out_offsets);
+  sp.src = vec_of(out_src);
+  sp.dropped = out_dropped ? static_cast<char *>(out_dropped->data) : nullptr;
+  sp.T = routing->top_k_index->lead_shape[0];
+  sp.k = (int32_t)routing->top_k_index->n;
+  sp.E = (int32_t)routing->num_experts;
+  sp.C = routing->capacity;
+  sp.R = rows;
+  sp.padded = routing->layout == IMOE_MOE_PADDED;
+  sp.foreign = routing->skip_foreign != 0;
+  sp.ws = workspace;
+  sp.token = next_token();
+  sp.words = di->words;
+  const size_t smem = (size_t)sp.E * 36 * sizeof(int);
+  if (smem > (size_t)di->smem_optin)
+    return fail(err, IMOE_ERR_UNSUPPORTED, "%s: %d experts need %zu bytes of shared memory", fn, (int)sp.E, smem);
+  if (smem > 48 * 1024) {
+    cudaError_t e = cudaFuncSetAttribute(k_moe_sort, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+    if (e != cudaSuccess) return cuda_fail(err, fn, "cudaFuncSetAttribute", e);
+  }
+  cudaError_t e = launch(k_moe_sort, shape(1, kSortThreads, smem), st, sp);
+  if (e != cudaSuccess) return cuda_fail(err, fn, "launch of k_moe_sort", e);
+  if (rows == 0 || out_rows->row_bytes == 0) return IMOE_OK;
+  GatherParams gp;
+  memset(&gp, 0, sizeof gp);
+  gp.hidden = static_cast<const char *>(hidden->data);
+  gp.hidden_row = hidden->n_stride;
+  gp.rows = static_cast<char *>(out_rows->data);
+  gp.rows_row = out_rows->n_stride;
+  gp.src = in_vec_of(out_src);
+  gp.R = rows;
+  gp.row_bytes = out_rows->row_bytes;
+  gp.token = sp.token;
+  gp.words = di->words;
+  const int vw = vector_width({(int64_t)(uintptr_t)gp.hidden, gp.hidden_row, (int64_t)(uintptr_t)gp.rows,
+                               gp.rows_row, gp.row_bytes});
+  const LaunchShape gs = shape(grid_for(rows, di), kRowThreads, 0, di->cc_major >= 9);
+  switch (vw) {
+    case 16: e = launch(k_moe_gather<16>, gs, st, gp); break;
+    case 8: e = launch(k_moe_gather<8>, gs, st, gp); break;
+    case 4: e = launch(k_moe_gather<4>, gs, st, gp); break;
+    case 2: e = launch(k_moe_gather<2>, gs, st, gp); break;
+    default: e = launch(k_moe_gather<1>, gs, st, gp); break;
+  }
+  if (e != cudaSuccess) return cuda_fail(err, fn, "launch of k_moe_gather", e);
+  return IMOE_OK;
+}
+
+imoe_status imoe_cuda_moe_combine(const imoe_view *rows, const imoe_view *dest, const imoe_view *weights,
+                                  const imoe_view *out, const imoe_exec *exec, imoe_error *err) {
+  const char *fn = "imoe_cuda_moe_combine";
+  DeviceGuard guard;
+  DevInfo *di = nullptr;
+  imoe_status s = enter(exec, fn, err, &guard, &di);
+  if (s != IMOE_OK) return s;
+  cudaStream_t st = static_cast<cudaStream_t>(exec->stream);
+  CombineParams cp;
+  memset(&cp, 0, sizeof cp);
+  cp.rows = static_cast<const char *>(rows->data);
+  cp.rows_row = rows->lead_stride[0];
+  cp.dest = mat_of(dest);
+  cp.weights = mat_of(weights);
+  cp.out = static_cast<char *>(out->data);
+  cp.out_row = out->lead_stride[0];
+  cp.T = dest->lead_shape[0];
+  cp.k = (int32_t)dest->n;
+  cp.R = rows->lead_shape[0];
+  cp.H = rows->n;
+  cp.ydt = rows->dtype;
+  cp.odt = out->dtype;
+  cp.tdt = rows->dtype == weights->dtype ? rows->dtype : IMOE_DTYPE_F32;
+  cp.words = di->words;
+  cp.inline_check = cp.T * cp.k <= kInlineDestCheck;
+  cudaError_t e;
+  if (!cp.inline_check) {
+    cp.token = next_token();
+    e = launch(k_moe_dest_check, shape(1, 1024), st, cp);
+    if (e != cudaSuccess) return cuda_fail(err, fn, "launch of k_moe_dest_check", e);
+  }
+  const bool vec = cp.H % 8 == 0 && vector_width({(int64_t)(uintptr_t)cp.rows, cp.rows_row}) >= 16;
+  const unsigned grid = grid_for(cp.T, di);
+  const bool pdl = !cp.inline_check && di->cc_major >= 9;
+  switch (cp.ydt) {
+    case IMOE_DTYPE_F32: e = launch_combine<IMOE_DTYPE_F32>(vec, grid, pdl, st, cp); break;
+    case IMOE_DTYPE_F16: e = launch_combine<IMOE_DTYPE_F16>(vec, grid, pdl, st, cp); break;
+    default: e = launch_combine<IMOE_DTYPE_BF16>(vec, grid, pdl, st, cp); break;
+  }
+  if (e != cudaSuccess) return cuda_fail(err, fn, "launch of k_moe_combine", e);
+  return IMOE_OK;
+}
+
+imoe_status imoe_cuda_gated_act(const imoe_view *gate_up, const imoe_view *out, imoe_act act,
+                                const imoe_view *limit, const imoe_exec *exec, imoe_error *err) {
+  const char *fn = "imoe_cuda_gated_act";
+  DeviceGuard guard;
+  DevInfo *di = nullptr;
+  imoe_status s = enter(exec, fn, err, &guard, &di);
+  if (s != IMOE_OK) return s;
+  cudaStream_t st = static_cast<cudaStream_t>(exec->stream);
+  ActParams ap;
+  memset(&ap, 0, sizeof ap);
+  ap.in = static_cast<const char *>(gate_up->data);
+  ap.in_row = gate_up->lead_stride[0];
+  ap.out = static_cast<char *>(out->data);
+  ap.out_row = out->lead_stride[0];
+  if (limit) {
+    ap.limit = in_vec_of(limit);
+    ap.limit_last = limit->n - 1;
+  }
+  ap.R = gate_up->lead_shape[0];
+  ap.I = out->n;
+  ap.act = act;
+  const int64_t size = dtype_size(gate_up->dtype);
+  const bool vec = (ap.I * size) % 16 == 0 &&
+                   vector_width({(int64_t)(uintptr_t)ap.in, ap.in_row, (int64_t)(uintptr_t)ap.out, ap.out_row}) >= 16;
+  const int64_t items = ap.R * (vec ? ap.I * size / 16 : ap.I);
+  const unsigned grid = grid_for((items + kRowThreads - 1) / kRowThreads, di);
+  cudaError_t e;
+  switch (gate_up->dtype) {
+    case IMOE_DTYPE_F32: e = launch_act<IMOE_DTYPE_F32>(vec, grid, st, ap); break;
+    case IMOE_DTYPE_F16: e = launch_act<IMOE_DTYPE_F16>(vec, grid, st, ap); break;
+    default: e = launch_act<IMOE_DTYPE_BF16>(vec, grid, st, ap); break;
+  }
+  if (e != cudaSuccess) return cuda_fail(err, fn, "launch of k_gated_act", e);
+  return IMOE_OK;
+}
+
+}  // extern "C"

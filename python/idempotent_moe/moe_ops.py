@@ -1,0 +1,126 @@
+"""The fused MoE dispatch and combine: the routing of an experts layer in
+and out of the expert-sorted rows that grouped GEMMs take, in the C core
+(two CUDA kernels for the dispatch, one each for the combine and the gated
+activation; no host synchronisation).
+
+Shapes: T tokens, k experts per token, S = T * k assignments (t, j), E
+experts, H features. `top_k_index` [T, k] names each assignment's expert,
+`top_k_weights` [T, k] its routing weight.
+
+    d = moe_dispatch(hidden, top_k_index, E)                # dropless
+    h = grouped_mm(d.rows, w_gate_up, offs=d.offsets)       # [S, 2I]
+    a = gated_act(h, "silu", limit=d.offsets)               # act(gate) * up
+    y = grouped_mm(a, w_down, offs=d.offsets)               # [S, H]
+    out = moe_combine(y, d.dest, top_k_weights)             # [T, H]
+
+With `capacity=C`, each expert keeps its C assignments of highest weight
+(ties to the lower token, NaN lowest); the others are dropped (dest -1)
+and counted on the device (`dropped`, read when needed: that read
+synchronises). Works on torch tensors and NumPy arrays (CPU), and torch
+CUDA tensors with the CUDA kernels.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from . import _arrays
+from ._native import native
+from .functional import resolve_num_threads
+
+
+class MoEDispatch(NamedTuple):
+    """What `moe_dispatch` returns.
+
+    rows     [R, H]: row r holds the token of one kept assignment (zeros
+             where a row holds none); R = S ("grouped") or E * C ("padded").
+    offsets  [E] int32: expert e's rows end at offsets[e] (grouped_mm's
+             `offs`); "padded": (e + 1) * C.
+    dest     [T, k] int32: the row of assignment (t, j), -1 when dropped.
+    src      [R] int32: the token of row r, -1 for an empty row.
+    dropped  [1] int64: assignments the capacity dropped (0 dropless).
+    """
+
+    rows: Any
+    offsets: Any
+    dest: Any
+    src: Any
+    dropped: Any
+
+
+def _empty(like: Any, shape: tuple, dtype: Any = None) -> Any:
+    """An uninitialised array beside `like` (torch or NumPy), of `dtype`
+    (a name, or None for like's dtype)."""
+    if _arrays.is_torch(like):
+        torch = _arrays._torch()
+        return torch.empty(shape, dtype=like.dtype if dtype is None else getattr(torch, dtype),
+                           device=like.device)
+    return np.empty(shape, dtype=like.dtype if dtype is None else dtype)
+
+
+def moe_dispatch(hidden: Any, top_k_index: Any, num_experts: int, *, top_k_weights: Any = None,
+                 capacity: int | None = None, layout: str = "grouped", skip_foreign: bool = False,
+                 num_threads: int | None = None) -> MoEDispatch:
+    """The assignments sorted by expert, stable in token order, and their
+    tokens' rows of `hidden` [T, H] gathered (see MoEDispatch).
+
+    top_k_index    [T, k] int32/int64, each in [0, num_experts); with
+                   `skip_foreign`, ids >= num_experts (another rank's
+                   experts under expert parallelism) are skipped.
+    top_k_weights  [T, k] float, required with a capacity.
+    capacity       None: dropless. C >= 0: each expert keeps at most C.
+    layout         "grouped" (the kept rows of expert 0, then expert 1,
+                   ...) or "padded" (expert e owns rows [e*C, e*C + C):
+                   static shapes for batched GEMMs; needs a capacity).
+    """
+    shape = _arrays.shape_of(top_k_index)
+    num_tokens, top_k = shape if len(shape) == 2 else (0, 0)  # the core names a bad shape
+    rows = num_experts * capacity if layout == "padded" and capacity is not None else num_tokens * top_k
+    hshape = _arrays.shape_of(hidden)
+    out = MoEDispatch(_empty(hidden, (rows,) + hshape[1:]), _empty(hidden, (num_experts,), "int32"),
+                      _empty(hidden, (num_tokens, top_k), "int32"), _empty(hidden, (rows,), "int32"),
+                      _empty(hidden, (1,), "int64"))
+    cuda = _arrays.cuda_device_of(hidden) is not None
+    lib = native()
+    ws = lib.moe_workspace_elems(num_tokens * top_k, capacity, cuda) if cuda else 0
+    lib.moe_dispatch(
+        hidden=hidden, top_k_index=top_k_index, top_k_weights=top_k_weights,
+        num_experts=num_experts, capacity=capacity, layout=layout, skip_foreign=skip_foreign,
+        out_rows=out.rows, out_offsets=out.offsets, out_dest=out.dest, out_src=out.src,
+        out_dropped=out.dropped, workspace=_empty(hidden, (ws,), "int32") if ws else None,
+        num_threads=resolve_num_threads(num_threads), stream=_arrays.dlpack_stream(hidden))
+    return out
+
+
+def moe_combine(rows: Any, dest: Any, weights: Any, *, out: Any = None, out_dtype: Any = None,
+                num_threads: int | None = None) -> Any:
+    """out[t] = sum over j of weights[t, j] * rows[dest[t, j]] ([T, H]),
+    skipping dest -1: each term rounded to the promoted dtype of rows and
+    weights, summed in fp32 in j order, rounded once (the arithmetic of
+    `acc.add_(rows[dest[:, j]] * weights[:, j, None])` in an fp32 `acc`).
+    `out` (or a new array of `out_dtype`, default rows' dtype) is returned."""
+    if out is None:
+        shape = (_arrays.shape_of(dest)[0], _arrays.shape_of(rows)[-1])
+        out = _empty(rows, shape, None if out_dtype is None else str(out_dtype).rsplit(".", 1)[-1])
+    native().moe_combine(rows=rows, dest=dest, weights=weights, out=out,
+                         num_threads=resolve_num_threads(num_threads),
+                         stream=_arrays.dlpack_stream(rows))
+    return out
+
+
+def gated_act(gate_up: Any, act: str = "silu", *, limit: Any = None, out: Any = None,
+              num_threads: int | None = None) -> Any:
+    """act(gate_up[:, :I]) * gate_up[:, I:] ([R, I]), each factor rounded
+    to gate_up's dtype as torch rounds `act(gate) * up`. act: "silu",
+    "gelu", "gelu_tanh" or "relu". With `limit` (a dispatch's offsets),
+    only rows below limit[-1] are computed; the others are left as they
+    were (uninitialised in a new `out`)."""
+    if out is None:
+        shape = _arrays.shape_of(gate_up)
+        out = _empty(gate_up, shape[:-1] + (shape[-1] // 2,))
+    native().gated_act(gate_up=gate_up, out=out, act=act, limit=limit,
+                       num_threads=resolve_num_threads(num_threads),
+                       stream=_arrays.dlpack_stream(gate_up))
+    return out
