@@ -308,11 +308,9 @@ def test_gpu_experts_forward_launches_at_most_eight_kernels_at_eight_tokens():
     """Issue target: top_k_index / top_k_weights in, combined output out, at
     8 tokens: the dispatch's two kernels, two grouped GEMMs, the gated
     activation and the combine."""
-    from torch.profiler import ProfilerActivity, profile
-
-    from test_hf_moe import _cuda_block
-
     import idempotent_moe.integrations as hf
+    from test_hf_moe import _cuda_block
+    from torch.profiler import ProfilerActivity, profile
 
     hf.register()
     block = _cuda_block(2048, 7168, "bfloat16")
