@@ -27,7 +27,17 @@ from dataclasses import dataclass
 
 from . import model_agreement as agreement
 from .model_families import BASELINE, Family, build_model, parse_impl, random_prompt, use_impl
-from .model_timing import Samples, error_text, log, peak_since, reset_peak, round_order, sync, timed_generate
+from .model_timing import (
+    Samples,
+    attempt,
+    error_text,
+    log,
+    peak_since,
+    reset_peak,
+    round_order,
+    sync,
+    timed_generate,
+)
 
 
 @dataclass
@@ -66,24 +76,23 @@ def measure_prefill(model, family: Family, impls: list, opts: M1Options) -> list
         with torch.no_grad():
             return model(ids, use_cache=True, logits_to_keep=1).logits
 
+    def timed(impl):
+        use_impl(model, impl)
+        before = reset_peak(device)
+        t0 = time.perf_counter()
+        forward()
+        sync(device)
+        return time.perf_counter() - t0, peak_since(device), before
+
     for impl in impls:  # warm-up, and the rows that cannot run
-        try:
-            use_impl(model, impl)
-            forward()
-            sync(device)
-        except Exception as e:  # noqa: BLE001 - recorded in the row, the others go on
-            rows[impl.name]["error"] = error_text(e)
-            log(f"M1 {family.key} prefill {impl.name}: {rows[impl.name]['error']}")
+        attempt(rows[impl.name], f"M1 {family.key} prefill {impl.name}", lambda impl=impl: timed(impl))
     for r in range(opts.rounds):
         for impl in (i for i in round_order(impls, r) if "error" not in rows[i.name]):
-            use_impl(model, impl)
-            before = reset_peak(device)
-            t0 = time.perf_counter()
-            logits = forward()
-            sync(device)
-            elapsed = time.perf_counter() - t0
-            peak = peak_since(device)
-            del logits
+            result = attempt(rows[impl.name], f"M1 {family.key} prefill {impl.name}",
+                             lambda impl=impl: timed(impl))
+            if result is None:
+                continue
+            elapsed, peak, before = result
             samples[impl.name].add(ms=elapsed * 1e3)
             if peak is not None:
                 samples[impl.name].add(peak=peak, beyond=peak - before)
@@ -131,22 +140,28 @@ def measure_decode(model, family: Family, impls: list, cache: str, batch: int, o
                         "compiled": cache == "static" and device == "cuda"} for impl in impls}
     samples = {impl.name: Samples() for impl in impls}
     tokens: dict = {}
+    def timed(impl):
+        use_impl(model, impl)
+        out, timing = timed_generate(device, generate)
+        new = out[:, prompt_len:]
+        if new.shape[1] != opts.new_tokens or timing.decode_steps != opts.new_tokens - 1:
+            raise RuntimeError(f"generate() made {new.shape[1]} tokens in {timing.decode_steps + 1} "
+                               f"steps, not {opts.new_tokens}")
+        return new, timing
+
     for impl in impls:  # warm-up: compilation for the static cache
-        try:
-            use_impl(model, impl)
-            _, timing = timed_generate(device, generate)
-            rows[impl.name]["warmup_s"] = timing.total_s
-        except Exception as e:  # noqa: BLE001 - recorded in the row, the others go on
-            rows[impl.name]["error"] = error_text(e)
-            log(f"M1 {family.key} {cache} batch {batch} {impl.name}: {rows[impl.name]['error']}")
+        label = f"M1 {family.key} {cache} batch {batch} {impl.name}"
+        result = attempt(rows[impl.name], label, lambda impl=impl: timed(impl))
+        if result is not None:
+            rows[impl.name]["warmup_s"] = result[1].total_s
     for r in range(opts.rounds):
         for impl in (i for i in round_order(impls, r) if "error" not in rows[i.name]):
-            use_impl(model, impl)
-            out, timing = timed_generate(device, generate)
-            new = out[:, prompt_len:]
-            if new.shape[1] != opts.new_tokens or timing.decode_steps != opts.new_tokens - 1:
-                raise RuntimeError(f"{impl.name}: generate() made {new.shape[1]} tokens in "
-                                   f"{timing.decode_steps + 1} steps, not {opts.new_tokens}")
+            label = f"M1 {family.key} {cache} batch {batch} {impl.name}"
+            result = attempt(rows[impl.name], label, lambda impl=impl: timed(impl))
+            if result is None:
+                tokens.pop(impl.name, None)
+                continue
+            new, timing = result
             previous = tokens.get(impl.name)
             if previous is not None and not bool((previous == new).all()):
                 rows[impl.name]["same_tokens_every_round"] = False

@@ -20,7 +20,7 @@ import inspect
 from dataclasses import dataclass
 
 from .model_families import Family, build_model, describe, random_prompt
-from .model_timing import Samples, error_text, log, peak_since, reset_peak, round_order, timed_generate
+from .model_timing import Samples, attempt, log, peak_since, reset_peak, round_order, timed_generate
 
 SINK_TOKENS = 4
 
@@ -85,20 +85,23 @@ def run_m2(family: Family, opts: M2Options) -> dict:
                                       **{arg: caches[name]})
         return call
 
+    def timed(name: str):
+        before = reset_peak(device)
+        out, timing = timed_generate(device, generate(name))
+        return out, timing, peak_since(device), before
+
     try:
         for name in names:  # warm-up
-            try:
-                timed_generate(device, generate(name))
-            except Exception as e:  # noqa: BLE001 - recorded in the row, the other goes on
-                rows[name]["error"] = error_text(e)
-                log(f"M2 {name}: {rows[name]['error']}")
+            attempt(rows[name], f"M2 {name}", lambda name=name: timed(name))
             caches.pop(name, None)
         for r in range(opts.rounds):
             for name in (n for n in round_order(names, r) if "error" not in rows[n]):
-                before = reset_peak(device)
-                out, timing = timed_generate(device, generate(name))
-                peak = peak_since(device)
-                cache = caches.pop(name)
+                result = attempt(rows[name], f"M2 {name}", lambda name=name: timed(name))
+                cache = caches.pop(name, None)
+                if result is None:
+                    tokens.pop(name, None)
+                    continue
+                out, timing, peak, before = result
                 if hasattr(cache, "buffer_bytes"):
                     rows[name]["cache_buffer_bytes"] = int(cache.buffer_bytes())
                     rows[name]["evicted_tokens_layer0"] = int(cache.layers[0].evicted)

@@ -120,3 +120,14 @@ def error_text(exc: BaseException) -> str:
     if len(text) > 300:
         text = text[:297] + "..."
     return f"{type(exc).__name__}: {text}"
+
+
+def attempt(row: dict, label: str, fn):
+    """fn()'s result; or, when it raises, None with the error kept in
+    row["error"] (the row then stops being measured; the run goes on)."""
+    try:
+        return fn()
+    except Exception as e:  # noqa: BLE001 - recorded in the row, the others go on
+        row["error"] = error_text(e)
+        log(f"{label}: {row['error']}")
+        return None
