@@ -14,7 +14,7 @@ The hot calls, every output preallocated where the API allows it:
 - apply_map_ of the tiny call's indices;
 - compact_kv_cache_inplace with out_indices: K and V [1, 8, 256, 64] fp16, keep 128;
 - group_by_expert_ (the dispatch's grouping): [64, 128] fp16 tokens, 8 experts,
-  out_offsets and out_perm given.
+  out_offsets, out_perm and the plan workspace given.
 On the CPU every call runs to completion on the host, so the figures are the
 calls' whole cost there; --quick shrinks W1 and the call count.
 """
@@ -75,6 +75,8 @@ def _calls(device: str, quick: bool) -> dict:
     experts = torch.randint(0, 8, (64,), generator=g).to(device)
     offsets = torch.empty(9, dtype=torch.int64, device=device)
     perm = torch.empty(64, dtype=torch.int64, device=device)
+    group_ws = torch.empty(imoe.plan_workspace_elems("group", 1, 64, cuda=device == "cuda"),
+                           dtype=torch.int32, device=device)
     y = torch.empty(1024, device=device)
 
     def topk_gather(c):
@@ -94,7 +96,7 @@ def _calls(device: str, quick: bool) -> dict:
         "compact_kv_cache_inplace [1, 8, 256, 64] keep 128, out_indices": ("ours", lambda: (
             imoe.compact_kv_cache_inplace(k, v, kv_scores, 128, out_indices=kv_idx))),
         "group_by_expert_ [64, 128], 8 experts": ("ours", lambda: imoe.group_by_expert_(
-            tokens, experts, 8, out_offsets=offsets, out_perm=perm)),
+            tokens, experts, 8, out_offsets=offsets, out_perm=perm, workspace=group_ws)),
     }
 
 
