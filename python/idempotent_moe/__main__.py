@@ -1,7 +1,8 @@
 """Command line: `python -m idempotent_moe bench` runs the main job (W1 and W2
 beside torch on the best device present: table, JSON and plot); `w4` runs one
 Mixtral MoE block through transformers' experts implementations and ours; `kv`
-runs W2 through the KV hook, the paged hook and the Hugging Face cache.
+runs W2 through the KV hook, the paged hook and the Hugging Face cache;
+`model` runs whole models in generate() (M1, M2) and the host cost per call (H1).
 
 Results go to `--out` (default imoe-results/, which git ignores: a run in a
 clone changes no tracked file). The committed results change only when asked:
@@ -88,11 +89,81 @@ def _parser() -> argparse.ArgumentParser:
     permute.add_argument("--threads", type=int, default=0, help="CPU threads (default: torch's)")
     permute.add_argument("--quick", action="store_true", help="small shapes, for a smoke test")
     _doc_outputs(permute, "regenerate this file's permute table (docs/results.md) from the new JSON")
+    _model_parser(sub)
     readme = sub.add_parser("readme", help="regenerate main-job tables from result JSON files "
                                             "(README.md: the GPU table; docs/results.md: all)")
     readme.add_argument("json", nargs="+")
     readme.add_argument("--readme", default="README.md", help="the file to update")
     return parser
+
+
+def _model_parser(sub) -> None:
+    from .bench.model_families import IMPLS, MOE_FAMILIES
+
+    model = sub.add_parser("model", help="M1, M2, H1: MoE models in generate(), long context with "
+                                          "eviction, host cost per call")
+    model.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    model.add_argument("--families", default=",".join(MOE_FAMILIES),
+                       help=f"comma-separated M1 models: {','.join(MOE_FAMILIES)}")
+    model.add_argument("--batches", default="", help="comma-separated decode batch sizes (default 1,8,32; "
+                                                      "1,4 with --quick)")
+    model.add_argument("--caches", default="dynamic,static", help="comma-separated: dynamic,static")
+    model.add_argument("--impls", default=",".join(IMPLS),
+                       help="comma-separated experts implementations: eager, grouped_mm, idempotent, "
+                            "idempotent-cap<factor>")
+    model.add_argument("--rounds", type=int, default=3, help="interleaved timed rounds (default 3)")
+    model.add_argument("--new-tokens", type=int, default=0,
+                       help="M1 tokens generated per call (default 48; 4 with --quick)")
+    model.add_argument("--tie-ulps", type=float, default=4.0,
+                       help="near-tie tolerance of the token check, in units in the last place of the "
+                            "logits' dtype at the best logit (default 4)")
+    model.add_argument("--skip-m1", action="store_true")
+    model.add_argument("--skip-m2", action="store_true")
+    model.add_argument("--skip-h1", action="store_true")
+    model.add_argument("--m2-new-tokens", type=int, default=0, help="M2 tokens generated (default 64)")
+    model.add_argument("--h1-calls", type=int, default=0, help="H1 calls per round (default 2000)")
+    model.add_argument("--threads", type=int, default=0,
+                       help="CPU threads of torch (default: torch's; 1 with --quick)")
+    model.add_argument("--quick", action="store_true",
+                       help="tiny models on the CPU (unless --device), for a smoke test")
+    model.add_argument("--out", default=None, help=_out_help("--doc or --readme"))
+    model.add_argument("--no-plot", action="store_true")
+    model.add_argument("--doc", default=None,
+                       help="fill the <!-- model:DEVICE --> section of this file (docs/results.md) with "
+                            "every table of the new JSON")
+    model.add_argument("--readme", default=None,
+                       help="regenerate the headline (<!-- headline:DEVICE -->) of this file (README.md) "
+                            "from the new JSON and the main job's JSON beside it")
+    model.add_argument("--from-json", default=None,
+                       help="with --doc and/or --readme: regenerate from this JSON instead of running")
+
+
+def _run_model(args) -> None:
+    from .bench import model as model_bench
+    from .bench import model_report
+    from .bench.model_families import MOE_FAMILIES
+
+    if args.from_json:
+        if not (args.doc or args.readme):
+            raise SystemExit("--from-json needs --doc or --readme")
+        if args.doc:
+            model_report.doc_from_json(args.doc, args.from_json)
+        if args.readme:
+            model_report.headline_from_json(args.readme, args.from_json)
+        return
+    caches = _names(args.caches, "--caches", model_bench.CACHES)
+    families = _names(args.families, "--families", tuple(MOE_FAMILIES))
+    impls = tuple(v.strip() for v in args.impls.split(",") if v.strip())
+    # --quick is the CPU smoke test unless a device is named
+    device = "cpu" if args.quick and args.device == "auto" else args.device
+    model_bench.run(model_bench.ModelOptions(
+        device=device, families=families, batches=_ints(args.batches, "--batches"), caches=caches,
+        impls=impls, rounds=args.rounds, new_tokens=args.new_tokens, tie_ulps=args.tie_ulps,
+        skip_m1=args.skip_m1, skip_m2=args.skip_m2, skip_h1=args.skip_h1,
+        m2_new_tokens=args.m2_new_tokens, h1_calls=args.h1_calls, threads=args.threads,
+        quick=args.quick,
+        out=output_dir(args.out, args.doc or args.readme), plot=not args.no_plot, doc=args.doc,
+        readme=args.readme))
 
 
 def _names(text: str, flag: str, choices: tuple) -> tuple:
@@ -178,6 +249,8 @@ def main(argv: list | None = None) -> int:
             if args.doc:
                 stem = "permute-cpu" + ("-quick" if args.quick else "")
                 permute_doc(args.doc, os.path.join(out, stem + ".json"))
+    elif args.command == "model":
+        _run_model(args)
     elif args.command == "readme":
         from .bench.report import readme_from_json
 

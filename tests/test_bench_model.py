@@ -1,0 +1,315 @@
+"""`python -m idempotent_moe model` (M1, M2, H1): the quick configuration end
+to end on the CPU (JSON and plot written, every row present, tokens judged
+against grouped_mm's), rows that fail recorded without stopping the run, a
+disagreement failing it, the near-tie rule, and the README headline rendered
+from a synthetic model JSON beside the committed main-job JSON."""
+
+import copy
+import json
+import os
+import re
+import shutil
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+pytest.importorskip("matplotlib")
+
+from idempotent_moe.__main__ import main  # noqa: E402
+from idempotent_moe.bench import model_agreement, model_m1, model_report, report  # noqa: E402
+from idempotent_moe.bench.hostcost import TINY_SHAPE  # noqa: E402
+from idempotent_moe.bench.model_families import IMPLS, MOE_FAMILIES  # noqa: E402
+from idempotent_moe.bench.model_timing import round_order  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MAIN_CUDA = os.path.join(ROOT, "benchmarks", "results", "main-cuda.json")
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_quick_run_writes_every_row(device, tmp_path, capsys):
+    assert main(["model", "--quick", "--device", device, "--out", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / f"model-{device}-quick.json").read_text())
+    assert (tmp_path / f"model-{device}-quick.png").stat().st_size > 1000
+    m = data["machine"]
+    assert m["device"] == device and m["torch"] and m["transformers"] and m["date"]
+    if device == "cuda":
+        assert m["gpu"] and "driver" in m
+    assert set(data["families"]) == set(MOE_FAMILIES)
+    opts = data["options"]
+    assert opts["rounds"] >= 3 and opts["impls"] == list(IMPLS) and opts["caches"] == ["dynamic", "static"]
+
+    prefill = data["m1"]["prefill"]
+    assert {(r["family"], r["impl"]) for r in prefill} == {(f, i) for f in MOE_FAMILIES for i in IMPLS}
+    for r in prefill:
+        assert "error" not in r, r
+        assert 0 < r["min_ms"] <= r["median_ms"] and r["tokens"] == opts["prefill_tokens"]
+        assert (r["capacity_factor"] is None) == ("dropped" not in r)
+        if device == "cuda":
+            assert r["peak_allocated_bytes"] > 0 and r["peak_total_bytes"] >= r["peak_allocated_bytes"]
+
+    decode = data["m1"]["decode"]
+    expected = {(f, c, b, i) for f in MOE_FAMILIES for c in opts["caches"] for b in opts["batches"]
+                for i in IMPLS}
+    assert {(r["family"], r["cache"], r["batch"], r["impl"]) for r in decode} == expected
+    assert len(decode) == len(expected)
+    for r in decode:
+        assert "error" not in r, r
+        assert r["decode_tokens_per_s"] > 0 and len(r["decode_tokens_per_s_rounds"]) == opts["rounds"]
+        assert r["same_tokens_every_round"]
+        a = r["agreement"]
+        assert a["tokens"] == r["batch"] * opts["new_tokens"]
+        assert a["exact"] + a["near_tie"] + a["disagree"] == a["tokens"]
+        assert a["sequences"] == r["batch"] and 0 <= a["tokens_equal_baseline"] <= a["tokens"]
+        if r["capacity_factor"] is None:
+            assert r["agreement_checked"] and r["ok"] is True and a["disagree"] == 0
+        else:  # capacity mode drops: reported, never judged
+            assert not r["agreement_checked"] and r["ok"] is None
+        if r["impl"] == "grouped_mm":
+            assert r["speedup_vs_grouped_mm"] == pytest.approx(1.0)
+            assert a["tokens_equal_baseline"] == a["tokens"]
+
+    m2 = data["m2"]["rows"]
+    budget = data["m2"]["options"]["budget"]
+    assert [r["cache"] for r in m2] == ["DynamicCache", f"InplaceEvictionCache({budget})"]
+    for r in m2:
+        assert "error" not in r, r
+        assert r["total_ms"] > r["first_token_ms"] > 0 and r["decode_tokens_per_s"] > 0
+    assert m2[1]["evicted_tokens_layer0"] > 0
+    assert m2[1]["cache_buffer_bytes"] > 0
+
+    calls = [r["call"] for r in data["h1"]["rows"]]
+    assert calls[0].startswith("torch add_") and data["h1"]["rows"][0]["over_one_torch_op"] == 1.0
+    assert any("topk+gather" in c for c in calls)
+    tiny = f"[{TINY_SHAPE[0]}, {TINY_SHAPE[1]}, {TINY_SHAPE[2]}]"
+    for call in ("compact_ " + tiny, "apply_map_", "compact_kv_cache_inplace", "group_by_expert_"):
+        assert any(c.startswith(call) for c in calls), call
+    assert all(r["us_per_call"] > 0 for r in data["h1"]["rows"])
+
+    out = capsys.readouterr().out
+    assert "M1 decode" in out and "InplaceEvictionCache" in out and "host us / call" in out
+
+
+def _small(tmp_path, *extra) -> list:
+    return ["model", "--quick", "--device", "cpu", "--out", str(tmp_path), "--no-plot", "--families",
+            "mixtral", "--batches", "2", "--caches", "dynamic", "--skip-m2", "--skip-h1", *extra]
+
+
+def test_a_row_that_fails_is_recorded_and_the_run_goes_on(tmp_path, monkeypatch):
+    real = model_m1.use_impl
+
+    def use_impl(model, impl):
+        if impl.name == "eager":
+            raise RuntimeError("eager cannot run here")
+        real(model, impl)
+
+    monkeypatch.setattr(model_m1, "use_impl", use_impl)
+    assert main(_small(tmp_path)) == 0
+    data = json.loads((tmp_path / "model-cpu-quick.json").read_text())
+    for rows in (data["m1"]["prefill"], data["m1"]["decode"]):
+        failed = [r for r in rows if r["impl"] == "eager"]
+        assert len(failed) == 1
+        assert failed[0]["error"] == "RuntimeError: eager cannot run here"
+        assert "median_ms" not in failed[0] and "decode_tokens_per_s" not in failed[0]
+        assert all("error" not in r for r in rows if r["impl"] != "eager")
+    assert "error: RuntimeError: eager cannot run here" in model_report.table(data)
+
+
+def test_tokens_that_disagree_fail_the_run_after_writing(tmp_path, monkeypatch):
+    real = model_agreement.judge
+
+    def judge(logits, generated, dtype, tie_ulps):
+        verdict = real(logits, generated, dtype, tie_ulps)
+        return {**verdict, "exact": verdict["exact"] - 1, "disagree": verdict["disagree"] + 1}
+
+    monkeypatch.setattr(model_agreement, "judge", judge)
+    with pytest.raises(SystemExit, match="mixtral dynamic batch 2 idempotent"):
+        main(_small(tmp_path, "--impls", "grouped_mm,idempotent,idempotent-cap1.25"))
+    data = json.loads((tmp_path / "model-cpu-quick.json").read_text())
+    rows = {r["impl"]: r for r in data["m1"]["decode"]}
+    assert rows["idempotent"]["ok"] is False and rows["idempotent-cap1.25"]["ok"] is None
+
+
+def test_near_tie_rule():
+    dtype = torch.bfloat16
+    eps = torch.finfo(dtype).eps
+    best = 8.0
+    tol = 4 * eps * best
+    logits = torch.full((1, 4, 6), -5.0)
+    logits[0, :, 0] = best
+    logits[0, 1, 1] = best - tol / 2       # within the tolerance
+    logits[0, 2, 2] = best - 2 * tol       # beyond it
+    logits[0, 3, 3] = best - tol / 2
+    generated = torch.tensor([[0, 1, 2, 3]])
+    verdict = model_agreement.judge(logits, generated, dtype, tie_ulps=4)
+    assert (verdict["exact"], verdict["near_tie"], verdict["disagree"]) == (1, 2, 1)
+    assert verdict["max_gap"] == pytest.approx(2 * tol)
+    # the tolerance never falls below that of a logit of magnitude 1
+    small = model_agreement.tolerance(torch.tensor([0.01]), dtype, 4)
+    assert float(small) == pytest.approx(4 * eps)
+    assert model_agreement.equal_to(generated, torch.tensor([[0, 1, 5, 3]])) == {
+        "tokens_equal_baseline": 3, "sequences_equal_baseline": 0, "sequences": 1}
+
+
+def test_rounds_alternate_their_order():
+    assert [round_order(["a", "b", "c"], r) for r in range(3)] == [
+        ["a", "b", "c"], ["c", "b", "a"], ["a", "b", "c"]]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--impls", "grouped_mm,fast"], "fast"),
+    (["--impls", "idempotent-cap0"], "idempotent-cap0"),
+    (["--families", "llama"], "llama"),
+    (["--caches", "paged"], "paged"),
+    (["--new-tokens", "1"], "new-tokens"),
+    (["--from-json", "x.json"], "--doc or --readme"),
+])
+def test_bad_options_are_refused(args, message, tmp_path):
+    with pytest.raises(SystemExit, match=message):
+        main(["model", "--quick", "--out", str(tmp_path), *args])
+    assert not list(tmp_path.iterdir())
+
+
+# --------------------------------------------------------------------------- the README headline
+
+
+def _decode(family, cache, batch, impl, rate, **extra):
+    row = {"family": family, "impl": impl, "cache": cache, "batch": batch, "decode_tokens_per_s": rate,
+           "capacity_factor": 1.25 if "cap" in impl else None,
+           "agreement": {"exact": 96, "near_tie": 0, "disagree": 0, "tokens": 96},
+           "agreement_checked": "cap" not in impl, "ok": True if "cap" not in impl else None}
+    row.update(extra)
+    return row
+
+
+def synthetic_model_json() -> dict:
+    families = {"mixtral": {"key": "mixtral", "name": "Mixtral-like", "config_class": "MixtralConfig",
+                            "config": {}, "dtype": "bfloat16"},
+                "qwen3moe": {"key": "qwen3moe", "name": "Qwen3-MoE-like", "config_class": "Qwen3MoeConfig",
+                             "config": {}, "dtype": "bfloat16"}}
+    prefill = []
+    for fam in families:
+        for impl, ms, peak in (("eager", 40.0, 600 << 20), ("grouped_mm", 26.0, 546 << 20),
+                               ("idempotent", 13.0, 378 << 20), ("idempotent-cap1.25", 12.0, 370 << 20)):
+            prefill.append({"family": fam, "impl": impl, "tokens": 4096, "median_ms": ms, "min_ms": ms,
+                            "peak_allocated_bytes": peak, "capacity_factor": None})
+    decode = []
+    for fam in families:
+        for cache in ("dynamic", "static"):
+            for batch in (1, 8, 32):
+                decode.append(_decode(fam, cache, batch, "grouped_mm", 100.0 * batch))
+                if fam == "qwen3moe" and cache == "static" and batch == 32:
+                    decode.append({"family": fam, "impl": "idempotent", "cache": cache, "batch": batch,
+                                   "capacity_factor": None, "error": "BackendCompilerFailed: boom"})
+                else:
+                    near = {"exact": 90, "near_tie": 6, "disagree": 0, "tokens": 96}
+                    decode.append(_decode(fam, cache, batch, "idempotent", 200.0 * batch, agreement=near))
+                decode.append(_decode(fam, cache, batch, "idempotent-cap1.25", 250.0 * batch))
+    m2 = [{"cache": "DynamicCache", "total_ms": 3000.0, "decode_tokens_per_s": 50.0, "first_token_ms": 1800.0,
+           "peak_allocated_bytes": 2000 << 20},
+          {"cache": "InplaceEvictionCache(2048)", "total_ms": 1500.0, "decode_tokens_per_s": 80.0,
+           "first_token_ms": 700.0, "peak_allocated_bytes": 500 << 20}]
+    data = {"machine": {"device": "cuda", "gpu": "NVIDIA H200", "driver": "580.1", "torch": "2.11.0",
+                        "transformers": "5.17.0", "commit": "abc1234", "date": "2026-12-01T00:00:00+00:00"},
+            "quick": False, "families": families,
+            "options": {"prefill_tokens": 4096, "new_tokens": 48, "decode_prompt": 128, "rounds": 3,
+                        "batches": [1, 8, 32], "caches": ["dynamic", "static"], "impls": list(IMPLS)},
+            "m1": {"prefill": prefill, "decode": decode},
+            "m2": {"model": {"name": "Llama-like"}, "rows": m2,
+                   "options": {"prompt_tokens": 32768, "prefill_chunk": 2048, "budget": 2048,
+                               "evict_every": 32, "new_tokens": 64}},
+            "h1": None}
+    model_m1.add_ratios(data["m1"]["prefill"], "median_ms", False, ("family",))
+    model_m1.add_ratios(data["m1"]["decode"], "decode_tokens_per_s", True, ("family", "cache", "batch"))
+    for r in m2:
+        r["speedup_vs_dynamic_cache"] = m2[0]["total_ms"] / r["total_ms"]
+    return data
+
+
+def _cells(markdown: str) -> list:
+    lines = [ln for ln in markdown.splitlines() if ln.startswith("|") and not ln.startswith("|---")]
+    head = [c.strip() for c in lines[0].strip("|").split("|")]
+    return [dict(zip(head, (c.strip() for c in ln.strip("|").split("|")))) for ln in lines[1:]]
+
+
+def test_headline_from_a_synthetic_json(tmp_path):
+    results = tmp_path / "results"
+    results.mkdir()
+    shutil.copy(MAIN_CUDA, results / "main-cuda.json")
+    (results / "model-cuda.json").write_text(json.dumps(synthetic_model_json()))
+    readme = tmp_path / "README.md"
+    readme.write_text("# t\n<!-- headline:cuda -->\nold\n<!-- /headline:cuda -->\ntail\n")
+    # the `model` subcommand and the `readme` subcommand render the same table
+    assert main(["model", "--from-json", str(results / "model-cuda.json"), "--readme", str(readme)]) == 0
+    text = readme.read_text()
+    assert "old" not in text and text.endswith("tail\n")
+    copy_ = tmp_path / "README2.md"
+    copy_.write_text("# t\n<!-- headline:cuda -->\n<!-- /headline:cuda -->\ntail\n")
+    report.readme_from_json(str(copy_), str(results / "model-cuda.json"))
+    assert copy_.read_text() == text
+
+    section = text.split("<!-- headline:cuda -->")[1].split("<!-- /headline:cuda -->")[0]
+    header = section.strip().splitlines()[0]
+    assert not re.search(r"\| *(vs [^|]*|time / (torch|ref)[^|]*) *\|", header)
+    rows = _cells(section)
+    by = {(r["workload"], r["measure"]): r for r in rows}
+    pre = by[("M1 Mixtral-like", "prefill 4,096 tokens (time, peak alloc)")]
+    assert pre["x faster than baseline"] == "2.00x"
+    assert pre["baseline's figure"] == "26.0 ms, 546 MiB" and pre["our figure"] == "13.0 ms, 378 MiB"
+    dec = by[("M1 Qwen3-MoE-like", "decode tokens/s, batch 8, dynamic cache")]
+    figures = (dec["baseline's figure"], dec["our figure"], dec["x faster than baseline"])
+    assert figures == ("800", "1600", "2.00x")
+    assert dec["check"] == "ok: 90 exact, 6 near-tie, 0 disagree"
+    failed = by[("M1 Qwen3-MoE-like", "decode tokens/s, batch 32, static cache")]
+    assert failed["our figure"] == "error" and "BackendCompilerFailed" in failed["check"]
+    # one row per family x (prefill + caches x batches), dropless only
+    assert sum(r["workload"].startswith("M1") for r in rows) == 2 * (1 + 2 * 3)
+    m2 = next(r for r in rows if r["workload"] == "M2 Llama-like")
+    assert m2["x faster than baseline"] == "2.00x" and "500 MiB" in m2["our figure"]
+    main_rows = json.load(open(MAIN_CUDA))["results"]
+    for workload in ("W1", "W2", "W3"):
+        row = next(r for r in rows if r["workload"] == workload)
+        best = min((r for r in main_rows if r["workload"] == workload and r["kind"] != "baseline"),
+                   key=lambda r: r["median_ms"])
+        assert row["x faster than baseline"] == f"{best['speedup_vs_torch']:.2f}x"
+        assert row["check"] == "bit-exact"
+    assert "NVIDIA H200; driver 580.1" in section and "commit abc1234" in section
+
+
+def test_headline_needs_the_main_json(tmp_path):
+    path = tmp_path / "model-cuda.json"
+    path.write_text(json.dumps(synthetic_model_json()))
+    readme = tmp_path / "README.md"
+    readme.write_text("<!-- headline:cuda -->\n<!-- /headline:cuda -->\n")
+    with pytest.raises(SystemExit, match="main-cuda.json"):
+        report.readme_from_json(str(readme), str(path))
+    assert readme.read_text() == "<!-- headline:cuda -->\n<!-- /headline:cuda -->\n"
+
+
+def test_doc_table_from_a_synthetic_json(tmp_path):
+    data = synthetic_model_json()
+    data["h1"] = {"calls": 2000, "rounds": 3, "rows": [
+        {"call": "torch add_", "kind": "torch", "us_per_call": 9.0, "us_per_call_min": 8.5,
+         "over_one_torch_op": 1.0},
+        {"call": "compact_ W1", "kind": "ours", "us_per_call": 27.0, "us_per_call_min": 26.0,
+         "over_one_torch_op": 3.0}]}
+    path = tmp_path / "model-cuda.json"
+    path.write_text(json.dumps(data))
+    doc = tmp_path / "results.md"
+    doc.write_text("<!-- model:cuda -->\n<!-- /model:cuda -->\n")
+    assert main(["model", "--from-json", str(path), "--doc", str(doc)]) == 0
+    text = doc.read_text()
+    tables = [t for t in re.split(r"\n\n", text) if t.startswith("|")]
+    assert len(tables) == 4  # prefill, decode, M2, H1
+    decode = _cells(tables[1])
+    assert len(decode) == len(data["m1"]["decode"])
+    cap = next(r for r in decode if r["implementation"] == "idempotent-cap1.25")
+    assert cap["tokens vs grouped_mm"].startswith("capacity (not judged)")
+    assert _cells(tables[3])[1]["cost in torch ops"] == "3.0"
+
+
+def test_plot_of_a_synthetic_json(tmp_path):
+    data = copy.deepcopy(synthetic_model_json())
+    path = model_report.plot(data, str(tmp_path / "model.png"))
+    assert os.path.getsize(path) > 1000
