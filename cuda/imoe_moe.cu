@@ -30,6 +30,7 @@ namespace imoe_cu {
 
 constexpr int kSortThreads = 1024;   // k_moe_sort: one block
 constexpr int kRowThreads = 128;     // k_moe_gather, k_moe_combine, k_gated_act
+constexpr int kRankDirect = 64;      // k_moe_sort: most assignments an expert ranks pairwise
 constexpr int kInlineDestCheck = 2048;  // combine: at most this many dest entries are
                                         // checked by every block (no check kernel)
 
@@ -82,6 +83,60 @@ __device__ __forceinline__ bool better(float wa, int64_t a, float wb, int64_t b)
   if (na != nb) return nb;
   if (!na && wa != wb) return wa > wb;
   return a < b;
+}
+
+// The key an assignment competes for a place with: higher is better. The
+// weight's order-preserving bits (NaN lowest, -0.0 = +0.0) above the
+// complement of the assignment (ties to the lower one): every key distinct.
+__device__ __forceinline__ uint64_t place_key(const SortParams &p, int64_t i) {
+  const float w = load_float(p.weights.data + (i / p.k) * p.weights.row + (i % p.k) * p.weights.col,
+                             p.weights.dtype);
+  uint32_t key = 0;
+  if (!isnan(w)) {
+    const uint32_t b = w == 0.0f ? 0u : __float_as_uint(w);
+    key = (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+  }
+  return ((uint64_t)key << 32) | (uint64_t)(0xFFFFFFFFu - (uint32_t)i);
+}
+
+// The c-th largest place key among the n assignments list[0..n) (c < n),
+// by radix select from the top byte; it stops as soon as the chosen bin is
+// exactly the places left. Every thread of the block calls it.
+__device__ uint64_t select_threshold(const SortParams &p, const int32_t *list, int n, int c, int *s_warp) {
+  __shared__ int hist[256];
+  __shared__ unsigned long long s_prefix;
+  __shared__ int s_left, s_done;
+  if (threadIdx.x == 0) {
+    s_prefix = 0;
+    s_left = c;
+    s_done = 0;
+  }
+  for (int d = 7; d >= 0; --d) {
+    for (int b = threadIdx.x; b < 256; b += blockDim.x) hist[b] = 0;
+    __syncthreads();
+    if (s_done) break;
+    const uint64_t high = d == 7 ? 0ull : ~0ull << (8 * (d + 1));
+    const uint64_t prefix = s_prefix;
+    for (int q = threadIdx.x; q < n; q += blockDim.x) {
+      const uint64_t key = place_key(p, list[q]);
+      if ((key & high) == prefix) atomicAdd(&hist[(key >> (8 * d)) & 255u], 1);
+    }
+    __syncthreads();
+    // Bins from the top: the bin where the places left run out.
+    const int b = 255 - (int)threadIdx.x;
+    const int v = threadIdx.x < 256 ? hist[b] : 0;
+    int total;
+    const int above = perm_block_scan(v, &total, s_warp);
+    const int left = s_left;
+    __syncthreads();
+    if (threadIdx.x < 256 && above < left && left <= above + v) {
+      s_prefix = prefix | ((uint64_t)b << (8 * d));
+      s_left = left - above;
+      s_done = left - above == v;  // the whole bin is kept: no lower byte matters
+    }
+    __syncthreads();
+  }
+  return s_prefix;
 }
 
 // Each assignment with key(i) >= 0 gets its place among the assignments of
@@ -159,23 +214,31 @@ __global__ void __launch_bounds__(kSortThreads) k_moe_sort(const __grid_constant
     stable_places(S, E, base, wc, expert, [&](int64_t i, int e, int place) {
       if (e >= 0) order[place] = (int32_t)i;
     });
+    // An expert with few assignments ranks each one against the others; one
+    // with many finds the C-th best key by radix select, 8 bits per pass.
     for (int64_t i = threadIdx.x; i < S; i += blockDim.x) {
       const int e = expert(i);
       int kept = e >= 0;
-      if (e >= 0 && cnt[e] > p.C) {
-        const float wi = load_float(p.weights.data + (i / k) * p.weights.row + (i % k) * p.weights.col,
-                                    p.weights.dtype);
+      if (e >= 0 && cnt[e] > p.C && p.C == 0) {
+        kept = 0;
+      } else if (e >= 0 && cnt[e] > p.C && cnt[e] <= kRankDirect) {
+        const uint64_t mine = place_key(p, i);
         int64_t ahead = 0;
-        for (int q = start[e], end = start[e] + cnt[e]; q < end && ahead < p.C; ++q) {
-          const int64_t a = order[q];
-          const float wa = load_float(p.weights.data + (a / k) * p.weights.row + (a % k) * p.weights.col,
-                                      p.weights.dtype);
-          ahead += better(wa, a, wi, i);
-        }
+        for (int q = start[e], end = start[e] + cnt[e]; q < end; ++q) ahead += place_key(p, order[q]) > mine;
         kept = ahead < p.C;
       }
       keep[i] = kept;
     }
+    __syncthreads();
+    for (int e = 0; e < E; ++e) {
+      if (cnt[e] <= p.C || cnt[e] <= kRankDirect || p.C == 0) continue;  // uniform across the block
+      const uint64_t threshold = select_threshold(p, order + start[e], cnt[e], (int)p.C, s_warp);
+      for (int q = threadIdx.x; q < cnt[e]; q += blockDim.x) {
+        const int64_t i = order[start[e] + q];
+        keep[i] = place_key(p, i) >= threshold;
+      }
+    }
+    __syncthreads();
   }
   // Rows: each expert's kept assignments, in assignment order.
   int carry = 0;

@@ -368,6 +368,200 @@ def test_sort_by_expert_rejects_an_expert_out_of_range():
             _dispatch.sort_by_expert(bad, 4)
 
 
+# --------------------------------------------------------------------------- torch.compile
+
+
+def _compiled_experts(experts, factor):
+    def forward(hidden, index, weights):
+        return hf.hf_experts.experts_forward(experts, hidden, index, weights, factor)
+
+    return forward
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16],
+                         ids=["fp32", "fp16", "bf16"])
+def test_dropless_compiles_with_fullgraph_for_every_dtype(dtype):
+    """grouped_mm's tracing implementation takes bf16 only: fp32 and fp16 use
+    transformers' compile-safe fallback op while tracing, and the CPU-side
+    routing checks are skipped, so fullgraph=True traces with no break."""
+    torch._dynamo.reset()
+    experts = standalone_experts().to(dtype)
+    hidden = torch.randn(24, 16, generator=torch.Generator().manual_seed(11)).to(dtype)
+    index, weights = skewed_routing(24, 8, 2, seed=6)
+    weights = weights.to(dtype)
+    with torch.no_grad():
+        eager = run_experts(experts, hidden, index, weights, "idempotent")
+        compiled = torch.compile(_compiled_experts(experts, None), backend="aot_eager", fullgraph=True)
+        out = compiled(hidden, index, weights)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out, eager, rtol=0, atol=0)
+    if dtype != torch.bfloat16:
+        assert _dispatch.COMPILED_FALLBACK is not None
+
+
+def test_compiled_dropless_is_differentiable_for_fp32():
+    torch._dynamo.reset()
+    experts = standalone_experts()
+    hidden = torch.randn(20, 16, generator=torch.Generator().manual_seed(12))
+    index, weights = skewed_routing(20, 8, 2, seed=7)
+    eager = _grads(experts, hidden, index, weights, "idempotent")
+    compiled = torch.compile(_compiled_experts(experts, None), backend="aot_eager", fullgraph=True)
+    h = hidden.clone().requires_grad_()
+    w = weights.clone().requires_grad_()
+    experts.zero_grad()
+    out = compiled(h, index, w)
+    (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+    for a, b in zip((out, h.grad, w.grad, experts.gate_up_proj.grad, experts.down_proj.grad), eager):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_grouped_mm_while_compiling_follows_transformers_rules():
+    w = torch.zeros(2, 4, 4)
+    assert not _dispatch._grouped_mm_compiles(w)
+    assert not _dispatch._grouped_mm_compiles(w.half())
+    expected = _dispatch._torch_version() >= (2, 11) and hasattr(torch.nn.functional, "grouped_mm")
+    assert _dispatch._grouped_mm_compiles(w.bfloat16()) == expected
+
+
+def test_routing_checks_are_skipped_only_while_compiling(monkeypatch):
+    from idempotent_moe import _sorting
+
+    bad = torch.tensor([[0, 1], [2, 2]])
+    with pytest.raises(ValueError, match="distinct"):
+        _dispatch.sort_by_expert(bad, 4)
+    monkeypatch.setattr(_sorting, "compiling", lambda: True)
+    _dispatch.sort_by_expert(bad, 4)  # not checked: a data-dependent branch while tracing
+
+
+# --------------------------------------------------------------------------- expert parallelism
+
+
+def _expert_parallel_routing(num_tokens, num_experts, top_k, seed):
+    """Routing as one rank of transformers' expert parallelism sees it: ids of
+    other ranks' experts become num_experts (several per token at times), with
+    weight 0."""
+    g = torch.Generator().manual_seed(seed)
+    index = torch.topk(torch.randn(num_tokens, 2 * num_experts, generator=g), top_k, dim=-1).indices
+    weights = torch.rand(index.shape, generator=g) + 0.05
+    foreign = index >= num_experts
+    index = index.masked_fill(foreign, num_experts)
+    weights = weights.masked_fill(foreign, 0.0)
+    assert foreign.any() and (foreign.sum(1) == top_k).any() and (~foreign).any()
+    return index, weights
+
+
+def _local_reference(experts, hidden, index, weights):
+    out = torch.zeros_like(hidden)
+    for e in range(experts.num_experts):
+        tokens, slots = torch.where(index == e)
+        y = expert_mlp(experts, hidden[tokens], e) * weights[tokens, slots, None]
+        out = out.index_add(0, tokens, y)
+    return out
+
+
+@pytest.mark.parametrize("factor", [None, 4.0, 0.3], ids=["dropless", "capacity-drops-none", "capacity"])
+def test_expert_parallel_sentinel_ids_add_nothing(factor):
+    experts = standalone_experts()
+    experts._is_expert_parallel = True
+    hidden = torch.randn(40, 16, generator=torch.Generator().manual_seed(13))
+    index, weights = _expert_parallel_routing(40, 8, 2, seed=8)
+    with torch.no_grad():
+        ours = run_experts(experts, hidden, index, weights, "idempotent", factor)
+    if factor is None or factor == 4.0:
+        expected = _local_reference(experts, hidden, index, weights)
+    else:
+        capacity = math.ceil(40 * 2 / 8 * factor)
+        expected, dropped, _ = capacity_reference(experts, hidden, index, weights, capacity)
+        assert experts.idempotent_stats[2].item() == dropped > 0
+        assert int(experts.idempotent_stats[0]) == int((index < 8).sum())
+    torch.testing.assert_close(ours, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("factor", [None, 4.0])
+def test_expert_parallel_matches_transformers_grouped_mm(factor):
+    import inspect
+
+    from transformers.integrations import moe
+
+    if "_is_expert_parallel" not in inspect.getsource(moe.grouped_mm_experts_forward):
+        pytest.skip("this transformers' grouped_mm has no expert-parallel sentinels")
+    experts = standalone_experts()
+    experts._is_expert_parallel = True
+    hidden = torch.randn(40, 16, generator=torch.Generator().manual_seed(14))
+    index, weights = _expert_parallel_routing(40, 8, 2, seed=9)
+    ours = _grads(experts, hidden, index, weights, "idempotent", factor)
+    grouped = _grads(experts, hidden, index, weights, "grouped_mm")
+    for a, b in zip(ours, grouped):
+        assert torch.isfinite(a).all()
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_expert_parallel_sentinels_only_where_the_module_is_split():
+    experts = standalone_experts()
+    index, weights = _expert_parallel_routing(10, 8, 2, seed=10)
+    with pytest.raises(ValueError, match=r"must lie in \[0, 8\)"), torch.no_grad():
+        run_experts(experts, torch.randn(10, 16), index, weights, "idempotent")
+    experts._is_expert_parallel = True
+    with pytest.raises(ValueError, match="distinct"), torch.no_grad():  # a local expert twice
+        run_experts(experts, torch.randn(2, 16), torch.tensor([[3, 3], [8, 8]]), torch.ones(2, 2),
+                    "idempotent")
+
+
+def test_sort_by_expert_puts_sentinels_last():
+    index = torch.tensor([[4, 1], [0, 4], [1, 2], [4, 4]])
+    d = _dispatch.sort_by_expert(index, 4, sentinels=True)
+    assert d.offsets.tolist() == [1, 3, 4, 4]
+    assert d.local.tolist() == [[False, True], [True, False], [True, True], [False, False]]
+    assert sorted(d.dest[~d.local].tolist()) == [4, 5, 6, 7]
+    assert d.expert_of.tolist() == [0, 1, 1, 2, 3, 3, 3, 3]
+
+
+# --------------------------------------------------------------------------- post-expert norm
+
+
+def _with_post_expert_norm(experts):
+    norm = torch.nn.RMSNorm(16, eps=1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(torch.linspace(0.5, 1.5, 16))
+    experts.post_expert_norm = norm
+    experts.has_post_expert_norm = True
+    return experts
+
+
+@pytest.mark.parametrize("factor", [None, 0.75])
+def test_post_expert_norm_is_applied_before_the_routing_weights(factor):
+    experts = _with_post_expert_norm(standalone_experts())
+    hidden = torch.randn(30, 16, generator=torch.Generator().manual_seed(15))
+    index, weights = skewed_routing(30, 8, 2, seed=11)
+    with torch.no_grad():
+        ours = run_experts(experts, hidden, index, weights, "idempotent", factor)
+        capacity = 30 if factor is None else math.ceil(30 * 2 / 8 * factor)
+        expected = torch.zeros_like(hidden)
+        _, _, kept = capacity_reference(experts, hidden, index, weights, capacity)
+        for e, tokens in kept.items():
+            tokens = torch.tensor(tokens, dtype=torch.long)
+            slots = (index[tokens] == e).long().argmax(1)
+            y = experts.post_expert_norm(expert_mlp(experts, hidden[tokens], e))
+            expected = expected.index_add(0, tokens, y * weights[tokens, slots, None])
+    torch.testing.assert_close(ours, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_post_expert_norm_matches_transformers_grouped_mm():
+    import inspect
+
+    from transformers.integrations import moe
+
+    if "has_post_expert_norm" not in inspect.getsource(moe.grouped_mm_experts_forward):
+        pytest.skip("this transformers has no post-expert norm")
+    experts = _with_post_expert_norm(standalone_experts())
+    hidden = torch.randn(30, 16, generator=torch.Generator().manual_seed(16))
+    index, weights = skewed_routing(30, 8, 2, seed=12)
+    with torch.no_grad():
+        ours = run_experts(experts, hidden, index, weights, "idempotent")
+        grouped = run_experts(experts, hidden, index, weights, "grouped_mm")
+    torch.testing.assert_close(ours, grouped, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("ties", [False, True], ids=["distinct", "ties"])
 @pytest.mark.parametrize("factor", [None, 0.5, 1.0, 1.3])
 def test_experts_implementation_and_expert_parallel_dispatcher_agree(tmp_path, factor, ties):
@@ -823,7 +1017,7 @@ def test_gpu_capacity_mode_matches_the_cpu():
         gpu = run_experts(gpu_experts, hidden.cuda(), index.cuda(), weights.cuda(), "idempotent", 0.9)
     cpu_stats, gpu_stats = cpu_experts.idempotent_stats, gpu_experts.idempotent_stats
     assert gpu_stats[:2] == cpu_stats[:2] and int(gpu_stats[2]) == int(cpu_stats[2]) > 0
-    torch.testing.assert_close(gpu.cpu(), cpu, rtol=1e-3, atol=1e-4)
+    torch.testing.assert_close(gpu.cpu(), cpu, rtol=1e-3, atol=1e-3)  # GEMM shapes differ by device
 
 
 @pytest.mark.gpu

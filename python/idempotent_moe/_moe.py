@@ -58,18 +58,24 @@ def check_capacity_device(device: torch.device) -> None:
                            "kernels (nvcc at build time); dropless mode needs none")
 
 
-def check_top_k_index(top_k_index: torch.Tensor, num_experts: int, name: str) -> None:
+def check_top_k_index(top_k_index: torch.Tensor, num_experts: int, name: str, *,
+                      sentinels: bool = False) -> None:
     """ValueError when top_k_index [T, k] names an expert outside [0, E) or
-    repeats an expert within a token. Checked on CPU tensors only: on a GPU
-    reading the result would synchronise the host."""
-    from ._sorting import check_distinct_per_row
+    repeats an expert within a token. With `sentinels` (expert parallelism:
+    ids >= E name other ranks' experts), any id >= E is accepted and may
+    repeat; only negative ids and repeated local experts are errors.
 
-    if top_k_index.device.type != "cpu" or not top_k_index.numel():
+    Checked on CPU tensors only, and not while torch.compile traces (reading
+    the result is a data-dependent branch there, and on a GPU a host
+    synchronisation)."""
+    from ._sorting import check_distinct_per_row, compiling
+
+    if top_k_index.device.type != "cpu" or not top_k_index.numel() or compiling():
         return
     lo, hi = int(top_k_index.min()), int(top_k_index.max())
-    if lo < 0 or hi >= num_experts:
+    if lo < 0 or (hi >= num_experts and not sentinels):
         raise ValueError(f"{name} must lie in [0, {num_experts}), got [{lo}, {hi}]")
-    check_distinct_per_row(top_k_index, name)
+    check_distinct_per_row(top_k_index, name, below=num_experts if sentinels else None)
 
 
 def check_expert_buffer(x: Any, name: str, num_experts: int | None = None,
@@ -89,13 +95,15 @@ def expert_scores(top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
                   num_experts: int) -> torch.Tensor:
     """Routing scores per expert [E, T] float32: the routing weight of token t
     at [e, t] when t is routed to e, -inf elsewhere (so never kept over a
-    routed token). Detached: selection has no gradient."""
+    routed token). Ids >= E (other ranks' experts under expert parallelism)
+    are left out. Detached: selection has no gradient."""
     import torch
 
     num_tokens = top_k_index.shape[0]
-    scores = torch.full((num_experts, num_tokens), -math.inf, dtype=torch.float32,
+    scores = torch.full((num_experts + 1, num_tokens), -math.inf, dtype=torch.float32,
                         device=top_k_weights.device)
-    return scores.scatter_(0, top_k_index.long().t(), top_k_weights.detach().t().float())
+    index = top_k_index.long().clamp(max=num_experts).t()
+    return scores.scatter_(0, index, top_k_weights.detach().t().float())[:num_experts]
 
 
 class ExpertOrder(NamedTuple):

@@ -31,12 +31,25 @@ def counting_sort(keys: torch.Tensor, num_keys: int) -> tuple[torch.Tensor, torc
     return perm, dest, counts
 
 
-def check_distinct_per_row(index: torch.Tensor, name: str) -> None:
+def compiling() -> bool:
+    """Whether torch.compile (dynamo) is tracing the caller: host-side checks
+    that read tensor values are skipped then (a data-dependent branch breaks
+    the graph, and `fullgraph=True` refuses it)."""
+    is_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", None)
+    return bool(is_compiling()) if is_compiling is not None else False
+
+
+def check_distinct_per_row(index: torch.Tensor, name: str, *, below: int | None = None) -> None:
     """ValueError when a row of index [T, k] repeats a value (a token routed
-    twice to one expert). Reads the result on the host: call it only where
-    that costs no device synchronisation (CPU tensors)."""
+    twice to one expert); with `below`, only values < below count (the
+    others, expert-parallel sentinels, may repeat). Reads the result on the
+    host: call it only where that costs no device synchronisation (CPU
+    tensors)."""
     if index.shape[0] and index.shape[1] > 1:
         ordered = index.sort(dim=1).values
-        if bool((ordered[:, 1:] == ordered[:, :-1]).any()):
+        repeated = ordered[:, 1:] == ordered[:, :-1]
+        if below is not None:
+            repeated &= ordered[:, 1:] < below
+        if bool(repeated.any()):
             raise ValueError(f"{name} repeats an expert within a token: each token's k experts "
                              "must be distinct (as torch.topk gives them)")

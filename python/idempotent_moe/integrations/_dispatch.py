@@ -25,6 +25,7 @@ from .._moe import (
     expert_scores,
     order_by_expert,
 )
+from .._sorting import compiling
 from ..functional import compact_
 
 
@@ -32,29 +33,48 @@ class SortedDispatch(NamedTuple):
     """Assignments in expert order: row dest[t, j] of the sorted buffer holds
     assignment (t, j); row r holds token src_token[r] for expert expert_of[r];
     expert e owns rows [offsets[e-1], offsets[e]) (offsets int32, as grouped_mm
-    wants them)."""
+    wants them). With sentinels (expert parallelism), the assignments to other
+    ranks' experts (ids >= E) sort last, beyond offsets[-1]: no GEMM computes
+    them, `local` [T, k] is False for them and their expert_of is E - 1 (a
+    valid row for per-expert biases); without, `local` is None."""
 
     dest: torch.Tensor
     src_token: torch.Tensor
     expert_of: torch.Tensor
     offsets: torch.Tensor
+    local: torch.Tensor | None = None
 
 
-def sort_by_expert(top_k_index: torch.Tensor, num_experts: int) -> SortedDispatch:
+def expert_parallel(experts) -> bool:
+    """Whether transformers split this module's experts across ranks
+    (`_is_expert_parallel`): ids >= num_experts then name other ranks'
+    experts, with routing weight 0, and must add nothing."""
+    return bool(getattr(experts, "_is_expert_parallel", False))
+
+
+def sort_by_expert(top_k_index: torch.Tensor, num_experts: int, *, sentinels: bool = False) -> SortedDispatch:
     """Counting sort of the S assignments by expert, stable in token order.
 
     No argsort and no host synchronisation (idempotent_moe._sorting): an
     [E, S] one-hot, its running sum along the assignments, the per-expert
     counts and their cumulative sum (the offsets), and a scatter. Allocates
     O(E x S) int32. Bad routing (an expert out of range or repeated within a
-    token) is a ValueError on CPU tensors; on a GPU it is not checked.
+    token) is a ValueError on CPU tensors; on a GPU it is not checked. With
+    `sentinels`, ids >= E are other ranks' experts (SortedDispatch says where
+    they go).
     """
     index = top_k_index.long()
-    check_top_k_index(index, num_experts, "top_k_index")
-    order = order_by_expert(index, num_experts)
-    expert_of = index.reshape(-1)[order.perm]
-    return SortedDispatch(order.dest, order.src_token, expert_of,
-                          order.counts.cumsum(0).to(torch.int32))
+    check_top_k_index(index, num_experts, "top_k_index", sentinels=sentinels)
+    if not sentinels:
+        order = order_by_expert(index, num_experts)
+        expert_of = index.reshape(-1)[order.perm]
+        return SortedDispatch(order.dest, order.src_token, expert_of,
+                              order.counts.cumsum(0).to(torch.int32))
+    keys = index.clamp(max=num_experts)  # every sentinel in one extra bucket, E
+    order = order_by_expert(keys, num_experts + 1)
+    expert_of = keys.reshape(-1)[order.perm].clamp(max=num_experts - 1)
+    offsets = order.counts[:num_experts].cumsum(0).to(torch.int32)
+    return SortedDispatch(order.dest, order.src_token, expert_of, offsets, index < num_experts)
 
 
 _grouped_mm_probe: dict = {}
@@ -86,23 +106,57 @@ def _grouped_mm_usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return _grouped_mm_probe[key]
 
 
+# transformers' compile-safe grouped GEMM (a torch custom op that loops over
+# the experts), set by hf_experts.register() when transformers has one.
+COMPILED_FALLBACK = None
+
+
+def _grouped_mm_compiles(weight: torch.Tensor) -> bool:
+    """Whether grouped_mm may be used while torch.compile traces: transformers'
+    `_can_use_grouped_mm` rules. Its fake (tracing) implementation takes bf16
+    only; on CUDA it needs sm80 or later (torch < 2.9: sm90 only); on the CPU,
+    torch 2.9 or later (alignment cannot be read from fake tensors, and
+    torch <= 2.10 needs it: those use the fallback)."""
+    if weight.dtype != torch.bfloat16:
+        return False
+    if getattr(F, "grouped_mm", None) is None and getattr(torch, "_grouped_mm", None) is None:
+        return False
+    if weight.device.type == "cuda":
+        capability = torch.cuda.get_device_capability(weight.device)
+        if hasattr(F, "grouped_mm") or _torch_version() >= (2, 9):
+            return capability >= (8, 0)
+        return capability[0] == 9
+    if weight.device.type == "cpu":
+        return _torch_version() >= (2, 11)
+    return False
+
+
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor,
                    transposed: bool) -> torch.Tensor:
     """x [S, in] sorted by expert times each expert's weight: [E, out, in]
-    (nn.Linear layout) or, when `transposed`, [E, in, out]. Returns [S, out].
+    (nn.Linear layout) or, when `transposed`, [E, in, out]. Returns [S, out];
+    rows at or beyond offsets[-1] belong to no expert: zero, or left
+    unwritten by grouped_mm (callers mask them).
 
-    torch's grouped_mm where it takes these operands (no host sync); else a
-    loop over the experts, which reads the offsets once (one host sync)."""
+    torch's grouped_mm where it takes these operands (no host sync). Else, in
+    eager mode, a loop over the experts, which reads the offsets once (one
+    host sync); while torch.compile traces, transformers' grouped_mm fallback
+    op (the same loop as one custom op, so the graph does not break)."""
     w = weight if transposed else weight.transpose(-2, -1)
     x = x.to(w.dtype)  # grouped_mm is not autocast-aware
-    if _grouped_mm_usable(x, w):
+    tracing = compiling()
+    if _grouped_mm_compiles(w) if tracing else _grouped_mm_usable(x, w):
         fn = getattr(F, "grouped_mm", None) or torch._grouped_mm
         return fn(x, w, offs=offsets)
+    if tracing and COMPILED_FALLBACK is not None:
+        return COMPILED_FALLBACK(x, w, offsets)
     pieces, start = [], 0
     for expert, end in enumerate(offsets.tolist()):
         if end > start:
             pieces.append(x[start:end] @ w[expert])
         start = end
+    if start < x.shape[0]:
+        pieces.append(x.new_zeros(x.shape[0] - start, w.shape[-1]))
     return torch.cat(pieces) if pieces else x.new_empty(0, w.shape[-1])
 
 
@@ -144,7 +198,8 @@ def _out_features(weight: torch.Tensor, transposed: bool, start: int, stop: int)
 
 def _expert_mlp(experts, x: torch.Tensor, linear, bias_of) -> torch.Tensor:
     """The experts' MLP: up (or gate-up) projection, gate or activation, down
-    projection; `linear(x, weight)` applies each row's expert weight and
+    projection, and the post-expert norm where the module has one
+    (`has_post_expert_norm`); `linear(x, weight)` applies each row's expert weight and
     `bias_of(bias)` gives each row's bias.
 
     With the default gate and a large batch (inference), the gate and up
@@ -165,6 +220,8 @@ def _expert_mlp(experts, x: torch.Tensor, linear, bias_of) -> torch.Tensor:
     y = linear(h, experts.down_proj)
     if experts.has_bias:
         y = y + bias_of(experts.down_proj_bias)
+    if getattr(experts, "has_post_expert_norm", False):  # transformers >= 5.2x
+        y = experts.post_expert_norm(y)
     return y
 
 
@@ -214,17 +271,24 @@ def expert_mlp_capacity(experts, x: torch.Tensor) -> torch.Tensor:
 def dropless_forward(experts, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                      top_k_weights: torch.Tensor) -> torch.Tensor:
     """Every assignment computed: sort by expert, one gathered buffer [S, H],
-    grouped GEMMs, combine by the sort's indices."""
-    dispatch = sort_by_expert(top_k_index, experts.num_experts)
+    grouped GEMMs, combine by the sort's indices. Under expert parallelism the
+    other ranks' assignments (ids >= E) sort last, are computed by no GEMM and
+    add nothing (their rows are zeroed before the GEMMs, so no gradient comes
+    back from rows grouped_mm leaves unwritten)."""
+    dispatch = sort_by_expert(top_k_index, experts.num_experts, sentinels=expert_parallel(experts))
     x = hidden_states.index_select(0, dispatch.src_token)  # the one gathered buffer
+    if dispatch.local is not None:  # the sorted rows at or beyond offsets[-1] are other ranks'
+        foreign = torch.arange(x.shape[0], device=x.device) >= dispatch.offsets[-1]
+        x = x.masked_fill(foreign.unsqueeze(-1), 0)
     y = expert_mlp_sorted(experts, x, dispatch)
-    return combine(y, dispatch.dest, top_k_weights, hidden_states.dtype)
+    return combine(y, dispatch.dest, top_k_weights, hidden_states.dtype, keep=dispatch.local)
 
 
 class CapacityResult(NamedTuple):
     output: torch.Tensor  # [T, H]
     capacity: int
     dropped: torch.Tensor  # 0-d int64, on the device: reading it synchronises
+    assignments: torch.Tensor | int = 0  # routed to this module's experts (T * k less EP sentinels)
 
 
 def capacity_forward(experts, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
@@ -238,33 +302,41 @@ def capacity_forward(experts, hidden_states: torch.Tensor, top_k_index: torch.Te
     (move mode), which also writes the kept tokens' ids [E, C]. Then one
     gathered buffer [E, C, H], batched GEMMs (static shapes), and the combine.
     Slots of an expert with fewer than C assignments hold unrouted tokens: they
-    are computed (static shapes) and never combined.
+    are computed (static shapes) and never combined. Under expert parallelism
+    the other ranks' assignments (ids >= E) are routed to no expert here and
+    add nothing.
     """
     num_tokens, top_k = top_k_index.shape
     num_experts = experts.num_experts
     device = hidden_states.device
     check_capacity_device(device)
+    sentinels = expert_parallel(experts)
+    check_top_k_index(top_k_index, num_experts, "top_k_index", sentinels=sentinels)
     capacity = expert_capacity(num_tokens, top_k, num_experts, capacity_factor)
-    index_et = top_k_index.long().t()  # [k, T]: the expert of assignment (t, j) at [j, t]
+    # [k, T]: the expert of assignment (t, j) at [j, t]; other ranks' experts as row E
+    index_et = top_k_index.long().t().clamp(max=num_experts)
     scores = expert_scores(top_k_index, top_k_weights, num_experts)
-    routed = torch.zeros(num_experts, num_tokens, 1, dtype=torch.bool, device=device)
+    routed = torch.zeros(num_experts + 1, num_tokens, 1, dtype=torch.bool, device=device)
     routed.scatter_(0, index_et.unsqueeze(-1), True)
+    routed = routed[:num_experts]
+    assignments = routed.sum() if sentinels else num_tokens * top_k
     kept_tokens = torch.empty(num_experts, capacity, dtype=torch.int64, device=device)
     kept = compact_(routed, scores, capacity, dim=1, mode="move", nan="lowest",
                     out_indices=kept_tokens)
     kept_routed = kept.values[..., 0]  # [E, C]: the slot holds a real assignment
-    dropped = num_tokens * top_k - kept_routed.sum()
+    dropped = assignments - kept_routed.sum()
 
     x = hidden_states.index_select(0, kept_tokens.reshape(-1)).view(num_experts, capacity, -1)
     y = expert_mlp_capacity(experts, x).reshape(num_experts * capacity, -1)
 
-    # Each assignment's slot in y, and whether it was kept (read at [expert, token]).
+    # Each assignment's slot in y, and whether it was kept (read at [expert, token];
+    # row E, other ranks' experts, is never kept).
     slots = torch.arange(num_experts * capacity, device=device).view(num_experts, capacity)
-    slot_of = torch.zeros(num_experts, num_tokens, dtype=torch.int64, device=device)
-    slot_of.scatter_(1, kept_tokens, slots)
-    kept_of = torch.zeros(num_experts, num_tokens, dtype=torch.bool, device=device)
-    kept_of.scatter_(1, kept_tokens, kept_routed)
+    slot_of = torch.zeros(num_experts + 1, num_tokens, dtype=torch.int64, device=device)
+    slot_of[:num_experts].scatter_(1, kept_tokens, slots)
+    kept_of = torch.zeros(num_experts + 1, num_tokens, dtype=torch.bool, device=device)
+    kept_of[:num_experts].scatter_(1, kept_tokens, kept_routed)
     dest = slot_of.gather(0, index_et).t()
     keep = kept_of.gather(0, index_et).t()
     out = combine(y, dest, top_k_weights, hidden_states.dtype, keep=keep)
-    return CapacityResult(out, capacity, dropped)
+    return CapacityResult(out, capacity, dropped, assignments)

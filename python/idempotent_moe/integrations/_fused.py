@@ -17,6 +17,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .._moe import expert_capacity
 from .._native import native
 from ..functional import cuda_available
 from ..moe_ops import gated_act, moe_combine, moe_dispatch
@@ -94,7 +95,7 @@ def forward(experts, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
     grouped = capacity is None or _dispatch._grouped_mm_usable(hidden_states, up)
     d = moe_dispatch(hidden_states, top_k_index, num_experts, top_k_weights=top_k_weights,
                      capacity=capacity, layout="grouped" if grouped else "padded",
-                     skip_foreign=bool(getattr(experts, "_is_expert_parallel", False)))
+                     skip_foreign=_dispatch.expert_parallel(experts))
     if grouped:
         def linear(a, w):
             return _dispatch.grouped_linear(a, w, d.offsets, experts.is_transposed)
@@ -113,18 +114,35 @@ def forward(experts, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
         x = d.rows.view(num_experts, capacity, -1)
 
     act = _fused_gate(experts) if hidden_states.device.type == "cuda" else None
-    if act is None:
-        y = _dispatch._expert_mlp(experts, x, linear, bias_of)
+    if act is None or _dispatch._gated_chunks(experts, x, up.dtype) > 1:
+        y = _dispatch._expert_mlp(experts, x, linear, bias_of)  # torch's gate; column chunks when large
     else:
         h = linear(x, up)
         if experts.has_bias:
             h = h + bias_of(experts.gate_up_proj_bias)
-        h = gated_act(h.view(-1, h.shape[-1]), act, limit=d.offsets if grouped else None).view(
-            *h.shape[:-1], -1)
-        y = linear(h, experts.down_proj)
+        h = gated_act(h.view(-1, h.shape[-1]), act, limit=d.offsets if grouped else None)
+        y = linear(h.view(*x.shape[:-1], -1), experts.down_proj)
         if experts.has_bias:
             y = y + bias_of(experts.down_proj_bias)
-    if getattr(experts, "has_post_expert_norm", False):
-        y = experts.post_expert_norm(y)
+        if getattr(experts, "has_post_expert_norm", False):
+            y = experts.post_expert_norm(y)
     out = moe_combine(y.reshape(d.rows.shape[0], -1), d.dest, top_k_weights, out_dtype=hidden_states.dtype)
     return out, d.dropped
+
+
+def experts_forward(experts, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                    top_k_weights: torch.Tensor, capacity_factor: float | None) -> torch.Tensor:
+    """hf_experts.experts_forward on the fused path: the output, and the
+    module's `idempotent_stats` (capacity mode: assignments, C and the
+    dropped count, kept on the device)."""
+    if capacity_factor is None:
+        out, _ = forward(experts, hidden_states, top_k_index, top_k_weights, None)
+        experts.idempotent_stats = None
+        return out
+    num_tokens, top_k = top_k_index.shape
+    capacity = expert_capacity(num_tokens, top_k, experts.num_experts, capacity_factor)
+    out, dropped = forward(experts, hidden_states, top_k_index, top_k_weights, capacity)
+    assignments = ((top_k_index < experts.num_experts).sum() if _dispatch.expert_parallel(experts)
+                   else num_tokens * top_k)
+    experts.idempotent_stats = (assignments, capacity, dropped)
+    return out

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from .._moe import check_capacity_factor, expert_capacity
+from .._moe import check_capacity_factor
 
 try:
     import torch
@@ -40,7 +40,9 @@ CAPACITY_FACTOR_ATTR = "idempotent_capacity_factor"
 
 class CapacityStats(NamedTuple):
     """One experts module's last forward in capacity mode: `assignments`
-    routed (T * k), the per-expert `capacity` C, and how many were `dropped`."""
+    routed to its experts (T * k; under expert parallelism, less those of
+    other ranks' experts), the per-expert `capacity` C, and how many were
+    `dropped`."""
 
     assignments: int
     capacity: int
@@ -52,27 +54,35 @@ def idempotent_experts_forward(self, hidden_states, top_k_index, top_k_weights):
     ExpertsInterface). `self` is the experts module: its weights
     (gate_up_proj or up_proj, down_proj, optional biases), `num_experts`, the
     layout flags set by `use_experts_implementation` (has_gate, has_bias,
-    is_transposed) and `_apply_gate` / `act_fn`.
+    is_transposed, has_post_expert_norm) and `_apply_gate` / `act_fn`.
 
-    Differentiable (through the GEMMs and the routing weights; which
-    assignments a capacity keeps is a selection, as in any router).
+    The mode comes from the config attribute `idempotent_capacity_factor`;
+    `experts_forward` takes it as an argument. Differentiable (through the
+    GEMMs and the routing weights; which assignments a capacity keeps is a
+    selection, as in any router).
     """
     factor = check_capacity_factor(getattr(self.config, CAPACITY_FACTOR_ATTR, None), CAPACITY_FACTOR_ATTR)
-    num_tokens, top_k = top_k_index.shape
-    if num_tokens == 0:
+    return experts_forward(self, hidden_states, top_k_index, top_k_weights, factor)
+
+
+def experts_forward(self, hidden_states, top_k_index, top_k_weights, capacity_factor=None):
+    """`idempotent_experts_forward` with the mode given: `capacity_factor`
+    None (dropless) or a checked factor > 0 (capacity mode).
+
+    Expert parallelism (transformers' EP): ids >= num_experts name another
+    rank's experts and come with weight 0; they add nothing, in both modes.
+    """
+    if top_k_index.shape[0] == 0:
         self.idempotent_stats = None
         return torch.zeros_like(hidden_states)
     if _fused.applies(self, hidden_states):  # the library's dispatch and combine kernels
-        capacity = None if factor is None else expert_capacity(num_tokens, top_k, self.num_experts, factor)
-        out, dropped = _fused.forward(self, hidden_states, top_k_index, top_k_weights, capacity)
-        self.idempotent_stats = None if factor is None else (num_tokens * top_k, capacity, dropped)
-        return out
-    if factor is None:
+        return _fused.experts_forward(self, hidden_states, top_k_index, top_k_weights, capacity_factor)
+    if capacity_factor is None:
         self.idempotent_stats = None
         return _dispatch.dropless_forward(self, hidden_states, top_k_index, top_k_weights)
-    result = _dispatch.capacity_forward(self, hidden_states, top_k_index, top_k_weights, factor)
+    result = _dispatch.capacity_forward(self, hidden_states, top_k_index, top_k_weights, capacity_factor)
     # Kept on the device: reading the count (capacity_stats) is what synchronises.
-    self.idempotent_stats = (num_tokens * top_k, result.capacity, result.dropped)
+    self.idempotent_stats = (result.assignments, result.capacity, result.dropped)
     return result.output
 
 
@@ -92,6 +102,11 @@ def register(name: str = EXPERTS_IMPLEMENTATION) -> None:
             "(its ExpertsInterface): pip install 'idempotent-moe[huggingface]'"
         ) from e
     ExpertsInterface.register(name, idempotent_experts_forward)
+    # Compiling a dtype grouped_mm cannot trace (anything but bf16) uses
+    # transformers' own compile-safe loop, as its grouped_mm path does.
+    fallback = getattr(getattr(torch.ops, "transformers", None), "grouped_mm_fallback", None)
+    if fallback is not None:
+        _dispatch.COMPILED_FALLBACK = fallback
 
 
 def _experts_modules(model) -> list:
@@ -135,5 +150,5 @@ def capacity_stats(model) -> dict:
         record = getattr(module, "idempotent_stats", None)
         if record is not None:
             assignments, capacity, dropped = record
-            stats[name] = CapacityStats(assignments, capacity, int(dropped))
+            stats[name] = CapacityStats(int(assignments), capacity, int(dropped))
     return stats
