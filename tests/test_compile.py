@@ -534,6 +534,24 @@ def test_ops_run_in_eager():
     _same([x, idx], [y, ref.indices])
 
 
+def test_op_inside_a_compile_session_takes_the_direct_path(monkeypatch):
+    """While a compile session is open (torch 2.13 reports is_compiling() for
+    its whole length), an op's real implementation still calls the direct
+    path: the public function does not route back into the op."""
+    from idempotent_moe import functional
+
+    monkeypatch.setattr(functional, "_compiling", lambda: True)
+    g = _rng(5)
+    x = make_data((2, 16, 4), "float32", "torch", g)
+    s = make_scores((2, 16), "float32", "torch", g)
+    y = x.clone()
+    idx = torch.empty(2, 6, dtype=torch.int64)
+    torch.ops.idempotent_moe.compact_([x], s, None, 6, None, "swap", "inplace", 0, 0, "raise", idx,
+                                      None, None, None)
+    monkeypatch.undo()
+    _same([x, idx], [y, imoe.compact_(y, s, 6).indices])
+
+
 def test_takes_only_torch_tensors():
     t = torch.zeros(3)
     assert _torch_ops.takes(t, None, [1, 2], [[0, 1]])

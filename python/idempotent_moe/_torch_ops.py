@@ -20,7 +20,6 @@ Options become op arguments of schema types str / int / bool (`mode` is
 """
 
 import contextlib
-import threading
 from collections.abc import Iterator
 from typing import Any, Optional
 
@@ -30,18 +29,21 @@ from . import _arrays, functional, paged
 
 AVAILABLE = hasattr(torch.library, "custom_op")  # torch 2.4 on
 
-_local = threading.local()
+# Real implementations running now. A plain global (read by the traced
+# `takes`, which every torch version traces); only nonzero while an op runs.
+_depth = 0
 
 
 @contextlib.contextmanager
 def _direct() -> Iterator[None]:
     """Marks that an op's real implementation is running: the public function
     it calls takes its direct path even while a compile session is open."""
-    _local.depth = getattr(_local, "depth", 0) + 1
+    global _depth
+    _depth += 1
     try:
         yield
     finally:
-        _local.depth -= 1
+        _depth -= 1
 
 
 def _ints(values: Any) -> bool:
@@ -55,7 +57,7 @@ def takes(*arrays: Any) -> bool:
     sequence of ints, at least one is a tensor, and no op's real
     implementation is running. NumPy arrays and other DLPack producers keep
     the direct path."""
-    if not AVAILABLE or getattr(_local, "depth", 0):
+    if not AVAILABLE or _depth:
         return False
     found = False
     for a in arrays:
@@ -111,7 +113,7 @@ def _narrowed(bufs: list, dims: list, kept: Any, many: bool) -> Any:
 # --------------------------------------------------------------------------- the ops
 
 
-def _no_output(*args: Any) -> None:
+def _no_output(*args: Any, **kwargs: Any) -> None:
     """The fake implementation of every op: they return nothing (their outputs
     are arguments they write, allocated by the wrappers with their shapes)."""
     return None
