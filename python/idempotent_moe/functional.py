@@ -41,6 +41,31 @@ from ._native import native
 _num_threads = 0
 
 
+def _torch_not_seen() -> bool:
+    """`_compiling` until torch is imported: then it becomes torch's own
+    is_compiling, which torch.compile folds to True while it traces."""
+    global _compiling
+    torch = _arrays._torch()
+    if torch is None:
+        return False
+    _compiling = torch.compiler.is_compiling
+    return _compiling()
+
+
+_compiling = _torch_not_seen
+
+
+def _traced_ops(*arrays: Any) -> Any:
+    """The module of torch ops (`_torch_ops`) when torch.compile is tracing a
+    call on torch tensors, else None: then the call takes its direct path.
+    Costs an eager call about 0.2 us (torch's is_compiling, kept here)."""
+    if not _compiling():
+        return None
+    from . import _torch_ops
+
+    return _torch_ops if _torch_ops.takes(*arrays) else None
+
+
 class Grouped(NamedTuple):
     """What `group_by_expert_` returns (x itself is grouped in place):
     `offsets` [lead..., E + 1], the slot ranges of the experts (expert e holds
@@ -306,6 +331,13 @@ def compact_(
     raises leaves every buffer and output exactly as it was. The indices of
     a move-mode call are remembered (weakly): `restore_` refuses them.
     """
+    ops = _traced_ops(x, scores, active_indices, out_indices, out_target_map, workspace)
+    if ops is not None:
+        return ops.compact_(
+            x, scores, capacity, active_indices=active_indices, dim=dim, mode=mode, order=order,
+            protected_prefix=protected_prefix, recent_window=recent_window, nan=nan,
+            out_indices=out_indices, out_target_map=out_target_map, index_dtype=index_dtype,
+            workspace=workspace, num_threads=num_threads)
     bufs, many = _buffers(x)
     scores, active = _selector(scores, active_indices, bufs[0])
     shared_active = active is not None and len(_arrays.shape_of(active)) == 1
@@ -327,6 +359,21 @@ def compact_(
     )
     _track_move_indices(out_indices, mode)
     return Compacted(views if many else views[0], out_indices)
+
+
+def _map_geometry(scores: Any, active: Any, num_slots: Any, lead_shape: Any) -> tuple:
+    """(selector, lead, N) of idempotent_map: from scores [lead..., N], or from
+    active indices with num_slots (N) and, when they are shared 1-d, lead_shape."""
+    selector = scores if scores is not None else active
+    sel_shape = _arrays.shape_of(selector)
+    if scores is not None:
+        return selector, sel_shape[:-1], sel_shape[-1]
+    if num_slots is None:
+        raise TypeError("num_slots (N) is required with active_indices")
+    n = _arrays.check_int(num_slots, "num_slots")
+    if len(sel_shape) == 1:
+        return selector, tuple(_arrays.check_int(s, "lead_shape") for s in (lead_shape or ())), n
+    return selector, sel_shape[:-1], n
 
 
 def idempotent_map(
@@ -361,19 +408,15 @@ def idempotent_map(
     """
     if form not in ("indices", "target_map", "both"):
         raise ValueError(f"form must be 'indices', 'target_map' or 'both', got {form!r}")
+    ops = _traced_ops(scores, active_indices, out_indices, out_target_map, workspace)
+    if ops is not None:
+        return ops.idempotent_map(
+            scores, capacity, active_indices=active_indices, num_slots=num_slots,
+            lead_shape=lead_shape, form=form, order=order, protected_prefix=protected_prefix,
+            recent_window=recent_window, nan=nan, index_dtype=index_dtype, out_indices=out_indices,
+            out_target_map=out_target_map, workspace=workspace, num_threads=num_threads)
     scores, active = _selector(scores, active_indices, None)
-    selector = scores if scores is not None else active
-    sel_shape = _arrays.shape_of(selector)
-    if scores is not None:
-        lead, n = sel_shape[:-1], sel_shape[-1]
-    else:
-        if num_slots is None:
-            raise TypeError("num_slots (N) is required with active_indices")
-        n = _arrays.check_int(num_slots, "num_slots")
-        if len(sel_shape) == 1:
-            lead = tuple(_arrays.check_int(s, "lead_shape") for s in (lead_shape or ()))
-        else:
-            lead = sel_shape[:-1]
+    selector, lead, n = _map_geometry(scores, active, num_slots, lead_shape)
     capacity = _capacity(capacity, active)
     kept = max(0, min(capacity, n))
     if form in ("indices", "both") and out_indices is None:
@@ -425,6 +468,10 @@ def apply_map_(
     """
     if (indices is None) == (target_map is None):
         raise ValueError("give exactly one of indices and target_map")
+    ops = _traced_ops(x, indices, target_map, workspace)
+    if ops is not None:
+        return ops.apply_map_(x, indices, target_map=target_map, dim=dim, mode=mode, order=order,
+                              workspace=workspace, num_threads=num_threads)
     bufs, many = _buffers(x)
     the_map = indices if indices is not None else target_map
     _arrays.check_array(the_map, "indices" if indices is not None else "target_map")
@@ -457,6 +504,10 @@ def restore_(x: Any, indices: Any, *, dim: int | None = None, order: str = "inpl
     A move-mode compaction cannot be undone (its dropped tokens are gone):
     ValueError for the indices array such a compaction wrote, unless a swap
     compaction has written it since. Returns x."""
+    ops = _traced_ops(x, indices, workspace)
+    if ops is not None:
+        return ops.restore_(x, indices, dim=dim, order=order, workspace=workspace,
+                            num_threads=num_threads)
     if _from_move(indices):
         raise ValueError(
             "restore_ undoes swap compactions only: these indices were written by "
@@ -524,6 +575,10 @@ def permute_(
                changes nothing and is raised by `check_errors()`.
     Returns x.
     """
+    ops = _traced_ops(x, perm, workspace)
+    if ops is not None:
+        return ops.permute_(x, perm, dim=dim, inverse=inverse, workspace=workspace,
+                            num_threads=num_threads)
     bufs, _ = _buffers(x)
     perm = _arrays.as_index_array(perm, bufs[0], "perm")
     dims = _perm_dims(bufs, dim, perm)
@@ -571,6 +626,11 @@ def group_by_expert_(
     1024 experts), and ids out of range change nothing and are raised by
     `check_errors()`.
     """
+    ops = _traced_ops(x, expert_ids, out_offsets, out_perm, workspace)
+    if ops is not None:
+        return ops.group_by_expert_(x, expert_ids, num_experts, dim=dim, out_offsets=out_offsets,
+                                    out_perm=out_perm, index_dtype=index_dtype, workspace=workspace,
+                                    num_threads=num_threads)
     bufs, _ = _buffers(x)
     expert_ids = _arrays.as_index_array(expert_ids, bufs[0], "expert_ids")
     num_experts = _arrays.check_int(num_experts, "num_experts")
@@ -600,4 +660,7 @@ def ungroup_(x: Any, perm: Any, *, dim: int | None = None, workspace: Any = None
              num_threads: int | None = None) -> Any:
     """Undo `group_by_expert_` in place: every token goes back to its original
     slot (`permute_(x, perm, inverse=True)`). Returns x."""
+    ops = _traced_ops(x, perm, workspace)
+    if ops is not None:
+        return ops.ungroup_(x, perm, dim=dim, workspace=workspace, num_threads=num_threads)
     return permute_(x, perm, dim=dim, inverse=True, workspace=workspace, num_threads=num_threads)

@@ -32,7 +32,7 @@ import numpy as np
 
 from . import _arrays
 from ._native import native
-from .functional import idempotent_map, resolve_num_threads
+from .functional import _traced_ops, idempotent_map, resolve_num_threads
 from .kv import reduce_head_scores
 
 LAYOUTS = ("NHD", "HND")
@@ -128,6 +128,18 @@ def _index_rows(x: Any, rows: np.ndarray) -> Any:
     return rows
 
 
+def _score_heads(shape: tuple, kv_heads: int | None, per_head: bool | None) -> int | None:
+    """The KV heads of one map per head selected by scores of `shape` ([S, N]
+    or [S, heads, N]), or None for one map per sequence (see paged_target_map)."""
+    if per_head is None:
+        per_head = len(shape) == 3 and (kv_heads is None or shape[1] != 1)
+    if not per_head:
+        return None
+    if kv_heads is None:
+        kv_heads = shape[1] if len(shape) == 3 else 1
+    return kv_heads
+
+
 def paged_target_map(
     block_size: int,
     seq_lens: Any,
@@ -184,11 +196,9 @@ def paged_target_map(
         if len(shape) not in (2, 3) or shape[0] != s_count:
             raise ValueError(
                 f"scores must be [S, N] or [S, heads, N] with S = {s_count}, got {list(shape)}")
-        if per_head is None:
-            per_head = len(shape) == 3 and (kv_heads is None or shape[1] != 1)
+        kv_heads = _score_heads(shape, kv_heads, per_head)
+        per_head = kv_heads is not None
         if per_head:
-            if kv_heads is None:
-                kv_heads = shape[1] if len(shape) == 3 else 1
             scores = reduce_head_scores(scores, kv_heads, head_reduce)
         elif len(shape) == 3:
             if shape[1] != 1:
@@ -308,6 +318,10 @@ def apply_paged_map_(
     the call does not synchronise: bad data changes nothing and is raised by
     `check_errors()`.
     """
+    ops = _traced_ops(caches, block_tables, target_map, workspace)
+    if ops is not None:
+        return ops.apply_paged_map_(caches, block_tables, target_map, layout=layout, mode=mode,
+                                    num_threads=num_threads, workspace=workspace)
     pools = _as_list(caches)
     for i, p in enumerate(pools):
         _arrays.check_array(p, f"caches[{i}]")
@@ -433,6 +447,13 @@ def compact_paged_(
     entries share a block. Bad data in the map or tables changes nothing and
     is raised by `check_errors()`.
     """
+    ops = _traced_ops(caches, block_tables, scores, target_map, active_indices)
+    if ops is not None and ops.host_ints(seq_lens, capacity):
+        return ops.compact_paged_(
+            caches, block_tables, seq_lens, capacity, scores, active_indices=active_indices,
+            target_map=target_map, layout=layout, per_head=per_head, head_reduce=head_reduce,
+            protected_prefix=protected_prefix, recent_window=recent_window, mode=mode, nan=nan,
+            num_threads=num_threads)
     pools = _as_list(caches)
     for i, p in enumerate(pools):
         _arrays.check_array(p, f"caches[{i}]")

@@ -20,7 +20,6 @@ mode (not a permutation) has no such backward: both are refused.
 
 from __future__ import annotations
 
-import functools
 from typing import Any, NamedTuple
 
 from .. import _arrays
@@ -45,9 +44,20 @@ def _torch():
     return torch
 
 
-@functools.cache
+_compact_swap = None  # the autograd Function, once built
+
+
 def _compact_function():
-    """The autograd Function, built on first use so that torch stays optional."""
+    """The autograd Function, built on first use so that torch stays optional.
+    Kept in a module global (not functools.cache, whose wrapped body
+    torch.compile would trace, class statement and all, at every compile)."""
+    global _compact_swap
+    if _compact_swap is None:
+        _compact_swap = _build_compact_function()
+    return _compact_swap
+
+
+def _build_compact_function():
     torch = _torch()
 
     class CompactSwap(torch.autograd.Function):
@@ -131,6 +141,8 @@ class HuggingFaceMoEInplaceHook:
             raise ValueError(f"mode must be 'swap' or 'move', got {mode!r}")
         self.mode = mode
         self.normalize_top_k = bool(normalize_top_k)
+        if _arrays._torch() is not None:
+            _compact_function()  # built here, outside any compiled region that calls the hook
 
     def __repr__(self) -> str:
         fields = [f"{k}={getattr(self, k)!r}" for k in
