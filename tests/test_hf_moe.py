@@ -499,12 +499,15 @@ def test_expert_parallel_matches_transformers_grouped_mm(factor):
 def test_expert_parallel_sentinels_only_where_the_module_is_split():
     experts = standalone_experts()
     index, weights = _expert_parallel_routing(10, 8, 2, seed=10)
-    with pytest.raises(ValueError, match=r"must lie in \[0, 8\)"), torch.no_grad():
-        run_experts(experts, torch.randn(10, 16), index, weights, "idempotent")
+    for grad in (False, True):  # the fused path (inference), the torch path
+        with pytest.raises(ValueError, match=r"outside \[0, num_experts = 8\)|must lie in \[0, 8\)"):
+            run_experts(experts, torch.randn(10, 16, requires_grad=grad), index, weights, "idempotent")
     experts._is_expert_parallel = True
-    with pytest.raises(ValueError, match="distinct"), torch.no_grad():  # a local expert twice
-        run_experts(experts, torch.randn(2, 16), torch.tensor([[3, 3], [8, 8]]), torch.ones(2, 2),
-                    "idempotent")
+    # The torch path checks that a token's local experts are distinct; the
+    # fused path takes a repeated expert as two assignments.
+    with pytest.raises(ValueError, match="distinct"):  # a local expert twice
+        run_experts(experts, torch.randn(2, 16, requires_grad=True), torch.tensor([[3, 3], [8, 8]]),
+                    torch.ones(2, 2), "idempotent")
 
 
 def test_sort_by_expert_puts_sentinels_last():

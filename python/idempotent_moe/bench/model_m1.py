@@ -206,7 +206,11 @@ def _check_agreement(model, ids, impls: list, rows: dict, tokens: dict, tie_ulps
         row["agreement"] = verdict
         # Capacity mode drops assignments: its tokens are reported, not judged.
         row["agreement_checked"] = impl.capacity_factor is None
-        row["ok"] = verdict["disagree"] == 0 if impl.capacity_factor is None else None
+        # Identical to grouped_mm's own tokens, or else every token within a
+        # near-tie of grouped_mm's best logit on the same prefix.
+        identical = reference is not None and verdict["sequences_equal_baseline"] == verdict["sequences"]
+        verdict["identical"] = identical
+        row["ok"] = (identical or verdict["disagree"] == 0) if impl.capacity_factor is None else None
 
 
 def run_family(family: Family, opts: M1Options) -> dict:

@@ -41,6 +41,8 @@ def _agreement_cell(row: dict) -> str:
     if a is None:
         return ""
     counts = f"{a['exact']} exact, {a['near_tie']} near-tie, {a['disagree']} disagree"
+    if "sequences" in a:
+        counts = f"{a['sequences_equal_baseline']} of {a['sequences']} sequences identical; " + counts
     if not row.get("agreement_checked", True):
         return f"capacity (not judged): {counts}"
     return f"{'ok' if row.get('ok') else 'FAILED'}: {counts}"

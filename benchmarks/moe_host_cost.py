@@ -1,0 +1,165 @@
+"""Where the time of a Mixtral-like MoE layer goes at decode sizes, on one GPU.
+
+1. Host time per call, back to back with no synchronisation (H1's method),
+   of the experts forward (grouped_mm against the "idempotent" fused path),
+   the whole sparse-MoE block (router included) and each piece of the fused
+   path (moe_dispatch, gated_act, moe_combine, the binding alone with its
+   outputs preallocated), beside one torch elementwise op and torch.empty.
+2. CUDA kernels per forward (torch profiler) at 1 and 8 tokens.
+3. The ceiling of replacing the experts: decode tokens/s of M1's Mixtral-like
+   model at batch 1 with grouped_mm, with "idempotent", and with experts that
+   cost nothing (a forward that returns zeros): the speed the rest of the
+   model allows.
+
+    python benchmarks/moe_host_cost.py [--out FILE.json] [--skip-ceiling]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import idempotent_moe as imoe
+import idempotent_moe.integrations as hf
+import torch
+from idempotent_moe.moe_ops import gated_act, moe_combine, moe_dispatch
+from torch.profiler import ProfilerActivity, profile
+from transformers import MixtralConfig
+from transformers.integrations.moe import ExpertsInterface
+from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
+
+
+def per_call_us(fn, calls=400, rounds=5):
+    """Median over rounds of the host time per call, `calls` back to back."""
+    times = []
+    for _ in range(rounds):
+        fn()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        t1 = time.perf_counter()
+        torch.cuda.synchronize()
+        times.append((t1 - t0) / calls * 1e6)
+    return round(statistics.median(times), 2)
+
+
+def kernels(fn) -> list:
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return [e.name for e in prof.events() if e.device_type.name == "CUDA"]
+
+
+def block(hidden=2048, intermediate=7168, experts=8, top_k=2):
+    config = MixtralConfig(hidden_size=hidden, intermediate_size=intermediate, num_local_experts=experts,
+                           num_experts_per_tok=top_k)
+    with torch.device("cuda"):
+        b = MixtralSparseMoeBlock(config).to(torch.bfloat16).eval()
+    with torch.no_grad():
+        for p in b.parameters():
+            p.normal_(0, 0.02)
+    return b
+
+
+def use(b, name):
+    b.experts.config._experts_implementation = name
+    setattr(b.experts.config, hf.CAPACITY_FACTOR_ATTR, None)
+
+
+def host_costs(b, tokens):
+    x = torch.randn(tokens, b.experts.down_proj.shape[1], device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        _, w, idx = b.gate(x)
+    y = torch.empty(1024, device="cuda")
+    d = moe_dispatch(x, idx, b.experts.num_experts)
+    h = torch.randn(tokens * idx.shape[1], 2 * 7168, device="cuda", dtype=torch.bfloat16)
+    rows = torch.randn(tokens * idx.shape[1], x.shape[1], device="cuda", dtype=torch.bfloat16)
+    stream = torch.cuda.current_stream().cuda_stream or 1
+    out = {}
+
+    def experts(name):
+        use(b, name)
+        return lambda: b.experts(x, idx, w)
+
+    def whole(name):
+        use(b, name)
+        return lambda: b(x.view(1, tokens, -1))
+
+    with torch.no_grad():
+        out["torch add_ [1024]"] = per_call_us(lambda: y.add_(1.0))
+        out["torch.empty(16, int32)"] = per_call_us(lambda: torch.empty(16, dtype=torch.int32, device="cuda"))
+        for name in ("grouped_mm", "idempotent"):
+            out[f"experts forward, {name}"] = per_call_us(experts(name))
+            out[f"MoE block (router included), {name}"] = per_call_us(whole(name))
+        out["moe_dispatch"] = per_call_us(lambda: moe_dispatch(x, idx, b.experts.num_experts))
+        out["_C.moe_dispatch, outputs given"] = per_call_us(lambda: imoe._C.moe_dispatch(
+            hidden=x, top_k_index=idx, num_experts=b.experts.num_experts, out_rows=d.rows,
+            out_offsets=d.offsets, out_dest=d.dest, out_src=d.src, num_threads=0, stream=stream))
+        out["gated_act"] = per_call_us(lambda: gated_act(h, "silu", limit=d.offsets))
+        out["moe_combine"] = per_call_us(lambda: moe_combine(rows, d.dest, w))
+        counts = {}
+        for name in ("grouped_mm", "idempotent"):
+            counts[f"experts forward, {name}"] = kernels(experts(name))
+            counts[f"MoE block, {name}"] = kernels(whole(name))
+    return out, counts
+
+
+def decode_ceiling(rounds=3, new_tokens=48):
+    """Decode tokens/s at batch 1 of M1's Mixtral-like model per experts implementation."""
+    from idempotent_moe.bench.model_families import MOE_FAMILIES, build_model
+
+    ExpertsInterface.register("zero-cost", lambda self, h, i, w: torch.zeros_like(h))
+    hf.register()
+    model = build_model(MOE_FAMILIES["mixtral"], "cuda")
+    ids = torch.randint(0, 32000, (1, 128), device="cuda")
+    mask = torch.ones_like(ids)
+
+    def gen(n):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+        torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+    names = ("grouped_mm", "idempotent", "zero-cost")
+    samples = {n: [] for n in names}
+    for r in range(rounds + 1):
+        for name in (names if r % 2 else names[::-1]):
+            model.set_experts_implementation(name)
+            t_long, t_one = gen(new_tokens), gen(1)
+            if r:  # round 0 warms up
+                samples[name].append((new_tokens - 1) / (t_long - t_one))
+    return {n: round(statistics.median(v), 1) for n, v in samples.items()}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--skip-ceiling", action="store_true")
+    opts = ap.parse_args()
+    hf.register()
+    b = block()
+    result = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__}
+    for tokens in (1, 8):
+        costs, counts = host_costs(b, tokens)
+        result[f"host_us_{tokens}_tokens"] = costs
+        result[f"kernels_{tokens}_tokens"] = {k: len(v) for k, v in counts.items()}
+        result[f"kernel_names_{tokens}_tokens"] = counts
+    del b
+    if not opts.skip_ceiling:
+        result["decode_tokens_per_s_batch_1"] = decode_ceiling()
+    text = json.dumps(result, indent=1)
+    print(text)
+    if opts.out:
+        with open(opts.out, "w") as f:
+            f.write(text)
+
+
+if __name__ == "__main__":
+    main()
