@@ -140,6 +140,170 @@ def test_aliased_arguments_are_refused_and_nothing_changes(name):
     assert_unchanged(arrays, snaps)
 
 
+# --------------------------------------------------------------------------- CUDA
+# The same classes on CUDA tensors. Aliasing is a property of the arguments,
+# not of their data, so a CUDA call refuses it at once (ValueError, nothing
+# queued), as on the CPU; check_errors has nothing recorded afterwards.
+
+GPU_CASES = {}
+
+
+def gpu_case(fn):
+    GPU_CASES[fn.__name__] = fn
+    return fn
+
+
+def _cuda():
+    torch = pytest.importorskip("torch")
+    return torch, torch.device("cuda")
+
+
+@gpu_case
+def cuda_indices_inside_the_buffer():
+    torch, dev = _cuda()
+    x = torch.zeros((8, 2), dtype=torch.int64, device=dev)
+    idx = x.view(-1)[:4]
+    idx.copy_(torch.tensor([4, 1, 2, 3]))
+    x[4, 1] = 10**12
+    return (lambda: imoe.apply_map_(x, idx, dim=0)), [x], both("indices", "buffers")
+
+
+@gpu_case
+def cuda_restore_indices_inside_the_buffer():
+    torch, dev = _cuda()
+    x = torch.zeros((8, 2), dtype=torch.int64, device=dev)
+    idx = x.view(-1)[:4]
+    idx.copy_(torch.tensor([4, 1, 2, 3]))
+    return (lambda: imoe.restore_(x, idx, dim=0)), [x], both("indices", "buffers")
+
+
+@gpu_case
+def cuda_target_map_inside_the_buffer():
+    torch, dev = _cuda()
+    x = torch.zeros((3, 8, 2), dtype=torch.int32, device=dev)
+    tm = x[:, :, 0]
+    tm.copy_(torch.arange(8, dtype=torch.int32).expand(3, 8))
+    return (lambda: imoe.apply_map_(x, target_map=tm, dim=1)), [x], both("target_map", "buffers")
+
+
+@gpu_case
+def cuda_out_indices_over_the_scores():
+    torch, dev = _cuda()
+    s = torch.rand((4, 16), generator=torch.Generator().manual_seed(0)).to(dev)
+    x = torch.zeros((4, 16, 3), device=dev)
+    out = s.view(torch.int32)[:, :4]  # the first 4 columns of the scores' memory
+    return (lambda: imoe.compact_(x, s, 4, out_indices=out)), [x, s], both("scores", "out_indices")
+
+
+@gpu_case
+def cuda_out_indices_over_the_buffer():
+    torch, dev = _cuda()
+    x = torch.zeros((4, 16, 2), dtype=torch.int64, device=dev)
+    s = torch.rand((4, 16), generator=torch.Generator().manual_seed(1)).to(dev)
+    out = x[:, :4, 0]
+    return (lambda: imoe.compact_(x, s, 4, out_indices=out)), [x, s], both("out_indices", "buffers")
+
+
+@gpu_case
+def cuda_active_indices_inside_the_buffer():
+    torch, dev = _cuda()
+    x = torch.zeros((16, 2), dtype=torch.int64, device=dev)
+    act = x[:, 0][:4]
+    act.copy_(torch.tensor([15, 3, 7, 1]))
+    return (lambda: imoe.compact_(x, active_indices=act, dim=0)), [x], \
+        both("active_indices", "buffers")
+
+
+@gpu_case
+def cuda_out_target_map_over_out_indices():
+    torch, dev = _cuda()
+    s = torch.rand((2, 10), generator=torch.Generator().manual_seed(2)).to(dev)
+    store = torch.zeros(64, dtype=torch.int32, device=dev)
+    out = store[:8].view(2, 4)
+    tm = store[4:24].view(2, 10)
+    return (lambda: imoe.idempotent_map(s, 4, form="both", out_indices=out, out_target_map=tm)), \
+        [s, store], both("out_indices", "out_target_map")
+
+
+@gpu_case
+def cuda_two_buffers_sharing_bytes():
+    torch, dev = _cuda()
+    x = torch.zeros((4, 16, 4), device=dev)
+    s = torch.rand((4, 16), generator=torch.Generator().manual_seed(3)).to(dev)
+    return (lambda: imoe.compact_([x[..., :3], x[..., 2:]], s, 4)), [x, s], \
+        both(r"buffers\[0\]", r"buffers\[1\]", "overlap")
+
+
+@gpu_case
+def cuda_perm_inside_the_buffer():
+    torch, dev = _cuda()
+    x = torch.zeros((8, 3), dtype=torch.int64, device=dev)
+    perm = x[:, 0]
+    perm.copy_(torch.arange(7, -1, -1))
+    return (lambda: imoe.permute_(x, perm, dim=0)), [x], both("perm", "buffers")
+
+
+@gpu_case
+def cuda_workspace_over_expert_ids():
+    torch, dev = _cuda()
+    # 7 x rows x T = 112 int32: large enough for a CUDA plan workspace.
+    ids = torch.zeros(256, dtype=torch.int32, device=dev)
+    ids[:16] = torch.randint(0, 4, (16,), generator=torch.Generator().manual_seed(4),
+                             dtype=torch.int32).to(dev)
+    x = torch.zeros((16, 2), device=dev)
+    return (lambda: imoe.group_by_expert_(x, ids[:16], 4, workspace=ids)), [x, ids], \
+        both("expert_ids", "workspace")
+
+
+@gpu_case
+def cuda_workspace_over_the_buffer():
+    torch, dev = _cuda()
+    x = torch.zeros((3, 8, 16), device=dev)  # 384 int32 >= 7 x 3 x 8
+    ws = x.view(torch.int32).view(-1)
+    perm = torch.arange(7, -1, -1, device=dev)
+    return (lambda: imoe.permute_(x, perm, dim=1, workspace=ws)), [x], both("workspace", "buffers")
+
+
+@gpu_case
+def cuda_paged_target_map_inside_the_pool():
+    torch, dev = _cuda()
+    pool = torch.zeros((4, 4, 2), dtype=torch.int32, device=dev)  # [num_blocks, block_size, row]
+    tables = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32, device=dev)
+    tm = pool.view(-1)[:16].view(2, 8)
+    tm.copy_(torch.arange(8, dtype=torch.int32).expand(2, 8))
+    return (lambda: apply_paged_map_(pool, tables, tm)), [pool, tables], \
+        both("target_map", "buffers")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", sorted(GPU_CASES))
+def test_cuda_aliased_arguments_are_refused_and_nothing_changes(name):
+    torch, _ = _cuda()
+    call, arrays, pattern = GPU_CASES[name]()
+    torch.cuda.synchronize()
+    snaps = snapshot(*arrays)
+    with pytest.raises(ValueError, match=pattern):
+        call()
+    torch.cuda.synchronize()
+    assert_unchanged(arrays, snaps)
+    imoe.check_errors(arrays[0])  # nothing was queued, so nothing was recorded
+
+
+@pytest.mark.gpu
+def test_cuda_call_after_a_refused_one_works():
+    torch, dev = _cuda()
+    call, _, _ = GPU_CASES["cuda_out_indices_over_the_buffer"]()
+    with pytest.raises(ValueError):
+        call()
+    s = torch.rand((4, 16), generator=torch.Generator().manual_seed(11)).to(dev)
+    x = torch.arange(4 * 16, dtype=torch.float32, device=dev).view(4, 16, 1)
+    res = imoe.compact_(x, s, 4)
+    imoe.check_errors(x)
+    want = torch.topk(s, 4, dim=1).indices.sort(dim=1).values
+    assert torch.equal(res.indices.sort(dim=1).values, want)
+    assert torch.equal(x[:, :4, 0].long() % 16, res.indices)
+
+
 def test_scores_that_are_a_buffer_are_read_before_anything_moves():
     s = np.random.default_rng(5).random((3, 20)).astype(np.float32)
     x = np.random.default_rng(6).random((3, 20, 2)).astype(np.float32)

@@ -721,3 +721,51 @@ def meta_tensor_without_a_cpp_stack_trace(fw, rng):
             raise
 
     return call, [x]
+
+
+# ------------------------------------------------------- sizes checked before allocating
+
+
+@bad(ValueError, "num_experts", "2147483647")
+def giant_num_experts(fw, rng):
+    """out_offsets [E + 1] was allocated before the core saw E: a MemoryError
+    (NumPy) or the allocator's RuntimeError (torch) instead of this message."""
+    x = make_data((16, 4), "float32", fw, rng)
+    ids = to_framework(rng.integers(0, 4, size=16), fw)
+    return (lambda: imoe.group_by_expert_(x, ids, num_experts=2**40)), [x, ids]
+
+
+@bad(ValueError, "num_experts", "2147483647")
+def num_experts_at_the_limit(fw, rng):
+    x = make_data((16, 4), "float32", fw, rng)
+    ids = to_framework(rng.integers(0, 4, size=16), fw)
+    return (lambda: imoe.group_by_expert_(x, ids, num_experts=2**31 - 1)), [x, ids]
+
+
+# ------------------------------------------------------- threads
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3, 16])
+def test_failing_row_does_not_depend_on_threads(threads, rng):
+    """Threads claim rows in chunks, in whatever order they get to run: the
+    error still names the lowest failing row, and nothing is written."""
+    x = make_data((64, 256, 16), "float32", "numpy", rng)
+    s = make_scores((64, 256), "float32", "numpy", rng, ties=False)
+    s[[40, 9, 63], [7, 3, 1]] = np.nan
+    out = np.full((64, 32), -5, dtype=np.int64)
+    snaps = snapshot(x, s, out)
+    with pytest.raises(ValueError, match=r"^scores: row 9, slot 3 is NaN"):
+        imoe.compact_(x, s, 32, out_indices=out, num_threads=threads)
+    assert_unchanged([x, s, out], snaps)
+
+
+def test_more_threads_than_cores_match_one_thread(rng):
+    """Threads that start late (more of them than cores) find their work taken
+    by the others; the result is the same bits."""
+    x = make_data((64, 256, 16), "float16", "numpy", rng)
+    s = make_scores((64, 256), "float32", "numpy", rng)
+    one, many = x.copy(), x.copy()
+    a = imoe.compact_(one, s, 100, num_threads=1)
+    b = imoe.compact_(many, s, 100, num_threads=32)
+    np.testing.assert_array_equal(np.asarray(a.indices), np.asarray(b.indices))
+    np.testing.assert_array_equal(one.view(np.uint16), many.view(np.uint16))

@@ -277,6 +277,29 @@ def test_not_an_involution_is_refused(rng):
     np.testing.assert_array_equal(bits(pool), before)
 
 
+@pytest.mark.parametrize("lens,shape,nan_at,where", [
+    # a sequence whose length is its own: its scores are selected alone
+    ((9, 6, 9), (3, 9), (1, 4), "sequence 1, slot 4"),
+    # consecutive sequences of one length, selected together
+    ((6, 9, 9), (3, 9), (2, 7), "sequence 2, slot 7"),
+    # sequences 0 and 2 gathered for one selection, per head
+    ((9, 6, 9), (3, 2, 9), (2, 1, 3), "sequence 2, head 1, slot 3"),
+    ((9, 6, 9), (3, 2, 9), (1, 0, 5), "sequence 1, head 0, slot 5"),
+])
+def test_nan_score_names_its_sequence_and_head(lens, shape, nan_at, where, rng):
+    """The core numbers the rows of the scores it is given, which are the
+    rows of the sequences selected together: the message names the sequence."""
+    pool = make_data((12, 4, 2, 4), "float16", "numpy", rng)
+    tables = random_tables(rng, list(lens), 4, 12, extra_entries=0)
+    scores = dyadic_scores(shape, "numpy", rng)
+    scores[nan_at] = np.nan
+    before, scores_before = bits(pool), scores.copy()
+    with pytest.raises(ValueError, match=f"^scores: {where} is NaN"):
+        compact_paged_(pool, tables, list(lens), 4, scores)
+    np.testing.assert_array_equal(bits(pool), before)
+    np.testing.assert_array_equal(scores, scores_before)
+
+
 def test_entries_past_a_sequence_are_never_read(rng):
     pool, tables = _setup(rng)
     tables[0, 3:] = 10**9  # garbage padding, as engines leave it

@@ -634,6 +634,10 @@ def group_by_expert_(
     bufs, _ = _buffers(x)
     expert_ids = _arrays.as_index_array(expert_ids, bufs[0], "expert_ids")
     num_experts = _arrays.check_int(num_experts, "num_experts")
+    # The core's bound (IMOE_MAX_SLOTS, csrc/group.c), checked here too because
+    # out_offsets [lead..., E + 1] is allocated before the core sees E.
+    if num_experts >= 2**31 - 1:
+        raise ValueError(f"num_experts {num_experts} is outside [0, {2**31 - 1})")
     ids_shape = _arrays.shape_of(expert_ids)
     if dim is None:
         dim = len(ids_shape) - 1

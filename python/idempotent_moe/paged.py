@@ -25,7 +25,9 @@ and is raised by `check_errors()`.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import re
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -139,6 +141,24 @@ def _score_heads(shape: tuple, kv_heads: int | None, per_head: bool | None) -> i
         kv_heads = shape[1] if len(shape) == 3 else 1
     return kv_heads
 
+_NAN_ROW = re.compile(r"scores: row (\d+), (slot \d+ is NaN.*)", re.S)
+
+
+@contextmanager
+def _naming_sequences(members: list, heads: int | None) -> Iterator[None]:
+    """Around an idempotent_map over the score rows of `members` (`heads` rows
+    each, or one): the core numbers the rows it was given; a NaN it finds is
+    reported by the sequence (and head) it belongs to instead."""
+    try:
+        yield
+    except ValueError as e:
+        found = _NAN_ROW.fullmatch(str(e))
+        if found is None:
+            raise
+        seq, head = divmod(int(found.group(1)), heads or 1)
+        where = f"sequence {members[seq]}" + (f", head {head}" if heads else "")
+        raise ValueError(f"scores: {where}, {found.group(2)}") from e
+
 
 def paged_target_map(
     block_size: int,
@@ -228,6 +248,7 @@ def paged_target_map(
     lead = (s_count, kv_heads) if per_head else (s_count,)
     target_map = _identity_map(like, lead + (n,))
     if scores is not None:
+        heads = kv_heads if per_head else None
         groups: dict = {}
         for s in range(s_count):
             groups.setdefault((int(lens[s]), int(caps[s])), []).append(s)
@@ -238,18 +259,20 @@ def paged_target_map(
                 # consecutive sequences: the map is built straight into its rows
                 # (views, no gather, no index upload)
                 rows = slice(members[0], members[-1] + 1)
-                idempotent_map(
-                    scores[rows][..., :length], cap, form="target_map",
-                    protected_prefix=protected_prefix, recent_window=recent_window, nan=nan,
-                    num_threads=num_threads, out_target_map=target_map[rows, ..., :length],
-                )
+                with _naming_sequences(members, heads):
+                    idempotent_map(
+                        scores[rows][..., :length], cap, form="target_map",
+                        protected_prefix=protected_prefix, recent_window=recent_window, nan=nan,
+                        num_threads=num_threads, out_target_map=target_map[rows, ..., :length],
+                    )
                 continue
             rows = _index_rows(scores, np.asarray(members, dtype=np.int64))
-            part = idempotent_map(
-                scores[rows][..., :length], cap, form="target_map",
-                protected_prefix=protected_prefix, recent_window=recent_window, nan=nan,
-                num_threads=num_threads,
-            )
+            with _naming_sequences(members, heads):
+                part = idempotent_map(
+                    scores[rows][..., :length], cap, form="target_map",
+                    protected_prefix=protected_prefix, recent_window=recent_window, nan=nan,
+                    num_threads=num_threads,
+                )
             target_map[rows, ..., :length] = part
     else:
         for s, act in enumerate(active):
