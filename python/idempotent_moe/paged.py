@@ -141,6 +141,7 @@ def _score_heads(shape: tuple, kv_heads: int | None, per_head: bool | None) -> i
         kv_heads = shape[1] if len(shape) == 3 else 1
     return kv_heads
 
+
 _NAN_ROW = re.compile(r"scores: row (\d+), (slot \d+ is NaN.*)", re.S)
 
 
