@@ -327,3 +327,30 @@ def test_gpu_experts_forward_launches_at_most_eight_kernels_at_eight_tokens():
     kernels = [e for e in prof.events() if e.device_type.name == "CUDA" and "Memcpy" not in e.name
                and "Memset" not in e.name]
     assert len(kernels) <= 8, [e.name for e in kernels]
+
+
+# ------------------------------------------------------------------ torch.compile
+
+def _moe_pipeline(hidden, index, weights, capacity):
+    d = moe_dispatch(hidden, index, 8, top_k_weights=weights, capacity=capacity)
+    h = gated_act(torch.cat([d.rows, d.rows * 0.5], dim=-1), "silu", limit=d.offsets)
+    return moe_combine(h, d.dest, weights), d.dropped
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("capacity", [None, 3])
+def test_the_moe_ops_compile_into_one_graph(device, capacity):
+    """torch.compile traces moe_dispatch, gated_act and moe_combine as torch
+    ops (no graph break) and the compiled function equals eager on new data."""
+    torch._dynamo.reset()
+    index, weights = routing(24, 2, 8, seed=4)
+    hidden = torch.randn(24, 16)
+    args = [t.to(device) for t in (hidden, index, weights)]
+    explained = torch._dynamo.explain(_moe_pipeline)(*args, capacity)
+    assert explained.graph_break_count == 0 and explained.graph_count == 1
+    compiled = torch.compile(_moe_pipeline, fullgraph=True)
+    for seed in (5, 6):
+        index, weights = routing(24, 2, 8, seed=seed)
+        args = [t.to(device) for t in (torch.randn(24, 16), index, weights)]
+        got, want = compiled(*args, capacity), _moe_pipeline(*args, capacity)
+        assert torch.equal(got[1], want[1]) and torch.equal(got[0], want[0])

@@ -22,6 +22,8 @@ CUDA tensors with the CUDA kernels.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -50,6 +52,34 @@ class MoEDispatch(NamedTuple):
     dropped: Any
 
 
+_depth = 0  # real implementations of the torch ops running now
+
+
+@contextlib.contextmanager
+def direct() -> Iterator[None]:
+    """Around a torch op's real implementation: the functions below take their
+    direct path even while a compile session is open."""
+    global _depth
+    _depth += 1
+    try:
+        yield
+    finally:
+        _depth -= 1
+
+
+def _ops(x: Any) -> Any:
+    """The torch ops (`_moe_torch_ops`) when torch.compile is tracing a call on
+    torch tensors, else None."""
+    if _depth or not _arrays.is_torch(x):
+        return None
+    torch = _arrays._torch()
+    if not torch.compiler.is_compiling():
+        return None
+    from . import _moe_torch_ops
+
+    return torch.ops.idempotent_moe if _moe_torch_ops.AVAILABLE else None
+
+
 def _empty(like: Any, shape: tuple, dtype: Any = None) -> Any:
     """An uninitialised array beside `like` (torch or NumPy), of `dtype`
     (a name, or None for like's dtype)."""
@@ -62,9 +92,10 @@ def _empty(like: Any, shape: tuple, dtype: Any = None) -> Any:
 
 def moe_dispatch(hidden: Any, top_k_index: Any, num_experts: int, *, top_k_weights: Any = None,
                  capacity: int | None = None, layout: str = "grouped", skip_foreign: bool = False,
-                 num_threads: int | None = None) -> MoEDispatch:
+                 num_threads: int | None = None, _apart: bool = False) -> MoEDispatch:
     """The assignments sorted by expert, stable in token order, and their
-    tokens' rows of `hidden` [T, H] gathered (see MoEDispatch).
+    tokens' rows of `hidden` [T, H] gathered (see MoEDispatch). For torch
+    tensors, offsets, dest and src are views of one int32 allocation.
 
     top_k_index    [T, k] int32/int64, each in [0, num_experts); with
                    `skip_foreign`, ids >= num_experts (another rank's
@@ -75,22 +106,40 @@ def moe_dispatch(hidden: Any, top_k_index: Any, num_experts: int, *, top_k_weigh
                    ...) or "padded" (expert e owns rows [e*C, e*C + C):
                    static shapes for batched GEMMs; needs a capacity).
     """
-    shape = _arrays.shape_of(top_k_index)
-    num_tokens, top_k = shape if len(shape) == 2 else (0, 0)  # the core names a bad shape
-    rows = num_experts * capacity if layout == "padded" and capacity is not None else num_tokens * top_k
-    hshape = _arrays.shape_of(hidden)
-    out = MoEDispatch(_empty(hidden, (rows,) + hshape[1:]), _empty(hidden, (num_experts,), "int32"),
-                      _empty(hidden, (num_tokens, top_k), "int32"), _empty(hidden, (rows,), "int32"),
-                      _empty(hidden, (1,), "int64"))
-    cuda = _arrays.cuda_device_of(hidden) is not None
+    ops = _ops(hidden)
+    if ops is not None:
+        return MoEDispatch(*ops.moe_dispatch(hidden, top_k_index, top_k_weights, num_experts, capacity,
+                                             layout, skip_foreign))
+    shape = top_k_index.shape
+    # Another shape is the core's to name.
+    num_tokens, top_k = (int(shape[0]), int(shape[1])) if len(shape) == 2 else (0, 0)
+    assignments = num_tokens * top_k
+    rows = num_experts * capacity if layout == "padded" and capacity is not None else assignments
     lib = native()
-    ws = lib.moe_workspace_elems(num_tokens * top_k, capacity, cuda) if cuda else 0
+    if _arrays.is_torch(hidden) and not _apart:  # one int32 allocation for offsets, dest and src
+        torch = _arrays._torch()
+        device = hidden.device
+        cuda = device.type == "cuda"
+        ints = torch.empty(num_experts + assignments + rows, dtype=torch.int32, device=device)
+        out = MoEDispatch(torch.empty((rows,) + tuple(hidden.shape[1:]), dtype=hidden.dtype, device=device),
+                          ints[:num_experts],
+                          ints[num_experts:num_experts + assignments].view(num_tokens, top_k),
+                          ints[num_experts + assignments:], torch.empty(1, dtype=torch.int64, device=device))
+        stream = _arrays.dlpack_stream(hidden) if cuda else None
+    else:
+        hshape = _arrays.shape_of(hidden)
+        out = MoEDispatch(_empty(hidden, (rows,) + hshape[1:]), _empty(hidden, (num_experts,), "int32"),
+                          _empty(hidden, (num_tokens, top_k), "int32"), _empty(hidden, (rows,), "int32"),
+                          _empty(hidden, (1,), "int64"))
+        cuda = _arrays.cuda_device_of(hidden) is not None
+        stream = _arrays.dlpack_stream(hidden)
+    ws = lib.moe_workspace_elems(assignments, capacity, cuda) if cuda and capacity is not None else 0
     lib.moe_dispatch(
         hidden=hidden, top_k_index=top_k_index, top_k_weights=top_k_weights,
         num_experts=num_experts, capacity=capacity, layout=layout, skip_foreign=skip_foreign,
         out_rows=out.rows, out_offsets=out.offsets, out_dest=out.dest, out_src=out.src,
         out_dropped=out.dropped, workspace=_empty(hidden, (ws,), "int32") if ws else None,
-        num_threads=resolve_num_threads(num_threads), stream=_arrays.dlpack_stream(hidden))
+        num_threads=resolve_num_threads(num_threads), stream=stream)
     return out
 
 
@@ -101,6 +150,9 @@ def moe_combine(rows: Any, dest: Any, weights: Any, *, out: Any = None, out_dtyp
     weights, summed in fp32 in j order, rounded once (the arithmetic of
     `acc.add_(rows[dest[:, j]] * weights[:, j, None])` in an fp32 `acc`).
     `out` (or a new array of `out_dtype`, default rows' dtype) is returned."""
+    ops = _ops(rows) if out is None else None
+    if ops is not None:
+        return ops.moe_combine(rows, dest, weights, rows.dtype if out_dtype is None else out_dtype)
     if out is None:
         shape = (_arrays.shape_of(dest)[0], _arrays.shape_of(rows)[-1])
         out = _empty(rows, shape, None if out_dtype is None else str(out_dtype).rsplit(".", 1)[-1])
@@ -117,6 +169,9 @@ def gated_act(gate_up: Any, act: str = "silu", *, limit: Any = None, out: Any = 
     "gelu", "gelu_tanh" or "relu". With `limit` (a dispatch's offsets),
     only rows below limit[-1] are computed; the others are left as they
     were (uninitialised in a new `out`)."""
+    ops = _ops(gate_up) if out is None else None
+    if ops is not None:
+        return ops.gated_act(gate_up, act, limit)
     if out is None:
         shape = _arrays.shape_of(gate_up)
         out = _empty(gate_up, shape[:-1] + (shape[-1] // 2,))

@@ -65,13 +65,17 @@ class Impl:
 
 
 def parse_impl(name: str) -> Impl:
-    """'eager', 'grouped_mm', 'idempotent' or 'idempotent-cap<factor>' (factor > 0)."""
-    if name in ("eager", "grouped_mm", "idempotent"):
+    """'eager', 'grouped_mm', 'batched_mm', 'idempotent' or 'idempotent-cap<factor>' (factor > 0).
+
+    transformers' generate() runs "grouped_mm" models with "batched_mm" for
+    the decode steps on a GPU (GenerationMixin._optimize_model_for_decode):
+    the grouped_mm rows' decode figures are batched_mm's."""
+    if name in ("eager", "grouped_mm", "batched_mm", "idempotent"):
         return Impl(name, name, None)
     match = _CAPACITY.fullmatch(name)
     if match and float(match[1]) > 0:
         return Impl(name, "idempotent", float(match[1]))
-    raise ValueError(f"unknown experts implementation {name!r}: eager, grouped_mm, idempotent or "
+    raise ValueError(f"unknown experts implementation {name!r}: eager, grouped_mm, batched_mm, idempotent or "
                      "idempotent-cap<factor> (e.g. idempotent-cap1.25)")
 
 

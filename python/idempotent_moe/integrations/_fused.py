@@ -8,10 +8,15 @@ capacity folded into the sort.
 Taken by the "idempotent" experts implementation (hf_experts) when it
 applies (`applies`); otherwise the torch path of _dispatch runs. Inference
 only: the fused ops are not differentiable, so a forward that records a
-gradient takes the torch path.
+gradient takes the torch path. What does not change between forwards of a
+module (its activation, whether grouped_mm takes its weights, the weights'
+GEMM layout) is worked out once and kept on the module (`_Plan`): decode
+is bound by the host, and every microsecond of Python counts there.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
@@ -19,11 +24,15 @@ import torch.nn.functional as F
 
 from .._moe import expert_capacity
 from .._native import native
+from .._sorting import compiling
 from ..functional import cuda_available
 from ..moe_ops import gated_act, moe_combine, moe_dispatch
 from . import _dispatch
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+_GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+_MAX_EXPERTS = native().MOE_MAX_EXPERTS
+_OPS = hasattr(torch.library, "custom_op")
 
 
 def _activation_name(act) -> str | None:
@@ -52,32 +61,66 @@ def _activation_name(act) -> str | None:
     return None
 
 
-def _fused_gate(experts) -> str | None:
-    """The activation name when the module gates the transformers way with an
-    activation the kernel computes (act(gate) * up in one kernel), else None."""
-    if not experts.has_gate or not _dispatch._default_gate(experts):
-        return None
-    return _activation_name(experts.act_fn)
+class _Plan(NamedTuple):
+    """A module's forward decisions for one device and dtype, valid while its
+    weights are the same tensors."""
+
+    key: tuple       # (device, dtype, weights' addresses, weights): when the plan holds
+    up: torch.Tensor     # gate-up (or up) weight in GEMM layout [E, in, out]
+    down: torch.Tensor   # down weight in GEMM layout
+    grouped_mm: bool     # torch's grouped_mm takes these weights
+    act: str | None      # the fused gated activation (CUDA, default gate), or None
+    inter: int           # intermediate features I
+
+
+def _plan(experts, hidden_states: torch.Tensor) -> _Plan:
+    """The module's plan, made once and kept on it (made afresh, and not kept,
+    while torch.compile traces: there the graph holds the decisions)."""
+    up = experts.gate_up_proj if experts.has_gate else experts.up_proj
+    down = experts.down_proj
+    tracing = compiling()
+    key = None
+    if not tracing:
+        # Addresses too: module.to() swaps a parameter's storage, not the parameter.
+        key = (hidden_states.device, hidden_states.dtype, up.data_ptr(), down.data_ptr(), up, down)
+        plan = experts.__dict__.get("_idempotent_plan")
+        if plan is not None and plan.key[:4] == key[:4] and plan.key[4] is up and plan.key[5] is down:
+            return plan
+    w_up = up if experts.is_transposed else up.transpose(-2, -1)
+    w_down = down if experts.is_transposed else down.transpose(-2, -1)
+    act = None
+    if hidden_states.device.type == "cuda" and experts.has_gate and _dispatch._default_gate(experts):
+        act = _activation_name(experts.act_fn)
+    usable = (_dispatch._grouped_mm_compiles(w_up) if tracing
+              else _dispatch._grouped_mm_usable(hidden_states, w_up))
+    plan = _Plan(key, w_up, w_down, usable, act, w_down.shape[-2])
+    if not tracing:
+        experts.__dict__["_idempotent_plan"] = plan
+    return plan
+
+
+_cuda_ok = None  # cuda_available(), asked once outside tracing
 
 
 def applies(experts, hidden_states: torch.Tensor) -> bool:
     """Whether the fused path runs this forward: float16/bfloat16/float32
     hidden states on the CPU or on a CUDA device the kernels run on, at
-    most MOE_MAX_EXPERTS experts, no gradient recorded, not under tracing
-    (the fused ops are not torch ops yet)."""
-    if hidden_states.dtype not in _FLOATS or experts.num_experts > native().MOE_MAX_EXPERTS:
+    most MOE_MAX_EXPERTS experts, no gradient recorded; under torch.compile
+    where torch has custom ops (2.4 on: the fused ops are torch ops there)."""
+    global _cuda_ok
+    device = hidden_states.device.type
+    if (hidden_states.dtype not in _FLOATS or (device != "cpu" and device != "cuda")
+            or experts.num_experts > _MAX_EXPERTS):
         return False
-    if hidden_states.device.type == "cuda":
-        if not cuda_available():
+    if compiling() and not _OPS:
+        return False
+    if device == "cuda":
+        if _cuda_ok is None:
+            _cuda_ok = cuda_available()
+        if not _cuda_ok:
             return False
-    elif hidden_states.device.type != "cpu":
-        return False
-    if torch.compiler.is_compiling():
-        return False
-    if torch.is_grad_enabled() and (hidden_states.requires_grad or
-                                    any(p.requires_grad for p in experts.parameters())):
-        return False
-    return True
+    return not (torch.is_grad_enabled() and (hidden_states.requires_grad or
+                                             any(p.requires_grad for p in experts.parameters())))
 
 
 def _rows_expert(offsets: torch.Tensor, rows: int) -> torch.Tensor:
@@ -86,21 +129,40 @@ def _rows_expert(offsets: torch.Tensor, rows: int) -> torch.Tensor:
                               right=True).clamp_(max=offsets.numel() - 1)
 
 
+def _chunked(plan: _Plan, rows: int, dtype: torch.dtype) -> bool:
+    """Whether a batch this large runs its gate in column chunks (the torch
+    path's rule, _dispatch.GATE_UP_CHUNK_BYTES): the [rows, 2I] projection
+    is then never whole."""
+    return rows * 2 * plan.inter * torch.finfo(dtype).bits // 8 > _dispatch.GATE_UP_CHUNK_BYTES
+
+
 def forward(experts, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
             top_k_weights: torch.Tensor, capacity: int | None):
     """The experts' output [T, H] and the dropped count ([1] int64 on the
     device; zero dropless)."""
+    plan = _plan(experts, hidden_states)
     num_experts = experts.num_experts
-    up = experts.gate_up_proj if experts.has_gate else experts.up_proj
-    grouped = capacity is None or _dispatch._grouped_mm_usable(hidden_states, up)
+    grouped = capacity is None or plan.grouped_mm
     d = moe_dispatch(hidden_states, top_k_index, num_experts, top_k_weights=top_k_weights,
                      capacity=capacity, layout="grouped" if grouped else "padded",
-                     skip_foreign=_dispatch.expert_parallel(experts))
+                     skip_foreign=experts._is_expert_parallel if hasattr(experts, "_is_expert_parallel")
+                     else False)
+    rows = d.rows.shape[0]
+    fast = plan.act is not None and grouped and plan.grouped_mm and not experts.has_bias and \
+        not _chunked(plan, rows, plan.up.dtype)
+    if fast:  # the decode path: two grouped GEMMs and the fused gate
+        x = d.rows if d.rows.dtype == plan.up.dtype else d.rows.to(plan.up.dtype)
+        h = gated_act(_GROUPED_MM(x, plan.up, offs=d.offsets), plan.act, limit=d.offsets)
+        y = _GROUPED_MM(h, plan.down, offs=d.offsets)
+        if experts.has_post_expert_norm if hasattr(experts, "has_post_expert_norm") else False:
+            y = experts.post_expert_norm(y)
+        return moe_combine(y, d.dest, top_k_weights, out_dtype=hidden_states.dtype), d.dropped
+
     if grouped:
         def linear(a, w):
             return _dispatch.grouped_linear(a, w, d.offsets, experts.is_transposed)
 
-        expert_of = _rows_expert(d.offsets, d.rows.shape[0]) if experts.has_bias else None
+        expert_of = _rows_expert(d.offsets, rows) if experts.has_bias else None
 
         def bias_of(bias):
             return bias[expert_of]
@@ -112,21 +174,20 @@ def forward(experts, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
         def bias_of(bias):
             return bias.unsqueeze(1)
         x = d.rows.view(num_experts, capacity, -1)
-
-    act = _fused_gate(experts) if hidden_states.device.type == "cuda" else None
-    if act is None or _dispatch._gated_chunks(experts, x, up.dtype) > 1:
+    if plan.act is None or _chunked(plan, rows, plan.up.dtype):
         y = _dispatch._expert_mlp(experts, x, linear, bias_of)  # torch's gate; column chunks when large
     else:
+        up = experts.gate_up_proj
         h = linear(x, up)
         if experts.has_bias:
             h = h + bias_of(experts.gate_up_proj_bias)
-        h = gated_act(h.view(-1, h.shape[-1]), act, limit=d.offsets if grouped else None)
+        h = gated_act(h.view(-1, h.shape[-1]), plan.act, limit=d.offsets if grouped else None)
         y = linear(h.view(*x.shape[:-1], -1), experts.down_proj)
         if experts.has_bias:
             y = y + bias_of(experts.down_proj_bias)
         if getattr(experts, "has_post_expert_norm", False):
             y = experts.post_expert_norm(y)
-    out = moe_combine(y.reshape(d.rows.shape[0], -1), d.dest, top_k_weights, out_dtype=hidden_states.dtype)
+    out = moe_combine(y.reshape(rows, -1), d.dest, top_k_weights, out_dtype=hidden_states.dtype)
     return out, d.dropped
 
 

@@ -1,0 +1,56 @@
+"""moe_dispatch, moe_combine and gated_act as torch custom ops (namespace
+`idempotent_moe`), for torch.compile: each returns fresh tensors (no
+argument is written), whose shapes the fake implementations give, so a
+compiled experts forward is one graph and CUDA graphs capture the kernels.
+Imported only while torch.compile traces a call of moe_ops on torch tensors
+(moe_ops routes there); the real implementations call moe_ops' direct path.
+"""
+
+from typing import Optional
+
+import torch
+
+from . import moe_ops
+
+AVAILABLE = hasattr(torch.library, "custom_op")  # torch 2.4 on
+T = torch.Tensor
+
+
+def _rows(top_k_index: T, num_experts: int, capacity: Optional[int], layout: str):
+    return num_experts * capacity if layout == "padded" and capacity is not None else top_k_index.numel()
+
+
+if AVAILABLE:
+    @torch.library.custom_op("idempotent_moe::moe_dispatch", mutates_args=())
+    def _dispatch_op(hidden: T, top_k_index: T, top_k_weights: Optional[T], num_experts: int,
+                     capacity: Optional[int], layout: str, skip_foreign: bool) -> tuple[T, T, T, T, T]:
+        with moe_ops.direct():
+            return tuple(moe_ops.moe_dispatch(hidden, top_k_index, num_experts, top_k_weights=top_k_weights,
+                                              capacity=capacity, layout=layout, skip_foreign=skip_foreign,
+                                              _apart=True))  # outputs may not alias
+
+    @_dispatch_op.register_fake
+    def _(hidden, top_k_index, top_k_weights, num_experts, capacity, layout, skip_foreign):
+        rows = _rows(top_k_index, num_experts, capacity, layout)
+        ints = dict(dtype=torch.int32, device=hidden.device)
+        return (hidden.new_empty((rows,) + tuple(hidden.shape[1:])), torch.empty(num_experts, **ints),
+                torch.empty(tuple(top_k_index.shape), **ints), torch.empty(rows, **ints),
+                torch.empty(1, dtype=torch.int64, device=hidden.device))
+
+    @torch.library.custom_op("idempotent_moe::moe_combine", mutates_args=())
+    def _combine_op(rows: T, dest: T, weights: T, out_dtype: torch.dtype) -> T:
+        with moe_ops.direct():
+            return moe_ops.moe_combine(rows, dest, weights, out_dtype=out_dtype)
+
+    @_combine_op.register_fake
+    def _(rows, dest, weights, out_dtype):
+        return rows.new_empty((dest.shape[0], rows.shape[-1]), dtype=out_dtype)
+
+    @torch.library.custom_op("idempotent_moe::gated_act", mutates_args=())
+    def _act_op(gate_up: T, act: str, limit: Optional[T]) -> T:
+        with moe_ops.direct():
+            return moe_ops.gated_act(gate_up, act, limit=limit)
+
+    @_act_op.register_fake
+    def _(gate_up, act, limit):
+        return gate_up.new_empty(tuple(gate_up.shape[:-1]) + (gate_up.shape[-1] // 2,))
