@@ -106,6 +106,7 @@ __device__ uint64_t select_threshold(const SortParams &p, const int32_t *list, i
   __shared__ int hist[256];
   __shared__ unsigned long long s_prefix;
   __shared__ int s_left, s_done;
+  __syncthreads();  // every thread has read the previous call's answer
   if (threadIdx.x == 0) {
     s_prefix = 0;
     s_left = c;
