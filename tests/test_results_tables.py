@@ -10,7 +10,7 @@ import re
 import shutil
 
 import pytest
-from idempotent_moe.bench import kv, permute, report, w4
+from idempotent_moe.bench import kv, model_report, permute, report, w4
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "benchmarks", "results")
@@ -45,6 +45,7 @@ TABLES = [
 # holds it to.
 if os.path.exists(os.path.join(RESULTS, "model-cuda.json")):
     TABLES.append(("README.md", "model-cuda.json", report.readme_from_json))
+    TABLES.append(("docs/results.md", "model-cuda.json", model_report.doc_from_json))
 
 
 @pytest.mark.parametrize("doc, result, render", TABLES, ids=[f"{d}:{r}" for d, r, _ in TABLES])
