@@ -10,7 +10,7 @@ from typing import Optional
 
 import torch
 
-from . import moe_ops
+from . import _op_depth, moe_ops
 
 AVAILABLE = hasattr(torch.library, "custom_op")  # torch 2.4 on
 T = torch.Tensor
@@ -24,7 +24,7 @@ if AVAILABLE:
     @torch.library.custom_op("idempotent_moe::moe_dispatch", mutates_args=())
     def _dispatch_op(hidden: T, top_k_index: T, top_k_weights: Optional[T], num_experts: int,
                      capacity: Optional[int], layout: str, skip_foreign: bool) -> tuple[T, T, T, T, T]:
-        with moe_ops.direct():
+        with _op_depth.inside_op():
             return tuple(moe_ops.moe_dispatch(hidden, top_k_index, num_experts, top_k_weights=top_k_weights,
                                               capacity=capacity, layout=layout, skip_foreign=skip_foreign,
                                               _apart=True))  # outputs may not alias
@@ -39,7 +39,7 @@ if AVAILABLE:
 
     @torch.library.custom_op("idempotent_moe::moe_combine", mutates_args=())
     def _combine_op(rows: T, dest: T, weights: T, out_dtype: torch.dtype) -> T:
-        with moe_ops.direct():
+        with _op_depth.inside_op():
             return moe_ops.moe_combine(rows, dest, weights, out_dtype=out_dtype)
 
     @_combine_op.register_fake
@@ -48,7 +48,7 @@ if AVAILABLE:
 
     @torch.library.custom_op("idempotent_moe::gated_act", mutates_args=())
     def _act_op(gate_up: T, act: str, limit: Optional[T]) -> T:
-        with moe_ops.direct():
+        with _op_depth.inside_op():
             return moe_ops.gated_act(gate_up, act, limit=limit)
 
     @_act_op.register_fake

@@ -12,39 +12,20 @@ outputs the caller did not give (with torch.empty, which traces), call the op,
 and make the views (narrow) themselves. The fake implementations therefore
 have no output to shape. The real implementation of an op calls the public
 function, whose direct path (the binding) does every check and the work; the
-public function knows it runs inside an op (`_direct`) and does not route
+public function knows it runs inside an op (`_op_depth`) and does not route
 again.
 
 Options become op arguments of schema types str / int / bool (`mode` is
 `apply_mode` in the schemas: torch's dispatcher reserves the name `mode`).
 """
 
-import contextlib
-from collections.abc import Iterator
 from typing import Any, Optional
 
 import torch
 
-from . import _arrays, functional, paged
+from . import _arrays, _op_depth, functional, paged
 
 AVAILABLE = hasattr(torch.library, "custom_op")  # torch 2.4 on
-
-# Real implementations running now. A plain global (read by the traced
-# `takes`, which every torch version traces); only nonzero while an op runs.
-_depth = 0
-
-
-@contextlib.contextmanager
-def _direct() -> Iterator[None]:
-    """Marks that an op's real implementation is running: the public function
-    it calls takes its direct path even while a compile session is open."""
-    global _depth
-    _depth += 1
-    try:
-        yield
-    finally:
-        _depth -= 1
-
 
 def _ints(values: Any) -> bool:
     return all(_ints(v) if isinstance(v, (list, tuple, range)) else
@@ -57,7 +38,7 @@ def takes(*arrays: Any) -> bool:
     sequence of ints, at least one is a tensor, and no op's real
     implementation is running. NumPy arrays and other DLPack producers keep
     the direct path."""
-    if not AVAILABLE or _depth:
+    if not AVAILABLE or _op_depth.depth:
         return False
     found = False
     for a in arrays:
@@ -137,7 +118,7 @@ if AVAILABLE:
                     apply_mode: str, order: str, protected_prefix: int, recent_window: int, nan: str,
                     out_indices: T, out_target_map: OptT, workspace: OptT,
                     num_threads: Optional[int]) -> None:
-        with _direct():
+        with _op_depth.inside_op():
             functional.compact_(
                 x, scores, capacity, active_indices=active_indices, dim=dim, mode=apply_mode,
                 order=order, protected_prefix=protected_prefix, recent_window=recent_window, nan=nan,
@@ -150,7 +131,7 @@ if AVAILABLE:
                 out_target_map: OptT, workspace: OptT, num_threads: Optional[int]) -> None:
         form = "both" if out_indices is not None and out_target_map is not None else (
             "indices" if out_indices is not None else "target_map")
-        with _direct():
+        with _op_depth.inside_op():
             functional.idempotent_map(
                 scores, capacity, active_indices=active_indices, num_slots=num_slots,
                 lead_shape=lead_shape, form=form, order=order, protected_prefix=protected_prefix,
@@ -160,41 +141,41 @@ if AVAILABLE:
     @_op("apply_map_", ("x", "workspace"))
     def _apply_op(x: list[T], indices: OptT, target_map: OptT, dim: Optional[int], apply_mode: str,
                   order: str, workspace: OptT, num_threads: Optional[int]) -> None:
-        with _direct():
+        with _op_depth.inside_op():
             functional.apply_map_(x, indices, target_map=target_map, dim=dim, mode=apply_mode,
                                   order=order, workspace=workspace, num_threads=num_threads)
 
     @_op("restore_", ("x", "workspace"))
     def _restore_op(x: list[T], indices: T, dim: Optional[int], order: str, workspace: OptT,
                     num_threads: Optional[int]) -> None:
-        with _direct():
+        with _op_depth.inside_op():
             functional.restore_(x, indices, dim=dim, order=order, workspace=workspace,
                                 num_threads=num_threads)
 
     @_op("permute_", ("x", "workspace"))
     def _permute_op(x: list[T], perm: T, dim: Optional[int], inverse: bool, workspace: OptT,
                     num_threads: Optional[int]) -> None:
-        with _direct():
+        with _op_depth.inside_op():
             functional.permute_(x, perm, dim=dim, inverse=inverse, workspace=workspace,
                                 num_threads=num_threads)
 
     @_op("ungroup_", ("x", "workspace"))
     def _ungroup_op(x: list[T], perm: T, dim: Optional[int], workspace: OptT,
                     num_threads: Optional[int]) -> None:
-        with _direct():
+        with _op_depth.inside_op():
             functional.ungroup_(x, perm, dim=dim, workspace=workspace, num_threads=num_threads)
 
     @_op("group_by_expert_", ("x", "out_offsets", "out_perm", "workspace"))
     def _group_op(x: list[T], expert_ids: T, num_experts: int, dim: Optional[int], out_offsets: T,
                   out_perm: T, workspace: OptT, num_threads: Optional[int]) -> None:
-        with _direct():
+        with _op_depth.inside_op():
             functional.group_by_expert_(x, expert_ids, num_experts, dim=dim, out_offsets=out_offsets,
                                         out_perm=out_perm, workspace=workspace, num_threads=num_threads)
 
     @_op("apply_paged_map_", ("caches", "workspace"))
     def _apply_paged_op(caches: list[T], block_tables: T, target_map: T, layout: str, apply_mode: str,
                         num_threads: Optional[int], workspace: OptT) -> None:
-        with _direct():
+        with _op_depth.inside_op():
             paged.apply_paged_map_(caches, block_tables, target_map, layout=layout, mode=apply_mode,
                                    num_threads=num_threads, workspace=workspace)
 
@@ -204,7 +185,7 @@ if AVAILABLE:
                           active_given: bool, target_map: OptT, layout: str, per_head: Optional[bool],
                           head_reduce: str, protected_prefix: int, recent_window: int, apply_mode: str,
                           nan: str, num_threads: Optional[int], out_target_map: OptT) -> None:
-        with _direct():
+        with _op_depth.inside_op():
             result = paged.compact_paged_(
                 caches, block_tables, seq_lens, capacity, scores,
                 active_indices=active_indices if active_given else None,

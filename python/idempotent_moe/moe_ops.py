@@ -22,13 +22,11 @@ CUDA tensors with the CUDA kernels.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 import numpy as np
 
-from . import _arrays
+from . import _arrays, _op_depth
 from ._native import native
 from .functional import resolve_num_threads
 
@@ -52,25 +50,10 @@ class MoEDispatch(NamedTuple):
     dropped: Any
 
 
-_depth = 0  # real implementations of the torch ops running now
-
-
-@contextlib.contextmanager
-def direct() -> Iterator[None]:
-    """Around a torch op's real implementation: the functions below take their
-    direct path even while a compile session is open."""
-    global _depth
-    _depth += 1
-    try:
-        yield
-    finally:
-        _depth -= 1
-
-
 def _ops(x: Any) -> Any:
     """The torch ops (`_moe_torch_ops`) when torch.compile is tracing a call on
     torch tensors, else None."""
-    if _depth or not _arrays.is_torch(x):
+    if _op_depth.depth or not _arrays.is_torch(x):
         return None
     torch = _arrays._torch()
     if not torch.compiler.is_compiling():
