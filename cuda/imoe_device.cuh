@@ -337,6 +337,39 @@ __device__ __forceinline__ int perm_block_scan(int v, int *total, int *s_warp) {
   return excl;
 }
 
+// A stable counting sort's placing pass, tile by tile of blockDim.x items
+// (k_moe_sort; k_group's loop is the same, written out): each item i < n with key(i) >= 0 gets its place
+// among the items of its key, in item order, from base[key]; emit(i, key,
+// place) runs for every i < n (key -1: place -1), and base advances by the
+// counts. __match_any_sync ranks an item within its warp, per-warp counts
+// wc [E x 33] (padded) across the warps. Every thread of the block calls it.
+template <class Key, class Emit>
+__device__ __forceinline__ void stable_places(int64_t S, int E, int *base, int *wc, Key key, Emit emit) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  for (int64_t i0 = 0; i0 < S; i0 += blockDim.x) {
+    for (int x = threadIdx.x; x < E * 33; x += blockDim.x) wc[x] = 0;
+    __syncthreads();
+    const int64_t i = i0 + threadIdx.x;
+    const int e = i < S ? key(i) : -1;
+    const unsigned peers = __match_any_sync(0xFFFFFFFFu, e);
+    const int rank = __popc(peers & ((1u << lane) - 1u));
+    if (e >= 0 && rank == 0) wc[e * 33 + warp] = __popc(peers);
+    __syncthreads();
+    for (int x = threadIdx.x; x < E; x += blockDim.x) {
+      int sum = base[x];
+      for (int w = 0; w < 32; ++w) {
+        const int c = wc[x * 33 + w];
+        wc[x * 33 + w] = sum;
+        sum += c;
+      }
+      base[x] = sum;
+    }
+    __syncthreads();
+    if (i < S) emit(i, e, e >= 0 ? wc[e * 33 + warp] + rank : -1);
+    __syncthreads();
+  }
+}
+
 // ---------------------------------------------------------------- moves
 template <int VW>
 struct VecOf;

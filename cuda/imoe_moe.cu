@@ -140,36 +140,6 @@ __device__ uint64_t select_threshold(const SortParams &p, const int32_t *list, i
   return s_prefix;
 }
 
-// Each assignment with key(i) >= 0 gets its place among the assignments of
-// its key, in assignment order, from base[key]; emit(i, key, place) runs for
-// every i < S (key -1: place -1). base advances by the counts. wc: [E x 33].
-template <class Key, class Emit>
-__device__ void stable_places(int64_t S, int E, int *base, int *wc, Key key, Emit emit) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  for (int64_t i0 = 0; i0 < S; i0 += blockDim.x) {
-    for (int x = threadIdx.x; x < E * 33; x += blockDim.x) wc[x] = 0;
-    __syncthreads();
-    const int64_t i = i0 + threadIdx.x;
-    const int e = i < S ? key(i) : -1;
-    const unsigned peers = __match_any_sync(0xFFFFFFFFu, e);
-    const int rank = __popc(peers & ((1u << lane) - 1u));
-    if (e >= 0 && rank == 0) wc[e * 33 + warp] = __popc(peers);
-    __syncthreads();
-    for (int x = threadIdx.x; x < E; x += blockDim.x) {
-      int sum = base[x];
-      for (int w = 0; w < 32; ++w) {
-        const int c = wc[x * 33 + w];
-        wc[x * 33 + w] = sum;
-        sum += c;
-      }
-      base[x] = sum;
-    }
-    __syncthreads();
-    if (i < S) emit(i, e, e >= 0 ? wc[e * 33 + warp] + rank : -1);
-    __syncthreads();
-  }
-}
-
 __global__ void __launch_bounds__(kSortThreads) k_moe_sort(const __grid_constant__ SortParams p) {
   griddep_launch_dependents();  // the gather may start; it waits for this grid
   extern __shared__ __align__(16) unsigned char dsm[];

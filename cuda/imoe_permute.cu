@@ -646,6 +646,8 @@ __global__ void __launch_bounds__(kPermThreads) k_group(const __grid_constant__ 
     carry += total;
   }
   __syncthreads();
+  // stable_places (imoe_device.cuh) written out: its call compiles to other
+  // machine code here, not yet measured on a GPU.
   for (int64_t t0 = 0; t0 < n; t0 += blockDim.x) {
     for (int k = threadIdx.x; k < E * 33; k += blockDim.x) wc[k] = 0;
     __syncthreads();
