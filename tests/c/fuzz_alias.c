@@ -5,7 +5,8 @@
  * buffer, an output over the scores, two buffers interleaved or stacked, a
  * workspace over anything. The arena's bytes are random too (scores, maps,
  * indices: valid or not). Properties checked, for compaction, map building,
- * applying a map and permuting:
+ * applying a map, permuting, and the MoE dispatch, combine and gated
+ * activation:
  *   - no crash and no out-of-bounds access (ASan, UBSan);
  *   - a failing call leaves every byte of the arena as it was;
  *   - a call whose written argument truly shares a byte with another
@@ -22,7 +23,7 @@
 #include "idempotent_moe.h"
 
 #define ARENA 4096
-#define MAX_VIEWS 5
+#define MAX_VIEWS 8
 
 /* The input reader of fuzz_compact.c, repeated on purpose: each fuzz target
  * is one file that libFuzzer links alone. */
@@ -115,7 +116,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   }
   memcpy(before, arena, ARENA);
 
-  const int op = (int)(take(&r) % 4);
+  const int op = (int)(take(&r) % 7);
   const int64_t lead0 = (int64_t)(take(&r) % 4);
   const int64_t n = (int64_t)(take(&r) % 12);
   const int64_t row = 1 + (int64_t)(take(&r) % 9);
@@ -166,6 +167,41 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     if (!take_view(&r, arena, lead0, kept, idx_bytes, idx_dtype, &views[count++])) return 0;
     st = imoe_apply_indices(buf, 1, &views[1], IMOE_ORDER_INPLACE, IMOE_MODE_SWAP, NULL, 0, NULL,
                             &err);
+  } else if (op == 4) { /* moe_combine: rows [R, H], dest and weights [T, k], out [T, H] */
+    const int64_t t = 1 + lead0, k = 1 + n % 3, h = 1 + row % 4;
+    count = 0;
+    if (!take_view(&r, arena, n, h, 4, IMOE_DTYPE_F32, &views[count++]) ||
+        !take_view(&r, arena, t, k, idx_bytes, idx_dtype, &views[count++]) ||
+        !take_view(&r, arena, t, k, 4, IMOE_DTYPE_F32, &views[count++]))
+      return 0;
+    written[0] = 0;
+    written[count] = 1;
+    if (!take_view(&r, arena, t, h, 4, IMOE_DTYPE_F32, &views[count++])) return 0;
+    st = imoe_moe_combine(&views[0], &views[1], &views[2], &views[3], NULL, &err);
+  } else if (op == 5) { /* gated_act: gate_up [R, 2I] into out [R, I] */
+    const int64_t h = 1 + row % 4;
+    count = 0;
+    written[0] = 0;
+    if (!take_view(&r, arena, 1 + lead0, 2 * h, 4, IMOE_DTYPE_F32, &views[count++])) return 0;
+    written[count] = 1;
+    if (!take_view(&r, arena, 1 + lead0, h, 4, IMOE_DTYPE_F32, &views[count++])) return 0;
+    st = imoe_gated_act(&views[0], &views[1], IMOE_ACT_SILU, NULL, NULL, &err);
+  } else if (op == 6) { /* moe_dispatch, dropless: ids [T, k], hidden [T] rows */
+    const int64_t t = 1 + lead0, k = 1 + n % 3, e = 1 + (int64_t)(take(&r) % 4);
+    count = 0;
+    written[0] = 0;
+    if (!take_view(&r, arena, t, k, idx_bytes, idx_dtype, &views[count++]) ||
+        !take_view(&r, arena, 0, t, row, IMOE_DTYPE_BYTES, &views[count++]))
+      return 0;
+    for (int i = 0; i < 4; i++) written[count + i] = 1;
+    if (!take_view(&r, arena, 0, t * k, row, IMOE_DTYPE_BYTES, &views[count++]) ||
+        !take_view(&r, arena, 0, e, idx_bytes, idx_dtype, &views[count++]) ||
+        !take_view(&r, arena, t, k, idx_bytes, idx_dtype, &views[count++]) ||
+        !take_view(&r, arena, 0, t * k, idx_bytes, idx_dtype, &views[count++]))
+      return 0;
+    const imoe_moe_routing routing = {&views[0], NULL, e, -1, IMOE_MOE_GROUPED, 0};
+    st = imoe_moe_dispatch(&routing, &views[1], &views[2], &views[3], &views[4], &views[5], NULL,
+                           NULL, 0, NULL, &err);
   } else { /* permute with a workspace inside the arena */
     if (!take_view(&r, arena, lead0, n, idx_bytes, idx_dtype, &views[count++])) return 0;
     const int64_t ws_elems = (lead0 > 0 ? lead0 : 1) * n;
