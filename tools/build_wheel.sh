@@ -4,7 +4,7 @@
 # runtime linked statically and the OpenMP runtime bundled, so that neither a
 # compiler nor a CUDA toolkit is needed where the wheel is installed.
 #
-#   tools/build_wheel.sh [PYTHON...]      default: python3.11 and python3.12
+#   tools/build_wheel.sh [PYTHON...]      default: every CPython 3.9-3.13 found
 #
 # Each wheel is a PEP 517 build (`pip wheel .`, in an isolated environment with
 # NumPy 2 headers), then `auditwheel repair`. glibc 2.34 moved libpthread, libdl
@@ -42,10 +42,11 @@ find_python() {  # python$1 on PATH, else pyenv's
   return 1
 }
 pythons=("$@")
-if [ ${#pythons[@]} -eq 0 ]; then
-  py311=$(find_python 3.11)
-  py312=$(find_python 3.12)
-  pythons=("$py311" "$py312")
+if [ ${#pythons[@]} -eq 0 ]; then  # every supported CPython (pyproject: >= 3.9) found here
+  for v in 3.9 3.10 3.11 3.12 3.13; do
+    if p=$(find_python "$v" 2>/dev/null); then pythons+=("$p"); fi
+  done
+  [ ${#pythons[@]} -gt 0 ] || { echo "no CPython 3.9-3.13 found; name the interpreters: $0 PYTHON..." >&2; exit 1; }
 fi
 if [ "${IMOE_NO_CUDA:-0}" = 0 ] && ! command -v nvcc >/dev/null 2>&1 && [ -z "${CUDA_HOME:-}" ]; then
   echo "nvcc not found: the wheels would have no CUDA kernels (IMOE_NO_CUDA=1 builds them anyway)" >&2
