@@ -29,6 +29,14 @@
  * to two outputs and a workspace. */
 #define IMOE_MAX_IMPORTS (IMOE_MAX_BUFFERS + 4)
 
+/* The typed dtypes the entry points take, and their names for messages. */
+#define FLOAT_DTYPES                                                 \
+  (IMOE_DTYPE_BIT(IMOE_DTYPE_F32) | IMOE_DTYPE_BIT(IMOE_DTYPE_F16) | \
+   IMOE_DTYPE_BIT(IMOE_DTYPE_BF16))
+#define FLOAT_NAMES "float32, float16 or bfloat16"
+#define INDEX_DTYPES (IMOE_DTYPE_BIT(IMOE_DTYPE_I32) | IMOE_DTYPE_BIT(IMOE_DTYPE_I64))
+#define INDEX_NAMES "int32 or int64"
+
 /* Most axes an imported array may have: IMOE_MAX_LEAD_DIMS lead axes, the slot
  * axis, and room for a row split over many axes. */
 #define IMOE_MAX_NDIM 32

@@ -5,12 +5,6 @@
  */
 #include "binding.h"
 
-#define FLOAT_DTYPES                                                 \
-  (IMOE_DTYPE_BIT(IMOE_DTYPE_F32) | IMOE_DTYPE_BIT(IMOE_DTYPE_F16) | \
-   IMOE_DTYPE_BIT(IMOE_DTYPE_BF16))
-#define FLOAT_NAMES "float32, float16 or bfloat16"
-#define INDEX_DTYPES (IMOE_DTYPE_BIT(IMOE_DTYPE_I32) | IMOE_DTYPE_BIT(IMOE_DTYPE_I64))
-#define INDEX_NAMES "int32 or int64"
 
 /* An array of rows: [n, row...] with the row axes as one block of bytes. */
 static int import_rows(imoe_py_call *c, PyObject *obj, const char *name, int written,

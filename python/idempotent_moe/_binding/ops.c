@@ -10,12 +10,6 @@
 
 #include <string.h>
 
-#define FLOAT_DTYPES                                                 \
-  (IMOE_DTYPE_BIT(IMOE_DTYPE_F32) | IMOE_DTYPE_BIT(IMOE_DTYPE_F16) | \
-   IMOE_DTYPE_BIT(IMOE_DTYPE_BF16))
-#define FLOAT_NAMES "float32, float16 or bfloat16"
-#define INDEX_DTYPES (IMOE_DTYPE_BIT(IMOE_DTYPE_I32) | IMOE_DTYPE_BIT(IMOE_DTYPE_I64))
-#define INDEX_NAMES "int32 or int64"
 
 PyObject *imoe_py_done(imoe_status status, const imoe_error *err) {
   if (status == IMOE_ERR_UNSUPPORTED) {
