@@ -7,8 +7,6 @@
 
 #include <stdio.h>
 
-#define INDEX_DTYPES (IMOE_DTYPE_BIT(IMOE_DTYPE_I32) | IMOE_DTYPE_BIT(IMOE_DTYPE_I64))
-#define INDEX_NAMES "int32 or int64"
 
 /* The pools as [num_blocks, lead..., block_size, row] views in c->buffers. */
 static int import_pools(imoe_py_call *c, PyObject *buffers, PyObject *dims, PyObject *row_ndims) {
