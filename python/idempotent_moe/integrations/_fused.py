@@ -145,8 +145,7 @@ def forward(experts, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
     grouped = capacity is None or plan.grouped_mm
     d = moe_dispatch(hidden_states, top_k_index, num_experts, top_k_weights=top_k_weights,
                      capacity=capacity, layout="grouped" if grouped else "padded",
-                     skip_foreign=experts._is_expert_parallel if hasattr(experts, "_is_expert_parallel")
-                     else False)
+                     skip_foreign=getattr(experts, "_is_expert_parallel", False))
     rows = d.rows.shape[0]
     fast = plan.act is not None and grouped and plan.grouped_mm and not experts.has_bias and \
         not _chunked(plan, rows, plan.up.dtype)
@@ -154,7 +153,7 @@ def forward(experts, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
         x = d.rows if d.rows.dtype == plan.up.dtype else d.rows.to(plan.up.dtype)
         h = gated_act(_GROUPED_MM(x, plan.up, offs=d.offsets), plan.act, limit=d.offsets)
         y = _GROUPED_MM(h, plan.down, offs=d.offsets)
-        if experts.has_post_expert_norm if hasattr(experts, "has_post_expert_norm") else False:
+        if getattr(experts, "has_post_expert_norm", False):
             y = experts.post_expert_norm(y)
         return moe_combine(y, d.dest, top_k_weights, out_dtype=hidden_states.dtype), d.dropped
 
