@@ -338,6 +338,14 @@ def compact_(
             protected_prefix=protected_prefix, recent_window=recent_window, nan=nan,
             out_indices=out_indices, out_target_map=out_target_map, index_dtype=index_dtype,
             workspace=workspace, num_threads=num_threads)
+    torch = _arrays._torch()
+    if (torch is not None and type(x) is torch.Tensor and type(scores) is torch.Tensor
+            and active_indices is None and dim is None and workspace is None and num_threads is None
+            and order == "inplace" and type(capacity) is int and capacity >= 0
+            and index_dtype in _arrays.INDEX_DTYPES and not (x.requires_grad or scores.requires_grad)
+            and x.dim() > scores.dim() - 1 >= 0):
+        return _compact_tensor(torch, x, scores, capacity, scores.dim() - 1, mode, protected_prefix,
+                               recent_window, nan, out_indices, out_target_map, index_dtype)
     bufs, many = _buffers(x)
     scores, active = _selector(scores, active_indices, bufs[0])
     shared_active = active is not None and len(_arrays.shape_of(active)) == 1
@@ -374,6 +382,26 @@ def _map_geometry(scores: Any, active: Any, num_slots: Any, lead_shape: Any) -> 
     if len(sel_shape) == 1:
         return selector, tuple(_arrays.check_int(s, "lead_shape") for s in (lead_shape or ())), n
     return selector, sel_shape[:-1], n
+
+
+def _compact_tensor(torch: Any, x: Any, scores: Any, capacity: int, dim: int, mode: str,
+                    protected_prefix: int, recent_window: int, nan: str, out_indices: Any,
+                    out_target_map: Any, index_dtype: str) -> Compacted:
+    """compact_ for its most common call, one torch tensor with scores (the
+    hot path of a model's layer): the same call into the core, which judges
+    every value, with what the general path works out here in a few lines."""
+    kept = capacity if capacity < x.shape[dim] else x.shape[dim]
+    if out_indices is None:
+        out_indices = torch.empty(x.shape[:dim] + (kept,), dtype=getattr(torch, index_dtype),
+                                  device=x.device)
+    view = x.narrow(dim, 0, kept)  # before the call writes: it cannot fail after
+    native().compact(
+        [x], [dim], [x.dim() - dim - 1], scores=scores, active_indices=None, capacity=capacity,
+        protected_prefix=protected_prefix, recent_window=recent_window, nan=nan, order="inplace",
+        out_indices=out_indices, out_target_map=out_target_map, mode=mode, workspace=None,
+        num_threads=_num_threads, stream=_arrays.dlpack_stream(x))
+    _track_move_indices(out_indices, mode)
+    return Compacted(view, out_indices)
 
 
 def idempotent_map(
