@@ -500,6 +500,17 @@ def apply_map_(
     if ops is not None:
         return ops.apply_map_(x, indices, target_map=target_map, dim=dim, mode=mode, order=order,
                               workspace=workspace, num_threads=num_threads)
+    torch = _arrays._torch()
+    if (torch is not None and type(x) is torch.Tensor and type(indices) is torch.Tensor
+            and dim is None and workspace is None and num_threads is None and order == "inplace"
+            and not x.requires_grad and x.dim() > indices.dim() - 1 >= 0):
+        # The hot path (one torch tensor, indices from compact_): the general
+        # path's arithmetic in a few lines; the core judges every value.
+        d = indices.dim() - 1
+        view = x.narrow(d, 0, min(indices.shape[d], x.shape[d]))
+        native().apply_indices([x], [d], [x.dim() - d - 1], indices=indices, order=order, mode=mode,
+                               workspace=None, num_threads=_num_threads, stream=_arrays.dlpack_stream(x))
+        return view
     bufs, many = _buffers(x)
     the_map = indices if indices is not None else target_map
     _arrays.check_array(the_map, "indices" if indices is not None else "target_map")
