@@ -1,8 +1,8 @@
 """The experts forward over the library's fused dispatch and combine
 (idempotent_moe.moe_ops): from top_k_index / top_k_weights to the combined
-output in six kernels at decode sizes on CUDA (the sort and the gather of
+output in eight kernels at decode sizes on CUDA (the sort and the gather of
 the dispatch, the gate-up grouped GEMM, act(gate) * up, the down grouped
-GEMM, the combine), with no host synchronisation, dropless or with a
+GEMM, the combine; torch's grouped_mm launches two kernels per GEMM), with no host synchronisation, dropless or with a
 capacity folded into the sort.
 
 Taken by the "idempotent" experts implementation (hf_experts) when it
