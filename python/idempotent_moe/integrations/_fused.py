@@ -2,8 +2,8 @@
 (idempotent_moe.moe_ops): from top_k_index / top_k_weights to the combined
 output in eight kernels at decode sizes on CUDA (the sort and the gather of
 the dispatch, the gate-up grouped GEMM, act(gate) * up, the down grouped
-GEMM, the combine; torch's grouped_mm launches two kernels per GEMM), with no host synchronisation, dropless or with a
-capacity folded into the sort.
+GEMM, the combine; torch's grouped_mm launches two kernels per GEMM), with
+no host synchronisation, dropless or with a capacity folded into the sort.
 
 Taken by the "idempotent" experts implementation (hf_experts) when it
 applies (`applies`); otherwise the torch path of _dispatch runs. Inference
