@@ -6,7 +6,8 @@
 # SANITIZER_SECONDS, over the GPU tests of SANITIZER_FILES that
 # SANITIZER_TESTS selects with pytest -k). Results (JSON, plots), the updated README and docs tables and
 # one log go to OUT_DIR; README.md and docs/*.md are updated in place.
-# --no-models skips W4, the KV hooks and expert parallelism.
+# --no-models skips W4, the KV hooks, M1/M2/H1, the MoE layer's host cost and
+# expert parallelism.
 #   bash benchmarks/gpu_suite.sh OUT_DIR [--no-sanitizer] [--no-sweep] [--no-tests] [--no-models]
 set -uo pipefail
 out=${1:?usage: gpu_suite.sh OUT_DIR [--no-sanitizer] [--no-sweep] [--no-tests] [--no-models]}
@@ -55,6 +56,10 @@ if [ "$models" = 1 ]; then
   run python -m idempotent_moe w4 --out "$out" --doc docs/moe.md
   step "W2 through the KV hooks and the cache"
   run python -m idempotent_moe kv --device cuda --out "$out" --doc docs/kv.md
+  step "M1, M2 and H1: whole models in generate(), host cost per call"
+  run python -m idempotent_moe model --device cuda --out "$out" --doc docs/results.md --readme README.md
+  step "the MoE layer's host time, kernels and decode ceiling"
+  run python benchmarks/moe_host_cost.py --out "$out/moe-host-cost-cuda.json"
 fi
 step "permutation engine"
 run python -m idempotent_moe permute --device cuda --out "$out" --doc docs/results.md
