@@ -161,3 +161,27 @@ imoe_status imoe_check_map_outputs(const imoe_view *indices, const imoe_view *ta
   }
   return st;
 }
+
+imoe_status imoe_check_matrix(const imoe_view *v, const char *name, unsigned dtypes, int64_t rows,
+                              int64_t cols, int written, int dense, imoe_error *err) {
+  imoe_status st = imoe_check_view(v, name, err);
+  if (st == IMOE_OK) st = imoe_check_typed(v, name, dtypes, err);
+  if (st == IMOE_OK && written) st = imoe_check_writable(v, name, err);
+  if (st != IMOE_OK) return st;
+  const int64_t got_rows = v->lead_ndim == 1 ? v->lead_shape[0] : -1;
+  if (v->lead_ndim != 1 || (rows >= 0 && got_rows != rows) || (cols >= 0 && v->n != cols)) {
+    char r_text[24] = "rows", c_text[24] = "cols";
+    if (rows >= 0) snprintf(r_text, sizeof r_text, "%" PRId64, rows);
+    if (cols >= 0) snprintf(c_text, sizeof c_text, "%" PRId64, cols);
+    if (v->lead_ndim != 1)
+      return imoe_fail(err, IMOE_ERR_ARGUMENT, "%s must be [%s, %s], got %d axes", name, r_text,
+                       c_text, (int)v->lead_ndim + 1);
+    return imoe_fail(err, IMOE_ERR_ARGUMENT,
+                     "%s must be [%s, %s], got [%" PRId64 ", %" PRId64 "]", name, r_text, c_text,
+                     got_rows, v->n);
+  }
+  if (dense && v->n > 1 && v->n_stride != v->row_bytes) {
+    return imoe_fail(err, IMOE_ERR_ARGUMENT, "%s: the last axis must be contiguous", name);
+  }
+  return IMOE_OK;
+}

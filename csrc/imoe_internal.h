@@ -126,6 +126,11 @@ imoe_status imoe_check_map_outputs(const imoe_view *indices, const imoe_view *ta
                                    const imoe_view *ref, const char *ref_name, int64_t n,
                                    int64_t kept, imoe_error *err);
 
+/* A typed 2-d view [rows, cols] (lead_ndim 1; -1 takes any extent): dtype in
+ * dtypes, writable when `written`, the last axis contiguous when `dense`. */
+imoe_status imoe_check_matrix(const imoe_view *v, const char *name, unsigned dtypes, int64_t rows,
+                              int64_t cols, int written, int dense, imoe_error *err);
+
 /* ---- aliasing (alias.c) ------------------------------------------------- */
 
 /* The arguments of one call, for the aliasing rules: every argument the call

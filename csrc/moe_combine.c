@@ -10,26 +10,6 @@
 #include "imoe_backend.h"
 #include "imoe_internal.h"
 
-/* A typed [rows, cols] view whose columns are contiguous. */
-static imoe_status check_dense(const imoe_view *v, const char *name, unsigned dtypes, int64_t rows,
-                               int64_t cols, int written, imoe_error *err) {
-  imoe_status st = imoe_check_view(v, name, err);
-  if (st == IMOE_OK) st = imoe_check_typed(v, name, dtypes, err);
-  if (st == IMOE_OK && written) st = imoe_check_writable(v, name, err);
-  if (st != IMOE_OK) return st;
-  if (v->lead_ndim != 1 || (rows >= 0 && v->lead_shape[0] != rows) || (cols >= 0 && v->n != cols)) {
-    return imoe_fail(err, IMOE_ERR_ARGUMENT,
-                     "%s must be [%" PRId64 ", %" PRId64 "], got %d axes ([%" PRId64 ", %" PRId64 "])",
-                     name, rows >= 0 ? rows : (v->lead_ndim ? v->lead_shape[0] : 0),
-                     cols >= 0 ? cols : v->n, (int)v->lead_ndim + 1,
-                     v->lead_ndim ? v->lead_shape[0] : 0, v->n);
-  }
-  if (v->n > 1 && v->n_stride != v->row_bytes) {
-    return imoe_fail(err, IMOE_ERR_ARGUMENT, "%s: the last axis must be contiguous", name);
-  }
-  return IMOE_OK;
-}
-
 /* torch's type promotion of two float dtypes (F16 with BF16 gives F32). */
 static imoe_dtype promote(imoe_dtype a, imoe_dtype b) { return a == b ? a : IMOE_DTYPE_F32; }
 
@@ -89,22 +69,13 @@ static imoe_status combine_token(const void *vctx, int64_t t, unsigned char *mem
 imoe_status imoe_moe_combine(const imoe_view *rows, const imoe_view *dest,
                              const imoe_view *weights, const imoe_view *out,
                              const imoe_exec *exec, imoe_error *err) {
-  imoe_status st = check_dense(rows, "rows", IMOE_SCORE_DTYPES, -1, -1, 0, err);
+  imoe_status st = imoe_check_matrix(rows, "rows", IMOE_SCORE_DTYPES, -1, -1, 0, 1, err);
   if (st != IMOE_OK) return st;
-  st = imoe_check_view(dest, "dest", err);
-  if (st == IMOE_OK) st = imoe_check_typed(dest, "dest", IMOE_INDEX_DTYPES, err);
-  if (st == IMOE_OK && dest->lead_ndim != 1) {
-    st = imoe_fail(err, IMOE_ERR_ARGUMENT, "dest must be [T, k], got %d axes", (int)dest->lead_ndim + 1);
-  }
+  st = imoe_check_matrix(dest, "dest", IMOE_INDEX_DTYPES, -1, -1, 0, 0, err);
   if (st != IMOE_OK) return st;
   const int64_t r_n = rows->lead_shape[0], h_n = rows->n, t_n = dest->lead_shape[0], k = dest->n;
-  st = imoe_check_view(weights, "weights", err);
-  if (st == IMOE_OK) st = imoe_check_typed(weights, "weights", IMOE_SCORE_DTYPES, err);
-  if (st == IMOE_OK && (weights->lead_ndim != 1 || weights->lead_shape[0] != t_n || weights->n != k)) {
-    st = imoe_fail(err, IMOE_ERR_ARGUMENT, "weights must be [T, k] = [%" PRId64 ", %" PRId64 "] as dest",
-                   t_n, k);
-  }
-  if (st == IMOE_OK) st = check_dense(out, "out", IMOE_SCORE_DTYPES, t_n, h_n, 1, err);
+  st = imoe_check_matrix(weights, "weights", IMOE_SCORE_DTYPES, t_n, k, 0, 0, err);
+  if (st == IMOE_OK) st = imoe_check_matrix(out, "out", IMOE_SCORE_DTYPES, t_n, h_n, 1, 1, err);
   if (st == IMOE_OK) st = imoe_check_exec(exec, err);
   if (st != IMOE_OK) return st;
   int empty;
@@ -169,14 +140,14 @@ static imoe_status act_row(const void *vctx, int64_t r, unsigned char *mem, imoe
 
 imoe_status imoe_gated_act(const imoe_view *gate_up, const imoe_view *out, imoe_act act,
                            const imoe_view *limit, const imoe_exec *exec, imoe_error *err) {
-  imoe_status st = check_dense(gate_up, "gate_up", IMOE_SCORE_DTYPES, -1, -1, 0, err);
+  imoe_status st = imoe_check_matrix(gate_up, "gate_up", IMOE_SCORE_DTYPES, -1, -1, 0, 1, err);
   if (st != IMOE_OK) return st;
   const int64_t r_n = gate_up->lead_shape[0];
   if (gate_up->n % 2 != 0) {
     return imoe_fail(err, IMOE_ERR_ARGUMENT,
                      "gate_up: %" PRId64 " features; gate and up need an even count", gate_up->n);
   }
-  st = check_dense(out, "out", IMOE_DTYPE_BIT(gate_up->dtype), r_n, gate_up->n / 2, 1, err);
+  st = imoe_check_matrix(out, "out", IMOE_DTYPE_BIT(gate_up->dtype), r_n, gate_up->n / 2, 1, 1, err);
   if (st == IMOE_OK && imoe_option_name(IMOE_OPTION_ACT, (int)act) == NULL) {
     st = imoe_fail(err, IMOE_ERR_ARGUMENT, "act: %d is not an imoe_act", (int)act);
   }

@@ -18,22 +18,6 @@ int64_t imoe_moe_workspace_elems(imoe_device_type device, int64_t assignments, i
   return device == IMOE_DEVICE_CUDA && capacity >= 0 ? 2 * assignments : 0;
 }
 
-/* A 2-d typed view [rows, cols]: lead_ndim 1. */
-static imoe_status check_matrix(const imoe_view *v, const char *name, unsigned dtypes, int64_t rows,
-                                int64_t cols, int written, imoe_error *err) {
-  imoe_status st = imoe_check_view(v, name, err);
-  if (st == IMOE_OK) st = imoe_check_typed(v, name, dtypes, err);
-  if (st == IMOE_OK && written) st = imoe_check_writable(v, name, err);
-  if (st != IMOE_OK) return st;
-  if (v->lead_ndim != 1 || v->lead_shape[0] != rows || v->n != cols) {
-    return imoe_fail(err, IMOE_ERR_ARGUMENT,
-                     "%s must be [%" PRId64 ", %" PRId64 "], got %d lead axes and %" PRId64
-                     " columns",
-                     name, rows, cols, (int)v->lead_ndim, v->n);
-  }
-  return IMOE_OK;
-}
-
 /* A 1-d typed view [n]: lead_ndim 0. */
 static imoe_status check_vector(const imoe_view *v, const char *name, unsigned dtypes, int64_t n,
                                 imoe_error *err) {
@@ -64,13 +48,9 @@ static imoe_status check_rows(const imoe_view *v, const char *name, int64_t rows
 
 static imoe_status check_routing(const imoe_moe_routing *r, int64_t *rows_out, imoe_error *err) {
   if (r == NULL) return imoe_fail(err, IMOE_ERR_ARGUMENT, "routing is NULL");
-  imoe_status st = imoe_check_view(r->top_k_index, "top_k_index", err);
-  if (st == IMOE_OK) st = imoe_check_typed(r->top_k_index, "top_k_index", IMOE_INDEX_DTYPES, err);
+  imoe_status st = imoe_check_matrix(r->top_k_index, "top_k_index", IMOE_INDEX_DTYPES, -1, -1, 0, 0,
+                                     err);
   if (st != IMOE_OK) return st;
-  if (r->top_k_index->lead_ndim != 1) {
-    return imoe_fail(err, IMOE_ERR_ARGUMENT, "top_k_index must be [T, k], got %d axes",
-                     (int)r->top_k_index->lead_ndim + 1);
-  }
   const int64_t t = r->top_k_index->lead_shape[0], k = r->top_k_index->n;
   if (k != 0 && t > IMOE_MAX_SLOTS / k) {
     return imoe_fail(err, IMOE_ERR_ARGUMENT,
@@ -97,7 +77,7 @@ static imoe_status check_routing(const imoe_moe_routing *r, int64_t *rows_out, i
       return imoe_fail(err, IMOE_ERR_ARGUMENT,
                        "top_k_weights is required with a capacity: they choose what is kept");
     }
-    st = check_matrix(r->top_k_weights, "top_k_weights", IMOE_SCORE_DTYPES, t, k, 0, err);
+    st = imoe_check_matrix(r->top_k_weights, "top_k_weights", IMOE_SCORE_DTYPES, t, k, 0, 0, err);
     if (st != IMOE_OK) return st;
   }
   if (r->layout == IMOE_MOE_PADDED) {
@@ -284,7 +264,7 @@ imoe_status imoe_moe_dispatch(const imoe_moe_routing *routing, const imoe_view *
   if (st == IMOE_OK) st = check_rows(out_rows, "out_rows", rows, hidden->row_bytes, 1, err);
   if (st == IMOE_OK)
     st = check_vector(out_offsets, "out_offsets", IMOE_INDEX_DTYPES, routing->num_experts, err);
-  if (st == IMOE_OK) st = check_matrix(out_dest, "out_dest", IMOE_INDEX_DTYPES, t, k, 1, err);
+  if (st == IMOE_OK) st = imoe_check_matrix(out_dest, "out_dest", IMOE_INDEX_DTYPES, t, k, 1, 0, err);
   if (st == IMOE_OK) st = check_vector(out_src, "out_src", IMOE_INDEX_DTYPES, rows, err);
   if (st == IMOE_OK && out_dropped != NULL)
     st = check_vector(out_dropped, "out_dropped", IMOE_DTYPE_BIT(IMOE_DTYPE_I64), 1, err);
