@@ -16,10 +16,6 @@ AVAILABLE = hasattr(torch.library, "custom_op")  # torch 2.4 on
 T = torch.Tensor
 
 
-def _rows(top_k_index: T, num_experts: int, capacity: Optional[int], layout: str):
-    return num_experts * capacity if layout == "padded" and capacity is not None else top_k_index.numel()
-
-
 if AVAILABLE:
     @torch.library.custom_op("idempotent_moe::moe_dispatch", mutates_args=())
     def _dispatch_op(hidden: T, top_k_index: T, top_k_weights: Optional[T], num_experts: int,
@@ -31,7 +27,7 @@ if AVAILABLE:
 
     @_dispatch_op.register_fake
     def _(hidden, top_k_index, top_k_weights, num_experts, capacity, layout, skip_foreign):
-        rows = _rows(top_k_index, num_experts, capacity, layout)
+        rows = moe_ops.dispatch_rows(top_k_index.numel(), num_experts, capacity, layout)
         ints = dict(dtype=torch.int32, device=hidden.device)
         return (hidden.new_empty((rows,) + tuple(hidden.shape[1:])), torch.empty(num_experts, **ints),
                 torch.empty(tuple(top_k_index.shape), **ints), torch.empty(rows, **ints),

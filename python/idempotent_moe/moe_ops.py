@@ -63,6 +63,11 @@ def _ops(x: Any) -> Any:
     return torch.ops.idempotent_moe if _moe_torch_ops.AVAILABLE else None
 
 
+def dispatch_rows(assignments: int, num_experts: int, capacity: int | None, layout: str) -> int:
+    """R, the rows of a dispatch: E x C padded, else one per assignment."""
+    return num_experts * capacity if layout == "padded" and capacity is not None else assignments
+
+
 def _empty(like: Any, shape: tuple, dtype: Any = None) -> Any:
     """An uninitialised array beside `like` (torch or NumPy), of `dtype`
     (a name, or None for like's dtype)."""
@@ -97,7 +102,7 @@ def moe_dispatch(hidden: Any, top_k_index: Any, num_experts: int, *, top_k_weigh
     # Another shape is the core's to name.
     num_tokens, top_k = (int(shape[0]), int(shape[1])) if len(shape) == 2 else (0, 0)
     assignments = num_tokens * top_k
-    rows = num_experts * capacity if layout == "padded" and capacity is not None else assignments
+    rows = dispatch_rows(assignments, num_experts, capacity, layout)
     lib = native()
     if _arrays.is_torch(hidden) and not _apart:  # one int32 allocation for offsets, dest and src
         torch = _arrays._torch()

@@ -185,8 +185,13 @@ def _gated_chunks(experts, x: torch.Tensor, dtype: torch.dtype) -> int:
         return 1
     if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in experts.parameters())):
         return 1
-    rows = x.shape[:-1].numel()
     inter = experts.down_proj.shape[-1 if not experts.is_transposed else -2]
+    return gate_chunks(x.shape[:-1].numel(), inter, dtype)
+
+
+def gate_chunks(rows: int, inter: int, dtype: torch.dtype) -> int:
+    """The column chunks of a [rows, 2 * inter] gate/up output of `dtype`
+    (1: whole) under GATE_UP_CHUNK_BYTES, chunks of at least 64 features."""
     total = rows * 2 * inter * torch.finfo(dtype).bits // 8
     return max(1, min(-(-total // GATE_UP_CHUNK_BYTES), inter // 64))
 

@@ -129,13 +129,6 @@ def _rows_expert(offsets: torch.Tensor, rows: int) -> torch.Tensor:
                               right=True).clamp_(max=offsets.numel() - 1)
 
 
-def _chunked(plan: _Plan, rows: int, dtype: torch.dtype) -> bool:
-    """Whether a batch this large runs its gate in column chunks (the torch
-    path's rule, _dispatch.GATE_UP_CHUNK_BYTES): the [rows, 2I] projection
-    is then never whole."""
-    return rows * 2 * plan.inter * torch.finfo(dtype).bits // 8 > _dispatch.GATE_UP_CHUNK_BYTES
-
-
 def forward(experts, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
             top_k_weights: torch.Tensor, capacity: int | None):
     """The experts' output [T, H] and the dropped count ([1] int64 on the
@@ -147,41 +140,41 @@ def forward(experts, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                      capacity=capacity, layout="grouped" if grouped else "padded",
                      skip_foreign=getattr(experts, "_is_expert_parallel", False))
     rows = d.rows.shape[0]
-    fast = plan.act is not None and grouped and plan.grouped_mm and not experts.has_bias and \
-        not _chunked(plan, rows, plan.up.dtype)
-    if fast:  # the decode path: two grouped GEMMs and the fused gate
-        x = d.rows if d.rows.dtype == plan.up.dtype else d.rows.to(plan.up.dtype)
-        h = gated_act(_GROUPED_MM(x, plan.up, offs=d.offsets), plan.act, limit=d.offsets)
-        y = _GROUPED_MM(h, plan.down, offs=d.offsets)
-        if getattr(experts, "has_post_expert_norm", False):
-            y = experts.post_expert_norm(y)
-        return moe_combine(y, d.dest, top_k_weights, out_dtype=hidden_states.dtype), d.dropped
-
-    if grouped:
+    # linear(a, w): each row of a times its expert's weight w in GEMM layout
+    # [E, in, out]: on CUDA grouped_mm directly where it takes the weights;
+    # elsewhere grouped_linear, which also checks each operand's alignment.
+    if grouped and plan.grouped_mm and hidden_states.device.type == "cuda":
         def linear(a, w):
-            return _dispatch.grouped_linear(a, w, d.offsets, experts.is_transposed)
-
+            return _GROUPED_MM(a if a.dtype == w.dtype else a.to(w.dtype), w, offs=d.offsets)
+    elif grouped:
+        def linear(a, w):
+            return _dispatch.grouped_linear(a, w, d.offsets, True)
+    else:  # padded [E, C, H]: batched GEMMs, static shapes
+        def linear(a, w):
+            return torch.bmm(a.to(w.dtype), w)
+    if grouped:
+        x = d.rows
         expert_of = _rows_expert(d.offsets, rows) if experts.has_bias else None
 
         def bias_of(bias):
             return bias[expert_of]
-        x = d.rows
-    else:  # padded [E, C, H]: batched GEMMs, static shapes
-        def linear(a, w):
-            return torch.bmm(a.to(w.dtype), w if experts.is_transposed else w.transpose(-2, -1))
+    else:
+        x = d.rows.view(num_experts, capacity, -1)
 
         def bias_of(bias):
             return bias.unsqueeze(1)
-        x = d.rows.view(num_experts, capacity, -1)
-    if plan.act is None or _chunked(plan, rows, plan.up.dtype):
-        y = _dispatch._expert_mlp(experts, x, linear, bias_of)  # torch's gate; column chunks when large
-    else:
-        up = experts.gate_up_proj
-        h = linear(x, up)
+
+    if plan.act is None or _dispatch.gate_chunks(rows, plan.inter, plan.up.dtype) > 1:
+        # torch's gate (column chunks when large) over the module's weights
+        def module_linear(a, weight):
+            return linear(a, weight if experts.is_transposed else weight.transpose(-2, -1))
+        y = _dispatch._expert_mlp(experts, x, module_linear, bias_of)
+    else:  # the fused gate: at decode sizes two grouped GEMMs, gated_act and nothing else
+        h = linear(x, plan.up)
         if experts.has_bias:
             h = h + bias_of(experts.gate_up_proj_bias)
         h = gated_act(h.view(-1, h.shape[-1]), plan.act, limit=d.offsets if grouped else None)
-        y = linear(h.view(*x.shape[:-1], -1), experts.down_proj)
+        y = linear(h.view(*x.shape[:-1], -1), plan.down)
         if experts.has_bias:
             y = y + bias_of(experts.down_proj_bias)
         if getattr(experts, "has_post_expert_norm", False):
