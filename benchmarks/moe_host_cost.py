@@ -6,10 +6,10 @@
    path (moe_dispatch, gated_act, moe_combine, the binding alone with its
    outputs preallocated), beside one torch elementwise op and torch.empty.
 2. CUDA kernels per forward (torch profiler) at 1 and 8 tokens.
-3. The ceiling of replacing the experts: decode tokens/s of M1's Mixtral-like
-   model at batch 1 with grouped_mm, with "idempotent", and with experts that
-   cost nothing (a forward that returns zeros): the speed the rest of the
-   model allows.
+3. The ceiling of replacing the experts: decode tokens/s of M1's models
+   (Mixtral-like, Qwen3-MoE-like) at batch 1, 8 and 32 with grouped_mm, with
+   "idempotent", and with experts that cost nothing (a forward that returns
+   zeros): the speed the rest of the model allows.
 
     python benchmarks/moe_host_cost.py [--out FILE.json] [--skip-ceiling]
 """
@@ -109,14 +109,15 @@ def host_costs(b, tokens):
     return out, counts
 
 
-def decode_ceiling(rounds=3, new_tokens=48):
-    """Decode tokens/s at batch 1 of M1's Mixtral-like model per experts implementation."""
+def decode_ceiling(family, batch, rounds=3, new_tokens=48):
+    """Decode tokens/s (all sequences) of one M1 model at one batch size per
+    experts implementation, interleaved rounds, medians."""
     from idempotent_moe.bench.model_families import MOE_FAMILIES, build_model
 
     ExpertsInterface.register("zero-cost", lambda self, h, i, w: torch.zeros_like(h))
     hf.register()
-    model = build_model(MOE_FAMILIES["mixtral"], "cuda")
-    ids = torch.randint(0, 32000, (1, 128), device="cuda")
+    model = build_model(MOE_FAMILIES[family], "cuda")
+    ids = torch.randint(0, model.config.vocab_size, (batch, 128), device="cuda")
     mask = torch.ones_like(ids)
 
     def gen(n):
@@ -134,7 +135,7 @@ def decode_ceiling(rounds=3, new_tokens=48):
             model.set_experts_implementation(name)
             t_long, t_one = gen(new_tokens), gen(1)
             if r:  # round 0 warms up
-                samples[name].append((new_tokens - 1) / (t_long - t_one))
+                samples[name].append(batch * (new_tokens - 1) / (t_long - t_one))
     return {n: round(statistics.median(v), 1) for n, v in samples.items()}
 
 
@@ -142,6 +143,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
     ap.add_argument("--skip-ceiling", action="store_true")
+    ap.add_argument("--families", default="mixtral,qwen3moe")
+    ap.add_argument("--batches", default="1,8,32")
     opts = ap.parse_args()
     hf.register()
     b = block()
@@ -153,7 +156,9 @@ def main():
         result[f"kernel_names_{tokens}_tokens"] = counts
     del b
     if not opts.skip_ceiling:
-        result["decode_tokens_per_s_batch_1"] = decode_ceiling()
+        result["decode_tokens_per_s"] = {
+            f"{family}, batch {batch}": decode_ceiling(family, int(batch))
+            for family in opts.families.split(",") for batch in opts.batches.split(",")}
     text = json.dumps(result, indent=1)
     print(text)
     if opts.out:
