@@ -93,9 +93,13 @@ def host_costs(b, tokens):
     with torch.no_grad():
         out["torch add_ [1024]"] = per_call_us(lambda: y.add_(1.0))
         out["torch.empty(16, int32)"] = per_call_us(lambda: torch.empty(16, dtype=torch.int32, device="cuda"))
-        for name in ("grouped_mm", "idempotent"):
+        for name in ("grouped_mm", "batched_mm", "idempotent"):
             out[f"experts forward, {name}"] = per_call_us(experts(name))
             out[f"MoE block (router included), {name}"] = per_call_us(whole(name))
+        out["router (gate: linear, softmax, top-k, renormalise)"] = per_call_us(lambda: b.gate(x))
+        w_up = b.experts.gate_up_proj.transpose(-2, -1)
+        out["torch._grouped_mm, gate-up GEMM alone"] = per_call_us(
+            lambda: torch._grouped_mm(d.rows, w_up, offs=d.offsets))
         out["moe_dispatch"] = per_call_us(lambda: moe_dispatch(x, idx, b.experts.num_experts))
         out["_C.moe_dispatch, outputs given"] = per_call_us(lambda: imoe._C.moe_dispatch(
             hidden=x, top_k_index=idx, num_experts=b.experts.num_experts, out_rows=d.rows,
@@ -103,7 +107,7 @@ def host_costs(b, tokens):
         out["gated_act"] = per_call_us(lambda: gated_act(h, "silu", limit=d.offsets))
         out["moe_combine"] = per_call_us(lambda: moe_combine(rows, d.dest, w))
         counts = {}
-        for name in ("grouped_mm", "idempotent"):
+        for name in ("grouped_mm", "batched_mm", "idempotent"):
             counts[f"experts forward, {name}"] = kernels(experts(name))
             counts[f"MoE block, {name}"] = kernels(whole(name))
     return out, counts

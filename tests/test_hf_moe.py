@@ -948,6 +948,39 @@ def test_gpu_dropless_matches_grouped_mm(hidden, intermediate, tokens):
 
 
 @pytest.mark.gpu
+def test_gpu_decode_path_equals_the_general_fused_path():
+    """The decode path (straight calls over the module's scratch
+    intermediates) gives the general fused path's bits at every batch size,
+    dropless and with a capacity, as the batch size changes between
+    forwards; an earlier output is never touched by a later forward."""
+    from idempotent_moe.integrations import _fused
+
+    hf.register()
+    block = _cuda_block(1024, 3584, "bfloat16")
+    experts = block.experts
+    g = torch.Generator(device="cuda").manual_seed(3)
+    kept = []
+    for tokens, factor in [(1, None), (8, None), (1, None), (32, 1.0), (8, 0.5), (8, None)]:
+        x = torch.randn(tokens, 1024, device="cuda", dtype=torch.bfloat16, generator=g)
+        with torch.no_grad():
+            _, weights, index = block.gate(x)
+            capacity = None if factor is None else _fused.expert_capacity(tokens, 2, 8, factor)
+            plan = _fused._plan(experts, x)
+            assert plan.lean
+            lean, lean_dropped = _fused.forward(experts, x, index, weights, capacity)
+            assert experts.__dict__["_idempotent_scratch"].key[:3] == (tokens, 2, capacity)
+            experts.__dict__["_idempotent_plan"] = plan._replace(lean=False)
+            general, general_dropped = _fused.forward(experts, x, index, weights, capacity)
+            experts.__dict__["_idempotent_plan"] = plan
+        assert torch.equal(lean, general)
+        if capacity is not None:
+            assert int(lean_dropped) == int(general_dropped)
+        kept.append((lean, lean.clone()))
+    torch.cuda.synchronize()
+    assert all(torch.equal(out, copy) for out, copy in kept)
+
+
+@pytest.mark.gpu
 def test_gpu_dropless_peak_memory_is_at_most_half_of_grouped_mm():
     """W4 at 4096 tokens: the dropless forward's peak transient allocation is
     at most half of grouped_mm's."""

@@ -79,6 +79,23 @@ def _calls(device: str, quick: bool) -> dict:
                            dtype=torch.int32, device=device)
     y = torch.empty(1024, device=device)
 
+    from idempotent_moe import _arrays
+    from idempotent_moe._native import native
+    from idempotent_moe.moe_ops import moe_combine, moe_dispatch
+
+    hidden = torch.randn(8, 2048, generator=g).to(device, torch.bfloat16)
+    routing = torch.rand(8, 8, generator=g).topk(2, dim=1)
+    top_idx, top_w = routing.indices.to(device), routing.values.to(device, torch.bfloat16)
+    moe_rows = torch.randn(16, 2048, generator=g).to(device, torch.bfloat16)
+    dest = moe_dispatch(hidden, top_idx, 8).dest
+    core, stream = native(), _arrays.dlpack_stream(tiny[0])
+
+    def core_compact():
+        core.compact([tiny[0]], [1], [1], scores=tiny[1], active_indices=None, capacity=tiny[3],
+                     protected_prefix=0, recent_window=0, nan="raise", order="inplace",
+                     out_indices=tiny[2], out_target_map=None, mode="swap", workspace=None,
+                     num_threads=1, stream=stream)
+
     def topk_gather(c):
         x, s, _, cap = c
         idx = s.topk(cap, dim=1).indices
@@ -92,7 +109,10 @@ def _calls(device: str, quick: bool) -> dict:
             tiny[0], tiny[1], tiny[3], out_indices=tiny[2])),
         f"compact_ {w1_name}, out_indices": ("ours", lambda: imoe.compact_(
             w1[0], w1[1], w1[3], out_indices=w1[2])),
+        "compact_ [8, 64, 128], the core's call alone (stream given)": ("ours", core_compact),
         "apply_map_ [8, 64, 128]": ("ours", lambda: imoe.apply_map_(tiny[0], tiny[2])),
+        "moe_dispatch [8 tokens, top-2 of 8, H 2048]": ("ours", lambda: moe_dispatch(hidden, top_idx, 8)),
+        "moe_combine [8 tokens, top-2, H 2048]": ("ours", lambda: moe_combine(moe_rows, dest, top_w)),
         "compact_kv_cache_inplace [1, 8, 256, 64] keep 128, out_indices": ("ours", lambda: (
             imoe.compact_kv_cache_inplace(k, v, kv_scores, 128, out_indices=kv_idx))),
         "group_by_expert_ [64, 128], 8 experts": ("ours", lambda: imoe.group_by_expert_(

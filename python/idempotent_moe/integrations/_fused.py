@@ -12,6 +12,14 @@ gradient takes the torch path. What does not change between forwards of a
 module (its activation, whether grouped_mm takes its weights, the weights'
 GEMM layout) is worked out once and kept on the module (`_Plan`): decode
 is bound by the host, and every microsecond of Python counts there.
+
+At decode sizes on CUDA (`_lean_forward`) the forward is five calls: the
+dispatch, grouped_mm, gated_act, grouped_mm and the combine, straight into
+the core, over intermediates kept on the module between forwards (`_Scratch`:
+the gathered rows, the routing ints and the activations, at most
+SCRATCH_BYTES; the output is always a new tensor). Reusing them is safe in
+stream order: every reader of one forward's intermediates is queued before
+the next forward writes them, on the same stream (the key holds it).
 """
 
 from __future__ import annotations
@@ -33,6 +41,9 @@ _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 _GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 _MAX_EXPERTS = native().MOE_MAX_EXPERTS
 _OPS = hasattr(torch.library, "custom_op")
+_RAW_MM = getattr(torch, "_grouped_mm", None)  # F.grouped_mm's op, less one Python frame
+_RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+SCRATCH_BYTES = 8 << 20  # per module: decode sizes only (prefill allocates per forward)
 
 
 def _activation_name(act) -> str | None:
@@ -71,6 +82,7 @@ class _Plan(NamedTuple):
     grouped_mm: bool     # torch's grouped_mm takes these weights
     act: str | None      # the fused gated activation (CUDA, default gate), or None
     inter: int           # intermediate features I
+    lean: bool           # _lean_forward applies (CUDA, grouped_mm, fused gate, no bias or norm, no EP)
 
 
 def _plan(experts, hidden_states: torch.Tensor) -> _Plan:
@@ -93,7 +105,10 @@ def _plan(experts, hidden_states: torch.Tensor) -> _Plan:
         act = _activation_name(experts.act_fn)
     usable = (_dispatch._grouped_mm_compiles(w_up) if tracing
               else _dispatch._grouped_mm_usable(hidden_states, w_up))
-    plan = _Plan(key, w_up, w_down, usable, act, w_down.shape[-2])
+    lean = (act is not None and usable and not tracing and _RAW_MM is not None and _RAW_STREAM is not None
+            and not experts.has_bias and not getattr(experts, "has_post_expert_norm", False)
+            and not _dispatch.expert_parallel(experts))
+    plan = _Plan(key, w_up, w_down, usable, act, w_down.shape[-2], lean)
     if not tracing:
         experts.__dict__["_idempotent_plan"] = plan
     return plan
@@ -129,11 +144,76 @@ def _rows_expert(offsets: torch.Tensor, rows: int) -> torch.Tensor:
                               right=True).clamp_(max=offsets.numel() - 1)
 
 
+class _Scratch(NamedTuple):
+    """A module's decode intermediates for one (T, k, capacity, stream)."""
+
+    key: tuple
+    rows: torch.Tensor     # [S, H] gathered tokens
+    offsets: torch.Tensor  # [E] int32 (views of one int32 allocation)
+    dest: torch.Tensor     # [T, k] int32
+    src: torch.Tensor      # [S] int32
+    dropped: torch.Tensor  # [1] int64 (dropless: never read)
+    act: torch.Tensor      # [S, I] act(gate) * up
+
+
+def _scratch(experts, plan: _Plan, hidden: torch.Tensor, num_tokens: int, top_k: int, capacity, stream: int):
+    key = (num_tokens, top_k, capacity, stream, hidden.dtype, plan.key[0])
+    held = experts.__dict__.get("_idempotent_scratch")
+    if held is not None and held.key == key:
+        return held
+    s, e, h = num_tokens * top_k, experts.num_experts, hidden.shape[1]
+    if s * (h + plan.inter) * hidden.element_size() > SCRATCH_BYTES:
+        return None
+    ints = torch.empty(e + 2 * s, dtype=torch.int32, device=hidden.device)
+    held = _Scratch(key, hidden.new_empty((s, h)), ints[:e], ints[e:e + s].view(num_tokens, top_k),
+                    ints[e + s:], torch.empty(1, dtype=torch.int64, device=hidden.device),
+                    hidden.new_empty((s, plan.inter)))
+    experts.__dict__["_idempotent_scratch"] = held
+    return held
+
+
+def _lean_forward(experts, plan: _Plan, hidden: torch.Tensor, top_k_index: torch.Tensor,
+                  top_k_weights: torch.Tensor, capacity: int | None):
+    """forward()'s result at decode sizes on CUDA (plan.lean), or None where
+    it does not apply: the same kernels as forward's fused gate, called
+    straight into the core (which judges every value) over the module's
+    scratch intermediates; the dropped count is a new tensor with a capacity."""
+    if hidden.dtype is not plan.up.dtype or hidden.dim() != 2 or top_k_index.dim() != 2:
+        return None
+    num_tokens, top_k = top_k_index.shape
+    if _dispatch.gate_chunks(num_tokens * top_k, plan.inter, hidden.dtype) > 1:
+        return None
+    stream = _RAW_STREAM(hidden.device.index) or 1
+    sc = _scratch(experts, plan, hidden, num_tokens, top_k, capacity, stream)
+    if sc is None:
+        return None
+    lib = native()
+    dropped, ws = sc.dropped, None
+    if capacity is not None:
+        dropped = torch.empty(1, dtype=torch.int64, device=hidden.device)
+        elems = lib.moe_workspace_elems(num_tokens * top_k, capacity, True)
+        ws = torch.empty(elems, dtype=torch.int32, device=hidden.device) if elems else None
+    lib.moe_dispatch(hidden=hidden, top_k_index=top_k_index, top_k_weights=top_k_weights,
+                     num_experts=experts.num_experts, capacity=capacity, out_rows=sc.rows,
+                     out_offsets=sc.offsets, out_dest=sc.dest, out_src=sc.src, out_dropped=dropped,
+                     workspace=ws, num_threads=0, stream=stream)
+    h = _RAW_MM(sc.rows, plan.up, offs=sc.offsets)
+    lib.gated_act(gate_up=h, out=sc.act, act=plan.act, limit=sc.offsets, num_threads=0, stream=stream)
+    y = _RAW_MM(sc.act, plan.down, offs=sc.offsets)
+    out = hidden.new_empty((num_tokens, hidden.shape[1]))
+    lib.moe_combine(rows=y, dest=sc.dest, weights=top_k_weights, out=out, num_threads=0, stream=stream)
+    return out, dropped
+
+
 def forward(experts, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
             top_k_weights: torch.Tensor, capacity: int | None):
     """The experts' output [T, H] and the dropped count ([1] int64 on the
     device; zero dropless)."""
     plan = _plan(experts, hidden_states)
+    if plan.lean and hidden_states.device.type == "cuda":
+        result = _lean_forward(experts, plan, hidden_states, top_k_index, top_k_weights, capacity)
+        if result is not None:
+            return result
     num_experts = experts.num_experts
     grouped = capacity is None or plan.grouped_mm
     d = moe_dispatch(hidden_states, top_k_index, num_experts, top_k_weights=top_k_weights,
