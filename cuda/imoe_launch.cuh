@@ -165,12 +165,21 @@ imoe_status launch_apply_groups(const char *fn, const imoe_view *buffers, int fi
                                 bool swap, uint32_t token, int nverdict, bool pdl_first, DevInfo *di,
                                 cudaStream_t st, imoe_error *err);
 
-// imoe_permute.cu. The cycle kernels and the data passes: buffers
-// [buf_st0, ...) of pl, the permutation `succ` ([plan rows, n]), after the
-// validation of `token`.
+// imoe_permute.cu. The permutation `succ` ([plan rows, n]) applied to
+// buffers [buf_st0, ...) of pl after the validation of `token`: by column
+// slices in shared memory (launch_slices) where every buffer's slot slice
+// fits, else by the cycle kernels and the data passes.
 imoe_status launch_cycles_and_swaps(const char *fn, const imoe_view *buffers, int32_t num_buffers,
                                     const CallRows &pl, size_t buf_st0, const InView &succ, bool per_row,
                                     int64_t n, bool inverse, int32_t *ws, uint32_t token, int nverdict,
                                     DevInfo *di, cudaStream_t st, imoe_error *err);
+
+// imoe_slices.cu. The same permutation, one block per (rows, slices) unit
+// staging the slices of all n slots in shared memory. *done = false, with
+// nothing launched, when some buffer's n x W bytes do not fit a block.
+imoe_status launch_slices(const char *fn, const imoe_view *buffers, int32_t num_buffers, const CallRows &pl,
+                          size_t buf_st0, const InView &succ, bool per_row, int64_t n, bool inverse,
+                          uint32_t token, int nverdict, DevInfo *di, cudaStream_t st, imoe_error *err,
+                          bool *done);
 
 }  // namespace imoe_cu

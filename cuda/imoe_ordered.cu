@@ -10,15 +10,18 @@
 //      outputs. A slot x is kept iff (x < C') == (tm[x] == x): below C' the
 //      kept slots are the fixed points, at or beyond C' the paired tails.
 //   2. k_ord_kept (one block per row) scans those flags: the kept slots
-//      ascending go to P[0, C') (workspace region 6) and, for a compaction,
-//      the dropped ones ascending to P[C', N). STABLE: it also writes
-//      out_indices.
-//   3. SCORE: k_ord_sort (one block per row) sorts P[0, C') by descending
-//      score key with a stable LSD radix sort (8-bit digits; 4 passes for
-//      f32 keys, 2 for f16 / bf16), so ties keep the ascending slot order:
-//      the CPU core's (score descending, slot ascending), with the same keys
-//      (-0 == +0, NaN lowest). It then writes out_indices. Rows with
-//      C' <= 4096 take k_ord_sort_small (a bitonic sort in shared memory).
+//      ascending go to P[0, C') (workspace region 6; region 3 when the rank
+//      sort follows) and, for a compaction, the dropped ones ascending to
+//      P[C', N). STABLE: it also writes out_indices.
+//   3. SCORE: the order is the CPU core's (score descending, slot
+//      ascending), with the same keys (-0 == +0, NaN lowest). Rows with
+//      C' <= 4096 take k_ord_rank: grid rows x ceil(C' / 256), each block
+//      stages the row's C' keys in shared memory and each thread counts the
+//      kept slots before its own (smaller key, or equal key and lower slot):
+//      its place in P[0, C') and out_indices. Longer rows take k_ord_sort
+//      (one block per row): a stable LSD radix sort of P[0, C') (8-bit
+//      digits; 4 passes for f32 keys, 2 for f16 / bf16), so ties keep the
+//      ascending slot order; it then writes out_indices.
 //   4. Compaction: launch_cycles_and_swaps applies P to every buffer.
 // Every kernel reads the verdict words of step 1's validation first and does
 // nothing after a data error (NaN under IMOE_NAN_ERROR, bad active indices),
@@ -27,7 +30,7 @@
 //
 // Workspace (int32, rows x N elements per region, IMOE_PLAN_ORDERED): region
 // 0 the target map; 1 and 2 the sort keys (ping, pong); 3 the sorted slots
-// (pong); 6 P. Regions 0-5 are then free for the cycle kernels.
+// (pong), or the kept slots ascending (the rank sort's input); 6 P. Regions 0-5 are then free for the cycle kernels.
 #include <cuda_runtime.h>
 #include <string.h>
 
@@ -55,6 +58,7 @@ struct OrdParams {
   int32_t key16;      // 16-bit score keys (F16, BF16)
   int32_t write_idx;  // this kernel writes out_indices (the order is final)
   int32_t plan_dropped;  // append the dropped slots to P (compaction)
+  int32_t kept_region;   // k_ord_kept: where the kept slots go (P, or the rank sort's input)
   uint32_t token;
   int32_t nverdict;
   StatusWords words;  // imoe_select.cu's status and verdict words (DevInfo::words)
@@ -78,7 +82,8 @@ __device__ __forceinline__ char *ord_out_row(const OrdParams &p, uint32_t r) {
   return p.idx.data + row_offset(p.lead, c, p.idx.lead);
 }
 
-// Kept slots ascending into P[0, C'), dropped ones ascending into P[C', N).
+// Kept slots ascending into P[0, C') (region kept_region: k_ord_rank's input
+// for the rank sort), dropped ones ascending into P[C', N).
 __global__ void __launch_bounds__(kOrdThreads) k_ord_kept(const __grid_constant__ OrdParams p) {
   __shared__ int s_warp[33];
   if (call_aborted(p.words, p.token, p.nverdict)) return;
@@ -86,6 +91,7 @@ __global__ void __launch_bounds__(kOrdThreads) k_ord_kept(const __grid_constant_
   const int64_t n = p.n, kept = p.kept;
   const int32_t *tm = p.ws + kOrdTm * p.region + (int64_t)r * n;
   int32_t *plan = p.ws + kOrdPlan * p.region + (int64_t)r * n;
+  int32_t *keep = p.ws + p.kept_region * p.region + (int64_t)r * n;
   char *orow = p.write_idx ? ord_out_row(p, r) : nullptr;
   const bool oal = p.idx.aligned != 0;
   int64_t carry = 0;  // kept slots before the tile
@@ -104,7 +110,7 @@ __global__ void __launch_bounds__(kOrdThreads) k_ord_kept(const __grid_constant_
       const int64_t x = xs + u;
       if (x >= n) break;
       if ((bits >> u) & 1u) {
-        plan[k] = (int32_t)x;
+        keep[k] = (int32_t)x;
         if (orow) store_index(orow + k * p.idx.n_stride, p.idx.dtype, oal, x);
         ++k;
       } else if (p.plan_dropped) {
@@ -236,69 +242,79 @@ __global__ void __launch_bounds__(kOrdThreads) k_ord_sort(const __grid_constant_
   }
 }
 
-// Rows of at most kOrdSmallSort kept slots: the same order by a bitonic sort
-// of unique words (~key << 32 | slot) in shared memory (pads of all ones
-// sort last): ~log2(C')^2 / 2 barriers instead of the radix passes' L2
-// round trips.
+// Rows of at most kOrdSmallSort kept slots: the same order as ranks, over
+// blocks of kOrdRankThreads kept slots each (grid rows x ceil(C' / 256)).
+// k_ord_kept wrote the kept slots ascending to region kOrdSlotsB (not P:
+// the blocks of a row write P while the others read the kept slots); every
+// block stages the row's C' keys (~ord_key, so ascending = descending score)
+// in shared memory, and the thread of kept slot i counts the slots that
+// precede it: smaller keys, and equal keys at lower i (the slot ascending).
+// Keys and i are distinct together, so the ranks are a permutation of
+// [0, C'); slot i goes to P[rank] and out_indices[rank].
 constexpr int kOrdSmallSort = 4096;
+constexpr int kOrdRankThreads = 256;
 
-__global__ void __launch_bounds__(kOrdThreads) k_ord_sort_small(const __grid_constant__ OrdParams p) {
-  __shared__ unsigned long long w[kOrdSmallSort];
+__global__ void __launch_bounds__(kOrdRankThreads) k_ord_rank(const __grid_constant__ OrdParams p) {
+  __shared__ __align__(16) uint32_t s_key[kOrdSmallSort];
   if (call_aborted(p.words, p.token, p.nverdict)) return;
-  const uint32_t r = blockIdx.x;
-  const int tid = threadIdx.x;
   const int kept = (int)p.kept;
+  const uint32_t nb = (uint32_t)((kept + kOrdRankThreads - 1) / kOrdRankThreads);
+  const uint32_t r = blockIdx.x / nb, blk = blockIdx.x - r * nb;
+  const int tid = threadIdx.x;
   const char *srow = row_data(p.lead, p.scores, r);
   const bool sal = p.scores.aligned != 0;
   const int dt = p.scores.dtype;
   const uint32_t mask = p.key16 ? 0xFFFFu : 0xFFFFFFFFu;
+  const int32_t *slots = p.ws + kOrdSlotsB * p.region + (int64_t)r * p.n;
   int32_t *plan = p.ws + kOrdPlan * p.region + (int64_t)r * p.n;
-  int size = 1;
-  while (size < kept) size <<= 1;
-  for (int i = tid; i < size; i += blockDim.x) {
-    unsigned long long v = ~0ull;
-    if (i < kept) {
-      const int32_t x = plan[i];
-      const uint32_t d = ~ord_key(ldg_raw(srow + (int64_t)x * p.scores.n_stride, dt, sal), dt) & mask;
-      v = (unsigned long long)d << 32 | (uint32_t)x;
-    }
-    w[i] = v;
+  const int padded = (kept + 3) & ~3;
+  for (int j = tid; j < padded; j += blockDim.x) {
+    uint32_t k = 0xFFFFFFFFu;  // pads: no key is above them
+    if (j < kept) k = ~ord_key(ldg_raw(srow + (int64_t)slots[j] * p.scores.n_stride, dt, sal), dt) & mask;
+    s_key[j] = k;
   }
   __syncthreads();
-  for (int k = 2; k <= size; k <<= 1) {
-    for (int j = k >> 1; j > 0; j >>= 1) {
-      for (int i = tid; i < size; i += blockDim.x) {
-        const int l = i ^ j;
-        if (l > i) {
-          const unsigned long long a = w[i], b = w[l];
-          if (((i & k) == 0) == (a > b)) {
-            w[i] = b;
-            w[l] = a;
-          }
-        }
-      }
-      __syncthreads();
-    }
+  const int i = (int)blk * kOrdRankThreads + tid;
+  const int wb = i & ~31;  // the warp's first slot: uniform across the warp
+  if (wb >= kept) return;
+  const uint32_t me = i < kept ? s_key[i] : 0u;
+  const uint4 *s4 = reinterpret_cast<const uint4 *>(s_key);
+  int before = 0, after = 0;
+  // slots of lower i (whole words of 4): equal keys precede
+  for (int j4 = 0; j4 < wb / 4; ++j4) {
+    const uint4 v = s4[j4];
+    before += (v.x <= me) + (v.y <= me) + (v.z <= me) + (v.w <= me);
   }
-  char *orow = ord_out_row(p, r);
-  const bool oal = p.idx.aligned != 0;
-  for (int i = tid; i < kept; i += blockDim.x) {
-    const int32_t x = (int32_t)(uint32_t)w[i];
-    plan[i] = x;
-    store_index(orow + (int64_t)i * p.idx.n_stride, p.idx.dtype, oal, x);
+  // slots of higher i, from the next warp's first: only smaller keys precede
+  for (int j4 = (wb + 32) / 4; j4 < padded / 4; ++j4) {
+    const uint4 v = s4[j4];
+    after += (v.x < me) + (v.y < me) + (v.z < me) + (v.w < me);
   }
+  // the warp's own 32
+  const int we = min(wb + 32, kept);
+  for (int j = wb; j < we; ++j) {
+    const uint32_t v = s_key[j];
+    before += v < me || (v == me && j < i);
+  }
+  if (i >= kept) return;
+  const int rank = before + after;
+  const int32_t x = slots[i];
+  plan[rank] = x;
+  store_index(ord_out_row(p, r) + (int64_t)rank * p.idx.n_stride, p.idx.dtype, p.idx.aligned != 0, x);
 }
 
 // ------------------------------------------------------------ host side
 namespace {
 
-// Step 3's kernel: none (STABLE, or nothing kept), a bitonic sort in shared
-// memory for rows of at most kOrdSmallSort kept slots, a radix sort beyond.
-enum class OrderSort { kNone, kBitonic, kRadix };
+// Step 3's kernel: none (STABLE, or nothing kept), ranks over many blocks
+// per row for rows of at most kOrdSmallSort kept slots (while the grid fits
+// one launch), a radix sort beyond.
+enum class OrderSort { kNone, kRank, kRadix };
 
-OrderSort plan_order_sort(imoe_order order, int64_t kept) {
+OrderSort plan_order_sort(imoe_order order, int64_t kept, uint64_t rows) {
   if (order != IMOE_ORDER_SCORE || kept <= 0) return OrderSort::kNone;
-  return kept <= kOrdSmallSort ? OrderSort::kBitonic : OrderSort::kRadix;
+  const uint64_t blocks = rows * (uint64_t)((kept + kOrdRankThreads - 1) / kOrdRankThreads);
+  return kept <= kOrdSmallSort && blocks <= 0x7FFFFFFFull ? OrderSort::kRank : OrderSort::kRadix;
 }
 
 // Steps 1-4 above. num_buffers == 0: imoe_build_map_ordered (out_indices
@@ -369,13 +385,18 @@ imoe_status ordered_select(const char *fn, const imoe_view *buffers, int32_t num
   op.token = v.token;
   op.nverdict = v.nverdict;
   op.words = di->words;
+  const OrderSort sort = plan_order_sort(order, kept, rows);
+  op.kept_region = sort == OrderSort::kRank ? kOrdSlotsB : kOrdPlan;
   cudaError_t e = launch(k_ord_kept, shape((unsigned)rows, kOrdThreads), st, op);
   if (e != cudaSuccess) return cuda_fail(err, fn, "launch of k_ord_kept", e);
-  const OrderSort sort = plan_order_sort(order, kept);
-  if (sort != OrderSort::kNone) {
+  if (sort == OrderSort::kRank) {
     op.write_idx = 1;
-    const LaunchShape sh = shape((unsigned)rows, kOrdThreads);
-    e = sort == OrderSort::kBitonic ? launch(k_ord_sort_small, sh, st, op) : launch(k_ord_sort, sh, st, op);
+    const uint64_t nb = (uint64_t)((kept + kOrdRankThreads - 1) / kOrdRankThreads);
+    e = launch(k_ord_rank, shape((unsigned)(rows * nb), kOrdRankThreads), st, op);
+    if (e != cudaSuccess) return cuda_fail(err, fn, "launch of k_ord_rank", e);
+  } else if (sort == OrderSort::kRadix) {
+    op.write_idx = 1;
+    e = launch(k_ord_sort, shape((unsigned)rows, kOrdThreads), st, op);
     if (e != cudaSuccess) return cuda_fail(err, fn, "launch of k_ord_sort", e);
   }
 

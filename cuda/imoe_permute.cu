@@ -4,6 +4,11 @@
 // status and verdict words (imoe_select.cu's module memory) as their last
 // parameter; its seam swaps are k_apply launches (launch_apply_groups).
 //
+// Where every buffer's N slots of one W-byte slice fit a block's shared
+// memory, launch_cycles_and_swaps hands the permutation to launch_slices
+// (imoe_slices.cu: one read and one write of every byte, no workspace);
+// the cycle engine below takes the rest.
+//
 // Method. A permutation p of a row's N slots (new slot i takes old slot p[i]):
 //   1. every slot x learns its cycle's leader m (the minimal slot) and its
 //      forward distance e = steps from x to m along x -> p[x]: each slot
@@ -731,13 +736,18 @@ CyclePlan plan_cycles(int64_t n) {
 
 }  // namespace
 
-// The cycle kernels and the data passes: buffers [buf_st0, ...) of pl, the
-// permutation `succ` ([plan rows, n]), after the validation of `token`.
+// The permutation `succ` ([plan rows, n]) applied to buffers [buf_st0, ...)
+// of pl, after the validation of `token`: by slices (imoe_slices.cu) when
+// they fit, else the cycle kernels and the data passes.
 imoe_status launch_cycles_and_swaps(const char *fn, const imoe_view *buffers, int32_t num_buffers,
                                     const CallRows &pl, size_t buf_st0, const InView &succ, bool per_row,
                                     int64_t n, bool inverse, int32_t *ws, uint32_t token, int nverdict,
                                     DevInfo *di, cudaStream_t st, imoe_error *err) {
   if (n < 2 || num_buffers <= 0) return IMOE_OK;  // nothing can move
+  bool done = false;
+  imoe_status sr = launch_slices(fn, buffers, num_buffers, pl, buf_st0, succ, per_row, n, inverse, token,
+                                 nverdict, di, st, err, &done);
+  if (sr != IMOE_OK || done) return sr;
   const uint64_t rows = per_row ? pl.R : 1u;
   CycleParams cp;
   memset(&cp, 0, sizeof cp);

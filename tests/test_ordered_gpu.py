@@ -119,6 +119,43 @@ def test_ties_signed_zeros_infinities_and_nan_lowest(score_dtype, order, rng):
             check_call([x], scores, c, order, mode, nan="lowest")
 
 
+@pytest.mark.parametrize("c", [4096, 4097])
+@pytest.mark.parametrize("score_dtype", ["float32", "float16"])
+@pytest.mark.parametrize("mode", ["swap", "move"])
+def test_score_order_at_and_over_the_rank_sort_limit(c, score_dtype, mode, rng):
+    """C' = 4096 kept slots take the rank sort (k_ord_rank, many blocks a
+    row), 4097 the radix sort: many equal scores, -0 / +0, infinities and NaN
+    (nan="lowest"), one row of distinct scores, K and V buffers."""
+    r, n = 3, 9000
+    values = rng.choice(np.append(TIE_VALUES, np.nan), size=(r, n))
+    values[0] = rng.standard_normal(n)
+    scores = scores_from_values(values, score_dtype, "torch").cuda()
+    k = make_data((r, n, 3), "float16", "torch", rng).cuda()
+    v = make_data((r, n, 64), "bfloat16", "torch", rng).cuda()
+    for order in ORDERS:
+        check_call([k, v], scores, c, order, mode, nan="lowest")
+
+
+@pytest.mark.parametrize("c", [2048, 4097])
+@pytest.mark.parametrize("order", ORDERS)
+def test_nan_raise_changes_no_buffer_and_no_index(c, order, rng):
+    """A NaN under nan="raise" in a call that would take the rank sort (or the
+    radix sort) and the slice permutation: every buffer and out_indices keep
+    their bytes."""
+    r, n = 4, 8192
+    k = make_data((r, n, 16), "float16", "torch", rng).cuda()
+    v = make_data((r, n, 3), "uint8", "torch", rng).cuda()
+    before = [bits(k), bits(v)]
+    scores = make_scores((r, n), "float32", "torch", rng, ties=False).cuda()
+    scores[2, 17] = float("nan")
+    out = torch.full((r, c), -7, dtype=torch.int64, device="cuda")
+    imoe.compact_([k, v], scores, c, dim=1, order=order, nan="raise", out_indices=out)
+    with pytest.raises(ValueError, match="NaN"):
+        imoe.check_errors(k)
+    np.testing.assert_array_equal(bits(k), before[0])
+    np.testing.assert_array_equal(bits(v), before[1])
+    assert (out == -7).all()
+
 @pytest.mark.parametrize("order", ORDERS)
 def test_all_equal_scores_keep_the_slot_order(order, rng):
     x = make_data((3, 5000, 8), "uint8", "torch", rng).cuda()

@@ -126,6 +126,65 @@ def test_permute_strided_views_and_many_buffers(rng):
     np.testing.assert_array_equal(bits(big[1::2]), untouched)
 
 
+SLICE_TABLES = 512  # bytes of row tables k_perm_slices keeps ahead of its stage
+
+
+def slice_limit(width):
+    """The most slots whose slices of `width` bytes k_perm_slices stages in one block."""
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    optin = getattr(props, "shared_memory_per_block_optin", 232448)
+    return (optin - SLICE_TABLES) // width
+
+
+@pytest.mark.parametrize("width,row,dtype", [(16, (4,), "float32"), (2, (3,), "float16"),
+                                             (1, (), "int8")])
+@pytest.mark.parametrize("over", [0, 1])
+def test_permute_slices_at_and_over_the_shared_memory_limit(width, row, dtype, over, rng):
+    """N = the most slots whose W-byte slices fit one block (k_perm_slices),
+    then one more (the cycle engine): forward and inverse, shared and per-row."""
+    gen = torch.Generator().manual_seed(17 + width)
+    n = slice_limit(width) + over
+    x = make_data((2, n) + row, dtype, "torch", rng).cuda()
+    for shared in (True, False):
+        perm = random_perms(gen, 1 if shared else 2, n, "random")
+        perm = perm[0] if shared else perm
+        for inverse in (False, True):
+            ref = cpu_permute(x, perm, 1, inverse)
+            imoe.permute_(x, perm, dim=1, inverse=inverse)
+            imoe.check_errors(x)
+            np.testing.assert_array_equal(bits(x), ref)
+
+
+@pytest.mark.parametrize("r,n", [(37, 5), (3, 100), (2, 1000), (1, 4096)])
+@pytest.mark.parametrize("inverse", [False, True])
+@pytest.mark.parametrize("shared", [True, False])
+def test_permute_slices_of_odd_rows_strided_views_and_lists(r, n, inverse, shared, rng):
+    """k_perm_slices with slices of 16, 8, 2 and 1 bytes (rows of 3 fp16, of
+    one int8 byte, of 1000 bytes, of 32 bytes from an odd address), lead axes
+    that are not contiguous, units of several slices (the last chunk partial)
+    and of several rows (the last group partial), K and V lists in one call,
+    against the CPU core."""
+    gen = torch.Generator().manual_seed(r * 10007 + n)
+    big = make_data((2 * r, n, 16), "float32", "torch", rng).cuda()
+    wide = make_data((r, n, 33), "uint8", "torch", rng).cuda()
+    bufs = [make_data((r, n, 3), "float16", "torch", rng).cuda(),  # W = 2
+            make_data((r, n), "int8", "torch", rng).cuda(),  # W = 1
+            big[::2],  # lead stride 2 x n x 64 bytes
+            wide[:, :, 1:],  # 32 bytes from an odd address: W = 1
+            make_data((r, n, 500), "float16", "torch", rng).cuda(),  # 1000 bytes: W = 8
+            make_data((n, r, 4), "float32", "torch", rng).cuda().transpose(0, 1)]  # lead stride 16 bytes
+    untouched = [bits(big[1::2]), bits(wide[:, :, :1])]
+    perm = random_perms(gen, 1 if shared else r, n, "random")
+    perm = perm[0] if shared else perm
+    refs = [cpu_permute(b, perm, 1, inverse) for b in bufs]
+    keys, values = bufs[:3], bufs[3:]
+    imoe.permute_(keys + values, perm, dim=1, inverse=inverse)
+    imoe.check_errors(bufs[0])
+    for got, want in zip(bufs, refs):
+        np.testing.assert_array_equal(bits(got), want)
+    np.testing.assert_array_equal(bits(big[1::2]), untouched[0])
+    np.testing.assert_array_equal(bits(wide[:, :, :1]), untouched[1])
+
 def chunk_edge_perms(n, gen):
     """Cycles placed around the rotation chunks (16 layout positions): runs of
     equal cycles of length 15, 16, 17, 33 and 3, 2-cycles shifted by one slot
