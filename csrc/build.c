@@ -212,7 +212,7 @@ imoe_status imoe_compact(const imoe_view *buffers, int32_t num_buffers, const im
   if (st != IMOE_OK || empty) return st;
   if (imoe_on_cuda(exec)) {
     if (sel->order != IMOE_ORDER_INPLACE) {
-      return imoe_cuda_compact_ordered(buffers, num_buffers, sel, sel->order, out_indices,
+      return imoe_cuda_compact_ordered(buffers, num_buffers, sel, sel->order, mode, out_indices,
                                        workspace, workspace_elems, exec, err);
     }
     return imoe_cuda_compact(buffers, num_buffers, sel, out_indices, out_target_map, mode, exec,

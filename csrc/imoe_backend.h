@@ -112,7 +112,7 @@ imoe_status imoe_cuda_apply_ordered(const imoe_view *buffers, int32_t num_buffer
  * rows of the buffers. A NaN under IMOE_NAN_ERROR or bad active indices is a
  * recorded data error: out_indices and every buffer keep their bytes. */
 imoe_status imoe_cuda_compact_ordered(const imoe_view *buffers, int32_t num_buffers,
-                                      const imoe_selection *sel, imoe_order order,
+                                      const imoe_selection *sel, imoe_order order, imoe_mode mode,
                                       const imoe_view *out_indices, int32_t *workspace,
                                       int64_t workspace_elems, const imoe_exec *exec,
                                       imoe_error *err);

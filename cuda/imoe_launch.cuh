@@ -168,18 +168,21 @@ imoe_status launch_apply_groups(const char *fn, const imoe_view *buffers, int fi
 // imoe_permute.cu. The permutation `succ` ([plan rows, n]) applied to
 // buffers [buf_st0, ...) of pl after the validation of `token`: by column
 // slices in shared memory (launch_slices) where every buffer's slot slice
-// fits, else by the cycle kernels and the data passes.
+// fits, else by the cycle kernels and the data passes. `written` < n (a
+// forward permutation only): slots [written, n) may be left as they are
+// (move mode: only new[0, written) is wanted); the cycle engine writes all.
 imoe_status launch_cycles_and_swaps(const char *fn, const imoe_view *buffers, int32_t num_buffers,
                                     const CallRows &pl, size_t buf_st0, const InView &succ, bool per_row,
                                     int64_t n, bool inverse, int32_t *ws, uint32_t token, int nverdict,
-                                    DevInfo *di, cudaStream_t st, imoe_error *err);
+                                    DevInfo *di, cudaStream_t st, imoe_error *err, int64_t written = -1);
 
 // imoe_slices.cu. The same permutation, one block per (rows, slices) unit
-// staging the slices of all n slots in shared memory. *done = false, with
-// nothing launched, when some buffer's n x W bytes do not fit a block.
+// staging in shared memory the slices of the slots it writes (forward: the
+// sources of new[0, written); inverse: all n). *done = false, with nothing
+// launched, when some buffer's staged slots x W bytes do not fit a block.
 imoe_status launch_slices(const char *fn, const imoe_view *buffers, int32_t num_buffers, const CallRows &pl,
-                          size_t buf_st0, const InView &succ, bool per_row, int64_t n, bool inverse,
-                          uint32_t token, int nverdict, DevInfo *di, cudaStream_t st, imoe_error *err,
-                          bool *done);
+                          size_t buf_st0, const InView &succ, bool per_row, int64_t n, int64_t written,
+                          bool inverse, uint32_t token, int nverdict, DevInfo *di, cudaStream_t st,
+                          imoe_error *err, bool *done);
 
 }  // namespace imoe_cu

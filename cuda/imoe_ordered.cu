@@ -22,7 +22,8 @@
 //      (one block per row): a stable LSD radix sort of P[0, C') (8-bit
 //      digits; 4 passes for f32 keys, 2 for f16 / bf16), so ties keep the
 //      ascending slot order; it then writes out_indices.
-//   4. Compaction: launch_cycles_and_swaps applies P to every buffer.
+//   4. Compaction: launch_cycles_and_swaps applies P to every buffer; in move
+//      mode only P's first C' slots are written where the slice path runs.
 // Every kernel reads the verdict words of step 1's validation first and does
 // nothing after a data error (NaN under IMOE_NAN_ERROR, bad active indices),
 // so out_indices and the buffers keep their bytes; only the workspace is
@@ -318,10 +319,11 @@ OrderSort plan_order_sort(imoe_order order, int64_t kept, uint64_t rows) {
 }
 
 // Steps 1-4 above. num_buffers == 0: imoe_build_map_ordered (out_indices
-// only); else imoe_compact_ordered (move mode applies all of P, as
-// imoe_cuda_apply_ordered does).
+// only); else imoe_compact_ordered (move mode writes P's first C' slots
+// where the slice path applies it, and all of P otherwise).
 imoe_status ordered_select(const char *fn, const imoe_view *buffers, int32_t num_buffers,
-                           const imoe_selection *sel, imoe_order order, const imoe_view *oi, int64_t n,
+                           const imoe_selection *sel, imoe_order order, imoe_mode mode, const imoe_view *oi,
+                           int64_t n,
                            int32_t *ws, int64_t ws_elems, const imoe_exec *exec, imoe_error *err) {
   DeviceGuard guard;
   DevInfo *di = nullptr;
@@ -404,7 +406,7 @@ imoe_status ordered_select(const char *fn, const imoe_view *buffers, int32_t num
   if (num_buffers == 0 || kept == 0 || (order == IMOE_ORDER_STABLE && kept == n)) return IMOE_OK;
   const InView plan = ws_view(ws + kOrdPlan * op.region, pl.lead, n, true);
   return launch_cycles_and_swaps(fn, buffers, num_buffers, pl, 2, plan, true, n, false, ws, v.token,
-                                 v.nverdict, di, st, err);
+                                 v.nverdict, di, st, err, mode == IMOE_MODE_MOVE ? kept : n);
 }
 
 }  // namespace
@@ -416,17 +418,18 @@ using namespace imoe_cu;
 extern "C" {
 
 imoe_status imoe_cuda_compact_ordered(const imoe_view *buffers, int32_t num_buffers,
-                                      const imoe_selection *sel, imoe_order order,
+                                      const imoe_selection *sel, imoe_order order, imoe_mode mode,
                                       const imoe_view *out_indices, int32_t *workspace,
                                       int64_t workspace_elems, const imoe_exec *exec, imoe_error *err) {
-  return ordered_select("imoe_cuda_compact_ordered", buffers, num_buffers, sel, order, out_indices,
+  return ordered_select("imoe_cuda_compact_ordered", buffers, num_buffers, sel, order, mode, out_indices,
                         buffers[0].n, workspace, workspace_elems, exec, err);
 }
 
 imoe_status imoe_cuda_build_map_ordered(const imoe_selection *sel, imoe_order order, int64_t n,
                                         const imoe_view *out_indices, int32_t *workspace,
                                         int64_t workspace_elems, const imoe_exec *exec, imoe_error *err) {
-  return ordered_select("imoe_cuda_build_map_ordered", nullptr, 0, sel, order, out_indices, n, workspace,
+  return ordered_select("imoe_cuda_build_map_ordered", nullptr, 0, sel, order, IMOE_MODE_SWAP, out_indices, n,
+                        workspace,
                         workspace_elems, exec, err);
 }
 

@@ -742,11 +742,12 @@ CyclePlan plan_cycles(int64_t n) {
 imoe_status launch_cycles_and_swaps(const char *fn, const imoe_view *buffers, int32_t num_buffers,
                                     const CallRows &pl, size_t buf_st0, const InView &succ, bool per_row,
                                     int64_t n, bool inverse, int32_t *ws, uint32_t token, int nverdict,
-                                    DevInfo *di, cudaStream_t st, imoe_error *err) {
+                                    DevInfo *di, cudaStream_t st, imoe_error *err, int64_t written) {
   if (n < 2 || num_buffers <= 0) return IMOE_OK;  // nothing can move
+  if (written < 0 || written > n || inverse) written = n;
   bool done = false;
-  imoe_status sr = launch_slices(fn, buffers, num_buffers, pl, buf_st0, succ, per_row, n, inverse, token,
-                                 nverdict, di, st, err, &done);
+  imoe_status sr = launch_slices(fn, buffers, num_buffers, pl, buf_st0, succ, per_row, n, written, inverse,
+                                 token, nverdict, di, st, err, &done);
   if (sr != IMOE_OK || done) return sr;
   const uint64_t rows = per_row ? pl.R : 1u;
   CycleParams cp;

@@ -8,14 +8,17 @@
 // the slot the same way. Each buffer's slot is cut into slices of W bytes
 // (W: the widest of 16, 8, 4, 2, 1 that divides the row bytes, the data
 // pointer, the slot stride and every lead stride). One unit of work is
-// (a group of RU rows, a chunk of S consecutive slices): a block loads
-// those slices of all N slots of those rows into shared memory
-// (RU x N x S x W bytes), waits at a barrier, then writes slot i of each row
-// from the staged copy of slot p[i] (forward: new[i] = old[p[i]]) or writes
-// slot p[i] from the staged slot i (inverse). Every moved byte is read once
-// and written once, in place, without workspace and without a grid-wide
-// step. S > 1 and RU > 1 (powers of two) only when one slice of one row
-// stages less than kSliceTarget bytes. Units are numbered buffer by buffer,
+// (a group of RU rows, a chunk of S consecutive slices): a block stages
+// those slices of M slots of those rows in shared memory (RU x M x S x W
+// bytes), waits at a barrier, then writes them back in place. Forward
+// (new[i] = old[p[i]] for i < M): it gathers old[p[i]] into stage i, then
+// writes slots [0, M) in order; M = N for a permutation, M = C' for a move
+// (only the kept slots [0, C') are wanted). Inverse (new[p[i]] = old[i]):
+// it stages all N slots, then scatters. Every written byte is read once and
+// written once, without workspace and without a grid-wide step. S grows
+// (powers of two) until a slot's slices fill a 32-byte sector, or while a
+// unit stages less than kSliceTarget bytes; RU > 1 only in the latter case.
+// Units are numbered buffer by buffer,
 // row group by row group, chunks fastest, so the blocks of neighbouring
 // slices of a row (which share DRAM sectors) run together.
 //
@@ -39,6 +42,8 @@ constexpr int kSliceThreads = 512;
 constexpr int kSliceUnroll = 4;       // loads in flight per thread (64 KB per multiprocessor)
 constexpr int kSliceBlocksPerSm = 2;  // 64 registers a thread (at 3 blocks, 40 spill)
 constexpr int64_t kSliceTarget = 64 * 1024;   // staged bytes a unit grows to with S, RU > 1
+constexpr int64_t kSliceSectorMax = 128 * 1024;  // staged bytes S may reach to fill a sector
+constexpr int kSliceSector = 32;                  // bytes of a DRAM sector
 constexpr int kSliceMaxRows = 32;             // RU at most
 // The row starts of a unit (buffer rows, then permutation rows), at the front
 // of the dynamic shared memory.
@@ -55,6 +60,7 @@ struct SliceParams {
   Lead lead;        // the buffers' rows
   uint64_t rows;
   int64_t n;
+  int64_t m;        // slots staged per row: written (forward), n (inverse)
   uint64_t units;
   InView succ;      // the permutation p: [plan rows, n]
   int32_t per_row;  // one p per row (else one shared by every row)
@@ -89,17 +95,29 @@ __device__ __forceinline__ void slice_unit(const SliceParams &p, const SliceBuf 
   const int shs = ONE ? 0 : sb.sh_s, shr = ONE ? 0 : sb.sh_r, shx = shs + shr;
   const uint32_t smask = (1u << shs) - 1u, rmask = (1u << shr) - 1u;
   const uint32_t cnt = min(1u << shs, bd.body - j0);
-  const uint32_t total = (uint32_t)p.n << shx;  // n x S x RU x W <= the shared memory
+  const uint32_t total = (uint32_t)p.m << shx;  // m x S x RU x W <= the shared memory
   const int64_t ns = bd.n_stride;
+  const bool al = p.succ.aligned != 0;
+  const bool inverse = p.inverse != 0;
   constexpr uint32_t kStep = kSliceUnroll * kSliceThreads;
+  // Stage: forward gathers old[p[x]], inverse reads old[x].
   for (uint32_t k0 = threadIdx.x; k0 < total; k0 += kStep) {
-    V v[kSliceUnroll];
+    uint32_t y[kSliceUnroll];
 #pragma unroll
     for (int q = 0; q < kSliceUnroll; ++q) {
       const uint32_t k = k0 + (uint32_t)q * kSliceThreads;
       const uint32_t s = k & smask, rr = (k >> shs) & rmask, x = k >> shx;
+      y[q] = x;
+      if (!inverse && k < total && s < cnt && rr < nr)
+        y[q] = (uint32_t)succ_at(s_succ[rr] + (int64_t)x * p.succ.n_stride, p.succ.dtype, al);
+    }
+    V v[kSliceUnroll];
+#pragma unroll
+    for (int q = 0; q < kSliceUnroll; ++q) {
+      const uint32_t k = k0 + (uint32_t)q * kSliceThreads;
+      const uint32_t s = k & smask, rr = (k >> shs) & rmask;
       if (k < total && s < cnt && rr < nr)
-        v[q] = *reinterpret_cast<const V *>(s_row[rr] + (int64_t)x * ns + (int64_t)(j0 + s) * W);
+        v[q] = *reinterpret_cast<const V *>(s_row[rr] + (int64_t)y[q] * ns + (int64_t)(j0 + s) * W);
     }
 #pragma unroll
     for (int q = 0; q < kSliceUnroll; ++q) {
@@ -109,27 +127,23 @@ __device__ __forceinline__ void slice_unit(const SliceParams &p, const SliceBuf 
     }
   }
   __syncthreads();
-  const bool al = p.succ.aligned != 0;
-  const bool inverse = p.inverse != 0;
+  // Write: forward slot x in order, inverse slot p[x].
   for (uint32_t k0 = threadIdx.x; k0 < total; k0 += kStep) {
-    int32_t y[kSliceUnroll];
+    uint32_t y[kSliceUnroll];
 #pragma unroll
     for (int q = 0; q < kSliceUnroll; ++q) {
       const uint32_t k = k0 + (uint32_t)q * kSliceThreads;
       const uint32_t s = k & smask, rr = (k >> shs) & rmask, x = k >> shx;
-      y[q] = 0;
-      if (k < total && s < cnt && rr < nr)
-        y[q] = succ_at(s_succ[rr] + (int64_t)x * p.succ.n_stride, p.succ.dtype, al);
+      y[q] = x;
+      if (inverse && k < total && s < cnt && rr < nr)
+        y[q] = (uint32_t)succ_at(s_succ[rr] + (int64_t)x * p.succ.n_stride, p.succ.dtype, al);
     }
 #pragma unroll
     for (int q = 0; q < kSliceUnroll; ++q) {
       const uint32_t k = k0 + (uint32_t)q * kSliceThreads;
-      const uint32_t s = k & smask, rr = (k >> shs) & rmask, x = k >> shx;
-      if (k < total && s < cnt && rr < nr) {
-        const uint32_t dst = inverse ? (uint32_t)y[q] : x;
-        const uint32_t src = inverse ? k : ((((uint32_t)y[q] << shr) | rr) << shs) | s;
-        *reinterpret_cast<V *>(s_row[rr] + (int64_t)dst * ns + (int64_t)(j0 + s) * W) = sm[src];
-      }
+      const uint32_t s = k & smask, rr = (k >> shs) & rmask;
+      if (k < total && s < cnt && rr < nr)
+        *reinterpret_cast<V *>(s_row[rr] + (int64_t)y[q] * ns + (int64_t)(j0 + s) * W) = sm[k];
     }
   }
 }
@@ -214,10 +228,15 @@ cudaError_t slices_smem_attribute(const DevInfo *di) {
 // validation of `token`, kMaxBuf buffers a launch. *done = false (nothing
 // launched) when some buffer's N x W does not fit a block's shared memory.
 imoe_status launch_slices(const char *fn, const imoe_view *buffers, int32_t num_buffers, const CallRows &pl,
-                          size_t buf_st0, const InView &succ, bool per_row, int64_t n, bool inverse,
-                          uint32_t token, int nverdict, DevInfo *di, cudaStream_t st, imoe_error *err,
-                          bool *done) {
+                          size_t buf_st0, const InView &succ, bool per_row, int64_t n, int64_t written,
+                          bool inverse, uint32_t token, int nverdict, DevInfo *di, cudaStream_t st,
+                          imoe_error *err, bool *done) {
   *done = false;
+  const int64_t m = inverse ? n : written;  // slots staged per row
+  if (m <= 0) {
+    *done = true;  // nothing is written
+    return IMOE_OK;
+  }
   const int64_t avail = (int64_t)di->smem_optin - (int64_t)kSliceTables;
   const int64_t target = std::min(kSliceTarget, avail);
   std::vector<BufDesc> bds((size_t)num_buffers);
@@ -226,7 +245,7 @@ imoe_status launch_slices(const char *fn, const imoe_view *buffers, int32_t num_
     const int64_t rb = buffers[b].row_bytes;
     int w = bd.vw;
     while (w > 1 && ((uintptr_t)bd.data % (uintptr_t)w != 0 || rb % w != 0)) w >>= 1;
-    if (n * w > avail) return IMOE_OK;
+    if (m * w > avail) return IMOE_OK;
     bd.vw = w;
     bd.head = 0;
     bd.tail = 0;
@@ -245,6 +264,7 @@ imoe_status launch_slices(const char *fn, const imoe_view *buffers, int32_t num_
   sp.lead = pl.lead;
   sp.rows = pl.R;
   sp.n = n;
+  sp.m = m;
   sp.succ = succ;
   sp.per_row = per_row ? 1 : 0;
   sp.inverse = inverse ? 1 : 0;
@@ -259,10 +279,12 @@ imoe_status launch_slices(const char *fn, const imoe_view *buffers, int32_t num_
     int64_t smem = 0;
     for (int b = 0; b < sp.nbuf; ++b) {
       const BufDesc &bd = bds[(size_t)(g + b)];
-      const int64_t slot = n * bd.vw;
+      const int64_t slot = m * bd.vw;
       const uint32_t sp2 = ceil_pow2(bd.body);
       uint32_t S = 1, RU = 1;
-      while (S < sp2 && slot * S * 2 <= target) S <<= 1;
+      while (S < sp2 && (slot * S * 2 <= target ||
+                         (S * bd.vw < kSliceSector && slot * S * 2 <= std::min(kSliceSectorMax, avail))))
+        S <<= 1;
       if (S >= bd.body) {
         const uint32_t rmax = std::min<uint32_t>(kSliceMaxRows, ceil_pow2(pl.R));
         while (RU < rmax && slot * S * RU * 2 <= target) RU <<= 1;
