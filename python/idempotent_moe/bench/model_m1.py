@@ -190,6 +190,7 @@ def _check_agreement(model, ids, impls: list, rows: dict, tokens: dict, tie_ulps
     forbidden = _forbidden(model)
     dtype = next(model.parameters()).dtype
     reference = tokens.get(BASELINE)
+    judged = []
     for impl in impls:
         if impl.name not in tokens:
             continue
@@ -206,11 +207,15 @@ def _check_agreement(model, ids, impls: list, rows: dict, tokens: dict, tie_ulps
         row["agreement"] = verdict
         # Capacity mode drops assignments: its tokens are reported, not judged.
         row["agreement_checked"] = impl.capacity_factor is None
-        # Identical to grouped_mm's own tokens, or else every token within a
-        # near-tie of grouped_mm's best logit on the same prefix.
-        identical = reference is not None and verdict["sequences_equal_baseline"] == verdict["sequences"]
-        verdict["identical"] = identical
-        row["ok"] = (identical or verdict["disagree"] == 0) if impl.capacity_factor is None else None
+        verdict["identical"] = (reference is not None
+                                and verdict["sequences_equal_baseline"] == verdict["sequences"])
+        judged.append((impl, row, verdict))
+    own = rows.get(BASELINE, {}).get("agreement", {}).get("disagree")
+    for impl, row, verdict in judged:
+        verdict["baseline_disagree"] = own
+        verdict["disagree_allowed"] = agreement.allowed_disagreements(own)
+        row["ok"] = (verdict["identical"] or verdict["disagree"] <= verdict["disagree_allowed"]
+                     if impl.capacity_factor is None else None)
 
 
 def run_family(family: Family, opts: M1Options) -> dict:

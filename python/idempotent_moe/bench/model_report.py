@@ -45,6 +45,8 @@ def _agreement_cell(row: dict) -> str:
         counts = f"{a['sequences_equal_baseline']} of {a['sequences']} sequences identical; " + counts
     if not row.get("agreement_checked", True):
         return f"capacity (not judged): {counts}"
+    if not a.get("identical") and a.get("baseline_disagree"):
+        counts += f" (grouped_mm's own tokens: {a['baseline_disagree']}; allowed {a['disagree_allowed']})"
     return f"{'ok' if row.get('ok') else 'FAILED'}: {counts}"
 
 
