@@ -24,6 +24,7 @@ import time
 import idempotent_moe as imoe
 import idempotent_moe.integrations as hf
 import torch
+from idempotent_moe.bench import runner
 from idempotent_moe.moe_ops import gated_act, moe_combine, moe_dispatch
 from torch.profiler import ProfilerActivity, profile
 from transformers import MixtralConfig
@@ -152,7 +153,8 @@ def main():
     opts = ap.parse_args()
     hf.register()
     b = block()
-    result = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__}
+    result = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
+              "commit": runner._git_commit()}
     for tokens in (1, 8):
         costs, counts = host_costs(b, tokens)
         result[f"host_us_{tokens}_tokens"] = costs
