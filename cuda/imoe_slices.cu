@@ -100,17 +100,21 @@ __device__ __forceinline__ void slice_unit(const SliceParams &p, const SliceBuf 
   const bool al = p.succ.aligned != 0;
   const bool inverse = p.inverse != 0;
   constexpr uint32_t kStep = kSliceUnroll * kSliceThreads;
-  // Stage: forward gathers old[p[x]], inverse reads old[x].
-  for (uint32_t k0 = threadIdx.x; k0 < total; k0 += kStep) {
-    uint32_t y[kSliceUnroll];
+  // The slots of items k0 + q x threads: x, or p[x] where `mapped`.
+  auto slots = [&](uint32_t k0, bool mapped, uint32_t(&y)[kSliceUnroll]) {
 #pragma unroll
     for (int q = 0; q < kSliceUnroll; ++q) {
       const uint32_t k = k0 + (uint32_t)q * kSliceThreads;
       const uint32_t s = k & smask, rr = (k >> shs) & rmask, x = k >> shx;
       y[q] = x;
-      if (!inverse && k < total && s < cnt && rr < nr)
+      if (mapped && k < total && s < cnt && rr < nr)
         y[q] = (uint32_t)succ_at(s_succ[rr] + (int64_t)x * p.succ.n_stride, p.succ.dtype, al);
     }
+  };
+  // Stage: forward gathers old[p[x]], inverse reads old[x].
+  for (uint32_t k0 = threadIdx.x; k0 < total; k0 += kStep) {
+    uint32_t y[kSliceUnroll];
+    slots(k0, !inverse, y);
     V v[kSliceUnroll];
 #pragma unroll
     for (int q = 0; q < kSliceUnroll; ++q) {
@@ -130,14 +134,7 @@ __device__ __forceinline__ void slice_unit(const SliceParams &p, const SliceBuf 
   // Write: forward slot x in order, inverse slot p[x].
   for (uint32_t k0 = threadIdx.x; k0 < total; k0 += kStep) {
     uint32_t y[kSliceUnroll];
-#pragma unroll
-    for (int q = 0; q < kSliceUnroll; ++q) {
-      const uint32_t k = k0 + (uint32_t)q * kSliceThreads;
-      const uint32_t s = k & smask, rr = (k >> shs) & rmask, x = k >> shx;
-      y[q] = x;
-      if (inverse && k < total && s < cnt && rr < nr)
-        y[q] = (uint32_t)succ_at(s_succ[rr] + (int64_t)x * p.succ.n_stride, p.succ.dtype, al);
-    }
+    slots(k0, inverse, y);
 #pragma unroll
     for (int q = 0; q < kSliceUnroll; ++q) {
       const uint32_t k = k0 + (uint32_t)q * kSliceThreads;
