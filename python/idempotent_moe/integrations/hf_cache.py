@@ -136,6 +136,11 @@ class InplaceEvictionLayer(CacheLayerMixin):
         self.evictions = 0    # evictions done
         self.evicted = 0      # tokens evicted, in all
         self._k = self._v = self._pos = self._acc = None
+        # Positions are written when read (_written_positions): slots
+        # [_pos_upto, length) hold consecutive logical positions from
+        # seen - (length - _pos_upto), unwritten, so a decode step writes K
+        # and V alone.
+        self._pos_upto = 0
         self._adopted = False  # the buffers are a prompt's own K and V tensors
         self._pending = False  # evict at the start of the next update
         self._since = 0        # decode tokens since the last eviction or prefill
@@ -155,7 +160,15 @@ class InplaceEvictionLayer(CacheLayerMixin):
     @property
     def positions(self) -> torch.Tensor | None:
         """Logical position of each valid slot, [B, H, length] int32."""
-        return None if self._pos is None else self._pos[:, :, : self.length]
+        return None if self._pos is None else self._written_positions()[:, :, : self.length]
+
+    def _written_positions(self) -> torch.Tensor:
+        """The position buffer with every valid slot's position written."""
+        lo, n = self._pos_upto, self.length
+        if lo < n:
+            self._pos[:, :, lo:n].copy_(self._positions_for(self._pos, self.seen - (n - lo), n - lo))
+            self._pos_upto = n
+        return self._pos
 
     def buffer_bytes(self) -> int:
         """Bytes held by this layer's buffers."""
@@ -186,7 +199,7 @@ class InplaceEvictionLayer(CacheLayerMixin):
         n = self.length
         k[:, :, :n].copy_(self._k[:, :, :n])
         v[:, :, :n].copy_(self._v[:, :, :n])
-        pos[:, :, :n].copy_(self._pos[:, :, :n])
+        pos[:, :, :n].copy_(self._written_positions()[:, :, :n])
         if acc is not None:
             acc[:, :, :n].copy_(self._acc[:, :, :n])
         self._k, self._v, self._pos, self._acc = k, v, pos, acc
@@ -204,6 +217,7 @@ class InplaceEvictionLayer(CacheLayerMixin):
             # (nothing is copied) until its eviction.
             self._k, self._v = key_states, value_states
             self._pos = self._positions_for(key_states, self.seen, q).contiguous()
+            self._pos_upto = q
             self._acc = (torch.zeros(key_states.shape[:3], dtype=torch.float32,
                                      device=key_states.device) if self._wants_acc() else None)
             self._adopted = True
@@ -220,7 +234,6 @@ class InplaceEvictionLayer(CacheLayerMixin):
         lo = self.length
         self._k[:, :, lo:need].copy_(key_states)
         self._v[:, :, lo:need].copy_(value_states)
-        self._pos[:, :, lo:need].copy_(self._positions_for(key_states, self.seen, q))
         if self._acc is not None:
             self._acc[:, :, lo:need].zero_()
         self.length = need
@@ -293,7 +306,7 @@ class InplaceEvictionLayer(CacheLayerMixin):
         return -1
 
     def reset(self) -> None:
-        self.length = self.seen = self._since = 0
+        self.length = self.seen = self._since = self._pos_upto = 0
         self._pending = False
         if self._adopted:
             self._k = self._v = self._pos = self._acc = None
@@ -305,6 +318,7 @@ class InplaceEvictionLayer(CacheLayerMixin):
         if self._k is None:
             return
         idx = beam_idx.to(self._k.device)
+        self._written_positions()
         for name in ("_k", "_v", "_pos", "_acc"):
             t = getattr(self, name)
             if t is not None:
@@ -318,6 +332,7 @@ class InplaceEvictionLayer(CacheLayerMixin):
     def batch_repeat_interleave(self, repeats: int) -> None:
         if self._k is None:
             return
+        self._written_positions()
         for name in ("_k", "_v", "_pos", "_acc"):
             t = getattr(self, name)
             if t is not None:
@@ -347,7 +362,8 @@ class InplaceEvictionLayer(CacheLayerMixin):
                     "(with attn_implementation='eager') before generating")
             s = self._acc[:, :, :n]
         else:
-            s = score(self._k[:, :, :n], self._v[:, :, :n], self._pos[:, :, :n], self.layer_idx)
+            s = score(self._k[:, :, :n], self._v[:, :, :n], self._written_positions()[:, :, :n],
+                      self.layer_idx)
             if not isinstance(s, torch.Tensor):
                 raise TypeError(f"the score callable must return a torch.Tensor, got {type(s).__name__}")
         s = reduce_head_scores(s, heads, self.policy.head_reduce)
@@ -368,7 +384,7 @@ class InplaceEvictionLayer(CacheLayerMixin):
         n = self.length
         if n <= budget:
             return 0
-        pos = self._pos[:, :, :n]
+        pos = self._written_positions()[:, :, :n]
         keep = self.policy.sink_tokens
         protect = pos < keep
         if self.policy.recent_window:
@@ -381,7 +397,7 @@ class InplaceEvictionLayer(CacheLayerMixin):
             buffers.append(self._acc[:, :, :n].unsqueeze(-1))
         compact_(buffers, scores, budget, dim=2, mode=self.policy.mode, order=self.policy.order,
                  index_dtype="int32")
-        self.length = budget
+        self.length = self._pos_upto = budget
         self.evictions += 1
         self.evicted += n - budget
         self._since = 0
