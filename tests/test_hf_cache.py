@@ -357,6 +357,39 @@ def test_positions_count_from_the_true_length():
     assert torch.equal(torch.stack(got), logits)
 
 
+def test_positions_written_when_read_follow_every_step_and_reorder():
+    """A decode step writes K and V only; the positions of the tokens appended
+    since are written when read: through `positions`, an eviction, growth,
+    and a beam reorder, always the logical positions of the tokens held."""
+    model, config = tiny_llama()
+    cache = InplaceEvictionCache(10, sink_tokens=2, evict_every=5, max_cache_len=12, config=config)
+    with torch.no_grad():
+        x = prompt(batch=2, length=14)
+        for step in range(13):
+            out = model(x, **{CACHE_ARG: cache})
+            x = out.logits[:, -1:].argmax(-1)
+            layer = cache.layers[0]
+            pos = layer.positions
+            if step:  # decode: the appended slots waited to be written, and now are
+                assert layer._pos_upto == layer.length
+            assert pos.shape[-1] == layer.length
+            # after an eviction the kept positions are a subset in slot order;
+            # the appended ones run up to the last token seen
+            assert int(pos.max()) == layer.seen - 1 and bool((pos[..., :2] < 2).all())
+            assert len(set(pos[0, 0].tolist())) == layer.length
+        since = layer._since  # decode tokens appended since the last eviction: in order at the end
+        assert since >= 2
+        tail = layer.positions[:, :, layer.length - since:]
+        appended = torch.arange(layer.seen - since, layer.seen, dtype=torch.int32)
+        assert torch.equal(tail, appended.expand_as(tail))
+        out = model(x, **{CACHE_ARG: cache})  # one more token, left unwritten
+        assert layer._pos_upto == layer.length - 1
+        expected = layer._pos[:, :, :layer.length].clone()
+        expected[..., -1] = layer.seen - 1
+        cache.reorder_cache(torch.tensor([1, 0]))
+        assert torch.equal(layer.positions, expected[[1, 0]])
+
+
 # --------------------------------------------------------------------------- memory
 
 
