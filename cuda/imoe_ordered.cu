@@ -31,7 +31,8 @@
 //
 // Workspace (int32, rows x N elements per region, IMOE_PLAN_ORDERED): region
 // 0 the target map; 1 and 2 the sort keys (ping, pong); 3 the sorted slots
-// (pong), or the kept slots ascending (the rank sort's input); 6 P. Regions 0-5 are then free for the cycle kernels.
+// (pong), or the kept slots ascending (the rank sort's input); 6 P. Regions
+// 0-5 are then free for the cycle kernels.
 #include <cuda_runtime.h>
 #include <string.h>
 
