@@ -158,7 +158,8 @@ __device__ __forceinline__ void slice_width(const SliceParams &p, const SliceBuf
   }
 }
 
-__global__ void __launch_bounds__(kSliceThreads, kSliceBlocksPerSm) k_perm_slices(const __grid_constant__ SliceParams p) {
+__global__ void __launch_bounds__(kSliceThreads, kSliceBlocksPerSm)
+    k_perm_slices(const __grid_constant__ SliceParams p) {
   extern __shared__ __align__(16) unsigned char dsm[];
   char **s_row = reinterpret_cast<char **>(dsm);
   const char **s_succ = reinterpret_cast<const char **>(dsm + kSliceMaxRows * sizeof(void *));
