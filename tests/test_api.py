@@ -363,3 +363,37 @@ def test_import_without_torch_or_transformers():
                           timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "ok"
+
+
+@pytest.mark.parametrize("mode", ["swap", "move"])
+@pytest.mark.parametrize("as_tuple", [False, True])
+def test_torch_buffer_lists_take_the_same_call_as_numpy(mode, as_tuple, rng):
+    """K and V as a list (or tuple) of torch tensors with the slot axis given:
+    the same bytes, indices and views as the same call on NumPy arrays; a
+    an axis out of range and mismatched slot counts raise
+    what the NumPy call raises, leaving every buffer as it was."""
+    torch = pytest.importorskip("torch")
+    k = rng.standard_normal((2, 3, 40, 8)).astype(np.float16)
+    v = rng.standard_normal((2, 3, 40, 5)).astype(np.float32)
+    scores = rng.random((2, 3, 40)).astype(np.float32)
+    tk, tv = torch.from_numpy(k.copy()), torch.from_numpy(v.copy())
+    bufs = (tk, tv) if as_tuple else [tk, tv]
+    got = imoe.compact_(bufs, torch.from_numpy(scores), 17, dim=2, mode=mode)
+    want = imoe.compact_([k, v], scores, 17, dim=2, mode=mode)
+    assert isinstance(got.values, tuple) and len(got.values) == 2
+    np.testing.assert_array_equal(got.indices.numpy(), want.indices)
+    for t, a, view in zip((tk, tv), (k, v), got.values):
+        np.testing.assert_array_equal(t.numpy(), a)
+        assert view.shape == (2, 3, 17, a.shape[-1]) and view.data_ptr() == t.data_ptr()
+    for dim in (4, -5):
+        with pytest.raises(ValueError, match="dim"):
+            imoe.compact_([tk, tv], torch.from_numpy(scores), 17, dim=dim)
+    short = torch.zeros(2, 3, 39, 5)
+    before = tk.clone()
+    with pytest.raises(Exception) as torch_error:
+        imoe.compact_([tk, short], torch.from_numpy(scores), 17, dim=2)
+    with pytest.raises(Exception) as numpy_error:
+        imoe.compact_([k, short.numpy()], scores, 17, dim=2)
+    assert type(torch_error.value) is type(numpy_error.value)
+    assert str(torch_error.value) == str(numpy_error.value)
+    assert torch.equal(tk, before)

@@ -339,13 +339,14 @@ def compact_(
             out_indices=out_indices, out_target_map=out_target_map, index_dtype=index_dtype,
             workspace=workspace, num_threads=num_threads)
     torch = _arrays._torch()
-    if (torch is not None and type(x) is torch.Tensor and type(scores) is torch.Tensor
-            and active_indices is None and dim is None and workspace is None and num_threads is None
-            and order == "inplace" and type(capacity) is int and capacity >= 0
-            and index_dtype in _arrays.INDEX_DTYPES and not (x.requires_grad or scores.requires_grad)
-            and x.dim() > scores.dim() - 1 >= 0):
-        return _compact_tensor(torch, x, scores, capacity, scores.dim() - 1, mode, protected_prefix,
-                               recent_window, nan, out_indices, out_target_map, index_dtype)
+    if (torch is not None and type(scores) is torch.Tensor and active_indices is None
+            and workspace is None and num_threads is None and order == "inplace"
+            and type(capacity) is int and capacity >= 0 and index_dtype in _arrays.INDEX_DTYPES
+            and not scores.requires_grad):
+        d = scores.dim() - 1 if dim is None else dim
+        if type(d) is int and d >= 0 and _tensor_buffers(torch, x, d):
+            return _compact_tensors(torch, x, scores, capacity, d, mode, protected_prefix, recent_window,
+                                    nan, out_indices, out_target_map, index_dtype)
     bufs, many = _buffers(x)
     scores, active = _selector(scores, active_indices, bufs[0])
     shared_active = active is not None and len(_arrays.shape_of(active)) == 1
@@ -384,24 +385,48 @@ def _map_geometry(scores: Any, active: Any, num_slots: Any, lead_shape: Any) -> 
     return selector, sel_shape[:-1], n
 
 
-def _compact_tensor(torch: Any, x: Any, scores: Any, capacity: int, dim: int, mode: str,
-                    protected_prefix: int, recent_window: int, nan: str, out_indices: Any,
-                    out_target_map: Any, index_dtype: str) -> Compacted:
-    """compact_ for its most common call, one torch tensor with scores (the
-    hot path of a model's layer): the same call into the core, which judges
-    every value, with what the general path works out here in a few lines."""
-    kept = capacity if capacity < x.shape[dim] else x.shape[dim]
+def _tensor_buffers(torch: Any, x: Any, dim: int) -> bool:
+    """Whether x is torch tensors with a slot axis `dim` none of which records
+    a gradient: one tensor, or a non-empty list or tuple of them."""
+    if type(x) is torch.Tensor:
+        return x.dim() > dim and not x.requires_grad
+    if (type(x) is not list and type(x) is not tuple) or not x:
+        return False
+    for b in x:
+        if type(b) is not torch.Tensor or b.dim() <= dim or b.requires_grad:
+            return False
+    return True
+
+
+def _compact_tensors(torch: Any, x: Any, scores: Any, capacity: int, dim: int, mode: str,
+                     protected_prefix: int, recent_window: int, nan: str, out_indices: Any,
+                     out_target_map: Any, index_dtype: str) -> Compacted:
+    """compact_ for its most common calls, torch tensors (one, or K and V)
+    with scores, the slot axis given or the scores' last (the hot path of a
+    model's layer and of a KV cache; _tensor_buffers says which): the same
+    call into the core, which judges every value, with what the general path
+    works out here in a few lines."""
+    many = type(x) is not torch.Tensor
+    first = x[0] if many else x
+    n = first.shape[dim]
+    kept = capacity if capacity < n else n
     if out_indices is None:
-        out_indices = torch.empty(x.shape[:dim] + (kept,), dtype=getattr(torch, index_dtype),
-                                  device=x.device)
-    view = x.narrow(dim, 0, kept)  # before the call writes: it cannot fail after
+        out_indices = torch.empty(first.shape[:dim] + (kept,), dtype=getattr(torch, index_dtype),
+                                  device=first.device)
+    # The views before the call writes: nothing can fail after it.
+    if many:
+        bufs = list(x)
+        views = tuple([b.narrow(dim, 0, kept) for b in bufs])
+        dims, rows = [dim] * len(bufs), [b.dim() - dim - 1 for b in bufs]
+    else:
+        bufs, views, dims, rows = [x], x.narrow(dim, 0, kept), [dim], [x.dim() - dim - 1]
     native().compact(
-        [x], [dim], [x.dim() - dim - 1], scores=scores, active_indices=None, capacity=capacity,
+        bufs, dims, rows, scores=scores, active_indices=None, capacity=capacity,
         protected_prefix=protected_prefix, recent_window=recent_window, nan=nan, order="inplace",
         out_indices=out_indices, out_target_map=out_target_map, mode=mode, workspace=None,
-        num_threads=_num_threads, stream=_arrays.dlpack_stream(x))
+        num_threads=_num_threads, stream=_arrays.dlpack_stream(first))
     _track_move_indices(out_indices, mode)
-    return Compacted(view, out_indices)
+    return Compacted(views, out_indices)
 
 
 def idempotent_map(

@@ -41,6 +41,10 @@ def reduce_head_scores(scores: Any, kv_heads: int, head_reduce: str = "mean") ->
     by `head_reduce`: "mean" or "max", computed in float32), or once per
     sequence [B, S] / [B, 1, S] (broadcast to every head: a view, no copy).
     Allocates only the reduced [B, kv_heads, S] float32 array when it reduces."""
+    torch = _arrays._torch()
+    if (torch is not None and type(scores) is torch.Tensor and type(kv_heads) is int and kv_heads >= 1
+            and scores.dim() == 3 and scores.shape[1] == kv_heads and head_reduce in HEAD_REDUCTIONS):
+        return scores  # one row per KV head already: the common call, checked in a few lines
     _arrays.check_array(scores, "attention_scores")
     kv_heads = _arrays.check_int(kv_heads, "kv_heads", minimum=1)
     if head_reduce not in HEAD_REDUCTIONS:
@@ -96,9 +100,13 @@ def _broadcast_heads(scores: Any, shape: tuple) -> Any:
 
 
 def _check_cache(key_cache: Any, value_cache: Any) -> None:
-    _arrays.check_array(key_cache, "key_cache")
-    _arrays.check_array(value_cache, "value_cache")
-    k_shape, v_shape = _arrays.shape_of(key_cache), _arrays.shape_of(value_cache)
+    torch = _arrays._torch()
+    if torch is not None and type(key_cache) is torch.Tensor and type(value_cache) is torch.Tensor:
+        k_shape, v_shape = tuple(key_cache.shape), tuple(value_cache.shape)
+    else:
+        _arrays.check_array(key_cache, "key_cache")
+        _arrays.check_array(value_cache, "value_cache")
+        k_shape, v_shape = _arrays.shape_of(key_cache), _arrays.shape_of(value_cache)
     if len(k_shape) != 4:
         raise ValueError(f"key_cache must be [batch, heads, seq, head_dim], got {list(k_shape)}")
     if k_shape[:3] != v_shape[:3] or len(v_shape) != 4:
