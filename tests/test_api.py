@@ -369,9 +369,9 @@ def test_import_without_torch_or_transformers():
 @pytest.mark.parametrize("as_tuple", [False, True])
 def test_torch_buffer_lists_take_the_same_call_as_numpy(mode, as_tuple, rng):
     """K and V as a list (or tuple) of torch tensors with the slot axis given:
-    the same bytes, indices and views as the same call on NumPy arrays; a
-    an axis out of range and mismatched slot counts raise
-    what the NumPy call raises, leaving every buffer as it was."""
+    the same bytes, indices and views as the same call on NumPy arrays; an
+    axis out of range and mismatched slot counts raise what the NumPy call
+    raises, leaving every buffer as it was."""
     torch = pytest.importorskip("torch")
     k = rng.standard_normal((2, 3, 40, 8)).astype(np.float16)
     v = rng.standard_normal((2, 3, 40, 5)).astype(np.float32)
