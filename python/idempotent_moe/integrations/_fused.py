@@ -157,6 +157,9 @@ class _Scratch(NamedTuple):
 
 
 def _scratch(experts, plan: _Plan, hidden: torch.Tensor, num_tokens: int, top_k: int, capacity, stream: int):
+    """The module's intermediates for this forward's shape and stream: the
+    ones it holds when they match, else new ones (replacing them), or None
+    above SCRATCH_BYTES."""
     key = (num_tokens, top_k, capacity, stream, hidden.dtype, plan.key[0])
     held = experts.__dict__.get("_idempotent_scratch")
     if held is not None and held.key == key:
