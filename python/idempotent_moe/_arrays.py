@@ -131,18 +131,25 @@ def cuda_device_of(x: Any) -> int | None:
     return int(index) if int(kind) in (_DL_CUDA, _DL_CUDA_MANAGED) else None
 
 
+def _torch_stream(torch: Any, device: int) -> int:
+    """torch's current stream on CUDA device `device`, as dlpack_stream gives it."""
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # no Stream object: cheaper
+    handle = raw(device) if raw is not None else torch.cuda.current_stream(device).cuda_stream
+    return int(handle) or 1
+
+
 def dlpack_stream(x: Any) -> int | None:
     """The DLPack stream value of the caller's current stream on x's device:
     the library launches there, and producers order their work before it.
     None for host memory. The default stream is 1 (DLPack's legacy default)."""
+    torch = _torch()
+    if torch is not None and type(x) is torch.Tensor:  # the hot case, in a few attribute reads
+        return _torch_stream(torch, x.get_device()) if x.is_cuda else None
     device = cuda_device_of(x)
     if device is None:
         return None
     if is_torch(x):
-        torch = _torch()
-        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # no Stream object: cheaper
-        handle = raw(device) if raw is not None else torch.cuda.current_stream(device).cuda_stream
-    else:
-        cupy = sys.modules.get("cupy")
-        handle = cupy.cuda.get_current_stream().ptr if cupy is not None else 0
+        return _torch_stream(torch, device)
+    cupy = sys.modules.get("cupy")
+    handle = cupy.cuda.get_current_stream().ptr if cupy is not None else 0
     return int(handle) or 1
