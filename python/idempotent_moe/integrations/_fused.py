@@ -186,7 +186,7 @@ def _lean_forward(experts, plan: _Plan, hidden: torch.Tensor, top_k_index: torch
     num_tokens, top_k = top_k_index.shape
     if _dispatch.gate_chunks(num_tokens * top_k, plan.inter, hidden.dtype) > 1:
         return None
-    stream = _RAW_STREAM(hidden.device.index) or 1
+    stream = _RAW_STREAM(hidden.get_device()) or 1
     sc = _scratch(experts, plan, hidden, num_tokens, top_k, capacity, stream)
     if sc is None:
         return None
