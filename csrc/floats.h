@@ -25,8 +25,10 @@ static inline float imoe_bf16_to_f32(uint16_t h) { return imoe_f32_from_bits((ui
 
 static inline uint16_t imoe_f32_to_bf16(float f) {
   const uint32_t u = imoe_bits_from_f32(f);
-  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((u >> 16) | 0x40u); /* quiet NaN */
-  return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+  const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+  const uint32_t quiet_nan = (u >> 16) | 0x40u;
+  /* a select, not a branch: loops over it vectorise */
+  return (uint16_t)((u & 0x7FFFFFFFu) > 0x7F800000u ? quiet_nan : rounded);
 }
 
 static inline float imoe_f16_to_f32(uint16_t h) {
@@ -83,5 +85,24 @@ static inline void imoe_store_float(char *p, imoe_dtype dtype, float v) {
   const uint16_t h = dtype == IMOE_DTYPE_F16 ? imoe_f32_to_f16(v) : imoe_f32_to_bf16(v);
   memcpy(p, &h, sizeof h);
 }
+
+/* F16 loops with the x86 F16C conversions (f16c.c): call them only where
+ * imoe_have_f16c() says so; they give the bits of the portable loops.
+ *   imoe_f16c_accumulate  acc[h] += v[h] x w (round_term: the product
+ *                         rounded to F16 first), h < n
+ *   imoe_f16c_store       out[h] = acc[h] rounded to F16, h < n */
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define IMOE_F16C 1
+int imoe_have_f16c(void);
+void imoe_f16c_accumulate(float *acc, const uint16_t *v, float w, int64_t n, int round_term);
+void imoe_f16c_store(uint16_t *out, const float *acc, int64_t n);
+#else
+#define IMOE_F16C 0
+static inline int imoe_have_f16c(void) { return 0; }
+static inline void imoe_f16c_accumulate(float *acc, const uint16_t *v, float w, int64_t n, int round_term) {
+  (void)acc, (void)v, (void)w, (void)n, (void)round_term;
+}
+static inline void imoe_f16c_store(uint16_t *out, const float *acc, int64_t n) { (void)out, (void)acc, (void)n; }
+#endif
 
 #endif /* IMOE_FLOATS_H */

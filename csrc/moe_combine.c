@@ -37,6 +37,8 @@ static void accumulate_row(float *acc, const char *y, imoe_dtype yd, float w, im
       acc[h] += imoe_bf16_to_f32(imoe_f32_to_bf16(imoe_bf16_to_f32(v[h]) * w));
   } else if (yd == IMOE_DTYPE_BF16) {
     for (int64_t h = 0; h < h_n; h++) acc[h] += imoe_bf16_to_f32(v[h]) * w;
+  } else if (imoe_have_f16c()) {
+    imoe_f16c_accumulate(acc, v, w, h_n, term == IMOE_DTYPE_F16);
   } else if (term == IMOE_DTYPE_F16) {
     for (int64_t h = 0; h < h_n; h++)
       acc[h] += imoe_f16_to_f32(imoe_f32_to_f16(imoe_f16_to_f32(v[h]) * w));
@@ -61,6 +63,10 @@ static imoe_status combine_token(const void *vctx, int64_t t, unsigned char *mem
   char *out = imoe_row_base(c->out, t);
   const imoe_dtype od = c->out->dtype;
   if (od == IMOE_DTYPE_F32) memcpy(out, acc, (size_t)h_n * sizeof *acc);
+  else if (od == IMOE_DTYPE_F16 && imoe_have_f16c())
+    imoe_f16c_store((uint16_t *)(void *)out, acc, h_n); /* out is dense */
+  else if (od == IMOE_DTYPE_BF16)
+    for (int64_t h = 0; h < h_n; h++) ((uint16_t *)(void *)out)[h] = imoe_f32_to_bf16(acc[h]);
   else
     for (int64_t h = 0; h < h_n; h++) imoe_store_float(out + h * c->out->row_bytes, od, acc[h]);
   return IMOE_OK;

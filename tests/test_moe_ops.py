@@ -181,6 +181,27 @@ def test_combine_is_the_torch_combine_bit_for_bit(row_dtype, weight_dtype):
                                             keep=keep))
 
 
+@pytest.mark.parametrize("weight_dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("hidden", [1, 7, 8, 43])
+def test_fp16_combine_keeps_torchs_bits_for_every_value(weight_dtype, hidden):
+    """fp16 rows (the CPU core converts them eight at a time where the
+    processor has F16C): subnormals, infinities, NaN, values that overflow
+    when weighted, and widths that leave a tail, bit for bit torch's combine
+    (NaN where torch gives NaN)."""
+    index, weights = routing(64, 2, 5, seed=hidden, weight_dtype=weight_dtype)
+    weights = weights * 3  # products beyond fp16's range for the largest rows
+    d = moe_dispatch(torch.zeros(64, 1), index, 5)
+    g = torch.Generator().manual_seed(hidden)
+    bits = torch.randint(0, 1 << 16, (128, hidden), generator=g, dtype=torch.int32).to(torch.int16)
+    y = bits.view(torch.float16)  # every fp16 pattern: subnormals, infinities, NaNs
+    y[::3] = torch.randn(43, hidden, generator=g)[: y[::3].shape[0]].to(torch.float16) * 60000
+    expected = torch_combine(y, d.dest.long(), weights, torch.float16)
+    got = moe_combine(y, d.dest, weights)
+    nan = expected.isnan()
+    assert torch.equal(got.isnan(), nan)
+    assert torch.equal(got.view(torch.int16)[~nan], expected.view(torch.int16)[~nan])
+
+
 def test_combine_refuses_a_dest_out_of_range():
     y = torch.randn(6, 4)
     out = torch.full((3, 4), 7.0)
