@@ -68,6 +68,23 @@ def dispatch_rows(assignments: int, num_experts: int, capacity: int | None, layo
     return num_experts * capacity if layout == "padded" and capacity is not None else assignments
 
 
+def torch_outputs(hidden: Any, num_experts: int, num_tokens: int, top_k: int, rows: int) -> MoEDispatch:
+    """Uninitialised outputs of a dispatch of torch `hidden` [T, H]:
+    offsets, dest and src are views of one int32 allocation."""
+    torch = _arrays._torch()
+    assignments, device = num_tokens * top_k, hidden.device
+    ints = torch.empty(num_experts + assignments + rows, dtype=torch.int32, device=device)
+    return MoEDispatch(hidden.new_empty((rows,) + tuple(hidden.shape[1:])), ints[:num_experts],
+                       ints[num_experts:num_experts + assignments].view(num_tokens, top_k),
+                       ints[num_experts + assignments:], torch.empty(1, dtype=torch.int64, device=device))
+
+
+def dispatch_workspace(hidden: Any, assignments: int, capacity: int | None, cuda: bool) -> Any:
+    """moe_dispatch's int32 workspace beside `hidden` (a capacity on CUDA), or None."""
+    elems = native().moe_workspace_elems(assignments, capacity, cuda) if cuda and capacity is not None else 0
+    return _empty(hidden, (elems,), "int32") if elems else None
+
+
 def _empty(like: Any, shape: tuple, dtype: Any = None) -> Any:
     """An uninitialised array beside `like` (torch or NumPy), of `dtype`
     (a name, or None for like's dtype)."""
@@ -103,17 +120,10 @@ def moe_dispatch(hidden: Any, top_k_index: Any, num_experts: int, *, top_k_weigh
     num_tokens, top_k = (int(shape[0]), int(shape[1])) if len(shape) == 2 else (0, 0)
     assignments = num_tokens * top_k
     rows = dispatch_rows(assignments, num_experts, capacity, layout)
-    lib = native()
-    if _arrays.is_torch(hidden) and not _apart:  # one int32 allocation for offsets, dest and src
-        torch = _arrays._torch()
-        device = hidden.device
-        cuda = device.type == "cuda"
-        ints = torch.empty(num_experts + assignments + rows, dtype=torch.int32, device=device)
-        out = MoEDispatch(torch.empty((rows,) + tuple(hidden.shape[1:]), dtype=hidden.dtype, device=device),
-                          ints[:num_experts],
-                          ints[num_experts:num_experts + assignments].view(num_tokens, top_k),
-                          ints[num_experts + assignments:], torch.empty(1, dtype=torch.int64, device=device))
-        stream = _arrays.dlpack_stream(hidden) if cuda else None
+    if _arrays.is_torch(hidden) and not _apart:
+        out = torch_outputs(hidden, num_experts, num_tokens, top_k, rows)
+        cuda = hidden.is_cuda
+        stream = _arrays.dlpack_stream(hidden)
     else:
         hshape = _arrays.shape_of(hidden)
         out = MoEDispatch(_empty(hidden, (rows,) + hshape[1:]), _empty(hidden, (num_experts,), "int32"),
@@ -121,12 +131,11 @@ def moe_dispatch(hidden: Any, top_k_index: Any, num_experts: int, *, top_k_weigh
                           _empty(hidden, (1,), "int64"))
         cuda = _arrays.cuda_device_of(hidden) is not None
         stream = _arrays.dlpack_stream(hidden)
-    ws = lib.moe_workspace_elems(assignments, capacity, cuda) if cuda and capacity is not None else 0
-    lib.moe_dispatch(
+    native().moe_dispatch(
         hidden=hidden, top_k_index=top_k_index, top_k_weights=top_k_weights,
         num_experts=num_experts, capacity=capacity, layout=layout, skip_foreign=skip_foreign,
         out_rows=out.rows, out_offsets=out.offsets, out_dest=out.dest, out_src=out.src,
-        out_dropped=out.dropped, workspace=_empty(hidden, (ws,), "int32") if ws else None,
+        out_dropped=out.dropped, workspace=dispatch_workspace(hidden, assignments, capacity, cuda),
         num_threads=resolve_num_threads(num_threads), stream=stream)
     return out
 

@@ -34,7 +34,7 @@ from .._moe import expert_capacity
 from .._native import native
 from .._sorting import compiling
 from ..functional import cuda_available
-from ..moe_ops import gated_act, moe_combine, moe_dispatch
+from ..moe_ops import MoEDispatch, dispatch_workspace, gated_act, moe_combine, moe_dispatch, torch_outputs
 from . import _dispatch
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
@@ -148,12 +148,8 @@ class _Scratch(NamedTuple):
     """A module's decode intermediates for one (T, k, capacity, stream)."""
 
     key: tuple
-    rows: torch.Tensor     # [S, H] gathered tokens
-    offsets: torch.Tensor  # [E] int32 (views of one int32 allocation)
-    dest: torch.Tensor     # [T, k] int32
-    src: torch.Tensor      # [S] int32
-    dropped: torch.Tensor  # [1] int64 (dropless: never read)
-    act: torch.Tensor      # [S, I] act(gate) * up
+    d: MoEDispatch       # the dispatch's outputs (dropped: used dropless only)
+    act: torch.Tensor    # [S, I] act(gate) * up
 
 
 def _scratch(experts, plan: _Plan, hidden: torch.Tensor, num_tokens: int, top_k: int, capacity, stream: int):
@@ -164,12 +160,10 @@ def _scratch(experts, plan: _Plan, hidden: torch.Tensor, num_tokens: int, top_k:
     held = experts.__dict__.get("_idempotent_scratch")
     if held is not None and held.key == key:
         return held
-    s, e, h = num_tokens * top_k, experts.num_experts, hidden.shape[1]
-    if s * (h + plan.inter) * hidden.element_size() > SCRATCH_BYTES:
+    s = num_tokens * top_k
+    if s * (hidden.shape[1] + plan.inter) * hidden.element_size() > SCRATCH_BYTES:
         return None
-    ints = torch.empty(e + 2 * s, dtype=torch.int32, device=hidden.device)
-    held = _Scratch(key, hidden.new_empty((s, h)), ints[:e], ints[e:e + s].view(num_tokens, top_k),
-                    ints[e + s:], torch.empty(1, dtype=torch.int64, device=hidden.device),
+    held = _Scratch(key, torch_outputs(hidden, experts.num_experts, num_tokens, top_k, s),
                     hidden.new_empty((s, plan.inter)))
     experts.__dict__["_idempotent_scratch"] = held
     return held
@@ -190,21 +184,18 @@ def _lean_forward(experts, plan: _Plan, hidden: torch.Tensor, top_k_index: torch
     sc = _scratch(experts, plan, hidden, num_tokens, top_k, capacity, stream)
     if sc is None:
         return None
-    lib = native()
-    dropped, ws = sc.dropped, None
-    if capacity is not None:
-        dropped = torch.empty(1, dtype=torch.int64, device=hidden.device)
-        elems = lib.moe_workspace_elems(num_tokens * top_k, capacity, True)
-        ws = torch.empty(elems, dtype=torch.int32, device=hidden.device) if elems else None
+    lib, d = native(), sc.d
+    dropped = d.dropped if capacity is None else torch.empty(1, dtype=torch.int64, device=hidden.device)
     lib.moe_dispatch(hidden=hidden, top_k_index=top_k_index, top_k_weights=top_k_weights,
-                     num_experts=experts.num_experts, capacity=capacity, out_rows=sc.rows,
-                     out_offsets=sc.offsets, out_dest=sc.dest, out_src=sc.src, out_dropped=dropped,
-                     workspace=ws, num_threads=0, stream=stream)
-    h = _RAW_MM(sc.rows, plan.up, offs=sc.offsets)
-    lib.gated_act(gate_up=h, out=sc.act, act=plan.act, limit=sc.offsets, num_threads=0, stream=stream)
-    y = _RAW_MM(sc.act, plan.down, offs=sc.offsets)
+                     num_experts=experts.num_experts, capacity=capacity, out_rows=d.rows,
+                     out_offsets=d.offsets, out_dest=d.dest, out_src=d.src, out_dropped=dropped,
+                     workspace=dispatch_workspace(hidden, num_tokens * top_k, capacity, True),
+                     num_threads=0, stream=stream)
+    h = _RAW_MM(d.rows, plan.up, offs=d.offsets)
+    lib.gated_act(gate_up=h, out=sc.act, act=plan.act, limit=d.offsets, num_threads=0, stream=stream)
+    y = _RAW_MM(sc.act, plan.down, offs=d.offsets)
     out = hidden.new_empty((num_tokens, hidden.shape[1]))
-    lib.moe_combine(rows=y, dest=sc.dest, weights=top_k_weights, out=out, num_threads=0, stream=stream)
+    lib.moe_combine(rows=y, dest=d.dest, weights=top_k_weights, out=out, num_threads=0, stream=stream)
     return out, dropped
 
 
