@@ -138,8 +138,9 @@ class InplaceEvictionLayer(CacheLayerMixin):
         self._k = self._v = self._pos = self._acc = None
         # Positions are written when read (_written_positions): slots
         # [_pos_upto, length) hold consecutive logical positions from
-        # seen - (length - _pos_upto), unwritten, so a decode step writes K
-        # and V alone.
+        # seen - (length - _pos_upto), unwritten and alike in every batch row
+        # (a beam reorder or repeat moves nothing of them), so a decode step
+        # writes K and V alone.
         self._pos_upto = 0
         self._adopted = False  # the buffers are a prompt's own K and V tensors
         self._pending = False  # evict at the start of the next update
@@ -317,8 +318,7 @@ class InplaceEvictionLayer(CacheLayerMixin):
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         if self._k is None:
             return
-        idx = beam_idx.to(self._k.device)
-        self._written_positions()
+        idx = beam_idx.to(self._k.device)  # unwritten positions are the same in every row: none to write
         for name in ("_k", "_v", "_pos", "_acc"):
             t = getattr(self, name)
             if t is not None:
@@ -332,7 +332,6 @@ class InplaceEvictionLayer(CacheLayerMixin):
     def batch_repeat_interleave(self, repeats: int) -> None:
         if self._k is None:
             return
-        self._written_positions()
         for name in ("_k", "_v", "_pos", "_acc"):
             t = getattr(self, name)
             if t is not None:
