@@ -68,17 +68,21 @@ static imoe_status gemm_item(const void *vctx, int64_t item, unsigned char *mem,
   const int64_t c1 = c0 + GEMM_COLS < n_n ? c0 + GEMM_COLS : n_n;
   float *rows = (float *)(void *)mem, *col = rows + GEMM_ROWS * k_n;
   int64_t expert[GEMM_ROWS];
+  /* K = 0: a and w have no element and their data may be NULL, so no
+   * address into them is formed (every sum is +0.0). */
   for (int64_t r = r0; r < r1; r++) {
-    const char *src = imoe_row_base(a, r);
-    for (int64_t k = 0; k < k_n; k++)
-      rows[(r - r0) * k_n + k] = imoe_load_float(src + k * a->n_stride, (imoe_dtype)dt);
+    if (k_n > 0) {
+      const char *src = imoe_row_base(a, r);
+      for (int64_t k = 0; k < k_n; k++)
+        rows[(r - r0) * k_n + k] = imoe_load_float(src + k * a->n_stride, (imoe_dtype)dt);
+    }
     expert[r - r0] = expert_of_row(g->offsets, r);
   }
   for (int64_t n = c0; n < c1; n++) {
     int64_t loaded = -1;
     for (int64_t r = r0; r < r1; r++) {
       const int64_t e = expert[r - r0];
-      if (e != loaded) {
+      if (e != loaded && k_n > 0) {
         const char *src = (const char *)w->data + e * w->lead_stride[0] + n * w->n_stride;
         for (int64_t k = 0; k < k_n; k++)
           col[k] = imoe_load_float(src + k * w->lead_stride[1], (imoe_dtype)dt);
