@@ -489,6 +489,34 @@ imoe_status imoe_gated_act(const imoe_view *gate_up, const imoe_view *out, imoe_
                            const imoe_view *limit, const imoe_exec *exec, imoe_error *err);
 
 /*
+ * imoe_grouped_gemm: the small-M grouped GEMM of an experts layer (CPU core
+ * csrc/moe_gemm.c, CUDA cuda/imoe_moe_gemm.cu). With E experts over the
+ * expert-sorted rows of a dispatch, out[r] = a[r] @ w[e(r)] for every row
+ * r < offsets[E - 1], e(r) the first e with offsets[e] > r; rows at or past
+ * offsets[E - 1] keep their bytes.
+ *   a        [R, K] F32/F16/BF16.
+ *   w        [E, K, N], a's dtype, any strides (a view: transformers'
+ *            gate_up_proj [E, 2I, H] transposed is [E, H, 2I] with K
+ *            contiguous).
+ *   offsets  [E] I32, non-decreasing, each in [0, R] (IMOE_ERR_INDEX_RANGE).
+ *   out      [R, N], a's dtype, written for rows < offsets[E - 1].
+ * Arithmetic (the same on every device, bit for bit): in F32, 32 partial
+ * sums p[0..31] from +0.0; element k of the dot product goes to
+ * p[(k / V) mod 32], V = 16 / element size (8 for F16/BF16, 4 for F32), in
+ * increasing k, as p = fmaf(a[r, k], w[e, k, n], p); then the butterfly
+ * p[l] += p[l + h] for l < h, h = 16, 8, 4, 2, 1; p[0] is rounded once into
+ * out's dtype (round to nearest even). NaN payloads may differ by device.
+ * On CUDA: a's rows contiguous (its last axis stride one element), w's K
+ * axis contiguous, w's base and its E and N strides multiples of 16 bytes,
+ * K x element size a multiple of 16, E <= IMOE_MOE_MAX_EXPERTS and R < 2^31
+ * (IMOE_ERR_UNSUPPORTED otherwise); one kernel, no host synchronisation;
+ * offsets that break the rule above are a recorded data error
+ * (imoe_take_device_status) and nothing is written.
+ */
+imoe_status imoe_grouped_gemm(const imoe_view *a, const imoe_view *w, const imoe_view *offsets,
+                              const imoe_view *out, const imoe_exec *exec, imoe_error *err);
+
+/*
  * Data errors found on a device. A CUDA call never synchronises the host, so
  * a data error (a NaN score under IMOE_NAN_ERROR, active indices out of range
  * or repeated, an invalid caller-given map) cannot fail the call itself: the

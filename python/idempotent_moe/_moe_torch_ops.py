@@ -1,4 +1,4 @@
-"""moe_dispatch, moe_combine and gated_act as torch custom ops (namespace
+"""moe_dispatch, moe_combine, gated_act and grouped_gemm as torch custom ops (namespace
 `idempotent_moe`), for torch.compile: each returns fresh tensors (no
 argument is written), whose shapes the fake implementations give, so a
 compiled experts forward is one graph and CUDA graphs capture the kernels.
@@ -50,3 +50,12 @@ if AVAILABLE:
     @_act_op.register_fake
     def _(gate_up, act, limit):
         return gate_up.new_empty(tuple(gate_up.shape[:-1]) + (gate_up.shape[-1] // 2,))
+
+    @torch.library.custom_op("idempotent_moe::grouped_gemm", mutates_args=())
+    def _gemm_op(a: T, w: T, offsets: T) -> T:
+        with _op_depth.inside_op():
+            return moe_ops.grouped_gemm(a, w, offsets)
+
+    @_gemm_op.register_fake
+    def _(a, w, offsets):
+        return a.new_empty((a.shape[0], w.shape[-1]))

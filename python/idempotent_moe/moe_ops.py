@@ -13,6 +13,14 @@ experts, H features. `top_k_index` [T, k] names each assignment's expert,
     y = grouped_mm(a, w_down, offs=d.offsets)               # [S, H]
     out = moe_combine(y, d.dest, top_k_weights)             # [T, H]
 
+`grouped_gemm(rows, w, offsets)` is the library's own grouped GEMM for a
+few rows per expert (decode): out[r] = rows[r] @ w[e(r)], each dot product
+summed in fp32 in one documented order (32 lane sums fed 16-byte vectors
+of K with fused multiply-adds, then a butterfly; idempotent_moe.h), the
+same bit for bit on the CPU and CUDA. On CUDA it reads the weights once, as
+an [E, K, N] view whose K axis is contiguous (transformers' [E, N, K]
+weights transposed). Its rounding is not grouped_mm's.
+
 With `capacity=C`, each expert keeps its C assignments of highest weight
 (ties to the lower token, NaN lowest); the others are dropped (dest -1)
 and counted on the device (`dropped`, read when needed: that read
@@ -175,4 +183,23 @@ def gated_act(gate_up: Any, act: str = "silu", *, limit: Any = None, out: Any = 
     native().gated_act(gate_up=gate_up, out=out, act=act, limit=limit,
                        num_threads=resolve_num_threads(num_threads),
                        stream=_arrays.dlpack_stream(gate_up))
+    return out
+
+
+def grouped_gemm(a: Any, w: Any, offsets: Any, *, out: Any = None, num_threads: int | None = None) -> Any:
+    """out[r] = a[r] @ w[e(r)] ([R, N]) for rows r < offsets[-1], e(r) the
+    first e with offsets[e] > r; rows from offsets[-1] on are left as they
+    were (uninitialised in a new `out`). a [R, K], w [E, K, N] (any
+    strides; on CUDA its K axis contiguous), offsets [E] int32 (a
+    dispatch's), all of one float dtype. Each sum is fp32 in the order of
+    idempotent_moe.h, rounded once; CPU and CUDA agree bit for bit.
+    Bad offsets (decreasing, or beyond R) are a ValueError on the CPU and a
+    recorded error on CUDA (check_errors), with nothing written."""
+    ops = _ops(a) if out is None else None
+    if ops is not None:
+        return ops.grouped_gemm(a, w, offsets)
+    if out is None:
+        out = _empty(a, (_arrays.shape_of(a)[0], _arrays.shape_of(w)[-1]))
+    native().grouped_gemm(a=a, w=w, offsets=offsets, out=out, num_threads=resolve_num_threads(num_threads),
+                          stream=_arrays.dlpack_stream(a))
     return out

@@ -171,6 +171,10 @@ static PyMethodDef methods[] = {
     {"gated_act", FASTCALL(imoe_py_gated_act),
      "gated_act(*, gate_up, out, act='silu', limit=None, num_threads, stream=None) -> None\n\n"
      "imoe_gated_act: out = act(gate_up[:, :I]) * gate_up[:, I:]."},
+    {"grouped_gemm", FASTCALL(imoe_py_grouped_gemm),
+     "grouped_gemm(*, a, w, offsets, out, num_threads, stream=None) -> None\n\n"
+     "imoe_grouped_gemm: out[r] = a[r] @ w[e(r)] for r < offsets[-1] (e(r): the first e with "
+     "offsets[e] > r)."},
     {"moe_workspace_elems", FASTCALL(py_moe_workspace_elems),
      "moe_workspace_elems(assignments, capacity, cuda) -> int\n\n"
      "imoe_moe_workspace_elems: int32 elements of moe_dispatch's workspace."},

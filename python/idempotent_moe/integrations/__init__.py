@@ -24,6 +24,7 @@ from ..moe import InplaceMoERouter
 from .hf_experts import (
     CAPACITY_FACTOR_ATTR,
     EXPERTS_IMPLEMENTATION,
+    SMALL_M_GEMM_ATTR,
     CapacityStats,
     capacity_stats,
     idempotent_experts_forward,
@@ -48,6 +49,7 @@ def __getattr__(name: str):
 
 __all__ = [
     "CAPACITY_FACTOR_ATTR",
+    "SMALL_M_GEMM_ATTR",
     "EXPERTS_IMPLEMENTATION",
     "CapacityStats",
     "EvictionPolicy",

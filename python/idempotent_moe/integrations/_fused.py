@@ -19,7 +19,10 @@ the core, over intermediates kept on the module between forwards (`_Scratch`:
 the gathered rows, the routing ints and the activations, at most
 SCRATCH_BYTES; the output is always a new tensor). Reusing them is safe in
 stream order: every reader of one forward's intermediates is queued before
-the next forward writes them, on the same stream (the key holds it).
+the next forward writes them, on the same stream (the key holds it). With
+the config attribute `idempotent_small_m_gemm` True and weights whose K axis
+is contiguous, its two GEMMs are the library's grouped_gemm (its own
+rounding: no longer bit-identical to grouped_mm) instead of grouped_mm.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from .._sorting import compiling
 from ..functional import cuda_available
 from ..moe_ops import MoEDispatch, dispatch_workspace, gated_act, moe_combine, moe_dispatch, torch_outputs
 from . import _dispatch
+from .hf_experts import SMALL_M_GEMM_ATTR
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 _GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
@@ -83,6 +87,7 @@ class _Plan(NamedTuple):
     act: str | None      # the fused gated activation (CUDA, default gate), or None
     inter: int           # intermediate features I
     lean: bool           # _lean_forward applies (CUDA, grouped_mm, fused gate, no bias or norm, no EP)
+    small_m: bool        # lean, and grouped_gemm's CUDA kernel reads both weights (K contiguous)
 
 
 def _plan(experts, hidden_states: torch.Tensor) -> _Plan:
@@ -108,10 +113,37 @@ def _plan(experts, hidden_states: torch.Tensor) -> _Plan:
     lean = (act is not None and usable and not tracing and _RAW_MM is not None and _RAW_STREAM is not None
             and not experts.has_bias and not getattr(experts, "has_post_expert_norm", False)
             and not _dispatch.expert_parallel(experts))
-    plan = _Plan(key, w_up, w_down, usable, act, w_down.shape[-2], lean)
+    small_m = lean and _small_m_fits(w_up) and _small_m_fits(w_down)
+    plan = _Plan(key, w_up, w_down, usable, act, w_down.shape[-2], lean, small_m)
     if not tracing:
         experts.__dict__["_idempotent_plan"] = plan
     return plan
+
+
+def _small_m_fits(w: torch.Tensor) -> bool:
+    """Whether grouped_gemm's CUDA kernel reads the GEMM-layout weight w
+    [E, K, N]: K contiguous, every column 16-byte aligned."""
+    size = w.element_size()
+    e, k, n = w.shape
+    return (w.stride(1) == 1 and w.data_ptr() % 16 == 0 and k * size % 16 == 0
+            and (e == 1 or w.stride(0) * size % 16 == 0) and (n == 1 or w.stride(2) * size % 16 == 0))
+
+
+def _small_m_on(experts, plan: _Plan) -> bool:
+    """Whether this forward's GEMMs are grouped_gemm: the weights fit and the
+    module's config asks for it (read every forward: it may be switched)."""
+    return plan.small_m and getattr(getattr(experts, "config", None), SMALL_M_GEMM_ATTR, False) is True
+
+
+def _grouped(lib, a: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, stream: int, small_m: bool):
+    """Each row of a times its expert's weight w [E, K, N]: torch's grouped_mm,
+    or the library's grouped_gemm (rows past offsets[-1] left unwritten:
+    nothing downstream reads them)."""
+    if not small_m:
+        return _RAW_MM(a, w, offs=offsets)
+    out = a.new_empty((a.shape[0], w.shape[-1]))
+    lib.grouped_gemm(a=a, w=w, offsets=offsets, out=out, num_threads=0, stream=stream)
+    return out
 
 
 _cuda_ok = None  # cuda_available(), asked once outside tracing
@@ -191,9 +223,10 @@ def _lean_forward(experts, plan: _Plan, hidden: torch.Tensor, top_k_index: torch
                      out_offsets=d.offsets, out_dest=d.dest, out_src=d.src, out_dropped=dropped,
                      workspace=dispatch_workspace(hidden, num_tokens * top_k, capacity, True),
                      num_threads=0, stream=stream)
-    h = _RAW_MM(d.rows, plan.up, offs=d.offsets)
+    small_m = _small_m_on(experts, plan)
+    h = _grouped(lib, d.rows, plan.up, d.offsets, stream, small_m)
     lib.gated_act(gate_up=h, out=sc.act, act=plan.act, limit=d.offsets, num_threads=0, stream=stream)
-    y = _RAW_MM(sc.act, plan.down, offs=d.offsets)
+    y = _grouped(lib, sc.act, plan.down, d.offsets, stream, small_m)
     out = hidden.new_empty((num_tokens, hidden.shape[1]))
     lib.moe_combine(rows=y, dest=d.dest, weights=top_k_weights, out=out, num_threads=0, stream=stream)
     return out, dropped

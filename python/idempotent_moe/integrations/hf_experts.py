@@ -27,15 +27,19 @@ from typing import NamedTuple
 
 from .._moe import check_capacity_factor
 
+EXPERTS_IMPLEMENTATION = "idempotent"
+CAPACITY_FACTOR_ATTR = "idempotent_capacity_factor"
+# True: the decode path's two GEMMs run the library's grouped_gemm instead of
+# torch's grouped_mm (off by default: its rounding differs, docs/moe.md).
+# Defined before the import below: _fused reads it from here.
+SMALL_M_GEMM_ATTR = "idempotent_small_m_gemm"
+
 try:
     import torch
 
     from . import _dispatch, _fused
 except ImportError:  # the hook works on NumPy arrays without torch; the experts need it
     torch = None
-
-EXPERTS_IMPLEMENTATION = "idempotent"
-CAPACITY_FACTOR_ATTR = "idempotent_capacity_factor"
 
 
 class CapacityStats(NamedTuple):
