@@ -184,7 +184,9 @@ def gated_act(gate_up: Any, act: str = "silu", *, limit: Any = None, out: Any = 
 
 def _dtype_name(dtype: Any) -> str | None:
     """'float32' for torch.float32, np.float32, 'float32'; None for None."""
-    return None if dtype is None else str(np.dtype(dtype) if isinstance(dtype, type) else dtype).rsplit(".", 1)[-1]
+    if dtype is None:
+        return None
+    return str(np.dtype(dtype) if isinstance(dtype, type) else dtype).rsplit(".", 1)[-1]
 
 
 def topk_softmax(logits: Any, k: int, *, renormalize: bool = True, out_dtype: Any = None,
