@@ -517,6 +517,46 @@ imoe_status imoe_grouped_gemm(const imoe_view *a, const imoe_view *w, const imoe
                               const imoe_view *out, const imoe_exec *exec, imoe_error *err);
 
 /*
+ * The router of a sparse-MoE block after its linear (csrc/moe_router.c,
+ * cuda/imoe_router.cu): per token, p = softmax(logits[t]) in F32, the k
+ * largest p (ties and equal values to the lower expert, in descending
+ * order), optionally divided by their sum, written in out_weights' dtype.
+ * The arithmetic is torch's CUDA routing (transformers' Mixtral, Qwen2-MoE,
+ * Qwen3-MoE and OLMoE routers):
+ *   - softmax as torch's softmax_warp_forward: W = min(next_pow2(E), 32)
+ *     lanes, lane l holding experts l + i x W (i < next_pow2(E) / W; slots
+ *     past E are -inf); the lane's max in i order, then an xor butterfly
+ *     (offsets W/2 .. 1, max(a, b) = a < b ? b : a); e = exp(x - max) kept,
+ *     the lane's sum of e from +0.0 in i order, an xor butterfly of sums;
+ *     p = e / sum (a correctly rounded division). Logits are read in their
+ *     dtype and converted exactly to F32 (torch's .float() / dtype=float).
+ *   - renormalisation as torch's sum over the last axis of the [T, k]
+ *     values: with B = the largest power of two <= k, partial l < B is
+ *     v[l] + v[l + B] (v[l] alone when l + B >= k), then partial l +=
+ *     partial l + o for o = B/2 .. 1; each weight = v / partial 0.
+ * exp: on CUDA, expf (libdevice, the hardware's ex2.approx inside, as
+ * torch's kernel calls it); on the CPU the same range reduction with a
+ * correctly rounded 2^f in place of ex2.approx, so CPU and CUDA
+ * probabilities may differ in their last bits (the ex2.approx error).
+ * NaN: a row with a NaN or +inf logit, or only -inf logits, has NaN
+ * probabilities throughout, as torch's softmax gives; its experts are then
+ * 0 .. k-1 (NaN ranks as one value, lowest; ties to the lower expert) and
+ * its weights NaN.
+ *   logits       [T, E] F32/F16/BF16, 1 <= E <= IMOE_MOE_MAX_EXPERTS.
+ *   k            1 <= k <= min(E, IMOE_ROUTER_MAX_K).
+ *   renormalize  nonzero: divide the k values by their sum.
+ *   out_weights  [T, k] F32/F16/BF16 (rounded to nearest even).
+ *   out_indices  [T, k] I32/I64: the experts, in descending weight.
+ * On CUDA: one launch, one warp per row (W-lane groups of a warp for
+ * E <= 16), no allocation, no host synchronisation.
+ */
+#define IMOE_ROUTER_MAX_K 32
+
+imoe_status imoe_topk_softmax(const imoe_view *logits, int64_t k, int32_t renormalize,
+                              const imoe_view *out_weights, const imoe_view *out_indices,
+                              const imoe_exec *exec, imoe_error *err);
+
+/*
  * Data errors found on a device. A CUDA call never synchronises the host, so
  * a data error (a NaN score under IMOE_NAN_ERROR, active indices out of range
  * or repeated, an invalid caller-given map) cannot fail the call itself: the

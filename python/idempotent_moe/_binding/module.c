@@ -175,6 +175,11 @@ static PyMethodDef methods[] = {
      "grouped_gemm(*, a, w, offsets, out, num_threads, stream=None) -> None\n\n"
      "imoe_grouped_gemm: out[r] = a[r] @ w[e(r)] for r < offsets[-1] (e(r): the first e with "
      "offsets[e] > r)."},
+    {"topk_softmax", FASTCALL(imoe_py_topk_softmax),
+     "topk_softmax(*, logits, k, renormalize=True, out_weights, out_indices, num_threads, "
+     "stream=None) -> None\n\n"
+     "imoe_topk_softmax: per row of logits [T, E], softmax in fp32, the k largest (lower expert "
+     "first on ties), divided by their sum when renormalize; torch's CUDA arithmetic."},
     {"moe_workspace_elems", FASTCALL(py_moe_workspace_elems),
      "moe_workspace_elems(assignments, capacity, cuda) -> int\n\n"
      "imoe_moe_workspace_elems: int32 elements of moe_dispatch's workspace."},
@@ -234,7 +239,8 @@ PyMODINIT_FUNC PyInit__C(void) {
       add_names(module, "PLAN_KINDS", IMOE_OPTION_PLAN) < 0 ||
       add_names(module, "ACTS", IMOE_OPTION_ACT) < 0 ||
       add_names(module, "MOE_LAYOUTS", IMOE_OPTION_LAYOUT) < 0 ||
-      PyModule_AddIntConstant(module, "MOE_MAX_EXPERTS", IMOE_MOE_MAX_EXPERTS) < 0) {
+      PyModule_AddIntConstant(module, "MOE_MAX_EXPERTS", IMOE_MOE_MAX_EXPERTS) < 0 ||
+      PyModule_AddIntConstant(module, "ROUTER_MAX_K", IMOE_ROUTER_MAX_K) < 0) {
     Py_DECREF(module);
     return NULL;
   }

@@ -1,0 +1,429 @@
+"""topk_softmax (idempotent_moe.moe_ops) and fuse_routers: the C core
+against torch's CPU routing (softmax, topk, renormalisation; a few ulp apart,
+as torch's CPU exp and summation order are not CUDA's), ties, NaN rows, the
+argument checks; tiny transformers models keep their own router on the CPU.
+GPU tests: the kernel against the C core and against torch's own CUDA
+routing bit for bit, and generate() with fused routers."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from idempotent_moe import _C  # noqa: E402
+from idempotent_moe.moe_ops import topk_softmax  # noqa: E402
+
+SHAPES = [(8, 1), (8, 2), (60, 4), (64, 8), (128, 8), (3, 3), (1, 1), (1024, 32), (33, 5)]
+
+
+def logits_of(tokens, experts, dtype=torch.float32, seed=0, distinct=False):
+    """Random logits [T, E]; `distinct`: no two equal in a row (bf16 included)."""
+    g = torch.Generator().manual_seed(seed)
+    if not distinct:
+        return torch.randn(tokens, experts, generator=g).to(dtype)
+    # every bf16 value in [2^-7, 4) and its negative: 2304 distinct values, exact in f16 and f32
+    pos = torch.arange(0x3C00, 0x4080, dtype=torch.int16).view(torch.bfloat16).float()
+    pool = torch.cat([pos, -pos])
+    pick = torch.rand(tokens, pool.numel(), generator=g).argsort(dim=1)[:, :experts]
+    return pool[pick].to(dtype)
+
+
+def torch_routing(logits, k, renormalize=True, out_dtype=torch.float32):
+    """transformers' router after its linear, in torch."""
+    p = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    v, i = torch.topk(p, k, dim=-1)
+    if renormalize:
+        v = v / v.sum(dim=-1, keepdim=True)
+    return v.to(out_dtype), i
+
+
+def ulps(a, b):
+    """Largest distance in units in the last place of two fp32 tensors."""
+    a, b = a.float().contiguous(), b.float().contiguous()
+    ia, ib = a.view(torch.int32).long(), b.view(torch.int32).long()
+    ia = torch.where(ia < 0, -(ia & 0x7FFFFFFF), ia)
+    ib = torch.where(ib < 0, -(ib & 0x7FFFFFFF), ib)
+    return int((ia - ib).abs().max()) if a.numel() else 0
+
+
+def check_against_torch(logits, k, renormalize, max_ulp):
+    w, i = topk_softmax(logits, k, renormalize=renormalize)
+    ref_w, ref_i = torch_routing(logits.float(), k, renormalize)
+    p = torch.softmax(logits.float(), dim=-1)
+    # the chosen experts carry torch's top-k probabilities (equal values may swap places)
+    assert ulps(p.gather(1, i), p.gather(1, ref_i)) <= max_ulp
+    assert ulps(w, ref_w) <= max_ulp
+    # descending, ties to the lower expert
+    chosen = p.gather(1, i)
+    assert bool((chosen[:, :-1] >= chosen[:, 1:]).all())
+    return w, i, ref_w, ref_i
+
+
+@pytest.mark.parametrize("experts,k", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_matches_torch_cpu_routing(experts, k, dtype, renormalize):
+    logits = logits_of(67, experts, dtype, seed=experts * 7 + k, distinct=True)
+    w, i, ref_w, ref_i = check_against_torch(logits, k, renormalize, max_ulp=8)
+    assert torch.equal(i, ref_i)  # distinct logits: the same experts in the same order
+    assert w.dtype == torch.float32 and i.dtype == torch.int64 and w.shape == (67, k)
+
+
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16])
+def test_cast_is_round_to_nearest_even_of_the_fp32_weights(out_dtype):
+    logits = logits_of(50, 64, torch.bfloat16, seed=3, distinct=True)
+    w32, i32 = topk_softmax(logits, 8)
+    w, i = topk_softmax(logits, 8, out_dtype=out_dtype, index_dtype="int32")
+    assert w.dtype == out_dtype and i.dtype == torch.int32
+    assert torch.equal(w, w32.to(out_dtype)) and torch.equal(i.long(), i32)
+
+
+def test_renormalisation_adds_in_torchs_cuda_order():
+    """The sum of the k values: lanes l < B = 2^floor(log2 k) add v[l + B],
+    then shfl_down B/2 .. 1 (Reduce.cuh)."""
+    def cuda_order(v):
+        k = len(v)
+        b = 1 << (k.bit_length() - 1)
+        part = [np.float32(v[j] + v[j + b]) if j + b < k else v[j] for j in range(b)]
+        o = b // 2
+        while o:
+            part = [np.float32(part[j] + part[j + o]) if j < o else part[j] for j in range(len(part))]
+            o //= 2
+        return part[0]
+
+    for k in (2, 3, 5, 6, 8, 13, 32):
+        logits = logits_of(40, 64, seed=k)
+        plain, i = topk_softmax(logits, k, renormalize=False)
+        w, i2 = topk_softmax(logits, k)
+        assert torch.equal(i, i2)
+        v = plain.numpy()
+        for t in range(v.shape[0]):
+            s = cuda_order(list(v[t]))
+            assert np.array_equal(w[t].numpy(), (v[t] / s).astype(np.float32)), (k, t)
+
+
+def test_ties_go_to_the_lower_expert():
+    logits = torch.tensor([[1.0, 3.0, 3.0, 2.0, 3.0],
+                           [0.0, 0.0, 0.0, 0.0, 0.0],
+                           [5.0, -1.0, 5.0, 5.0, -1.0]])
+    w, i = topk_softmax(logits, 3)
+    assert i.tolist() == [[1, 2, 4], [0, 1, 2], [0, 2, 3]]
+    assert bool((w[1] == w[1, 0]).all()) and abs(w[1, 0].item() - 1 / 3) < 1e-7  # equal values
+    _, i = topk_softmax(logits, 2)
+    assert i.tolist() == [[1, 2], [0, 1], [0, 2]]
+
+
+def test_nan_rows_are_nan_with_the_first_experts():
+    nan, inf = float("nan"), float("inf")
+    logits = torch.tensor([[0.5, nan, 2.0, 1.0],     # a NaN logit
+                           [0.5, inf, 2.0, 1.0],     # +inf: inf - inf
+                           [-inf, -inf, -inf, -inf],  # only -inf
+                           [0.5, -inf, 2.0, 1.0]])   # -inf alone is a probability of 0
+    for renormalize in (True, False):
+        w, i = topk_softmax(logits, 2, renormalize=renormalize)
+        assert bool(w[:3].isnan().all()) and i[:3].tolist() == [[0, 1]] * 3
+        ref_w, ref_i = torch_routing(logits[3:], 2, renormalize)
+        assert i[3].tolist() == ref_i[0].tolist() and ulps(w[3:], ref_w) <= 2
+    w, i = topk_softmax(logits[3:], 4, renormalize=False)
+    assert i.tolist() == [[2, 3, 0, 1]] and w[0, 3].item() == 0.0
+
+
+def test_k_of_one_and_of_every_expert():
+    logits = logits_of(31, 60, seed=5)
+    w, i = topk_softmax(logits, 1)
+    assert torch.equal(w, torch.ones(31, 1)) and torch.equal(i[:, 0], logits.argmax(dim=1))
+    w, i = topk_softmax(logits, 60 if 60 <= 32 else 32, renormalize=False)
+    ref_w, ref_i = torch_routing(logits, 32, renormalize=False)
+    assert torch.equal(i, ref_i) and ulps(w, ref_w) <= 4
+    logits = logits_of(9, 16, seed=6)
+    w, i = topk_softmax(logits, 16)
+    assert torch.equal(i.sort(dim=1).values, torch.arange(16).expand(9, 16))
+    assert torch.allclose(w.sum(dim=1), torch.ones(9))
+
+
+def test_threads_numpy_and_int32_indices_agree():
+    logits = logits_of(1000, 128, seed=7)
+    one = topk_softmax(logits, 8, num_threads=1)
+    four = topk_softmax(logits, 8, num_threads=4)
+    w_np, i_np = topk_softmax(logits.numpy(), 8, index_dtype="int32")
+    assert torch.equal(one[0], four[0]) and torch.equal(one[1], four[1])
+    assert np.array_equal(w_np, one[0].numpy()) and np.array_equal(i_np, one[1].numpy().astype(np.int32))
+
+
+def test_strided_views_are_read_and_written_in_place():
+    big = logits_of(20, 128, seed=8)
+    logits = big[::2, ::2]  # [10, 64], strided both ways
+    out_w = torch.zeros(10, 8)[:, ::2]
+    out_i = torch.zeros(10, 8, dtype=torch.int64)[:, 1::2]
+    _C.topk_softmax(logits=logits, k=4, out_weights=out_w, out_indices=out_i, num_threads=None)
+    w, i = topk_softmax(logits.contiguous(), 4)
+    assert torch.equal(out_w, w) and torch.equal(out_i, i)
+
+
+def _outputs(tokens, k, w_dtype=torch.float32, i_dtype=torch.int64):
+    return torch.full((tokens, k), 7.0, dtype=w_dtype), torch.full((tokens, k), -5, dtype=i_dtype)
+
+
+@pytest.mark.parametrize("case,error,match", [
+    ("logits 1-d", ValueError, "logits must be"),
+    ("logits 3-d", ValueError, "logits must be"),
+    ("logits int", TypeError, "logits"),
+    ("no experts", ValueError, "experts"),
+    ("1025 experts", ValueError, "1025 experts"),
+    ("k 0", ValueError, "k = 0"),
+    ("k > E", ValueError, "k = 9"),
+    ("k 33", ValueError, "k = 33"),
+    ("weights shape", ValueError, "out_weights must be"),
+    ("weights int", TypeError, "out_weights"),
+    ("indices shape", ValueError, "out_indices must be"),
+    ("indices float", TypeError, "out_indices"),
+    ("outputs overlap", ValueError, "out_indices"),
+])
+def test_bad_arguments_are_refused_before_anything_is_written(case, error, match):
+    logits, k = logits_of(6, 8), 2
+    out_w, out_i = _outputs(6, k)
+    if case == "logits 1-d":
+        logits = logits[0]
+    elif case == "logits 3-d":
+        logits = logits.view(2, 3, 8)
+    elif case == "logits int":
+        logits = logits.to(torch.int32)
+    elif case == "no experts":
+        logits = torch.empty(6, 0)
+    elif case == "1025 experts":
+        logits = logits_of(6, 1025)
+    elif case == "k 0":
+        k = 0
+    elif case == "k > E":
+        k, (out_w, out_i) = 9, _outputs(6, 9)
+    elif case == "k 33":
+        logits, k = logits_of(6, 64), 33
+        out_w, out_i = _outputs(6, 33)
+    elif case == "weights shape":
+        out_w = torch.zeros(6, 3)
+    elif case == "weights int":
+        out_w = torch.zeros(6, k, dtype=torch.int32)
+    elif case == "indices shape":
+        out_i = torch.zeros(5, k, dtype=torch.int64)
+    elif case == "indices float":
+        out_i = torch.zeros(6, k)
+    elif case == "outputs overlap":
+        out_i = out_w.view(torch.int32)
+    snaps = [logits.clone(), out_w.clone(), out_i.clone()]
+    with pytest.raises(error, match=match):
+        _C.topk_softmax(logits=logits, k=k, renormalize=True, out_weights=out_w, out_indices=out_i,
+                        num_threads=None)
+    for before, after in zip(snaps, (logits, out_w, out_i)):
+        assert torch.equal(before.view(torch.uint8) if before.dtype != after.dtype else before, after)
+
+
+def test_no_tokens_is_a_no_op():
+    w, i = topk_softmax(torch.empty(0, 8), 2)
+    assert w.shape == (0, 2) and i.shape == (0, 2)
+
+
+def test_compiles_into_one_graph():
+    f = torch.compile(lambda x: topk_softmax(x, 2, out_dtype=torch.bfloat16), fullgraph=True)
+    logits = logits_of(12, 8, seed=9)
+    w, i = f(logits)
+    ref = topk_softmax(logits, 2, out_dtype=torch.bfloat16)
+    assert torch.equal(w, ref[0]) and torch.equal(i, ref[1])
+
+
+# ------------------------------------------------------------------ fuse_routers
+transformers = pytest.importorskip("transformers")
+
+from idempotent_moe import integrations as hf  # noqa: E402
+from idempotent_moe.integrations import hf_router  # noqa: E402
+
+VOCAB = 96
+COMMON = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=128, initializer_range=0.2,
+              pad_token_id=0, bos_token_id=None, eos_token_id=None)
+
+
+def tiny_model(family, seed=0, dtype=torch.float32):
+    torch.manual_seed(seed)
+    if family == "mixtral":
+        config = transformers.MixtralConfig(**COMMON, intermediate_size=48, num_local_experts=8,
+                                            num_experts_per_tok=2)
+        model = transformers.MixtralForCausalLM(config)
+    elif family == "qwen3_moe":
+        config = transformers.Qwen3MoeConfig(**COMMON, intermediate_size=48, moe_intermediate_size=24,
+                                             head_dim=8, num_experts=8, num_experts_per_tok=3,
+                                             norm_topk_prob=True)
+        model = transformers.Qwen3MoeForCausalLM(config)
+    elif family == "qwen3_moe_plain":  # no renormalisation
+        config = transformers.Qwen3MoeConfig(**COMMON, intermediate_size=48, moe_intermediate_size=24,
+                                             head_dim=8, num_experts=60, num_experts_per_tok=4,
+                                             norm_topk_prob=False)
+        model = transformers.Qwen3MoeForCausalLM(config)
+    elif family == "olmoe":
+        config = transformers.OlmoeConfig(**COMMON, intermediate_size=24, num_experts=8,
+                                          num_experts_per_tok=2)
+        model = transformers.OlmoeForCausalLM(config)
+    elif family == "gpt_oss":
+        config = transformers.GptOssConfig(**COMMON, intermediate_size=24, head_dim=8, num_local_experts=8,
+                                           num_experts_per_tok=2, layer_types=["full_attention"] * 2)
+        model = transformers.GptOssForCausalLM(config)
+    else:
+        raise ValueError(family)
+    with torch.no_grad():  # routers start at zeros in some families: make the routing non-trivial
+        for name, p in model.named_parameters():
+            if name.endswith("gate.weight"):
+                p.normal_(0.0, 0.5)
+    return model.to(dtype).eval()
+
+
+def routers(model):
+    return [m for m in model.modules() if type(m).__name__ in hf.SUPPORTED_ROUTERS]
+
+
+FAMILIES = ["mixtral", "qwen3_moe", "qwen3_moe_plain", "olmoe"]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_route_returns_what_the_router_returns(family, dtype):
+    """The fused computation (run here on the CPU) against the original
+    forward: same tuple, shapes and dtypes, the same experts, weights a few
+    ulp apart (torch's CPU softmax; on CUDA they are equal bit for bit)."""
+    model = tiny_model(family, dtype=dtype)
+    hidden = torch.randn(2, 5, 32).to(dtype)
+    for router in routers(model):
+        with torch.no_grad():
+            ref = router(hidden)
+            ours = hf_router.fused_route(router, hidden)
+        assert len(ours) == len(ref) == 3
+        for a, b in zip(ours, ref):
+            assert a.shape == b.shape and a.dtype == b.dtype
+        assert torch.equal(ours[0], ref[0]) and torch.equal(ours[2], ref[2])
+        tol = 8 if ref[1].dtype == torch.float32 else 0x10000  # bf16: one bf16 ulp
+        assert ulps(ours[1], ref[1]) <= tol
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_fuse_keeps_the_original_forward_on_the_cpu_and_unfuse_restores_it(family, monkeypatch):
+    model = tiny_model(family)
+    ids = torch.randint(1, VOCAB, (2, 6), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        before = model(ids).logits
+    assert hf.fuse_routers(model) == len(routers(model)) == 2
+    assert hf.routers_fused(model) and hf.fuse_routers(model) == 2  # twice is harmless
+    assert all("forward" in m.__dict__ for m in routers(model))
+
+    def boom(*args, **kwargs):
+        raise AssertionError("the fused router ran on the CPU")
+
+    monkeypatch.setattr(hf_router.moe_ops, "topk_softmax", boom)
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, before)
+    assert hf.unfuse_routers(model) == 2 and not hf.routers_fused(model)
+    assert all("forward" not in m.__dict__ for m in routers(model))
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, before)
+
+
+def test_unknown_routers_are_refused_and_nothing_changes():
+    model = tiny_model("gpt_oss")
+    with pytest.raises(TypeError, match="GptOssTopKRouter.*supported: MixtralTopKRouter"):
+        hf.fuse_routers(model)
+    assert not hf.routers_fused(model)
+    with pytest.raises(ValueError, match="no router"):
+        hf.fuse_routers(torch.nn.Linear(4, 4))
+
+
+# ------------------------------------------------------------------ on the GPU
+def _cuda_ulps_ok(gpu_w, cpu_w, limit):
+    return ulps(gpu_w.cpu(), cpu_w) <= limit
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("experts", [8, 60, 64, 128])
+@pytest.mark.parametrize("k", [1, 2, 4, 8])
+@pytest.mark.parametrize("tokens", [1, 3, 129, 4096])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gpu_equals_the_cpu(experts, k, tokens, dtype):
+    """Same experts; weights equal up to CUDA's expf, whose ex2.approx the
+    CPU replaces by a correctly rounded 2^f (a few ulp). The exact-bits
+    fraction is printed: 1.0 would mean ex2.approx rounds correctly here."""
+    logits = logits_of(tokens, experts, dtype, seed=tokens + experts + k, distinct=True)
+    for renormalize in (True, False):
+        cpu_w, cpu_i = topk_softmax(logits, k, renormalize=renormalize)
+        gpu_w, gpu_i = topk_softmax(logits.cuda(), k, renormalize=renormalize)
+        assert torch.equal(gpu_i.cpu(), cpu_i)
+        assert _cuda_ulps_ok(gpu_w, cpu_w, 8)
+        print(f"E={experts} k={k} T={tokens} {dtype}: exact bits "
+              f"{(gpu_w.cpu().view(torch.int32) == cpu_w.view(torch.int32)).float().mean().item():.4f}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("experts", [1, 3, 8, 33, 60, 64, 128, 1024])
+@pytest.mark.parametrize("k", [1, 2, 4, 8])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
+def test_gpu_is_torchs_cuda_routing_bit_for_bit(experts, k, dtype):
+    if k > experts:
+        pytest.skip("k > E")
+    logits = logits_of(4096, experts, dtype, seed=experts * 10 + k, distinct=True).cuda()
+    for renormalize in (True, False):
+        for out_dtype in {torch.float32, dtype}:
+            w, i = topk_softmax(logits, k, renormalize=renormalize, out_dtype=out_dtype)
+            ref_w, ref_i = torch_routing(logits, k, renormalize, out_dtype)
+            assert torch.equal(i, ref_i), (renormalize, out_dtype)
+            assert torch.equal(w, ref_w), (renormalize, out_dtype, ulps(w.cpu(), ref_w.cpu()))
+
+
+@pytest.mark.gpu
+def test_gpu_nan_rows_and_stream_order():
+    logits = torch.tensor([[0.5, float("nan"), 2.0, 1.0], [0.5, -1.0, 2.0, 1.0]])
+    w, i = topk_softmax(logits.cuda(), 2)
+    assert bool(w[0].isnan().all()) and i.cpu().tolist()[0] == [0, 1]
+    cpu_w, cpu_i = topk_softmax(logits, 2)
+    assert torch.equal(i.cpu(), cpu_i) and _cuda_ulps_ok(w[1:], cpu_w[1:], 8)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_fused_router_is_the_router_bit_for_bit(family, dtype):
+    model = tiny_model(family, dtype=dtype).cuda()
+    hidden = torch.randn(3, 7, 32, device="cuda").to(dtype)
+    for router in routers(model):
+        with torch.no_grad():
+            ref = router(hidden)
+            ours = hf_router.fused_route(router, hidden)
+        for a, b in zip(ours, ref):
+            assert a.dtype == b.dtype and torch.equal(a, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "qwen3_moe_plain"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_fused_routers_generate_the_same_tokens(family, dtype):
+    model = tiny_model(family, dtype=dtype).cuda()
+    model.set_experts_implementation("idempotent")
+    ids = torch.randint(1, VOCAB, (2, 6), generator=torch.Generator().manual_seed(2)).cuda()
+    kwargs = dict(max_new_tokens=12, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        plain = model.generate(ids, **kwargs)
+        hf.fuse_routers(model)
+        fused = model.generate(ids, **kwargs)
+        hf.unfuse_routers(model)
+    assert torch.equal(fused, plain)
+
+
+@pytest.mark.gpu
+def test_gpu_fused_router_under_grad_runs_the_original(monkeypatch):
+    model = tiny_model("mixtral").cuda()
+    hf.fuse_routers(model)
+    hidden = torch.randn(4, 32, device="cuda", requires_grad=True)
+
+    def boom(*args, **kwargs):
+        raise AssertionError("the fused router ran with a gradient recorded")
+
+    monkeypatch.setattr(hf_router.moe_ops, "topk_softmax", boom)
+    _, w, _ = routers(model)[0](hidden)
+    w.sum().backward()
+    assert hidden.grad is not None
