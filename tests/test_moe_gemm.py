@@ -243,7 +243,7 @@ def test_gpu_refuses_layouts_the_kernel_does_not_read():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tokens", [1, 8, 32])
+@pytest.mark.parametrize("tokens", [1, 8, 16])
 def test_gpu_small_m_experts_forward_is_no_worse_than_grouped_mm(tokens):
     """With idempotent_small_m_gemm the decode path's GEMMs are grouped_gemm
     (its kernel runs), and the output is as close to the fp32 experts as
@@ -256,12 +256,12 @@ def test_gpu_small_m_experts_forward_is_no_worse_than_grouped_mm(tokens):
 
     hf.register()
     block = _cuda_block(2048, 7168, "bfloat16")
-    x = torch.randn(tokens, 2048, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(1, tokens, 2048, device="cuda", dtype=torch.bfloat16)
     grouped = _block_output(block, x, "grouped_mm")
     setattr(block.experts.config, hf.SMALL_M_GEMM_ATTR, True)
     try:
         ours = _block_output(block, x, "idempotent")
-        assert _fused._plan(block.experts, x).small_m
+        assert _fused._plan(block.experts, x.view(tokens, -1)).small_m
         with torch.no_grad(), profile(activities=[ProfilerActivity.CUDA]) as prof:
             block(x)
             torch.cuda.synchronize()
@@ -273,6 +273,41 @@ def test_gpu_small_m_experts_forward_is_no_worse_than_grouped_mm(tokens):
     err_ours = (ours.float() - exact).abs().mean()
     err_grouped = (grouped.float() - exact).abs().mean()
     assert err_ours <= err_grouped * 1.02, (float(err_ours), float(err_grouped))
+
+
+def _kernels(fn) -> set:
+    from torch.profiler import ProfilerActivity, profile
+
+    with torch.no_grad(), profile(activities=[ProfilerActivity.CUDA]) as prof:
+        out = fn()
+        torch.cuda.synchronize()
+    return out, {e.name for e in prof.events()}
+
+
+@pytest.mark.gpu
+def test_gpu_small_m_compiled_is_the_eager_path_and_large_batches_keep_grouped_mm():
+    """Under torch.compile (the static cache's decode) the switch runs the
+    same kernel, bit for bit; above SMALL_M_ROWS_PER_EXPERT rows per expert
+    both paths keep torch's grouped_mm."""
+    import idempotent_moe.integrations as hf
+    from idempotent_moe.integrations import _fused
+    from test_hf_moe import _block_output, _cuda_block
+
+    hf.register()
+    block = _cuda_block(1024, 3584, "bfloat16")
+    setattr(block.experts.config, hf.SMALL_M_GEMM_ATTR, True)
+    try:
+        for tokens in (8, _fused.SMALL_M_ROWS_PER_EXPERT * 8 // 2 + 1):
+            x = torch.randn(1, tokens, 1024, device="cuda", dtype=torch.bfloat16)
+            eager = _block_output(block, x, "idempotent")
+            compiled = torch.compile(block, fullgraph=False, dynamic=False)
+            out, names = _kernels(lambda c=compiled, x=x: c(x))
+            small = tokens * 2 <= _fused.SMALL_M_ROWS_PER_EXPERT * 8
+            assert any("k_grouped_gemm" in n for n in names) == small, (tokens, sorted(names))
+            assert torch.equal(out, eager)
+            torch._dynamo.reset()
+    finally:
+        setattr(block.experts.config, hf.SMALL_M_GEMM_ATTR, False)
 
 
 def test_the_switch_is_off_by_default():

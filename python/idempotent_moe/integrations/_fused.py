@@ -37,7 +37,15 @@ from .._moe import expert_capacity
 from .._native import native
 from .._sorting import compiling
 from ..functional import cuda_available
-from ..moe_ops import MoEDispatch, dispatch_workspace, gated_act, moe_combine, moe_dispatch, torch_outputs
+from ..moe_ops import (
+    MoEDispatch,
+    dispatch_workspace,
+    gated_act,
+    grouped_gemm,
+    moe_combine,
+    moe_dispatch,
+    torch_outputs,
+)
 from . import _dispatch
 from .hf_experts import SMALL_M_GEMM_ATTR
 
@@ -87,7 +95,7 @@ class _Plan(NamedTuple):
     act: str | None      # the fused gated activation (CUDA, default gate), or None
     inter: int           # intermediate features I
     lean: bool           # _lean_forward applies (CUDA, grouped_mm, fused gate, no bias or norm, no EP)
-    small_m: bool        # lean, and grouped_gemm's CUDA kernel reads both weights (K contiguous)
+    small_m: bool        # CUDA, fused gate, no bias or norm, grouped_gemm's kernel reads both weights
 
 
 def _plan(experts, hidden_states: torch.Tensor) -> _Plan:
@@ -113,7 +121,9 @@ def _plan(experts, hidden_states: torch.Tensor) -> _Plan:
     lean = (act is not None and usable and not tracing and _RAW_MM is not None and _RAW_STREAM is not None
             and not experts.has_bias and not getattr(experts, "has_post_expert_norm", False)
             and not _dispatch.expert_parallel(experts))
-    small_m = lean and _small_m_fits(w_up) and _small_m_fits(w_down)
+    small_m = (act is not None and usable and not experts.has_bias
+               and not getattr(experts, "has_post_expert_norm", False)
+               and _small_m_fits(w_up) and _small_m_fits(w_down))
     plan = _Plan(key, w_up, w_down, usable, act, w_down.shape[-2], lean, small_m)
     if not tracing:
         experts.__dict__["_idempotent_plan"] = plan
@@ -122,17 +132,25 @@ def _plan(experts, hidden_states: torch.Tensor) -> _Plan:
 
 def _small_m_fits(w: torch.Tensor) -> bool:
     """Whether grouped_gemm's CUDA kernel reads the GEMM-layout weight w
-    [E, K, N]: K contiguous, every column 16-byte aligned."""
+    [E, K, N]: K contiguous, every column 16-byte aligned (the storage's base
+    is: torch's CUDA allocations are; the offset is read, so that a traced
+    weight, which has no address, is judged the same)."""
     size = w.element_size()
     e, k, n = w.shape
-    return (w.stride(1) == 1 and w.data_ptr() % 16 == 0 and k * size % 16 == 0
+    return (w.stride(1) == 1 and w.storage_offset() * size % 16 == 0 and k * size % 16 == 0
             and (e == 1 or w.stride(0) * size % 16 == 0) and (n == 1 or w.stride(2) * size % 16 == 0))
 
 
-def _small_m_on(experts, plan: _Plan) -> bool:
-    """Whether this forward's GEMMs are grouped_gemm: the weights fit and the
-    module's config asks for it (read every forward: it may be switched)."""
-    return plan.small_m and getattr(getattr(experts, "config", None), SMALL_M_GEMM_ATTR, False) is True
+SMALL_M_ROWS_PER_EXPERT = 4  # grouped_gemm beats grouped_mm up to about this many rows per expert (H200)
+
+
+def _small_m_on(experts, plan: _Plan, rows: int) -> bool:
+    """Whether this forward's GEMMs (`rows` dispatched rows) are grouped_gemm:
+    the weights fit, at most SMALL_M_ROWS_PER_EXPERT rows per expert on
+    average, and the module's config asks for it (read every forward: it may
+    be switched)."""
+    return (plan.small_m and rows <= SMALL_M_ROWS_PER_EXPERT * experts.num_experts
+            and getattr(getattr(experts, "config", None), SMALL_M_GEMM_ATTR, False) is True)
 
 
 def _grouped(lib, a: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, stream: int, small_m: bool):
@@ -223,7 +241,7 @@ def _lean_forward(experts, plan: _Plan, hidden: torch.Tensor, top_k_index: torch
                      out_offsets=d.offsets, out_dest=d.dest, out_src=d.src, out_dropped=dropped,
                      workspace=dispatch_workspace(hidden, num_tokens * top_k, capacity, True),
                      num_threads=0, stream=stream)
-    small_m = _small_m_on(experts, plan)
+    small_m = _small_m_on(experts, plan, num_tokens * top_k)
     h = _grouped(lib, d.rows, plan.up, d.offsets, stream, small_m)
     lib.gated_act(gate_up=h, out=sc.act, act=plan.act, limit=d.offsets, num_threads=0, stream=stream)
     y = _grouped(lib, sc.act, plan.down, d.offsets, stream, small_m)
@@ -250,7 +268,11 @@ def forward(experts, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
     # linear(a, w): each row of a times its expert's weight w in GEMM layout
     # [E, in, out]: on CUDA grouped_mm directly where it takes the weights;
     # elsewhere grouped_linear, which also checks each operand's alignment.
-    if grouped and plan.grouped_mm and hidden_states.device.type == "cuda":
+    if (grouped and plan.act is not None and _small_m_on(experts, plan, rows)
+            and _dispatch.gate_chunks(rows, plan.inter, plan.up.dtype) == 1):
+        def linear(a, w):  # the fused gate's two GEMMs only (plan.up, plan.down)
+            return grouped_gemm(a, w, d.offsets)
+    elif grouped and plan.grouped_mm and hidden_states.device.type == "cuda":
         def linear(a, w):
             return _GROUPED_MM(a if a.dtype == w.dtype else a.to(w.dtype), w, offs=d.offsets)
     elif grouped:
