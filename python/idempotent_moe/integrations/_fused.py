@@ -111,8 +111,10 @@ def _plan(experts, hidden_states: torch.Tensor) -> _Plan:
         plan = experts.__dict__.get("_idempotent_plan")
         if plan is not None and plan.key[:4] == key[:4] and plan.key[4] is up and plan.key[5] is down:
             return plan
-    w_up = up if experts.is_transposed else up.transpose(-2, -1)
-    w_down = down if experts.is_transposed else down.transpose(-2, -1)
+    # Detached: the fused path runs without gradient (applies()), and the
+    # library's kernels take no tensor that requires one (DLPack refuses it).
+    w_up = (up if experts.is_transposed else up.transpose(-2, -1)).detach()
+    w_down = (down if experts.is_transposed else down.transpose(-2, -1)).detach()
     act = None
     if hidden_states.device.type == "cuda" and experts.has_gate and _dispatch._default_gate(experts):
         act = _activation_name(experts.act_fn)
