@@ -519,10 +519,10 @@ imoe_status imoe_grouped_gemm(const imoe_view *a, const imoe_view *w, const imoe
 /*
  * The router of a sparse-MoE block after its linear (csrc/moe_router.c,
  * cuda/imoe_router.cu): per token, p = softmax(logits[t]) in F32, the k
- * largest p (ties and equal values to the lower expert, in descending
- * order), optionally divided by their sum, written in out_weights' dtype.
- * The arithmetic is torch's CUDA routing (transformers' Mixtral, Qwen2-MoE,
- * Qwen3-MoE and OLMoE routers):
+ * largest p in descending order, equal values in the order torch's CUDA
+ * topk gives them (below), optionally divided by their sum, written in
+ * out_weights' dtype. The arithmetic is torch's CUDA routing (transformers'
+ * Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE routers):
  *   - softmax as torch's softmax_warp_forward: W = min(next_pow2(E), 32)
  *     lanes, lane l holding experts l + i x W (i < next_pow2(E) / W; slots
  *     past E are -inf); the lane's max in i order, then an xor butterfly
@@ -530,6 +530,39 @@ imoe_status imoe_grouped_gemm(const imoe_view *a, const imoe_view *w, const imoe
  *     the lane's sum of e from +0.0 in i order, an xor butterfly of sums;
  *     p = e / sum (a correctly rounded division). Logits are read in their
  *     dtype and converted exactly to F32 (torch's .float() / dtype=float).
+ *   - top-k as torch.topk(p, k) on CUDA (aten/src/ATen/native/cuda:
+ *     TensorTopK.cu, TensorTopK.cpp, SortingRadixSelect.cuh, Sort.cu /
+ *     SortImpl.cuh, SortUtils.cuh, SortingCommon.cuh, as on pytorch's main
+ *     branch in 2025/26; the network of step 3 is older, torch 1.x's Sort.cu
+ *     already sorted k <= 32 so), which fixes the order of equal values:
+ *       1. key(p): the order-preserving bits (sign set: all bits flipped,
+ *          else the sign bit set); every NaN the largest key, 0xFFFFFFFF
+ *          (TopKTypeConfig<float>::convert). kth = the k-th largest key,
+ *          repeats counted (radixSelect).
+ *       2. gathered, in this order (gatherTopK): the experts whose key is
+ *          above kth, ascending; then the experts whose key equals kth,
+ *          ascending, until k are gathered (so among equal values at the
+ *          k-th place the lower experts are chosen).
+ *       3. k = 1: that is the result. k >= 2: SmallBitonicSort (topk calls
+ *          sortKeyValueInplace(values, indices, dim, largest), stable
+ *          false, k <= 32): the k gathered (value, expert) pairs in slots
+ *          0 .. k-1 of 32, slots k .. 31 invalid, then bitonicSortKVInPlace
+ *          with 16 threads: for size = 2, 4, 8, 16, 32 and stride = size/2
+ *          .. 1, each pair (a, b = a + stride), a = 2t - (t & (stride - 1))
+ *          for t < 16, exchanges when swap == dir, where dir = (a & size)
+ *          != 0 (false when size = 32) and swap = (gt(v_a, v_b) && valid_a)
+ *          || !valid_b, gt(x, y) = (isnan(x) && !isnan(y)) || x > y
+ *          (GTOp<float, true>). Equal values are exchanged whenever the
+ *          stage's direction is false: with every p equal the experts come
+ *          out 1 0 (k = 2), 1 0 2 3 (k = 4), 7 6 4 5 1 0 2 3 (k = 8).
+ *     For T rows of E <= 1024 torch takes its multi-block path (mbtopk,
+ *     should_use_multiblock) when 800 <= T <= 4000 and E >= 800, or T >
+ *     4000 and E >= 400: its radix select finds the same kth and its
+ *     gatherTopK writes in the order of step 2, so the result is the same.
+ *     Its other path, a full sort (should_use_sort: T <= 10 rows of E >=
+ *     100000), is out of reach here. torch built for ROCm (warptopk, a
+ *     stable merge sort for E <= 256) orders equal values otherwise; that
+ *     is not emulated.
  *   - renormalisation as torch's sum over the last axis of the [T, k]
  *     values: with B = the largest power of two <= k, partial l < B is
  *     v[l] + v[l + B] (v[l] alone when l + B >= k), then partial l +=
@@ -538,17 +571,20 @@ imoe_status imoe_grouped_gemm(const imoe_view *a, const imoe_view *w, const imoe
  * torch's kernel calls it); on the CPU the same range reduction with a
  * correctly rounded 2^f in place of ex2.approx, so CPU and CUDA
  * probabilities may differ in their last bits (the ex2.approx error).
+ * Equal logits give equal probabilities on both, so the order of equal
+ * values is the same on both.
  * NaN: a row with a NaN or +inf logit, or only -inf logits, has NaN
- * probabilities throughout, as torch's softmax gives; its experts are then
- * 0 .. k-1 (NaN ranks as one value, lowest; ties to the lower expert) and
- * its weights NaN.
+ * probabilities throughout, as torch's softmax gives; its weights are then
+ * NaN and its experts 0 .. k-1 in the order step 3 gives equal values (NaN
+ * ranks above every number and all NaN rank equal, in step 1 and in gt).
  *   logits       [T, E] F32/F16/BF16, 1 <= E <= IMOE_MOE_MAX_EXPERTS.
  *   k            1 <= k <= min(E, IMOE_ROUTER_MAX_K).
  *   renormalize  nonzero: divide the k values by their sum.
  *   out_weights  [T, k] F32/F16/BF16 (rounded to nearest even).
  *   out_indices  [T, k] I32/I64: the experts, in descending weight.
  * On CUDA: one launch, one warp per row (W-lane groups of a warp for
- * E <= 16), no allocation, no host synchronisation.
+ * E <= 16), 1 KiB of static shared memory a block, no allocation, no host
+ * synchronisation.
  */
 #define IMOE_ROUTER_MAX_K 32
 

@@ -41,16 +41,78 @@ static float cuda_expf(float x) {
   return (float)exp2((double)ff) * scale;
 }
 
-/* The order of a probability among the others: higher is better; NaN
- * lowest; the complement of the expert below it, so ties go to the lower
- * expert. Every key of a row is distinct. */
-static uint64_t rank_key(float p, int64_t e) {
-  uint32_t key = 0;
-  if (!isnan(p)) {
-    const uint32_t b = imoe_bits_from_f32(p);
-    key = (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+/* torch's CUDA topk (TensorTopK.cu, SortingRadixSelect.cuh, Sort.cu,
+ * SortUtils.cuh; the order is spelt out in idempotent_moe.h), emulated
+ * step for step so that equal probabilities come out in torch's order:
+ *   1. the k-th largest radix key (TopKTypeConfig<float>::convert: the
+ *      order-preserving bits, every NaN the largest key 0xFFFFFFFF);
+ *   2. gatherTopK's write order: the experts whose key is above the k-th,
+ *      ascending, then those equal to it, ascending, as many as are missing;
+ *   3. for k >= 2, sortKeyValueInplace's SmallBitonicSort: the bitonic
+ *      network of 32 slots (16 threads x 2) over (value, expert) with the
+ *      gathered k valid at the front, bitonicSwap and GTOp<float, true>. */
+static uint32_t radix_key(float p) {
+  if (isnan(p)) return 0xFFFFFFFFu;
+  const uint32_t b = imoe_bits_from_f32(p);
+  return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+}
+
+/* GTOp<float, true> (SortingCommon.cuh): NaN above every number. */
+static int gt_nan_first(float a, float b) { return (isnan(a) && !isnan(b)) || a > b; }
+
+enum { SORT_SLOTS = 32 }; /* SmallBitonicSort: sort_size 32, block_x 16 */
+
+/* bitonicSortKVInPlace<..., block_x = 16, ...> on one slice of n <= 32
+ * (value, expert) pairs in place: the same compare-exchanges in the same
+ * stages, bitonicSwap's rule (invalid slots always sort to the end). */
+static void small_bitonic_sort(float *v, int64_t *e, int64_t n) {
+  float key[SORT_SLOTS];
+  int64_t val[SORT_SLOTS];
+  int ok[SORT_SLOTS];
+  for (int i = 0; i < SORT_SLOTS; i++) {
+    ok[i] = i < n;
+    key[i] = ok[i] ? v[i] : 0.0f;
+    val[i] = ok[i] ? e[i] : 0;
   }
-  return ((uint64_t)key << 32) | (uint64_t)(0xFFFFFFFFu - (uint32_t)e);
+  for (int size = 2; size <= SORT_SLOTS; size *= 2) {
+    for (int stride = size / 2; stride > 0; stride /= 2) {
+      for (int t = 0; t < SORT_SLOTS / 2; t++) {
+        /* size < 32: flag = t & (size / 2) (the final merge: false) */
+        const int dir = size < SORT_SLOTS && (t & (size / 2)) != 0;
+        const int a = 2 * t - (t & (stride - 1)), b = a + stride;
+        const int swap = (gt_nan_first(key[a], key[b]) && ok[a]) || !ok[b];
+        if (swap == dir) {
+          const float tk = key[a];
+          const int64_t tv = val[a];
+          const int to = ok[a];
+          key[a] = key[b], val[a] = val[b], ok[a] = ok[b];
+          key[b] = tk, val[b] = tv, ok[b] = to;
+        }
+      }
+    }
+  }
+  for (int64_t i = 0; i < n; i++) v[i] = key[i], e[i] = val[i];
+}
+
+/* Steps 1 to 3 on the probabilities x[0 .. e_n): v, idx get the k values
+ * and experts in torch's output order. */
+static void torch_cuda_topk(const float *x, int64_t e_n, int64_t k, float *v, int64_t *idx) {
+  uint32_t top[IMOE_ROUTER_MAX_K]; /* the k largest keys, descending, with repeats */
+  int64_t have = 0;
+  for (int64_t j = 0; j < e_n; j++) {
+    const uint32_t key = radix_key(x[j]);
+    if (have == k && key <= top[k - 1]) continue;
+    int64_t at = have < k ? have++ : k - 1;
+    for (; at > 0 && top[at - 1] < key; at--) top[at] = top[at - 1];
+    top[at] = key;
+  }
+  const uint32_t kth = top[k - 1];
+  int64_t n = 0;
+  for (int64_t j = 0; j < e_n; j++)
+    if (radix_key(x[j]) > kth) v[n] = x[j], idx[n++] = j;
+  for (int64_t j = 0; j < e_n && n < k; j++)
+    if (radix_key(x[j]) == kth) v[n] = x[j], idx[n++] = j;
+  if (k > 1) small_bitonic_sort(v, idx, k); /* sort_size 1: torch leaves it */
 }
 
 /* torch's CUDA sum of k values over the last axis (Reduce.cuh, k <= 32:
@@ -104,21 +166,9 @@ static imoe_status route_row(const void *vctx, int64_t t, unsigned char *mem, im
     for (int l = 0; l < w; l++) lane_sum[l] = lane_sum[l] + other[l];
   }
   for (int64_t j = 0; j < e_n; j++) x[j] = x[j] / lane_sum[j % w];
-  /* top-k: k rounds of the best key not yet taken */
   float v[IMOE_ROUTER_MAX_K];
   int64_t idx[IMOE_ROUTER_MAX_K];
-  uint64_t last = UINT64_MAX;
-  for (int64_t r = 0; r < k; r++) {
-    uint64_t best = 0;
-    int64_t at = -1;
-    for (int64_t j = 0; j < e_n; j++) {
-      const uint64_t key = rank_key(x[j], j);
-      if (key < last && (at < 0 || key > best)) best = key, at = j;
-    }
-    last = best;
-    v[r] = x[at];
-    idx[r] = at;
-  }
+  torch_cuda_topk(x, e_n, k, v, idx);
   const float sum = c->renormalize ? router_sum(v, k) : 1.0f;
   char *ow = imoe_row_base(c->weights, t), *oi = imoe_row_base(c->indices, t);
   for (int64_t r = 0; r < k; r++) {

@@ -5,10 +5,13 @@
 //                   (32 / W rows a warp, 4 warps a block), the row's logits
 //                   in registers; torch's softmax_warp_forward arithmetic
 //                   (lane max, xor-butterfly max, expf, lane sums in slot
-//                   order, xor-butterfly sum, division), then k rounds of a
-//                   warp arg-max over the lanes' (probability, expert) keys,
-//                   round r's winner kept by lane r, and torch's reduction
-//                   order for the renormalising sum (shfl_down B/2 .. 1).
+//                   order, xor-butterfly sum, division), then torch's CUDA
+//                   topk: k rounds of a warp arg-max over the lanes' (radix
+//                   key, expert) keys for the k-th largest key, gatherTopK's
+//                   write order (above the k-th in expert order, then equal
+//                   to it) through shared memory, SmallBitonicSort's 32-slot
+//                   network over shuffles, and torch's reduction order for
+//                   the renormalising sum (shfl_down B/2 .. 1).
 // No allocation, no host synchronisation, no data errors; PDL on sm_90.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -45,21 +48,24 @@ __device__ __forceinline__ float load_logit(const char *p) {
   return __bfloat162float(*reinterpret_cast<const __nv_bfloat16 *>(p));
 }
 
-// The order of a probability (csrc/moe_router.c, rank_key): higher is
-// better, NaN lowest, ties to the lower expert; 0 is no candidate.
-__device__ __forceinline__ uint64_t rank_key(float p, int e) {
-  uint32_t key = 0;
-  if (!isnan(p)) {
-    const uint32_t b = __float_as_uint(p);
-    key = (b & 0x80000000u) ? ~b : (b | 0x80000000u);
-  }
-  return ((uint64_t)key << 32) | (uint64_t)(0xFFFFFFFFu - (uint32_t)e);
+// torch's radix key (SortingRadixSelect.cuh, TopKTypeConfig<float>::
+// convert; csrc/moe_router.c, radix_key): the order-preserving bits, every
+// NaN the largest key 0xFFFFFFFF.
+__device__ __forceinline__ uint32_t radix_key(float p) {
+  if (isnan(p)) return 0xFFFFFFFFu;
+  const uint32_t b = __float_as_uint(p);
+  return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
 }
 
-__device__ __forceinline__ float key_value(uint64_t key) {
-  const uint32_t k = (uint32_t)(key >> 32);
-  if (k == 0) return __uint_as_float(0x7FFFFFFFu);  // NaN
-  return __uint_as_float((k & 0x80000000u) ? (k & 0x7FFFFFFFu) : ~k);
+// The selection key of expert e: the radix key above the complement of the
+// expert, so every key of a row is distinct and never 0 (0: no candidate).
+__device__ __forceinline__ uint64_t rank_key(float p, int e) {
+  return ((uint64_t)radix_key(p) << 32) | (uint64_t)(0xFFFFFFFFu - (uint32_t)e);
+}
+
+// GTOp<float, true> (SortingCommon.cuh): NaN above every number.
+__device__ __forceinline__ bool gt_nan_first(float a, float b) {
+  return (isnan(a) && !isnan(b)) || a > b;
 }
 
 // The lane's best key among its available slots (bit i of avail: slot i).
@@ -85,6 +91,8 @@ __global__ void __launch_bounds__(kRouterThreads) k_topk_softmax(const __grid_co
   const int lane = threadIdx.x & 31, l = lane % W, group = lane / W;
   const int64_t warp = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) / 32;
   const int64_t warps = (int64_t)gridDim.x * blockDim.x / 32;
+  __shared__ float s_val[kRouterThreads];  // the gathered values, W per row
+  __shared__ int s_exp[kRouterThreads];    // and experts
   int bsum = 1;  // B: the largest power of two <= k
   while (2 * bsum <= p.k) bsum <<= 1;
   for (int64_t base = warp * G; base < p.T; base += warps * G) {  // uniform in the warp
@@ -119,22 +127,71 @@ __global__ void __launch_bounds__(kRouterThreads) k_topk_softmax(const __grid_co
     for (int o = W / 2; o > 0; o /= 2) s += __shfl_xor_sync(kFull, s, o, W);
 #pragma unroll
     for (int i = 0; i < ITERS; ++i) x[i] = x[i] / s;
-    // top-k: round r's winner is kept by lane r (k <= W)
-    uint64_t mine = lane_best<ITERS, W>(x, avail, l);
-    float my_v = 0.0f;
-    int my_e = 0;
+    // top-k as torch's CUDA topk orders it (idempotent_moe.h; csrc/moe_router.c,
+    // torch_cuda_topk). 1. The k-th largest radix key: k rounds of a warp
+    // arg-max over the (radix key, expert complement) keys, each taking one.
+    const uint32_t in_range = avail;
+    uint64_t mine = lane_best<ITERS, W>(x, avail, l), best = 0;
     for (int r = 0; r < p.k; ++r) {
-      uint64_t best = mine;
+      best = mine;
 #pragma unroll
       for (int o = W / 2; o > 0; o /= 2) {
         const uint64_t other = __shfl_xor_sync(kFull, best, o, W);
         best = other > best ? other : best;
       }
       const int e = (int)(0xFFFFFFFFu - (uint32_t)best);
-      if (l == r) my_v = key_value(best), my_e = e;
       if (e % W == l) {
         avail &= ~(1u << (e / W));
         mine = lane_best<ITERS, W>(x, avail, l);
+      }
+    }
+    const uint32_t kth = (uint32_t)(best >> 32);
+    // 2. gatherTopK's write order, through this row's W slots of shared
+    // memory: the keys above the k-th in expert order (slot i, then lane),
+    // then those equal to it in expert order while fewer than k are written.
+    const unsigned below = (1u << lane) - 1u;  // the warp's lanes below this one
+    const unsigned mine_group = W == 32 ? kFull : ((1u << W) - 1u) << (group * W);
+    float *sv = s_val + (threadIdx.x - lane) + group * W;
+    int *se = s_exp + (threadIdx.x - lane) + group * W;
+    int n = 0;
+#pragma unroll
+    for (int i = 0; i < ITERS; ++i) {
+      const bool take = ((in_range >> i) & 1u) && radix_key(x[i]) > kth;
+      const unsigned b = __ballot_sync(kFull, take) & mine_group;
+      if (take) sv[n + __popc(b & below)] = x[i], se[n + __popc(b & below)] = l + i * W;
+      n += __popc(b);
+    }
+#pragma unroll
+    for (int i = 0; i < ITERS; ++i) {
+      const bool take = ((in_range >> i) & 1u) && radix_key(x[i]) == kth;
+      const unsigned b = __ballot_sync(kFull, take) & mine_group;
+      const int at = n + __popc(b & below);
+      if (take && at < p.k) sv[at] = x[i], se[at] = l + i * W;
+      n += __popc(b);
+    }
+    __syncwarp();
+    // 3. SmallBitonicSort (k >= 2): the 32-slot bitonic network with the k
+    // gathered pairs valid at the front, slot l in lane l. A pair (l, l ^ s)
+    // with s >= W never exchanges (its upper slot is invalid and the stage's
+    // direction is false there), so a W-lane row runs only the strides < W.
+    float my_v = l < p.k ? sv[l] : 0.0f;
+    int my_e = l < p.k ? se[l] : -1;  // -1: an invalid slot
+    __syncwarp();
+    if (p.k > 1) {
+#pragma unroll
+      for (int size = 2; size <= 32; size *= 2) {
+#pragma unroll
+        for (int st = size / 2; st > 0; st /= 2) {
+          if (st >= W) continue;
+          const float o_v = __shfl_xor_sync(kFull, my_v, st, W);
+          const int o_e = __shfl_xor_sync(kFull, my_e, st, W);
+          const bool upper = (l & st) != 0;
+          const float ka = upper ? o_v : my_v, kb = upper ? my_v : o_v;
+          const bool va = (upper ? o_e : my_e) >= 0, vb = (upper ? my_e : o_e) >= 0;
+          const bool dir = (l & size) != 0;  // bitonicSort's flag; false in the final merge
+          const bool swap = (gt_nan_first(ka, kb) && va) || !vb;
+          if (swap == dir) my_v = o_v, my_e = o_e;
+        }
       }
     }
     // torch's sum over the k values: lane l < B adds v[l + B], then shfl_down B/2 .. 1

@@ -1,11 +1,17 @@
 """topk_softmax (idempotent_moe.moe_ops) and fuse_routers: the C core
 against torch's CPU routing (softmax, topk, renormalisation; a few ulp apart,
 as torch's CPU exp and summation order are not CUDA's), ties, NaN rows, the
-argument checks; tiny transformers models keep their own router on the CPU.
-GPU tests: the kernel against the C core and against torch's own CUDA
-routing bit for bit, and generate() with fused routers."""
+argument checks; equal probabilities in torch's CUDA order, against a
+pure-Python transcription of torch's CUDA topk (gatherTopK's write order and
+SmallBitonicSort's network); tiny transformers models keep their own router
+on the CPU. GPU tests: the kernel against the C core and against torch's own
+CUDA routing bit for bit, with and without ties, and generate() with fused
+routers."""
 
 from __future__ import annotations
+
+import math
+import struct
 
 import numpy as np
 import pytest
@@ -55,7 +61,7 @@ def check_against_torch(logits, k, renormalize, max_ulp):
     # the chosen experts carry torch's top-k probabilities (equal values may swap places)
     assert ulps(p.gather(1, i), p.gather(1, ref_i)) <= max_ulp
     assert ulps(w, ref_w) <= max_ulp
-    # descending, ties to the lower expert
+    # descending
     chosen = p.gather(1, i)
     assert bool((chosen[:, :-1] >= chosen[:, 1:]).all())
     return w, i, ref_w, ref_i
@@ -104,18 +110,176 @@ def test_renormalisation_adds_in_torchs_cuda_order():
             assert np.array_equal(w[t].numpy(), (v[t] / s).astype(np.float32)), (k, t)
 
 
-def test_ties_go_to_the_lower_expert():
+# ------------------------------------------------- torch's CUDA topk, in Python
+def _radix_key(x):
+    """TopKTypeConfig<float>::convert (SortingRadixSelect.cuh): the
+    order-preserving bits of a float32, every NaN 0xFFFFFFFF (the largest)."""
+    if math.isnan(x):
+        return 0xFFFFFFFF
+    b = struct.unpack("<I", struct.pack("<f", x))[0]
+    return b ^ (0xFFFFFFFF if b & 0x80000000 else 0x80000000)
+
+
+def _gt_op(a, b):
+    """GTOp<float, /*handleNaN=*/true> (SortingCommon.cuh)."""
+    return (math.isnan(a) and not math.isnan(b)) or a > b
+
+
+def _small_bitonic_sort(keys, values):
+    """sortKeyValueInplace -> SmallBitonicSort -> bitonicSortKVInPlace with
+    block_x = 16 threads of 2 items (SortImpl.cuh, SortUtils.cuh): the slice
+    in slots 0 .. n-1 of 32, the rest invalid; bitonicSort's stages, thread
+    by thread, with bitonicSwap's rule and GTOp."""
+    n, slots = len(keys), 32
+    k = list(keys) + [0.0] * (slots - n)
+    v = list(values) + [0] * (slots - n)
+    ok = [True] * n + [False] * (slots - n)
+
+    def bitonic_swap(a, b, flag):
+        swap = (_gt_op(k[a], k[b]) and ok[a]) or not ok[b]  # invalid entries sort to the end
+        if swap == flag:
+            k[a], k[b] = k[b], k[a]
+            v[a], v[b] = v[b], v[a]
+            ok[a], ok[b] = ok[b], ok[a]
+
+    size = 2
+    while size < slots:
+        stride = size // 2
+        while stride > 0:
+            for tid in range(slots // 2):
+                pos = 2 * tid - (tid & (stride - 1))
+                bitonic_swap(pos, pos + stride, (tid & (size // 2)) != 0)
+            stride //= 2
+        size *= 2
+    stride = slots // 2
+    while stride > 0:
+        for tid in range(slots // 2):
+            pos = 2 * tid - (tid & (stride - 1))
+            bitonic_swap(pos, pos + stride, False)
+        stride //= 2
+    return k[:n], v[:n]
+
+
+def cuda_topk_reference(row, k):
+    """torch.topk(row, k) (largest, sorted) as torch's CUDA kernels order it
+    for k <= 32 (TensorTopK.cu, TensorTopK.cpp): radixSelect's k-th largest
+    key; gatherTopK writes the keys above it in index order, then the keys
+    equal to it in index order while fewer than k are written; then, for
+    k >= 2, SmallBitonicSort. Returns (values, indices) as lists."""
+    keys = [_radix_key(x) for x in row]
+    kth = sorted(keys, reverse=True)[k - 1]
+    order = [j for j, key in enumerate(keys) if key > kth]
+    order += [j for j, key in enumerate(keys) if key == kth][:k - len(order)]
+    values = [row[j] for j in order]
+    if k == 1:  # sortKeyValueInplace: a slice of one is already sorted
+        return values, order
+    return _small_bitonic_sort(values, order)
+
+
+def test_reference_sorts_and_orders_equal_values_as_torch_cuda_did():
+    # on an H200 (torch 2.11) routers with two equal top probabilities at
+    # experts 6 and 7 of 8 gave [7, 6]
+    assert cuda_topk_reference([0.0] * 6 + [1.0, 1.0], 2)[1] == [7, 6]
+    assert cuda_topk_reference([1.0] * 4, 4)[1] == [1, 0, 2, 3]
+    assert cuda_topk_reference([1.0] * 8, 8)[1] == [7, 6, 4, 5, 1, 0, 2, 3]
+    assert cuda_topk_reference([1.0] * 64, 8)[1] == [7, 6, 4, 5, 1, 0, 2, 3]
+    g = torch.Generator().manual_seed(0)
+    for k in (1, 2, 3, 5, 8, 13, 32):  # distinct values: a plain descending sort
+        row = torch.randn(40, generator=g).tolist()
+        values, order = cuda_topk_reference(row, k)
+        ref = torch.topk(torch.tensor(row, dtype=torch.float64), k)
+        assert order == ref.indices.tolist() and values == ref.values.tolist()
+    nan = float("nan")
+    # NaN is the largest: gathered [1, 3, 4] (above 3.0), then [0]; torch 2.11's CUDA topk
+    # returns these indices for this row
+    values, order = cuda_topk_reference([3.0, nan, 1.0, 5.0, nan, 2.0], 4)
+    assert order == [1, 4, 3, 0] and values[2:] == [5.0, 3.0]
+
+
+POOL = torch.tensor([-1.5, -0.5, 0.0, 0.25, 1.0, 2.0])  # exact in bf16 and f16, 0.25 apart at least
+
+
+def tied_logits(tokens, experts, seed, values=3):
+    """Logits drawn from `values` entries of POOL: ties everywhere. Equal
+    logits give equal probabilities and distinct ones distinct
+    probabilities in the same order, so the reference may rank the logits."""
+    g = torch.Generator().manual_seed(seed)
+    pool = POOL[torch.randperm(len(POOL), generator=g)[:values]]
+    return pool[torch.randint(0, values, (tokens, experts), generator=g)]
+
+
+def reference_indices(logits, k):
+    """cuda_topk_reference's experts per row; a row with a NaN or +inf
+    logit, or only -inf logits, is all NaN (softmax)."""
+    out = []
+    for row in logits.float().tolist():
+        nan_row = any(math.isnan(x) or x == math.inf for x in row) or all(x == -math.inf for x in row)
+        out.append(cuda_topk_reference([math.nan] * len(row) if nan_row else row, k)[1])
+    return torch.tensor(out, dtype=torch.int64)
+
+
+def designed_ties(experts):
+    """Seven rows whose ties sit where the order matters: the top value at
+    both ends, the top value at the last two experts, equal values around
+    the k-th place, one above a long tie, all equal, the larger values at
+    the odd experts, and a NaN row."""
+    e = experts
+    rows = []
+    r = torch.zeros(e)
+    r[0] = r[e - 1] = 2.0
+    rows.append(r)
+    r = torch.zeros(e)
+    r[-2:] = 2.0
+    rows.append(r)
+    r = -1.0 - torch.arange(e) / (2.0 * e)
+    r[1::3] = 1.0
+    rows.append(r)
+    r = torch.full((e,), -1.5)
+    r[3 * e // 4:] = 1.0
+    r[e // 2] = 2.0
+    rows.append(r)
+    rows.append(torch.ones(e))
+    r = torch.full((e,), 2.0)
+    r[::2] = -0.5
+    rows.append(r)
+    r = torch.zeros(e)
+    r[e // 3] = float("nan")
+    rows.append(r)
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("experts", [3, 8, 60, 64, 128, 1024])
+@pytest.mark.parametrize("k", [1, 2, 4, 8, 32])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_equal_probabilities_in_torchs_cuda_order(experts, k, dtype):
+    if k > experts:
+        pytest.skip("k > E")
+    logits = torch.cat([designed_ties(experts), tied_logits(60, experts, seed=experts + k)]).to(dtype)
+    want = reference_indices(logits, k)
+    p = torch.softmax(logits.float(), dim=-1)
+    finite = ~p.isnan().any(dim=1)
+    for renormalize in (True, False):
+        w, i = topk_softmax(logits, k, renormalize=renormalize)
+        assert torch.equal(i, want), (renormalize, (i != want).nonzero()[:4].tolist())
+        chosen = p.gather(1, i)[finite]
+        assert bool((chosen[:, :-1] >= chosen[:, 1:]).all())  # descending
+        assert bool(w[~finite].isnan().all()) and not bool(w[finite].isnan().any())
+
+
+def test_ties_in_torchs_cuda_order():
     logits = torch.tensor([[1.0, 3.0, 3.0, 2.0, 3.0],
                            [0.0, 0.0, 0.0, 0.0, 0.0],
                            [5.0, -1.0, 5.0, 5.0, -1.0]])
     w, i = topk_softmax(logits, 3)
-    assert i.tolist() == [[1, 2, 4], [0, 1, 2], [0, 2, 3]]
+    assert i.tolist() == [[4, 2, 1], [2, 1, 0], [3, 2, 0]]
     assert bool((w[1] == w[1, 0]).all()) and abs(w[1, 0].item() - 1 / 3) < 1e-7  # equal values
     _, i = topk_softmax(logits, 2)
-    assert i.tolist() == [[1, 2], [0, 1], [0, 2]]
+    assert i.tolist() == [[2, 1], [1, 0], [2, 0]]
+    _, i = topk_softmax(logits, 1)  # the first of the equal largest (gatherTopK), no sort
+    assert i.tolist() == [[1], [0], [0]]
 
 
-def test_nan_rows_are_nan_with_the_first_experts():
+def test_nan_rows_are_nan_with_experts_in_torchs_order():
     nan, inf = float("nan"), float("inf")
     logits = torch.tensor([[0.5, nan, 2.0, 1.0],     # a NaN logit
                            [0.5, inf, 2.0, 1.0],     # +inf: inf - inf
@@ -123,11 +287,15 @@ def test_nan_rows_are_nan_with_the_first_experts():
                            [0.5, -inf, 2.0, 1.0]])   # -inf alone is a probability of 0
     for renormalize in (True, False):
         w, i = topk_softmax(logits, 2, renormalize=renormalize)
-        assert bool(w[:3].isnan().all()) and i[:3].tolist() == [[0, 1]] * 3
+        # every probability NaN, equal under torch's comparators: experts 0 and 1
+        # gathered, then the network's first exchange swaps them
+        assert bool(w[:3].isnan().all()) and i[:3].tolist() == [[1, 0]] * 3
         ref_w, ref_i = torch_routing(logits[3:], 2, renormalize)
         assert i[3].tolist() == ref_i[0].tolist() and ulps(w[3:], ref_w) <= 2
     w, i = topk_softmax(logits[3:], 4, renormalize=False)
     assert i.tolist() == [[2, 3, 0, 1]] and w[0, 3].item() == 0.0
+    assert topk_softmax(logits[:3], 4)[1].tolist() == [[1, 0, 2, 3]] * 3
+    assert topk_softmax(logits[:3], 1)[1].tolist() == [[0]] * 3
 
 
 def test_k_of_one_and_of_every_expert():
@@ -376,10 +544,36 @@ def test_gpu_is_torchs_cuda_routing_bit_for_bit(experts, k, dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("experts", [3, 8, 60, 64, 128, 1024])
+@pytest.mark.parametrize("k", [1, 2, 4, 8, 32])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
+def test_gpu_ties_are_torchs_cuda_routing_bit_for_bit(experts, k, dtype):
+    """Logits from a few distinct values (rows full of equal probabilities)
+    against torch's own CUDA routing: the same experts in the same order,
+    the same bits; the C core and the Python transcription name the same
+    experts. T = 4096 with E = 1024 is torch's multi-block topk
+    (should_use_multiblock), whose write order is the single block's."""
+    if k > experts:
+        pytest.skip("k > E")
+    cpu = torch.cat([designed_ties(experts), tied_logits(4096 - 7, experts, seed=experts * 3 + k)])
+    cpu = cpu.to(dtype)
+    logits = cpu.cuda()
+    for renormalize in (True, False):
+        for out_dtype in {torch.float32, dtype}:
+            w, i = topk_softmax(logits, k, renormalize=renormalize, out_dtype=out_dtype)
+            ref_w, ref_i = torch_routing(logits, k, renormalize, out_dtype)
+            assert torch.equal(i, ref_i), (renormalize, out_dtype, (i != ref_i).nonzero()[:4].tolist())
+            assert torch.equal(w.view(torch.uint8), ref_w.view(torch.uint8)), (renormalize, out_dtype)
+        _, cpu_i = topk_softmax(cpu, k, renormalize=renormalize)
+        assert torch.equal(cpu_i, i.cpu())
+    assert torch.equal(i[:100].cpu(), reference_indices(cpu[:100], k))
+
+
+@pytest.mark.gpu
 def test_gpu_nan_rows_and_stream_order():
     logits = torch.tensor([[0.5, float("nan"), 2.0, 1.0], [0.5, -1.0, 2.0, 1.0]])
     w, i = topk_softmax(logits.cuda(), 2)
-    assert bool(w[0].isnan().all()) and i.cpu().tolist()[0] == [0, 1]
+    assert bool(w[0].isnan().all()) and i.cpu().tolist()[0] == [1, 0]
     cpu_w, cpu_i = topk_softmax(logits, 2)
     assert torch.equal(i.cpu(), cpu_i) and _cuda_ulps_ok(w[1:], cpu_w[1:], 8)
 

@@ -219,8 +219,10 @@ def _dtype_name(dtype: Any) -> str | None:
 def topk_softmax(logits: Any, k: int, *, renormalize: bool = True, out_dtype: Any = None,
                  index_dtype: str = "int64", num_threads: int | None = None) -> tuple[Any, Any]:
     """The router after its linear: per row of `logits` [T, E] (E <= 1024),
-    p = softmax in fp32, the k largest p in descending order (equal values:
-    the lower expert first), divided by their sum when `renormalize`.
+    p = softmax in fp32, the k largest p in descending order (equal values
+    in the order torch's CUDA topk gives them: gathered in expert order,
+    then its bitonic network; see `imoe_topk_softmax` in idempotent_moe.h),
+    divided by their sum when `renormalize`.
     Returns (weights [T, k] of `out_dtype`, default float32; indices [T, k]
     of `index_dtype`, "int64" or "int32"). k <= min(E, 32).
 
@@ -230,7 +232,8 @@ def topk_softmax(logits: Any, k: int, *, renormalize: bool = True, out_dtype: An
     order of operations, with exp correctly rounded where CUDA's expf uses
     the hardware's approximation (a few ulp apart at most). A row with a
     NaN or +inf logit, or only -inf logits, gets NaN weights (as torch's
-    softmax gives) and experts 0 .. k-1."""
+    softmax gives) and experts 0 .. k-1 in torch's order for equal values
+    (1, 0 for k = 2)."""
     ops = _ops(logits)
     if ops is not None:
         torch = _arrays._torch()

@@ -1,6 +1,9 @@
 /* test_router.c: imoe_topk_softmax in the C core: probabilities against
- * double precision, ties to the lower expert, NaN rows, the renormalising
- * sum, threads, and every argument error leaving the outputs unchanged. */
+ * double precision, equal values in torch's CUDA topk order (gatherTopK's
+ * write order, then SmallBitonicSort's network; the expected experts are
+ * those of the Python transcription in tests/test_moe_router.py), NaN rows,
+ * the renormalising sum, threads, and every argument error leaving the
+ * outputs unchanged. */
 #include <math.h>
 #include <string.h>
 
@@ -66,7 +69,8 @@ static void test_ties_nan_and_renormalisation(void) {
   float w[4 * 3];
   int64_t idx[4 * 3];
   CHECK(route(logits, 4, 5, 3, 1, w, idx, 1) == IMOE_OK, "route");
-  const int64_t want[4][3] = {{1, 2, 4}, {0, 1, 2}, {0, 1, 2}, {1, 0, 3}};
+  /* ties and the NaN row: gathered 1 2 4 / 0 1 2 / 0 1 2, the network reverses three equal values */
+  const int64_t want[4][3] = {{4, 2, 1}, {2, 1, 0}, {2, 1, 0}, {1, 0, 3}};
   for (int t = 0; t < 4; t++)
     for (int r = 0; r < 3; r++) CHECK(idx[t * 3 + r] == want[t][r], "t=%d r=%d: %d", t, r, (int)idx[t * 3 + r]);
   for (int r = 0; r < 3; r++) CHECK(isnan(w[2 * 3 + r]), "NaN row");
@@ -79,6 +83,53 @@ static void test_ties_nan_and_renormalisation(void) {
   float one[4];
   int64_t oi[4];
   CHECK(route(logits, 4, 5, 1, 1, one, oi, 1) == IMOE_OK && one[0] == 1.0f && one[3] == 1.0f, "k = 1");
+}
+
+/* One row of e logits, k experts wanted in the order given. */
+static void check_order(const char *what, const float *x, int64_t e, int64_t k, const int64_t *want) {
+  static float w[32], plain[32];
+  static int64_t idx[32], idx2[32];
+  float *row = (float *)x;
+  CHECK(route(row, 1, e, k, 1, w, idx, 1) == IMOE_OK, "%s: route", what);
+  CHECK(route(row, 1, e, k, 0, plain, idx2, 1) == IMOE_OK, "%s: route plain", what);
+  for (int64_t r = 0; r < k; r++) {
+    CHECK(idx[r] == want[r] && idx2[r] == want[r], "%s: r=%d: %d, want %d", what, (int)r, (int)idx[r],
+          (int)want[r]);
+    if (r > 0 && !isnan(plain[r])) CHECK(plain[r] <= plain[r - 1], "%s: descending", what);
+  }
+}
+
+static void test_ties_in_torchs_cuda_order(void) {
+  static float x[1024];
+  /* two equal top values at experts 6 and 7 of 8: torch's CUDA topk gives 7, 6 */
+  for (int j = 0; j < 8; j++) x[j] = j >= 6 ? 1.0f : 0.0f;
+  check_order("E=8 k=2", x, 8, 2, (const int64_t[]){7, 6});
+  for (int j = 0; j < 64; j++) x[j] = 0.5f;
+  check_order("E=64 k=8 all equal", x, 64, 8, (const int64_t[]){7, 6, 4, 5, 1, 0, 2, 3});
+  check_order("E=64 k=32 all equal", x, 64, 32,
+              (const int64_t[]){31, 30, 28, 29, 25, 24, 26, 27, 19, 18, 16, 17, 21, 20, 22, 23,
+                                7,  6,  4,  5,  1,  0,  2,  3,  11, 10, 8,  9,  13, 12, 14, 15});
+  check_order("E=3 k=2 all equal", x, 3, 2, (const int64_t[]){1, 0});
+  check_order("E=3 k=1 all equal", x, 3, 1, (const int64_t[]){0});
+  /* one above, then equal values at the k-th place: 50 | 1 4 7 gathered */
+  for (int j = 0; j < 60; j++) x[j] = j % 3 == 1 ? 1.0f : 0.0f;
+  x[50] = 2.0f;
+  check_order("E=60 k=4", x, 60, 4, (const int64_t[]){50, 7, 1, 4});
+  /* three equal above, then 120 .. 124 of eight equal */
+  for (int j = 0; j < 128; j++) x[j] = j >= 120 ? 1.0f : (j == 5 || j == 17 || j == 100) ? 2.0f : 0.0f;
+  check_order("E=128 k=8", x, 128, 8, (const int64_t[]){100, 17, 5, 120, 122, 123, 121, 124});
+  /* 28 equal above (every 37th expert), then 1 .. 4 of the equal rest */
+  for (int j = 0; j < 1024; j++) x[j] = j % 37 == 0 ? 1.0f : 0.0f;
+  check_order("E=1024 k=32", x, 1024, 32,
+              (const int64_t[]){925, 888, 962, 999, 777, 740, 814, 851, 703, 666, 592, 629, 481, 444, 518, 555,
+                                259, 222, 148, 185, 37,  0,   74,  111, 407, 370, 296, 333, 4,   3,   1,   2});
+  check_order("E=1024 k=5", x, 1024, 5, (const int64_t[]){37, 0, 74, 148, 111});
+  /* a NaN row: every probability NaN, ranked as equal values */
+  x[500] = NAN;
+  check_order("E=1024 NaN k=8", x, 1024, 8, (const int64_t[]){7, 6, 4, 5, 1, 0, 2, 3});
+  float w[8];
+  int64_t idx[8];
+  CHECK(route(x, 1, 1024, 8, 1, w, idx, 1) == IMOE_OK && isnan(w[0]) && isnan(w[7]), "NaN weights");
 }
 
 static void test_threads_agree(void) {
@@ -134,6 +185,7 @@ static void test_argument_errors(void) {
 void test_router_all(void) {
   test_probabilities_against_double();
   test_ties_nan_and_renormalisation();
+  test_ties_in_torchs_cuda_order();
   test_threads_agree();
   test_argument_errors();
 }

@@ -178,8 +178,9 @@ static PyMethodDef methods[] = {
     {"topk_softmax", FASTCALL(imoe_py_topk_softmax),
      "topk_softmax(*, logits, k, renormalize=True, out_weights, out_indices, num_threads, "
      "stream=None) -> None\n\n"
-     "imoe_topk_softmax: per row of logits [T, E], softmax in fp32, the k largest (lower expert "
-     "first on ties), divided by their sum when renormalize; torch's CUDA arithmetic."},
+     "imoe_topk_softmax: per row of logits [T, E], softmax in fp32, the k largest (equal values "
+     "in torch's CUDA topk order), divided by their sum when renormalize; torch's CUDA "
+     "arithmetic."},
     {"moe_workspace_elems", FASTCALL(py_moe_workspace_elems),
      "moe_workspace_elems(assignments, capacity, cuda) -> int\n\n"
      "imoe_moe_workspace_elems: int32 elements of moe_dispatch's workspace."},
