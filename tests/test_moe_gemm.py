@@ -287,27 +287,34 @@ def _kernels(fn) -> set:
 @pytest.mark.gpu
 def test_gpu_small_m_compiled_is_the_eager_path_and_large_batches_keep_grouped_mm():
     """Under torch.compile (the static cache's decode) the switch runs the
-    same kernel, bit for bit; above SMALL_M_ROWS_PER_EXPERT rows per expert
-    both paths keep torch's grouped_mm."""
+    same kernels as the eager decode path, bit for bit (the experts on the
+    same routing); above SMALL_M_ROWS_PER_EXPERT rows per expert both paths
+    keep torch's grouped_mm."""
     import idempotent_moe.integrations as hf
     from idempotent_moe.integrations import _fused
-    from test_hf_moe import _block_output, _cuda_block
+    from test_hf_moe import _cuda_block
 
     hf.register()
     block = _cuda_block(1024, 3584, "bfloat16")
-    setattr(block.experts.config, hf.SMALL_M_GEMM_ATTR, True)
+    from idempotent_moe.bench import w4
+
+    w4._use(block, "idempotent", None)
+    experts = block.experts
+    setattr(experts.config, hf.SMALL_M_GEMM_ATTR, True)
     try:
         for tokens in (8, _fused.SMALL_M_ROWS_PER_EXPERT * 8 // 2 + 1):
-            x = torch.randn(1, tokens, 1024, device="cuda", dtype=torch.bfloat16)
-            eager = _block_output(block, x, "idempotent")
-            compiled = torch.compile(block, fullgraph=False, dynamic=False)
-            out, names = _kernels(lambda c=compiled, x=x: c(x))
+            x = torch.randn(tokens, 1024, device="cuda", dtype=torch.bfloat16)
+            with torch.no_grad():
+                _, weights, index = block.gate(x)
+                eager = experts(x, index, weights)
+            compiled = torch.compile(experts, fullgraph=True, dynamic=False)
+            out, names = _kernels(lambda c=compiled, x=x, i=index, w=weights: c(x, i, w))
             small = tokens * 2 <= _fused.SMALL_M_ROWS_PER_EXPERT * 8
             assert any("k_grouped_gemm" in n for n in names) == small, (tokens, sorted(names))
-            assert torch.equal(out, eager)
+            assert torch.equal(out, eager), tokens
             torch._dynamo.reset()
     finally:
-        setattr(block.experts.config, hf.SMALL_M_GEMM_ATTR, False)
+        setattr(experts.config, hf.SMALL_M_GEMM_ATTR, False)
 
 
 def test_the_switch_is_off_by_default():
