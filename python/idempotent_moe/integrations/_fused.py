@@ -68,17 +68,16 @@ def _activation_name(act) -> str | None:
         return "relu"
     if isinstance(act, nn.GELU):
         return {"none": "gelu", "tanh": "gelu_tanh"}.get(act.approximate)
-    try:
-        from transformers import activations
-    except ImportError:
-        return None
+    # transformers' activation classes by name: nothing is imported, so that
+    # torch.compile traces this without a graph break.
     kind = type(act)
-    if kind is activations.SiLUActivation:
+    hf = kind.__module__ == "transformers.activations"
+    if hf and kind.__name__ == "SiLUActivation":
         return "silu"
     inner = getattr(act, "act", None)
-    if kind is activations.GELUActivation and inner is F.gelu:
+    if hf and kind.__name__ == "GELUActivation" and inner is F.gelu:
         return "gelu"
-    if kind is activations.GELUTanh and getattr(inner, "func", None) is F.gelu and \
+    if hf and kind.__name__ == "GELUTanh" and getattr(inner, "func", None) is F.gelu and \
             getattr(inner, "keywords", {}) == {"approximate": "tanh"}:
         return "gelu_tanh"
     return None
@@ -125,21 +124,22 @@ def _plan(experts, hidden_states: torch.Tensor) -> _Plan:
             and not _dispatch.expert_parallel(experts))
     small_m = (act is not None and usable and not experts.has_bias
                and not getattr(experts, "has_post_expert_norm", False)
-               and _small_m_fits(w_up) and _small_m_fits(w_down))
+               and _small_m_fits(w_up, tracing) and _small_m_fits(w_down, tracing))
     plan = _Plan(key, w_up, w_down, usable, act, w_down.shape[-2], lean, small_m)
     if not tracing:
         experts.__dict__["_idempotent_plan"] = plan
     return plan
 
 
-def _small_m_fits(w: torch.Tensor) -> bool:
+def _small_m_fits(w: torch.Tensor, tracing: bool) -> bool:
     """Whether grouped_gemm's CUDA kernel reads the GEMM-layout weight w
-    [E, K, N]: K contiguous, every column 16-byte aligned (the storage's base
-    is: torch's CUDA allocations are; the offset is read, so that a traced
-    weight, which has no address, is judged the same)."""
+    [E, K, N]: K contiguous, every column 16-byte aligned. A traced weight
+    has no address to read (nor an offset torch.compile traces without a
+    graph break): there the base is taken as aligned, as a parameter's is,
+    and the kernel's launcher refuses one that is not."""
     size = w.element_size()
     e, k, n = w.shape
-    return (w.stride(1) == 1 and w.storage_offset() * size % 16 == 0 and k * size % 16 == 0
+    return (w.stride(1) == 1 and (tracing or w.data_ptr() % 16 == 0) and k * size % 16 == 0
             and (e == 1 or w.stride(0) * size % 16 == 0) and (n == 1 or w.stride(2) * size % 16 == 0))
 
 
