@@ -621,3 +621,31 @@ def test_gpu_fused_router_under_grad_runs_the_original(monkeypatch):
     _, w, _ = routers(model)[0](hidden)
     w.sum().backward()
     assert hidden.grad is not None
+
+
+def test_use_idempotent_experts_fuses_routers_and_sets_the_gemm_switch():
+    model = tiny_model("qwen3_moe")
+    hf.use_idempotent_experts(model, fuse_routers=True, small_m_gemm=True)
+    assert hf.routers_fused(model) and model.config._experts_implementation == "idempotent"
+    assert getattr(model.config, hf.SMALL_M_GEMM_ATTR) is True
+    hf.use_idempotent_experts(model, 1.25, small_m_gemm=False)  # routers as they were
+    assert hf.routers_fused(model) and getattr(model.config, hf.SMALL_M_GEMM_ATTR) is False
+    assert getattr(model.config, hf.CAPACITY_FACTOR_ATTR) == 1.25
+    hf.unfuse_routers(model)
+
+
+@pytest.mark.parametrize("bad, error", [(dict(small_m_gemm="yes"), TypeError),
+                                        (dict(capacity_factor=0.0), ValueError),
+                                        (dict(fuse_routers=True), TypeError)])
+def test_use_idempotent_experts_refuses_and_changes_nothing(bad, error):
+    model = tiny_model("gpt_oss" if bad.get("fuse_routers") else "mixtral")
+
+    def state():
+        config = model.config
+        return (config._experts_implementation, getattr(config, hf.CAPACITY_FACTOR_ATTR, None),
+                getattr(config, hf.SMALL_M_GEMM_ATTR, None), hf.routers_fused(model))
+
+    before = state()
+    with pytest.raises(error):
+        hf.use_idempotent_experts(model, **bad)
+    assert state() == before
