@@ -8,10 +8,12 @@
 2. CUDA kernels per forward (torch profiler) at 1 and 8 tokens.
 3. The ceiling of replacing the experts: decode tokens/s of M1's models
    (Mixtral-like, Qwen3-MoE-like) at batch 1, 8 and 32 with grouped_mm, with
-   "idempotent", and with experts that cost nothing (a forward that returns
-   zeros): the speed the rest of the model allows.
+   "idempotent" (alone and with its options, "+gemm+router"), and with
+   experts that cost nothing (a forward that returns zeros), with
+   transformers' routers and with the fused ones: the speed the rest of the
+   model allows. --cache static measures the compiled decode instead.
 
-    python benchmarks/moe_host_cost.py [--out FILE.json] [--skip-ceiling]
+    python benchmarks/moe_host_cost.py [--out FILE.json] [--skip-ceiling] [--cache static]
 """
 
 from __future__ import annotations
@@ -25,7 +27,9 @@ import idempotent_moe as imoe
 import idempotent_moe.integrations as hf
 import torch
 from idempotent_moe.bench import runner
-from idempotent_moe.moe_ops import gated_act, moe_combine, moe_dispatch
+from idempotent_moe.bench.model import _raise_recompile_limit
+from idempotent_moe.integrations import hf_router
+from idempotent_moe.moe_ops import gated_act, grouped_gemm, moe_combine, moe_dispatch
 from torch.profiler import ProfilerActivity, profile
 from transformers import MixtralConfig
 from transformers.integrations.moe import ExpertsInterface
@@ -98,9 +102,11 @@ def host_costs(b, tokens):
             out[f"experts forward, {name}"] = per_call_us(experts(name))
             out[f"MoE block (router included), {name}"] = per_call_us(whole(name))
         out["router (gate: linear, softmax, top-k, renormalise)"] = per_call_us(lambda: b.gate(x))
-        w_up = b.experts.gate_up_proj.transpose(-2, -1)
+        out["router, fused (linear, topk_softmax)"] = per_call_us(lambda: hf_router.fused_route(b.gate, x))
+        w_up = b.experts.gate_up_proj.transpose(-2, -1).detach()
         out["torch._grouped_mm, gate-up GEMM alone"] = per_call_us(
             lambda: torch._grouped_mm(d.rows, w_up, offs=d.offsets))
+        out["grouped_gemm, gate-up GEMM alone"] = per_call_us(lambda: grouped_gemm(d.rows, w_up, d.offsets))
         out["moe_dispatch"] = per_call_us(lambda: moe_dispatch(x, idx, b.experts.num_experts))
         out["_C.moe_dispatch, outputs given"] = per_call_us(lambda: imoe._C.moe_dispatch(
             hidden=x, top_k_index=idx, num_experts=b.experts.num_experts, out_rows=d.rows,
@@ -114,7 +120,25 @@ def host_costs(b, tokens):
     return out, counts
 
 
-def decode_ceiling(family, batch, rounds=3, new_tokens=48):
+CEILING_IMPLS = ("grouped_mm", "idempotent", "idempotent+gemm+router", "zero-cost", "zero-cost+router")
+
+
+def switch(model, name):
+    """An M1 implementation name (model_families.parse_impl), or "zero-cost"
+    experts, "+router" with the routers fused."""
+    from idempotent_moe.bench.model_families import parse_impl, use_impl
+
+    base, _, option = name.partition("+")
+    if base != "zero-cost":
+        use_impl(model, parse_impl(name))
+        return
+    use_impl(model, parse_impl("grouped_mm"))  # options off, routers unfused
+    model.set_experts_implementation("zero-cost")
+    if option == "router":
+        hf.fuse_routers(model)
+
+
+def decode_ceiling(family, batch, cache="dynamic", rounds=3, new_tokens=48):
     """Decode tokens/s (all sequences) of one M1 model at one batch size per
     experts implementation, interleaved rounds, medians."""
     from idempotent_moe.bench.model_families import MOE_FAMILIES, build_model
@@ -124,20 +148,22 @@ def decode_ceiling(family, batch, rounds=3, new_tokens=48):
     model = build_model(MOE_FAMILIES[family], "cuda")
     ids = torch.randint(0, model.config.vocab_size, (batch, 128), device="cuda")
     mask = torch.ones_like(ids)
+    kwargs = {"cache_implementation": "static"} if cache == "static" else {}
 
     def gen(n):
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         with torch.no_grad():
-            model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+            model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                           **kwargs)
         torch.cuda.synchronize()
         return time.perf_counter() - t0
 
-    names = ("grouped_mm", "idempotent", "zero-cost")
+    names = CEILING_IMPLS
     samples = {n: [] for n in names}
     for r in range(rounds + 1):
         for name in (names if r % 2 else names[::-1]):
-            model.set_experts_implementation(name)
+            switch(model, name)
             t_long, t_one = gen(new_tokens), gen(1)
             if r:  # round 0 warms up
                 samples[name].append(batch * (new_tokens - 1) / (t_long - t_one))
@@ -150,11 +176,15 @@ def main():
     ap.add_argument("--skip-ceiling", action="store_true")
     ap.add_argument("--families", default="mixtral,qwen3moe")
     ap.add_argument("--batches", default="1,8,32")
+    ap.add_argument("--cache", choices=("dynamic", "static"), default="dynamic",
+                    help="the ceiling's cache (static: transformers compiles the decode)")
     opts = ap.parse_args()
+    if opts.cache == "static":
+        _raise_recompile_limit()
     hf.register()
     b = block()
     result = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
-              "commit": runner._git_commit()}
+              "commit": runner._git_commit(), "ceiling_cache": opts.cache}
     for tokens in (1, 8):
         costs, counts = host_costs(b, tokens)
         result[f"host_us_{tokens}_tokens"] = costs
@@ -163,7 +193,7 @@ def main():
     del b
     if not opts.skip_ceiling:
         result["decode_tokens_per_s"] = {
-            f"{family}, batch {batch}": decode_ceiling(family, int(batch))
+            f"{family}, batch {batch}": decode_ceiling(family, int(batch), opts.cache)
             for family in opts.families.split(",") for batch in opts.batches.split(",")}
     text = json.dumps(result, indent=1)
     print(text)

@@ -105,3 +105,14 @@ imoe_status imoe_cuda_gated_act(const imoe_view *gate_up, const imoe_view *out, 
                                 const imoe_view *limit, const imoe_exec *exec, imoe_error *err) {
   return IMOE_ERR_UNSUPPORTED;
 }
+
+imoe_status imoe_cuda_grouped_gemm(const imoe_view *a, const imoe_view *w, const imoe_view *offsets,
+                                   const imoe_view *out, const imoe_exec *exec, imoe_error *err) {
+  return IMOE_ERR_UNSUPPORTED;
+}
+
+imoe_status imoe_cuda_topk_softmax(const imoe_view *logits, int64_t k, int32_t renormalize,
+                                   const imoe_view *out_weights, const imoe_view *out_indices,
+                                   const imoe_exec *exec, imoe_error *err) {
+  return IMOE_ERR_UNSUPPORTED;
+}

@@ -489,6 +489,110 @@ imoe_status imoe_gated_act(const imoe_view *gate_up, const imoe_view *out, imoe_
                            const imoe_view *limit, const imoe_exec *exec, imoe_error *err);
 
 /*
+ * imoe_grouped_gemm: the small-M grouped GEMM of an experts layer (CPU core
+ * csrc/moe_gemm.c, CUDA cuda/imoe_moe_gemm.cu). With E experts over the
+ * expert-sorted rows of a dispatch, out[r] = a[r] @ w[e(r)] for every row
+ * r < offsets[E - 1], e(r) the first e with offsets[e] > r; rows at or past
+ * offsets[E - 1] keep their bytes.
+ *   a        [R, K] F32/F16/BF16.
+ *   w        [E, K, N], a's dtype, any strides (a view: transformers'
+ *            gate_up_proj [E, 2I, H] transposed is [E, H, 2I] with K
+ *            contiguous).
+ *   offsets  [E] I32, non-decreasing, each in [0, R] (IMOE_ERR_INDEX_RANGE).
+ *   out      [R, N], a's dtype, written for rows < offsets[E - 1].
+ * Arithmetic (the same on every device, bit for bit): in F32, 32 partial
+ * sums p[0..31] from +0.0; element k of the dot product goes to
+ * p[(k / V) mod 32], V = 16 / element size (8 for F16/BF16, 4 for F32), in
+ * increasing k, as p = fmaf(a[r, k], w[e, k, n], p); then the butterfly
+ * p[l] += p[l + h] for l < h, h = 16, 8, 4, 2, 1; p[0] is rounded once into
+ * out's dtype (round to nearest even). NaN payloads may differ by device.
+ * On CUDA: a's rows contiguous (its last axis stride one element), w's K
+ * axis contiguous, w's base and its E and N strides multiples of 16 bytes,
+ * K x element size a multiple of 16, E <= IMOE_MOE_MAX_EXPERTS and R < 2^31
+ * (IMOE_ERR_UNSUPPORTED otherwise); one kernel, no host synchronisation;
+ * offsets that break the rule above are a recorded data error
+ * (imoe_take_device_status) and nothing is written.
+ */
+imoe_status imoe_grouped_gemm(const imoe_view *a, const imoe_view *w, const imoe_view *offsets,
+                              const imoe_view *out, const imoe_exec *exec, imoe_error *err);
+
+/*
+ * The router of a sparse-MoE block after its linear (csrc/moe_router.c,
+ * cuda/imoe_router.cu): per token, p = softmax(logits[t]) in F32, the k
+ * largest p in descending order, equal values in the order torch's CUDA
+ * topk gives them (below), optionally divided by their sum, written in
+ * out_weights' dtype. The arithmetic is torch's CUDA routing (transformers'
+ * Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE routers):
+ *   - softmax as torch's softmax_warp_forward: W = min(next_pow2(E), 32)
+ *     lanes, lane l holding experts l + i x W (i < next_pow2(E) / W; slots
+ *     past E are -inf); the lane's max in i order, then an xor butterfly
+ *     (offsets W/2 .. 1, max(a, b) = a < b ? b : a); e = exp(x - max) kept,
+ *     the lane's sum of e from +0.0 in i order, an xor butterfly of sums;
+ *     p = e / sum (a correctly rounded division). Logits are read in their
+ *     dtype and converted exactly to F32 (torch's .float() / dtype=float).
+ *   - top-k as torch.topk(p, k) on CUDA (aten/src/ATen/native/cuda:
+ *     TensorTopK.cu, TensorTopK.cpp, SortingRadixSelect.cuh, Sort.cu /
+ *     SortImpl.cuh, SortUtils.cuh, SortingCommon.cuh, as on pytorch's main
+ *     branch in 2025/26; the network of step 3 is older, torch 1.x's Sort.cu
+ *     already sorted k <= 32 so), which fixes the order of equal values:
+ *       1. key(p): the order-preserving bits (sign set: all bits flipped,
+ *          else the sign bit set); every NaN the largest key, 0xFFFFFFFF
+ *          (TopKTypeConfig<float>::convert). kth = the k-th largest key,
+ *          repeats counted (radixSelect).
+ *       2. gathered, in this order (gatherTopK): the experts whose key is
+ *          above kth, ascending; then the experts whose key equals kth,
+ *          ascending, until k are gathered (so among equal values at the
+ *          k-th place the lower experts are chosen).
+ *       3. k = 1: that is the result. k >= 2: SmallBitonicSort (topk calls
+ *          sortKeyValueInplace(values, indices, dim, largest), stable
+ *          false, k <= 32): the k gathered (value, expert) pairs in slots
+ *          0 .. k-1 of 32, slots k .. 31 invalid, then bitonicSortKVInPlace
+ *          with 16 threads: for size = 2, 4, 8, 16, 32 and stride = size/2
+ *          .. 1, each pair (a, b = a + stride), a = 2t - (t & (stride - 1))
+ *          for t < 16, exchanges when swap == dir, where dir = (a & size)
+ *          != 0 (false when size = 32) and swap = (gt(v_a, v_b) && valid_a)
+ *          || !valid_b, gt(x, y) = (isnan(x) && !isnan(y)) || x > y
+ *          (GTOp<float, true>). Equal values are exchanged whenever the
+ *          stage's direction is false: with every p equal the experts come
+ *          out 1 0 (k = 2), 1 0 2 3 (k = 4), 7 6 4 5 1 0 2 3 (k = 8).
+ *     For T rows of E <= 1024 torch takes its multi-block path (mbtopk,
+ *     should_use_multiblock) when 800 <= T <= 4000 and E >= 800, or T >
+ *     4000 and E >= 400: its radix select finds the same kth and its
+ *     gatherTopK writes in the order of step 2, so the result is the same.
+ *     Its other path, a full sort (should_use_sort: T <= 10 rows of E >=
+ *     100000), is out of reach here. torch built for ROCm (warptopk, a
+ *     stable merge sort for E <= 256) orders equal values otherwise; that
+ *     is not emulated.
+ *   - renormalisation as torch's sum over the last axis of the [T, k]
+ *     values: with B = the largest power of two <= k, partial l < B is
+ *     v[l] + v[l + B] (v[l] alone when l + B >= k), then partial l +=
+ *     partial l + o for o = B/2 .. 1; each weight = v / partial 0.
+ * exp: on CUDA, expf (libdevice, the hardware's ex2.approx inside, as
+ * torch's kernel calls it); on the CPU the same range reduction with a
+ * correctly rounded 2^f in place of ex2.approx, so CPU and CUDA
+ * probabilities may differ in their last bits (the ex2.approx error).
+ * Equal logits give equal probabilities on both, so the order of equal
+ * values is the same on both.
+ * NaN: a row with a NaN or +inf logit, or only -inf logits, has NaN
+ * probabilities throughout, as torch's softmax gives; its weights are then
+ * NaN and its experts 0 .. k-1 in the order step 3 gives equal values (NaN
+ * ranks above every number and all NaN rank equal, in step 1 and in gt).
+ *   logits       [T, E] F32/F16/BF16, 1 <= E <= IMOE_MOE_MAX_EXPERTS.
+ *   k            1 <= k <= min(E, IMOE_ROUTER_MAX_K).
+ *   renormalize  nonzero: divide the k values by their sum.
+ *   out_weights  [T, k] F32/F16/BF16 (rounded to nearest even).
+ *   out_indices  [T, k] I32/I64: the experts, in descending weight.
+ * On CUDA: one launch, one warp per row (W-lane groups of a warp for
+ * E <= 16), 1 KiB of static shared memory a block, no allocation, no host
+ * synchronisation.
+ */
+#define IMOE_ROUTER_MAX_K 32
+
+imoe_status imoe_topk_softmax(const imoe_view *logits, int64_t k, int32_t renormalize,
+                              const imoe_view *out_weights, const imoe_view *out_indices,
+                              const imoe_exec *exec, imoe_error *err);
+
+/*
  * Data errors found on a device. A CUDA call never synchronises the host, so
  * a data error (a NaN score under IMOE_NAN_ERROR, active indices out of range
  * or repeated, an invalid caller-given map) cannot fail the call itself: the

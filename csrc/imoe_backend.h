@@ -150,6 +150,19 @@ imoe_status imoe_cuda_moe_combine(const imoe_view *rows, const imoe_view *dest,
 imoe_status imoe_cuda_gated_act(const imoe_view *gate_up, const imoe_view *out, imoe_act act,
                                 const imoe_view *limit, const imoe_exec *exec, imoe_error *err);
 
+/* ---- the small-M grouped GEMM (cuda/imoe_moe_gemm.cu) -----------------
+ * imoe_grouped_gemm on the device. The core has checked shapes, dtypes and
+ * aliasing; the launcher refuses layouts its kernel does not read
+ * (IMOE_ERR_UNSUPPORTED). Bad offsets are a recorded data error. */
+imoe_status imoe_cuda_grouped_gemm(const imoe_view *a, const imoe_view *w, const imoe_view *offsets,
+                                   const imoe_view *out, const imoe_exec *exec, imoe_error *err);
+
+/* ---- the router (cuda/imoe_router.cu) ----------------------------------
+ * imoe_topk_softmax on the device: one kernel, no data errors. */
+imoe_status imoe_cuda_topk_softmax(const imoe_view *logits, int64_t k, int32_t renormalize,
+                                   const imoe_view *out_weights, const imoe_view *out_indices,
+                                   const imoe_exec *exec, imoe_error *err);
+
 #ifdef __cplusplus
 }
 #endif

@@ -338,7 +338,7 @@ __device__ __forceinline__ int perm_block_scan(int v, int *total, int *s_warp) {
 }
 
 // A stable counting sort's placing pass, tile by tile of blockDim.x items
-// (k_moe_sort; k_group's loop is the same, written out): each item i < n with key(i) >= 0 gets its place
+// (k_group, k_moe_sort): each item i < n with key(i) >= 0 gets its place
 // among the items of its key, in item order, from base[key]; emit(i, key,
 // place) runs for every i < n (key -1: place -1), and base advances by the
 // counts. __match_any_sync ranks an item within its warp, per-warp counts

@@ -624,7 +624,6 @@ __global__ void __launch_bounds__(kPermThreads) k_group(const __grid_constant__ 
   const uint32_t r = blockIdx.x;
   const int64_t n = p.n;
   const int E = p.experts;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   uint32_t c[kMaxDims];
   row_coords(p.lead, r, c);
   const char *irow = p.ids.data + row_offset(p.lead, c, p.ids.lead);
@@ -651,34 +650,12 @@ __global__ void __launch_bounds__(kPermThreads) k_group(const __grid_constant__ 
     carry += total;
   }
   __syncthreads();
-  // stable_places (imoe_device.cuh) written out: its call compiles to other
-  // machine code here, not yet measured on a GPU.
-  for (int64_t t0 = 0; t0 < n; t0 += blockDim.x) {
-    for (int k = threadIdx.x; k < E * 33; k += blockDim.x) wc[k] = 0;
-    __syncthreads();
-    const int64_t t = t0 + threadIdx.x;
-    const int e = t < n ? (int)load_index(irow + t * p.ids.n_stride, p.ids.dtype, ial) : -1;
-    const unsigned peers = __match_any_sync(0xFFFFFFFFu, e);
-    const int rank = __popc(peers & ((1u << lane) - 1u));
-    if (e >= 0 && rank == 0) wc[e * 33 + warp] = __popc(peers);
-    __syncthreads();
-    for (int x = threadIdx.x; x < E; x += blockDim.x) {
-      int sum = base[x];
-      for (int w = 0; w < 32; ++w) {
-        const int k = wc[x * 33 + w];
-        wc[x * 33 + w] = sum;
-        sum += k;
-      }
-      base[x] = sum;
-    }
-    __syncthreads();
-    if (e >= 0) {
-      const int pos = wc[e * 33 + warp] + rank;
-      plan[pos] = (int32_t)t;
-      if (prow) store_index(prow + (int64_t)pos * p.perm.n_stride, p.perm.dtype, p.perm.aligned != 0, t);
-    }
-    __syncthreads();
-  }
+  const auto key = [&](int64_t t) { return (int)load_index(irow + t * p.ids.n_stride, p.ids.dtype, ial); };
+  stable_places(n, E, base, wc, key, [&](int64_t t, int e, int pos) {
+    if (e < 0) return;
+    plan[pos] = (int32_t)t;
+    if (prow) store_index(prow + (int64_t)pos * p.perm.n_stride, p.perm.dtype, p.perm.aligned != 0, t);
+  });
 }
 
 // ------------------------------------------------------------ host side

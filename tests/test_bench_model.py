@@ -347,3 +347,15 @@ def test_plot_of_a_synthetic_json(tmp_path):
     data = copy.deepcopy(synthetic_model_json())
     path = model_report.plot(data, str(tmp_path / "model.png"))
     assert os.path.getsize(path) > 1000
+
+
+def test_impl_names_take_the_options_of_ours():
+    from idempotent_moe.bench.model_families import parse_impl
+
+    impl = parse_impl("idempotent-cap1.25+router+gemm")
+    assert (impl.experts_implementation, impl.capacity_factor, impl.small_m_gemm, impl.fused_router) == \
+        ("idempotent", 1.25, True, True)
+    assert not parse_impl("idempotent").small_m_gemm and parse_impl("idempotent+gemm").small_m_gemm
+    for bad in ("grouped_mm+gemm", "idempotent+gemm+gemm", "idempotent+fast", "idempotent-cap0+gemm"):
+        with pytest.raises(ValueError, match="unknown experts implementation"):
+            parse_impl(bad)

@@ -638,3 +638,23 @@ def test_reduce_overhead_replays_compact_on_new_data():
         _same([x, idx, out], [ref_x, ref_idx, ref_out], f"step {step}")
     imoe.check_errors(x)
     assert counters["inductor"]["cudagraph_skips"] == 0
+
+
+def test_the_fused_plan_helpers_trace_without_a_graph_break():
+    """The CUDA plan's checks (transformers' activation by class, the small-M
+    weight layout) run inside a compiled forward: a graph break there split
+    every MoE layer of a compiled model in two."""
+    activations = pytest.importorskip("transformers.activations")
+    from idempotent_moe.integrations import _fused
+
+    w = torch.randn(4, 128, 64).transpose(-2, -1)
+
+    def f(x, w):
+        ok = _fused._activation_name(activations.SiLUActivation()) == "silu" and _fused._small_m_fits(w, True)
+        return x + 1 if ok else x - 1
+
+    torch._dynamo.reset()
+    compiled = torch.compile(f, backend="eager", fullgraph=True)
+    assert torch.equal(compiled(torch.ones(2), w), torch.full((2,), 2.0))
+    assert _fused._activation_name(activations.GELUActivation()) == "gelu"
+    assert _fused._activation_name(torch.nn.Tanh()) is None

@@ -46,6 +46,10 @@ TABLES = [
 if os.path.exists(os.path.join(RESULTS, "model-cuda.json")):
     TABLES.append(("README.md", "model-cuda.json", report.readme_from_json))
     TABLES.append(("docs/results.md", "model-cuda.json", model_report.doc_from_json))
+# Runs of M1 beside the headline's: the compiled (static-cache) decode, and
+# the options of ours (+gemm, +router).
+TABLES += [("docs/results.md", name, model_report.doc_from_json)
+           for name in ("model-static-cuda.json", "model-options-cuda.json")]
 
 
 @pytest.mark.parametrize("doc, result, render", TABLES, ids=[f"{d}:{r}" for d, r, _ in TABLES])

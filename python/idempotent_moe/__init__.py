@@ -26,7 +26,7 @@ from .functional import (
 )
 from .kv import InplaceKVCompactor, compact_kv_cache_inplace, reduce_head_scores
 from .moe import InplaceMoERouter, compact_moe_tokens_inplace, generate_idempotent_moe_map
-from .moe_ops import MoEDispatch, gated_act, moe_combine, moe_dispatch
+from .moe_ops import MoEDispatch, gated_act, grouped_gemm, moe_combine, moe_dispatch
 from .paged import PagedCompaction, apply_paged_map_, compact_paged_, paged_target_map
 
 __version__ = "0.1.0"
@@ -51,6 +51,7 @@ __all__ = [
     "generate_idempotent_moe_map",
     "get_num_threads",
     "group_by_expert_",
+    "grouped_gemm",
     "idempotent_map",
     "moe_combine",
     "moe_dispatch",

@@ -110,7 +110,8 @@ def _model_parser(sub) -> None:
     model.add_argument("--caches", default="dynamic,static", help="comma-separated: dynamic,static")
     model.add_argument("--impls", default=",".join(IMPLS),
                        help="comma-separated experts implementations: eager, grouped_mm, idempotent, "
-                            "idempotent-cap<factor>")
+                            "idempotent-cap<factor>; ours take +gemm (the library's small-M grouped GEMM "
+                            "at decode sizes) and +router (fused routers), e.g. idempotent+gemm+router")
     model.add_argument("--rounds", type=int, default=3, help="interleaved timed rounds (default 3)")
     model.add_argument("--new-tokens", type=int, default=0,
                        help="M1 tokens generated per call (default 48; 4 with --quick)")

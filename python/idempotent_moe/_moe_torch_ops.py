@@ -1,5 +1,5 @@
-"""moe_dispatch, moe_combine and gated_act as torch custom ops (namespace
-`idempotent_moe`), for torch.compile: each returns fresh tensors (no
+"""moe_dispatch, moe_combine, gated_act, grouped_gemm and topk_softmax as torch custom ops
+(namespace `idempotent_moe`), for torch.compile: each returns fresh tensors (no
 argument is written), whose shapes the fake implementations give, so a
 compiled experts forward is one graph and CUDA graphs capture the kernels.
 Imported only while torch.compile traces a call of moe_ops on torch tensors
@@ -50,3 +50,25 @@ if AVAILABLE:
     @_act_op.register_fake
     def _(gate_up, act, limit):
         return gate_up.new_empty(tuple(gate_up.shape[:-1]) + (gate_up.shape[-1] // 2,))
+
+    @torch.library.custom_op("idempotent_moe::grouped_gemm", mutates_args=())
+    def _gemm_op(a: T, w: T, offsets: T) -> T:
+        with _op_depth.inside_op():
+            return moe_ops.grouped_gemm(a, w, offsets)
+
+    @_gemm_op.register_fake
+    def _(a, w, offsets):
+        return a.new_empty((a.shape[0], w.shape[-1]))
+
+    @torch.library.custom_op("idempotent_moe::topk_softmax", mutates_args=())
+    def _router_op(logits: T, k: int, renormalize: bool, out_dtype: torch.dtype,
+                   index_dtype: str) -> tuple[T, T]:
+        with _op_depth.inside_op():
+            return moe_ops.topk_softmax(logits, k, renormalize=renormalize, out_dtype=out_dtype,
+                                        index_dtype=index_dtype)
+
+    @_router_op.register_fake
+    def _(logits, k, renormalize, out_dtype, index_dtype):
+        shape = (logits.shape[0], k)
+        return (logits.new_empty(shape, dtype=out_dtype),
+                logits.new_empty(shape, dtype=getattr(torch, index_dtype)))

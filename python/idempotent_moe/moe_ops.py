@@ -13,6 +13,18 @@ experts, H features. `top_k_index` [T, k] names each assignment's expert,
     y = grouped_mm(a, w_down, offs=d.offsets)               # [S, H]
     out = moe_combine(y, d.dest, top_k_weights)             # [T, H]
 
+`grouped_gemm(rows, w, offsets)` is the library's own grouped GEMM for a
+few rows per expert (decode): out[r] = rows[r] @ w[e(r)], each dot product
+summed in fp32 in one documented order (32 lane sums fed 16-byte vectors
+of K with fused multiply-adds, then a butterfly; idempotent_moe.h), the
+same bit for bit on the CPU and CUDA. On CUDA it reads the weights once, as
+an [E, K, N] view whose K axis is contiguous (transformers' [E, N, K]
+weights transposed). Its rounding is not grouped_mm's.
+
+The router in front of it, fused: `top_k_weights, top_k_index =
+topk_softmax(router_logits, k)` (softmax in fp32, top-k, renormalised:
+torch's CUDA routing bit for bit, one kernel).
+
 With `capacity=C`, each expert keeps its C assignments of highest weight
 (ties to the lower token, NaN lowest); the others are dropped (dest -1)
 and counted on the device (`dropped`, read when needed: that read
@@ -176,3 +188,63 @@ def gated_act(gate_up: Any, act: str = "silu", *, limit: Any = None, out: Any = 
                        num_threads=resolve_num_threads(num_threads),
                        stream=_arrays.dlpack_stream(gate_up))
     return out
+
+
+def grouped_gemm(a: Any, w: Any, offsets: Any, *, out: Any = None, num_threads: int | None = None) -> Any:
+    """out[r] = a[r] @ w[e(r)] ([R, N]) for rows r < offsets[-1], e(r) the
+    first e with offsets[e] > r; rows from offsets[-1] on are left as they
+    were (uninitialised in a new `out`). a [R, K], w [E, K, N] (any
+    strides; on CUDA its K axis contiguous), offsets [E] int32 (a
+    dispatch's), all of one float dtype. Each sum is fp32 in the order of
+    idempotent_moe.h, rounded once; CPU and CUDA agree bit for bit.
+    Bad offsets (decreasing, or beyond R) are a ValueError on the CPU and a
+    recorded error on CUDA (check_errors), with nothing written."""
+    ops = _ops(a) if out is None else None
+    if ops is not None:
+        return ops.grouped_gemm(a, w, offsets)
+    if out is None:
+        out = _empty(a, (_arrays.shape_of(a)[0], _arrays.shape_of(w)[-1]))
+    native().grouped_gemm(a=a, w=w, offsets=offsets, out=out, num_threads=resolve_num_threads(num_threads),
+                          stream=_arrays.dlpack_stream(a))
+    return out
+
+
+def _dtype_name(dtype: Any) -> str | None:
+    """'float32' for torch.float32, np.float32, 'float32'; None for None."""
+    if dtype is None:
+        return None
+    return str(np.dtype(dtype) if isinstance(dtype, type) else dtype).rsplit(".", 1)[-1]
+
+
+def topk_softmax(logits: Any, k: int, *, renormalize: bool = True, out_dtype: Any = None,
+                 index_dtype: str = "int64", num_threads: int | None = None) -> tuple[Any, Any]:
+    """The router after its linear: per row of `logits` [T, E] (E <= 1024),
+    p = softmax in fp32, the k largest p in descending order (equal values
+    in the order torch's CUDA topk gives them: gathered in expert order,
+    then its bitonic network; see `imoe_topk_softmax` in idempotent_moe.h),
+    divided by their sum when `renormalize`.
+    Returns (weights [T, k] of `out_dtype`, default float32; indices [T, k]
+    of `index_dtype`, "int64" or "int32"). k <= min(E, 32).
+
+    The arithmetic is torch's CUDA routing (`softmax(logits.float())`,
+    `topk`, `w / w.sum(-1, keepdim=True)`, `.to(out_dtype)`), so on CUDA the
+    result is transformers' router output bit for bit; on the CPU the same
+    order of operations, with exp correctly rounded where CUDA's expf uses
+    the hardware's approximation (a few ulp apart at most). A row with a
+    NaN or +inf logit, or only -inf logits, gets NaN weights (as torch's
+    softmax gives) and experts 0 .. k-1 in torch's order for equal values
+    (1, 0 for k = 2)."""
+    ops = _ops(logits)
+    if ops is not None:
+        torch = _arrays._torch()
+        dtype = torch.float32 if out_dtype is None else getattr(torch, _dtype_name(out_dtype))
+        return tuple(ops.topk_softmax(logits, k, renormalize, dtype, index_dtype))
+    shape = _arrays.shape_of(logits)
+    tokens = int(shape[0]) if len(shape) == 2 else 0  # another shape is the core's to name
+    cols = max(int(k), 0)
+    weights = _empty(logits, (tokens, cols), _dtype_name(out_dtype) or "float32")
+    indices = _empty(logits, (tokens, cols), index_dtype)
+    native().topk_softmax(logits=logits, k=k, renormalize=renormalize, out_weights=weights,
+                          out_indices=indices, num_threads=resolve_num_threads(num_threads),
+                          stream=_arrays.dlpack_stream(logits))
+    return weights, indices

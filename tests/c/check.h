@@ -34,5 +34,7 @@ static inline const imoe_selection *test_in_order(const imoe_selection *sel, imo
 
 void test_status_paths(void);
 void test_permute_all(void);
+void test_moe_gemm_all(void);
+void test_router_all(void);
 
 #endif

@@ -577,6 +577,8 @@ int main(void) {
   test_random_parity(0x5eed0002, 2500);
   test_status_paths();
   test_permute_all();
+  test_moe_gemm_all();
+  test_router_all();
   printf("%d passed, %d failed\n", checks_passed, checks_failed);
   return checks_failed == 0 ? 0 : 1;
 }

@@ -209,6 +209,8 @@ IMOE_PY_FASTCALL(imoe_py_paged_apply_target_map);
 IMOE_PY_FASTCALL(imoe_py_moe_dispatch);
 IMOE_PY_FASTCALL(imoe_py_moe_combine);
 IMOE_PY_FASTCALL(imoe_py_gated_act);
+IMOE_PY_FASTCALL(imoe_py_grouped_gemm);
+IMOE_PY_FASTCALL(imoe_py_topk_softmax);
 
 /* The result of a C API call: None, or the exception of its status. */
 PyObject *imoe_py_done(imoe_status status, const imoe_error *err);

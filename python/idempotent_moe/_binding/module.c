@@ -171,6 +171,16 @@ static PyMethodDef methods[] = {
     {"gated_act", FASTCALL(imoe_py_gated_act),
      "gated_act(*, gate_up, out, act='silu', limit=None, num_threads, stream=None) -> None\n\n"
      "imoe_gated_act: out = act(gate_up[:, :I]) * gate_up[:, I:]."},
+    {"grouped_gemm", FASTCALL(imoe_py_grouped_gemm),
+     "grouped_gemm(*, a, w, offsets, out, num_threads, stream=None) -> None\n\n"
+     "imoe_grouped_gemm: out[r] = a[r] @ w[e(r)] for r < offsets[-1] (e(r): the first e with "
+     "offsets[e] > r)."},
+    {"topk_softmax", FASTCALL(imoe_py_topk_softmax),
+     "topk_softmax(*, logits, k, renormalize=True, out_weights, out_indices, num_threads, "
+     "stream=None) -> None\n\n"
+     "imoe_topk_softmax: per row of logits [T, E], softmax in fp32, the k largest (equal values "
+     "in torch's CUDA topk order), divided by their sum when renormalize; torch's CUDA "
+     "arithmetic."},
     {"moe_workspace_elems", FASTCALL(py_moe_workspace_elems),
      "moe_workspace_elems(assignments, capacity, cuda) -> int\n\n"
      "imoe_moe_workspace_elems: int32 elements of moe_dispatch's workspace."},
@@ -230,7 +240,8 @@ PyMODINIT_FUNC PyInit__C(void) {
       add_names(module, "PLAN_KINDS", IMOE_OPTION_PLAN) < 0 ||
       add_names(module, "ACTS", IMOE_OPTION_ACT) < 0 ||
       add_names(module, "MOE_LAYOUTS", IMOE_OPTION_LAYOUT) < 0 ||
-      PyModule_AddIntConstant(module, "MOE_MAX_EXPERTS", IMOE_MOE_MAX_EXPERTS) < 0) {
+      PyModule_AddIntConstant(module, "MOE_MAX_EXPERTS", IMOE_MOE_MAX_EXPERTS) < 0 ||
+      PyModule_AddIntConstant(module, "ROUTER_MAX_K", IMOE_ROUTER_MAX_K) < 0) {
     Py_DECREF(module);
     return NULL;
   }

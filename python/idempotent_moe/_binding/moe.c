@@ -1,6 +1,7 @@
 /*
- * moe.c: the MoE dispatch, combine and gated activation of the C API
- * (imoe_moe_dispatch, imoe_moe_combine, imoe_gated_act). As in ops.c, the
+ * moe.c: the MoE dispatch, combine, gated activation and grouped GEMM of
+ * the C API (imoe_moe_dispatch, imoe_moe_combine, imoe_gated_act,
+ * imoe_grouped_gemm). As in ops.c, the
  * arguments are converted and imported here and judged by the C core.
  */
 #include "binding.h"
@@ -122,6 +123,30 @@ IMOE_PY_FASTCALL(imoe_py_gated_act) {
   IMOE_PY_CALL_C(c, result,
                  imoe_gated_act(&in, &out, (imoe_act)act, has_limit ? &limit : NULL, &c->exec,
                                 &c->err));
+done:
+  imoe_py_call_free(c);
+  return result;
+}
+
+static imoe_py_signature gemm_sig = {
+    "grouped_gemm", 6, {"a", "w", "offsets", "out", "num_threads", "stream"}};
+
+IMOE_PY_FASTCALL(imoe_py_grouped_gemm) {
+  (void)self;
+  enum { A, W, OFFS, OUT, THREADS, STREAM, COUNT };
+  PyObject *a[COUNT] = {NULL, NULL, NULL, NULL, Py_None, Py_None};
+  if (imoe_py_parse(&gemm_sig, args, nargs, kwnames, a) < 0) return NULL;
+  imoe_py_call *c = imoe_py_call_new(a[STREAM], a[THREADS]);
+  if (c == NULL) return NULL;
+  PyObject *result = NULL;
+  imoe_view x, w, offsets, out;
+  if (import_typed(c, a[A], "a", 0, FLOAT_DTYPES, FLOAT_NAMES, &x) < 0 ||
+      import_typed(c, a[W], "w", 0, FLOAT_DTYPES, FLOAT_NAMES, &w) < 0 ||
+      import_typed(c, a[OFFS], "offsets", 0, INDEX_DTYPES, INDEX_NAMES, &offsets) < 0 ||
+      import_typed(c, a[OUT], "out", 1, FLOAT_DTYPES, FLOAT_NAMES, &out) < 0 ||
+      imoe_py_call_finish(c) < 0)
+    goto done;
+  IMOE_PY_CALL_C(c, result, imoe_grouped_gemm(&x, &w, &offsets, &out, &c->exec, &c->err));
 done:
   imoe_py_call_free(c);
   return result;

@@ -57,37 +57,63 @@ BASELINE = "grouped_mm"
 _CAPACITY = re.compile(r"idempotent-cap(\d+(?:\.\d+)?)")
 
 
+# Options of ours, appended to an "idempotent" name: "+gemm" runs the decode
+# GEMMs with the library's grouped_gemm (config.idempotent_small_m_gemm),
+# "+router" fuses the routers (integrations.fuse_routers).
+OPTIONS = ("gemm", "router")
+
+
 @dataclass(frozen=True)
 class Impl:
     name: str                       # as given to --impls
     experts_implementation: str     # transformers' name
     capacity_factor: float | None   # capacity mode of "idempotent"
+    small_m_gemm: bool = False      # "+gemm"
+    fused_router: bool = False      # "+router"
 
 
 def parse_impl(name: str) -> Impl:
-    """'eager', 'grouped_mm', 'batched_mm', 'idempotent' or 'idempotent-cap<factor>' (factor > 0).
+    """'eager', 'grouped_mm', 'batched_mm', 'idempotent' or 'idempotent-cap<factor>' (factor > 0),
+    the last two with any of OPTIONS appended ('idempotent+gemm+router').
 
     transformers' generate() runs "grouped_mm" models with "batched_mm" for
     the decode steps on a GPU (GenerationMixin._optimize_model_for_decode):
     the grouped_mm rows' decode figures are batched_mm's."""
-    if name in ("eager", "grouped_mm", "batched_mm", "idempotent"):
+    base, *options = name.split("+")
+    if name in ("eager", "grouped_mm", "batched_mm"):
         return Impl(name, name, None)
-    match = _CAPACITY.fullmatch(name)
-    if match and float(match[1]) > 0:
-        return Impl(name, "idempotent", float(match[1]))
+    match = _CAPACITY.fullmatch(base)
+    if (base == "idempotent" or (match and float(match[1]) > 0)) and set(options) <= set(OPTIONS) \
+            and len(set(options)) == len(options):
+        return Impl(name, "idempotent", float(match[1]) if match else None,
+                    small_m_gemm="gemm" in options, fused_router="router" in options)
     raise ValueError(f"unknown experts implementation {name!r}: eager, grouped_mm, batched_mm, idempotent or "
-                     "idempotent-cap<factor> (e.g. idempotent-cap1.25)")
+                     "idempotent-cap<factor> (e.g. idempotent-cap1.25), the last two with options "
+                     f"{', '.join('+' + o for o in OPTIONS)} (e.g. idempotent+gemm+router)")
 
 
 def use_impl(model, impl: Impl) -> None:
     """Switch every experts module of `model` (the same weights) to `impl`."""
-    from idempotent_moe.integrations import set_capacity_factor, use_idempotent_experts
+    from idempotent_moe.integrations import (
+        SMALL_M_GEMM_ATTR,
+        fuse_routers,
+        routers_fused,
+        set_capacity_factor,
+        unfuse_routers,
+        use_idempotent_experts,
+    )
 
     if impl.experts_implementation == "idempotent":
         use_idempotent_experts(model, impl.capacity_factor)
     else:
         set_capacity_factor(model, None)
         model.set_experts_implementation(impl.experts_implementation)
+    for config in {id(m.config): m.config for m in model.modules() if hasattr(m, "config")}.values():
+        setattr(config, SMALL_M_GEMM_ATTR, impl.small_m_gemm)
+    if impl.fused_router:
+        fuse_routers(model)
+    elif routers_fused(model):
+        unfuse_routers(model)
 
 
 def build_model(family: Family, device: str, seed: int = 0):

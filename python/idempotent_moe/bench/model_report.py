@@ -247,14 +247,18 @@ def headline_from_json(readme: str, model_json: str, main_json: str | None = Non
         update_headline(readme, json.load(f), main)
 
 
-def update_doc(path: str, data: dict) -> None:
-    """Replace <!-- model:DEVICE --> ... <!-- /model:DEVICE --> (docs/results.md) with every table."""
-    report.replace_section(path, f"model:{data['machine']['device']}", lambda: table(data))
+def update_doc(path: str, data: dict, name: str = "model") -> None:
+    """Replace <!-- NAME:DEVICE --> ... <!-- /NAME:DEVICE --> (docs/results.md) with every table."""
+    report.replace_section(path, f"{name}:{data['machine']['device']}", lambda: table(data))
 
 
 def doc_from_json(path: str, json_path: str) -> None:
+    """The section named by the JSON's file: model-cuda.json fills
+    <!-- model:cuda -->, model-static-cuda.json <!-- model-static:cuda -->."""
     with open(json_path) as f:
-        update_doc(path, json.load(f))
+        data = json.load(f)
+    stem = os.path.basename(json_path).removesuffix(".json").removesuffix(f"-{data['machine']['device']}")
+    update_doc(path, data, stem)
 
 
 # --------------------------------------------------------------------------- plot

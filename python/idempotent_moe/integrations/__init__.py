@@ -13,6 +13,8 @@ Hugging Face MoE:
   is installed), so that `model.set_experts_implementation("idempotent")` and
   `from_pretrained(..., experts_implementation="idempotent")` work.
   `set_capacity_factor` picks capacity mode, `capacity_stats` reads the drops.
+- `fuse_routers` / `unfuse_routers`: the routers of Mixtral, Qwen2/3-MoE and
+  OLMoE as one fused softmax + top-k kernel on CUDA (loaded on first use).
 
 `import idempotent_moe` does not import this package, nor transformers.
 """
@@ -24,6 +26,7 @@ from ..moe import InplaceMoERouter
 from .hf_experts import (
     CAPACITY_FACTOR_ATTR,
     EXPERTS_IMPLEMENTATION,
+    SMALL_M_GEMM_ATTR,
     CapacityStats,
     capacity_stats,
     idempotent_experts_forward,
@@ -37,6 +40,8 @@ from .vllm import VLLMInplaceCompactionHook
 # The Hugging Face eviction cache subclasses transformers' Cache: it is loaded
 # on first use, so that this package does not need transformers.
 _HF_CACHE = ("EvictionPolicy", "InplaceEvictionCache", "InplaceEvictionLayer")
+# The fused router needs torch: loaded on first use too.
+_HF_ROUTER = ("SUPPORTED_ROUTERS", "fuse_routers", "routers_fused", "unfuse_routers")
 
 
 def __getattr__(name: str):
@@ -44,10 +49,15 @@ def __getattr__(name: str):
         from . import hf_cache
 
         return getattr(hf_cache, name)
+    if name in _HF_ROUTER:
+        from . import hf_router
+
+        return getattr(hf_router, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 __all__ = [
     "CAPACITY_FACTOR_ATTR",
+    "SMALL_M_GEMM_ATTR",
     "EXPERTS_IMPLEMENTATION",
     "CapacityStats",
     "EvictionPolicy",
@@ -56,11 +66,15 @@ __all__ = [
     "InplaceEvictionLayer",
     "InplaceMoERouter",
     "MoEDispatch",
+    "SUPPORTED_ROUTERS",
     "VLLMInplaceCompactionHook",
     "capacity_stats",
+    "fuse_routers",
     "idempotent_experts_forward",
     "register",
+    "routers_fused",
     "set_capacity_factor",
+    "unfuse_routers",
     "use_idempotent_experts",
 ]
 

@@ -19,7 +19,10 @@ the core, over intermediates kept on the module between forwards (`_Scratch`:
 the gathered rows, the routing ints and the activations, at most
 SCRATCH_BYTES; the output is always a new tensor). Reusing them is safe in
 stream order: every reader of one forward's intermediates is queued before
-the next forward writes them, on the same stream (the key holds it).
+the next forward writes them, on the same stream (the key holds it). With
+the config attribute `idempotent_small_m_gemm` True and weights whose K axis
+is contiguous, its two GEMMs are the library's grouped_gemm (its own
+rounding: no longer bit-identical to grouped_mm) instead of grouped_mm.
 """
 
 from __future__ import annotations
@@ -34,8 +37,17 @@ from .._moe import expert_capacity
 from .._native import native
 from .._sorting import compiling
 from ..functional import cuda_available
-from ..moe_ops import MoEDispatch, dispatch_workspace, gated_act, moe_combine, moe_dispatch, torch_outputs
+from ..moe_ops import (
+    MoEDispatch,
+    dispatch_workspace,
+    gated_act,
+    grouped_gemm,
+    moe_combine,
+    moe_dispatch,
+    torch_outputs,
+)
 from . import _dispatch
+from .hf_experts import SMALL_M_GEMM_ATTR
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 _GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
@@ -56,17 +68,16 @@ def _activation_name(act) -> str | None:
         return "relu"
     if isinstance(act, nn.GELU):
         return {"none": "gelu", "tanh": "gelu_tanh"}.get(act.approximate)
-    try:
-        from transformers import activations
-    except ImportError:
-        return None
+    # transformers' activation classes by name: nothing is imported, so that
+    # torch.compile traces this without a graph break.
     kind = type(act)
-    if kind is activations.SiLUActivation:
+    hf = kind.__module__ == "transformers.activations"
+    if hf and kind.__name__ == "SiLUActivation":
         return "silu"
     inner = getattr(act, "act", None)
-    if kind is activations.GELUActivation and inner is F.gelu:
+    if hf and kind.__name__ == "GELUActivation" and inner is F.gelu:
         return "gelu"
-    if kind is activations.GELUTanh and getattr(inner, "func", None) is F.gelu and \
+    if hf and kind.__name__ == "GELUTanh" and getattr(inner, "func", None) is F.gelu and \
             getattr(inner, "keywords", {}) == {"approximate": "tanh"}:
         return "gelu_tanh"
     return None
@@ -83,6 +94,7 @@ class _Plan(NamedTuple):
     act: str | None      # the fused gated activation (CUDA, default gate), or None
     inter: int           # intermediate features I
     lean: bool           # _lean_forward applies (CUDA, grouped_mm, fused gate, no bias or norm, no EP)
+    small_m: bool        # CUDA, fused gate, no bias or norm, grouped_gemm's kernel reads both weights
 
 
 def _plan(experts, hidden_states: torch.Tensor) -> _Plan:
@@ -98,8 +110,10 @@ def _plan(experts, hidden_states: torch.Tensor) -> _Plan:
         plan = experts.__dict__.get("_idempotent_plan")
         if plan is not None and plan.key[:4] == key[:4] and plan.key[4] is up and plan.key[5] is down:
             return plan
-    w_up = up if experts.is_transposed else up.transpose(-2, -1)
-    w_down = down if experts.is_transposed else down.transpose(-2, -1)
+    # Detached: the fused path runs without gradient (applies()), and the
+    # library's kernels take no tensor that requires one (DLPack refuses it).
+    w_up = (up if experts.is_transposed else up.transpose(-2, -1)).detach()
+    w_down = (down if experts.is_transposed else down.transpose(-2, -1)).detach()
     act = None
     if hidden_states.device.type == "cuda" and experts.has_gate and _dispatch._default_gate(experts):
         act = _activation_name(experts.act_fn)
@@ -108,10 +122,48 @@ def _plan(experts, hidden_states: torch.Tensor) -> _Plan:
     lean = (act is not None and usable and not tracing and _RAW_MM is not None and _RAW_STREAM is not None
             and not experts.has_bias and not getattr(experts, "has_post_expert_norm", False)
             and not _dispatch.expert_parallel(experts))
-    plan = _Plan(key, w_up, w_down, usable, act, w_down.shape[-2], lean)
+    small_m = (act is not None and usable and not experts.has_bias
+               and not getattr(experts, "has_post_expert_norm", False)
+               and _small_m_fits(w_up, tracing) and _small_m_fits(w_down, tracing))
+    plan = _Plan(key, w_up, w_down, usable, act, w_down.shape[-2], lean, small_m)
     if not tracing:
         experts.__dict__["_idempotent_plan"] = plan
     return plan
+
+
+def _small_m_fits(w: torch.Tensor, tracing: bool) -> bool:
+    """Whether grouped_gemm's CUDA kernel reads the GEMM-layout weight w
+    [E, K, N]: K contiguous, every column 16-byte aligned. A traced weight
+    has no address to read (nor an offset torch.compile traces without a
+    graph break): there the base is taken as aligned, as a parameter's is,
+    and the kernel's launcher refuses one that is not."""
+    size = w.element_size()
+    e, k, n = w.shape
+    return (w.stride(1) == 1 and (tracing or w.data_ptr() % 16 == 0) and k * size % 16 == 0
+            and (e == 1 or w.stride(0) * size % 16 == 0) and (n == 1 or w.stride(2) * size % 16 == 0))
+
+
+SMALL_M_ROWS_PER_EXPERT = 4  # grouped_gemm beats grouped_mm up to about this many rows per expert (H200)
+
+
+def _small_m_on(experts, plan: _Plan, rows: int) -> bool:
+    """Whether this forward's GEMMs (`rows` dispatched rows) are grouped_gemm:
+    the weights fit, at most SMALL_M_ROWS_PER_EXPERT rows per expert on
+    average, and the module's config asks for it (read every forward: it may
+    be switched)."""
+    return (plan.small_m and rows <= SMALL_M_ROWS_PER_EXPERT * experts.num_experts
+            and getattr(getattr(experts, "config", None), SMALL_M_GEMM_ATTR, False) is True)
+
+
+def _grouped(lib, a: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, stream: int, small_m: bool):
+    """Each row of a times its expert's weight w [E, K, N]: torch's grouped_mm,
+    or the library's grouped_gemm (rows past offsets[-1] left unwritten:
+    nothing downstream reads them)."""
+    if not small_m:
+        return _RAW_MM(a, w, offs=offsets)
+    out = a.new_empty((a.shape[0], w.shape[-1]))
+    lib.grouped_gemm(a=a, w=w, offsets=offsets, out=out, num_threads=0, stream=stream)
+    return out
 
 
 _cuda_ok = None  # cuda_available(), asked once outside tracing
@@ -191,9 +243,10 @@ def _lean_forward(experts, plan: _Plan, hidden: torch.Tensor, top_k_index: torch
                      out_offsets=d.offsets, out_dest=d.dest, out_src=d.src, out_dropped=dropped,
                      workspace=dispatch_workspace(hidden, num_tokens * top_k, capacity, True),
                      num_threads=0, stream=stream)
-    h = _RAW_MM(d.rows, plan.up, offs=d.offsets)
+    small_m = _small_m_on(experts, plan, num_tokens * top_k)
+    h = _grouped(lib, d.rows, plan.up, d.offsets, stream, small_m)
     lib.gated_act(gate_up=h, out=sc.act, act=plan.act, limit=d.offsets, num_threads=0, stream=stream)
-    y = _RAW_MM(sc.act, plan.down, offs=d.offsets)
+    y = _grouped(lib, sc.act, plan.down, d.offsets, stream, small_m)
     out = hidden.new_empty((num_tokens, hidden.shape[1]))
     lib.moe_combine(rows=y, dest=d.dest, weights=top_k_weights, out=out, num_threads=0, stream=stream)
     return out, dropped
@@ -217,7 +270,11 @@ def forward(experts, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
     # linear(a, w): each row of a times its expert's weight w in GEMM layout
     # [E, in, out]: on CUDA grouped_mm directly where it takes the weights;
     # elsewhere grouped_linear, which also checks each operand's alignment.
-    if grouped and plan.grouped_mm and hidden_states.device.type == "cuda":
+    if (grouped and plan.act is not None and _small_m_on(experts, plan, rows)
+            and _dispatch.gate_chunks(rows, plan.inter, plan.up.dtype) == 1):
+        def linear(a, w):  # the fused gate's two GEMMs only (plan.up, plan.down)
+            return grouped_gemm(a, w, d.offsets)
+    elif grouped and plan.grouped_mm and hidden_states.device.type == "cuda":
         def linear(a, w):
             return _GROUPED_MM(a if a.dtype == w.dtype else a.to(w.dtype), w, offs=d.offsets)
     elif grouped:

@@ -27,15 +27,19 @@ from typing import NamedTuple
 
 from .._moe import check_capacity_factor
 
+EXPERTS_IMPLEMENTATION = "idempotent"
+CAPACITY_FACTOR_ATTR = "idempotent_capacity_factor"
+# True: the decode path's two GEMMs run the library's grouped_gemm instead of
+# torch's grouped_mm (off by default: its rounding differs, docs/moe.md).
+# Defined before the import below: _fused reads it from here.
+SMALL_M_GEMM_ATTR = "idempotent_small_m_gemm"
+
 try:
     import torch
 
     from . import _dispatch, _fused
 except ImportError:  # the hook works on NumPy arrays without torch; the experts need it
     torch = None
-
-EXPERTS_IMPLEMENTATION = "idempotent"
-CAPACITY_FACTOR_ATTR = "idempotent_capacity_factor"
 
 
 class CapacityStats(NamedTuple):
@@ -122,22 +126,51 @@ def set_capacity_factor(model, capacity_factor: float | None) -> None:
     (C = ceil(T * k / E * f) per expert and forward). Stored as the config
     attribute `idempotent_capacity_factor` (saved by save_pretrained)."""
     factor = check_capacity_factor(capacity_factor, CAPACITY_FACTOR_ATTR)
+    for config in _configs(model, _required_experts(model)):
+        setattr(config, CAPACITY_FACTOR_ATTR, factor)
+
+
+def _required_experts(model) -> list:
+    """_experts_modules(model), ValueError when there is none."""
     modules = _experts_modules(model)
     if not modules:
         raise ValueError(f"{type(model).__name__} has no experts module that uses transformers' "
                          "experts interface (@use_experts_implementation)")
+    return modules
+
+
+def _configs(model, modules) -> list:
+    """The configs of the experts modules and the model's, each once."""
     configs = {id(m.config): m.config for _, m in modules}
     if hasattr(model, "config"):
         configs[id(model.config)] = model.config
-    for config in configs.values():
-        setattr(config, CAPACITY_FACTOR_ATTR, factor)
+    return list(configs.values())
 
 
-def use_idempotent_experts(model, capacity_factor: float | None = None):
+def use_idempotent_experts(model, capacity_factor: float | None = None, *, fuse_routers: bool = False,
+                           small_m_gemm: bool | None = None):
     """Switch `model` to the "idempotent" experts implementation, dropless
-    (capacity_factor None) or with capacity `capacity_factor`. Returns model."""
+    (capacity_factor None) or with capacity `capacity_factor`. Returns model.
+
+    fuse_routers  also fuse the model's routers (integrations.fuse_routers:
+                  Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE; TypeError for others,
+                  with nothing changed).
+    small_m_gemm  True/False sets `idempotent_small_m_gemm` on the experts'
+                  configs (the library's grouped GEMM at decode sizes; its
+                  rounding is not grouped_mm's); None leaves it as it is."""
+    if small_m_gemm is not None and type(small_m_gemm) is not bool:
+        raise TypeError(f"small_m_gemm must be True, False or None, not {small_m_gemm!r}")
+    factor = check_capacity_factor(capacity_factor, CAPACITY_FACTOR_ATTR)
+    modules = _required_experts(model)
     register()
-    set_capacity_factor(model, capacity_factor)
+    if fuse_routers:
+        from .hf_router import fuse_routers as fuse
+
+        fuse(model)  # checks every router before it changes one
+    set_capacity_factor(model, factor)
+    if small_m_gemm is not None:
+        for config in _configs(model, modules):
+            setattr(config, SMALL_M_GEMM_ATTR, small_m_gemm)
     model.set_experts_implementation(EXPERTS_IMPLEMENTATION)
     return model
 

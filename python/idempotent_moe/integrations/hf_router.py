@@ -1,0 +1,105 @@
+"""The fused router for transformers MoE models: `fuse_routers(model)`.
+
+transformers' routers (5.17 to 5.24) compute, per token, `logits =
+F.linear(hidden, weight)`, `softmax(logits, dtype=float)`, `topk`, an
+optional division by the top-k sum, and return `(router_logits, weights,
+indices)`. `fuse_routers` replaces the forward of each such router by
+torch's own linear for the logits and one `topk_softmax` kernel for the
+rest (torch's CUDA arithmetic, so the same tuple bit for bit). It is meant
+for inference next to the "idempotent" experts:
+
+    import idempotent_moe.integrations as imoe_hf
+    model.set_experts_implementation("idempotent")
+    imoe_hf.fuse_routers(model)       # imoe_hf.unfuse_routers(model) undoes it
+
+The fused forward runs only on CUDA tensors with no gradient recorded;
+anywhere else (the CPU, training) the original forward runs.
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any, NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from .. import moe_ops
+
+_ORIGINAL = "_idempotent_router_forward"  # set on a module while it is fused
+
+
+class _RouterFamily(NamedTuple):
+    renormalize: str | None  # the attribute that says whether to renormalise; None: always
+    cast: bool  # weights in the logits' dtype (else fp32)
+
+
+# The routers whose forward is softmax + top-k [+ renormalisation], by class name.
+SUPPORTED_ROUTERS = {
+    "MixtralTopKRouter": _RouterFamily(None, False),
+    "Qwen2MoeTopKRouter": _RouterFamily("norm_topk_prob", True),
+    "Qwen3MoeTopKRouter": _RouterFamily("norm_topk_prob", True),
+    "OlmoeTopKRouter": _RouterFamily("norm_topk_prob", True),
+}
+
+
+def fused_route(router: torch.nn.Module, hidden_states):
+    """What a fused router returns, on any device: (router_logits, weights,
+    indices) with the original forward's shapes and dtypes."""
+    family = SUPPORTED_ROUTERS[type(router).__name__]
+    hidden_states = hidden_states.reshape(-1, router.hidden_dim)
+    router_logits = F.linear(hidden_states, router.weight)
+    renormalize = True if family.renormalize is None else bool(getattr(router, family.renormalize))
+    weights, indices = moe_ops.topk_softmax(
+        router_logits, router.top_k, renormalize=renormalize,
+        out_dtype=router_logits.dtype if family.cast else torch.float32)
+    return router_logits, weights, indices
+
+
+def _fused_forward(self, hidden_states):
+    recording = torch.is_grad_enabled() and (hidden_states.requires_grad or self.weight.requires_grad)
+    if not hidden_states.is_cuda or recording:
+        return getattr(self, _ORIGINAL)(hidden_states)
+    return fused_route(self, hidden_states)
+
+
+def _is_router(module: Any) -> bool:
+    name = type(module).__name__
+    return name in SUPPORTED_ROUTERS or name.endswith("Router")
+
+
+def fuse_routers(model: torch.nn.Module) -> int:
+    """Replace the forward of every router of `model` by the fused one (see
+    the module's docstring); returns how many were fused. Every module whose
+    class name ends in "Router" must be one of SUPPORTED_ROUTERS, else
+    TypeError and nothing changes. Fusing twice is harmless."""
+    routers = [m for m in model.modules() if _is_router(m)]
+    unknown = sorted({type(m).__name__ for m in routers} - set(SUPPORTED_ROUTERS))
+    if unknown:
+        raise TypeError(f"fuse_routers: router class(es) {', '.join(unknown)} are not supported; "
+                        f"supported: {', '.join(sorted(SUPPORTED_ROUTERS))}")
+    if not routers:
+        raise ValueError(f"fuse_routers: {type(model).__name__} has no router module; "
+                         f"supported: {', '.join(sorted(SUPPORTED_ROUTERS))}")
+    for m in routers:
+        if _ORIGINAL not in m.__dict__:
+            setattr(m, _ORIGINAL, m.forward)
+            m.forward = types.MethodType(_fused_forward, m)
+    return len(routers)
+
+
+def unfuse_routers(model: torch.nn.Module) -> int:
+    """Give every fused router of `model` its original forward back; returns
+    how many were restored."""
+    count = 0
+    for m in model.modules():
+        if _ORIGINAL in m.__dict__:
+            del m.__dict__["forward"]
+            delattr(m, _ORIGINAL)
+            count += 1
+    return count
+
+
+def routers_fused(model: torch.nn.Module) -> bool:
+    """Whether any router of `model` is fused."""
+    return any(_ORIGINAL in m.__dict__ for m in model.modules())
