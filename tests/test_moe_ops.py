@@ -153,6 +153,42 @@ def test_bad_arguments_are_refused_before_anything_is_written():
     assert (offsets == -7).all() and (dest == -7).all() and (src == -7).all()
 
 
+@pytest.mark.parametrize("capacity", [None, 3])
+def test_dispatch_into_given_outputs(capacity):
+    """out=: the same bytes as the allocating call, written into the given
+    arrays (returned as they are), for torch and NumPy."""
+    from idempotent_moe.moe_ops import MoEDispatch, torch_outputs
+
+    index, weights = routing(12, 2, 5, seed=8)
+    hidden = torch.randn(12, 6)
+    ref = moe_dispatch(hidden, index, 5, top_k_weights=weights, capacity=capacity)
+    out = torch_outputs(hidden, 5, 12, 2, ref.rows.shape[0])
+    got = moe_dispatch(hidden, index, 5, top_k_weights=weights, capacity=capacity, out=out)
+    assert got is out
+    for a, b in zip(got, ref):
+        assert torch.equal(a, b)
+    arrays = MoEDispatch(*(np.empty(t.shape, dtype=t.numpy().dtype) for t in ref))
+    moe_dispatch(hidden.numpy(), index.numpy(), 5, top_k_weights=weights.numpy(), capacity=capacity,
+                 out=arrays)
+    for a, b in zip(arrays, ref):
+        assert np.array_equal(a, b.numpy())
+
+
+def test_dispatch_into_bad_outputs_raises_and_writes_nothing():
+    from idempotent_moe.moe_ops import MoEDispatch
+
+    index, _ = routing(12, 2, 5, seed=8)
+    hidden = torch.randn(12, 6)
+    with pytest.raises(TypeError, match="out must be a MoEDispatch"):
+        moe_dispatch(hidden, index, 5, out=(torch.empty(24, 6),) * 5)
+    out = MoEDispatch(torch.full((24, 6), -7.0), torch.full((5,), -7, dtype=torch.int32),
+                      torch.full((12, 2), -7, dtype=torch.int32), torch.full((23,), -7, dtype=torch.int32),
+                      torch.full((1,), -7, dtype=torch.int64))
+    with pytest.raises(ValueError):
+        moe_dispatch(hidden, index, 5, out=out)
+    assert all(bool((t == -7).all()) for t in out)
+
+
 def test_numpy_arrays_dispatch_and_combine():
     index, weights = routing(20, 2, 5, seed=3)
     hidden = np.random.default_rng(0).standard_normal((20, 6)).astype(np.float32)

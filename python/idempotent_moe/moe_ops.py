@@ -109,7 +109,8 @@ def _empty(like: Any, shape: tuple, dtype: Any = None) -> Any:
 
 def moe_dispatch(hidden: Any, top_k_index: Any, num_experts: int, *, top_k_weights: Any = None,
                  capacity: int | None = None, layout: str = "grouped", skip_foreign: bool = False,
-                 num_threads: int | None = None, _apart: bool = False) -> MoEDispatch:
+                 out: MoEDispatch | None = None, num_threads: int | None = None,
+                 _apart: bool = False) -> MoEDispatch:
     """The assignments sorted by expert, stable in token order, and their
     tokens' rows of `hidden` [T, H] gathered (see MoEDispatch). For torch
     tensors, offsets, dest and src are views of one int32 allocation.
@@ -122,8 +123,12 @@ def moe_dispatch(hidden: Any, top_k_index: Any, num_experts: int, *, top_k_weigh
     layout         "grouped" (the kept rows of expert 0, then expert 1,
                    ...) or "padded" (expert e owns rows [e*C, e*C + C):
                    static shapes for batched GEMMs; needs a capacity).
+    out            a MoEDispatch of arrays to write (every field, with the
+                   shapes and dtypes above; `torch_outputs` makes one for
+                   torch tensors), returned; nothing is allocated but a capacity's
+                   workspace on CUDA.
     """
-    ops = _ops(hidden)
+    ops = _ops(hidden) if out is None else None
     if ops is not None:
         return MoEDispatch(*ops.moe_dispatch(hidden, top_k_index, top_k_weights, num_experts, capacity,
                                              layout, skip_foreign))
@@ -131,18 +136,21 @@ def moe_dispatch(hidden: Any, top_k_index: Any, num_experts: int, *, top_k_weigh
     # Another shape is the core's to name.
     num_tokens, top_k = (int(shape[0]), int(shape[1])) if len(shape) == 2 else (0, 0)
     assignments = num_tokens * top_k
-    rows = dispatch_rows(assignments, num_experts, capacity, layout)
-    if _arrays.is_torch(hidden) and not _apart:
-        out = torch_outputs(hidden, num_experts, num_tokens, top_k, rows)
-        cuda = hidden.is_cuda
-        stream = _arrays.dlpack_stream(hidden)
+    if out is not None:
+        if not isinstance(out, MoEDispatch):
+            raise TypeError(f"out must be a MoEDispatch (rows, offsets, dest, src, dropped), not "
+                            f"{type(out).__name__}")
+    elif _arrays.is_torch(hidden) and not _apart:
+        out = torch_outputs(hidden, num_experts, num_tokens, top_k,
+                            dispatch_rows(assignments, num_experts, capacity, layout))
     else:
+        rows = dispatch_rows(assignments, num_experts, capacity, layout)
         hshape = _arrays.shape_of(hidden)
         out = MoEDispatch(_empty(hidden, (rows,) + hshape[1:]), _empty(hidden, (num_experts,), "int32"),
                           _empty(hidden, (num_tokens, top_k), "int32"), _empty(hidden, (rows,), "int32"),
                           _empty(hidden, (1,), "int64"))
-        cuda = _arrays.cuda_device_of(hidden) is not None
-        stream = _arrays.dlpack_stream(hidden)
+    cuda = hidden.is_cuda if _arrays.is_torch(hidden) else _arrays.cuda_device_of(hidden) is not None
+    stream = _arrays.dlpack_stream(hidden)
     native().moe_dispatch(
         hidden=hidden, top_k_index=top_k_index, top_k_weights=top_k_weights,
         num_experts=num_experts, capacity=capacity, layout=layout, skip_foreign=skip_foreign,

@@ -14,7 +14,9 @@ The hot calls, every output preallocated where the API allows it:
 - apply_map_ of the tiny call's indices;
 - compact_kv_cache_inplace with out_indices: K and V [1, 8, 256, 64] fp16, keep 128;
 - group_by_expert_ (the dispatch's grouping): [64, 128] fp16 tokens, 8 experts,
-  out_offsets, out_perm and the plan workspace given.
+  out_offsets, out_perm and the plan workspace given;
+- moe_dispatch (8 tokens, top-2 of 8 experts, H 2048) with `out` given, and
+  allocating its outputs; moe_combine of its rows with `out` given.
 On the CPU every call runs to completion on the host, so the figures are the
 calls' whole cost there; --quick shrinks W1 and the call count.
 """
@@ -81,13 +83,15 @@ def _calls(device: str, quick: bool) -> dict:
 
     from idempotent_moe import _arrays
     from idempotent_moe._native import native
-    from idempotent_moe.moe_ops import moe_combine, moe_dispatch
+    from idempotent_moe.moe_ops import moe_combine, moe_dispatch, torch_outputs
 
     hidden = torch.randn(8, 2048, generator=g).to(device, torch.bfloat16)
     routing = torch.rand(8, 8, generator=g).topk(2, dim=1)
     top_idx, top_w = routing.indices.to(device), routing.values.to(device, torch.bfloat16)
     moe_rows = torch.randn(16, 2048, generator=g).to(device, torch.bfloat16)
     dest = moe_dispatch(hidden, top_idx, 8).dest
+    dispatched = torch_outputs(hidden, 8, 8, 2, 16)
+    combined = torch.empty(8, 2048, dtype=torch.bfloat16, device=device)
     core, stream = native(), _arrays.dlpack_stream(tiny[0])
 
     def core_compact():
@@ -111,8 +115,12 @@ def _calls(device: str, quick: bool) -> dict:
             w1[0], w1[1], w1[3], out_indices=w1[2])),
         "compact_ [8, 64, 128], the core's call alone (stream given)": ("ours", core_compact),
         "apply_map_ [8, 64, 128]": ("ours", lambda: imoe.apply_map_(tiny[0], tiny[2])),
-        "moe_dispatch [8 tokens, top-2 of 8, H 2048]": ("ours", lambda: moe_dispatch(hidden, top_idx, 8)),
-        "moe_combine [8 tokens, top-2, H 2048]": ("ours", lambda: moe_combine(moe_rows, dest, top_w)),
+        "moe_dispatch [8 tokens, top-2 of 8, H 2048], out given": ("ours", lambda: moe_dispatch(
+            hidden, top_idx, 8, out=dispatched)),
+        "moe_dispatch [8 tokens, top-2 of 8, H 2048], allocating": ("ours", lambda: moe_dispatch(
+            hidden, top_idx, 8)),
+        "moe_combine [8 tokens, top-2, H 2048], out given": ("ours", lambda: moe_combine(
+            moe_rows, dest, top_w, out=combined)),
         "compact_kv_cache_inplace [1, 8, 256, 64] keep 128, out_indices": ("ours", lambda: (
             imoe.compact_kv_cache_inplace(k, v, kv_scores, 128, out_indices=kv_idx))),
         "group_by_expert_ [64, 128], 8 experts": ("ours", lambda: imoe.group_by_expert_(
