@@ -359,3 +359,27 @@ def test_impl_names_take_the_options_of_ours():
     for bad in ("grouped_mm+gemm", "idempotent+gemm+gemm", "idempotent+fast", "idempotent-cap0+gemm"):
         with pytest.raises(ValueError, match="unknown experts implementation"):
             parse_impl(bad)
+
+
+def _decode_profile():
+    import importlib.util
+
+    path = os.path.join(ROOT, "benchmarks", "decode_profile.py")
+    spec = importlib.util.spec_from_file_location("decode_profile", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_decode_profile_unions_kernel_intervals_and_takes_one_step():
+    dp = _decode_profile()
+    assert dp.busy_us([(5, 7), (0, 2), (1, 3), (10, 11), (6, 6.5)]) == 3 + 2 + 1
+    assert dp.busy_us([]) == 0
+    long = {"wall": 1000.0, "busy": 700.0, "kernels": 40, "graphs": 4, "cuda": True,
+            "by_name": {"a": (30, 600.0), "b": (10, 100.0)}}
+    one = {"wall": 100.0, "busy": 70.0, "kernels": 4, "graphs": 1, "cuda": True, "by_name": {"a": (3, 60.0)}}
+    row = dp.step_profile(long, one, 9, top=1)
+    assert (row["wall_us_per_step"], row["device_busy_us_per_step"], row["device_idle_us_per_step"]) == \
+        (100.0, 70.0, 30.0)
+    assert row["kernels_per_step"] == 4.0 and row["graph_launches_per_step"] == round(3 / 9, 2)
+    assert row["top_kernels"] == [{"name": "a", "launches_per_step": 3.0, "us_per_step": 60.0}]

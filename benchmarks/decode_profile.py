@@ -1,0 +1,152 @@
+"""Where a decode step's time goes, per experts implementation: one M1 model
+in generate(), profiled (torch.profiler, CPU and CUDA activities).
+
+Per implementation, after a warm-up generate() (the compile, for the static
+cache), two profiled generate() calls, of --new-tokens tokens and of one;
+their difference over --new-tokens - 1 is one decode step (the prefill and
+the first token cancel), each step one token per sequence:
+  - wall: the step's time on the host clock (the profiled run, so a little
+    slower than M1's);
+  - device busy: the union of the CUDA kernels' intervals (what the GPU
+    worked), and wall - busy (the GPU idle: the host is the bound there);
+  - kernels launched, and CUDA graph launches;
+  - the kernels by device time (name, launches, us per token), top --top.
+On the CPU only the wall time and the host ops are there (a smoke test).
+
+    python benchmarks/decode_profile.py --family mixtral --batch 1 --cache static \\
+        --impls grouped_mm,idempotent,idempotent+gemm --out FILE.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import time
+
+import idempotent_moe.integrations as hf
+import torch
+from idempotent_moe.bench import runner
+from idempotent_moe.bench.model import _raise_recompile_limit
+from idempotent_moe.bench.model_families import (
+    MOE_FAMILIES,
+    QUICK_MOE_FAMILIES,
+    build_model,
+    parse_impl,
+    random_prompt,
+    use_impl,
+)
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity, profile
+
+
+def busy_us(intervals: list) -> float:
+    """The length of the union of [start, end) intervals (us)."""
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(intervals):
+        if a > end:
+            total += b - a
+            end = b
+        elif b > end:
+            total += b - end
+            end = b
+    return total
+
+
+def totals(prof, wall_s: float) -> dict:
+    """One profiled generate(): wall and busy us, kernels by name
+    (launches, us), kernel and CUDA graph launch counts."""
+    kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+    by_name = collections.defaultdict(lambda: [0, 0.0])
+    for e in kernels:
+        by_name[e.name][0] += 1
+        by_name[e.name][1] += e.time_range.end - e.time_range.start
+    graphs = sum(1 for e in prof.events() if e.device_type == DeviceType.CPU and e.name == "cudaGraphLaunch")
+    return {"wall": wall_s * 1e6, "busy": busy_us([(e.time_range.start, e.time_range.end) for e in kernels]),
+            "kernels": len(kernels), "graphs": graphs, "by_name": dict(by_name), "cuda": bool(kernels)}
+
+
+def step_profile(long: dict, one: dict, steps: int, top: int) -> dict:
+    """Per decode step: (long - one) / steps."""
+    def per(key):
+        return (long[key] - one[key]) / steps
+
+    names = {n: (long["by_name"][n][0] - one["by_name"].get(n, (0, 0.0))[0],
+                 long["by_name"][n][1] - one["by_name"].get(n, (0, 0.0))[1]) for n in long["by_name"]}
+    ranked = sorted(names.items(), key=lambda kv: -kv[1][1])[:top]
+    cuda = long["cuda"]
+    return {
+        "wall_us_per_step": round(per("wall"), 1),
+        "device_busy_us_per_step": round(per("busy"), 1) if cuda else None,
+        "device_idle_us_per_step": round(per("wall") - per("busy"), 1) if cuda else None,
+        "kernels_per_step": round(per("kernels"), 1),
+        "graph_launches_per_step": round(per("graphs"), 2),
+        "top_kernels": [{"name": name[:120], "launches_per_step": round(n / steps, 2),
+                         "us_per_step": round(t / steps, 2)} for name, (n, t) in ranked],
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--family", default="mixtral", choices=sorted(MOE_FAMILIES))
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--cache", choices=("dynamic", "static"), default="static")
+    ap.add_argument("--impls", default="grouped_mm,idempotent,idempotent+gemm")
+    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--prompt", type=int, default=128)
+    ap.add_argument("--top", type=int, default=12)
+    ap.add_argument("--device", choices=("cuda", "cpu"),
+                    default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--out", default=None)
+    opts = ap.parse_args()
+    cuda = opts.device == "cuda"
+    if opts.cache == "static":
+        _raise_recompile_limit()
+    family = (MOE_FAMILIES if cuda else QUICK_MOE_FAMILIES)[opts.family]
+    hf.register()
+    model = build_model(family, opts.device)
+    ids = random_prompt(opts.batch, opts.prompt, model.config.vocab_size, opts.device, seed=0)
+    kwargs = dict(attention_mask=torch.ones_like(ids), do_sample=False)
+    if opts.cache == "static":
+        kwargs["cache_implementation"] = "static"
+
+    def generate(n=opts.new_tokens):
+        with torch.no_grad():
+            return model.generate(ids, max_new_tokens=n, min_new_tokens=n, **kwargs)
+
+    def sync():
+        if cuda:
+            torch.cuda.synchronize()
+
+    result = {"family": family.key, "batch": opts.batch, "cache": opts.cache, "new_tokens": opts.new_tokens,
+              "device": torch.cuda.get_device_name(0) if cuda else "cpu", "torch": torch.__version__,
+              "commit": runner._git_commit(), "impls": {}}
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+
+    def profiled(n):
+        sync()
+        with profile(activities=activities) as prof:
+            t0 = time.perf_counter()
+            generate(n)
+            sync()
+            wall = time.perf_counter() - t0
+        return totals(prof, wall)
+
+    for name in opts.impls.split(","):
+        use_impl(model, parse_impl(name))
+        generate()  # warm-up (the compile, for the static cache)
+        generate(1)
+        row = step_profile(profiled(opts.new_tokens), profiled(1), opts.new_tokens - 1, opts.top)
+        result["impls"][name] = row
+        print(f"{name}: wall {row['wall_us_per_step']} us/step, "
+              f"device busy {row['device_busy_us_per_step']}, idle {row['device_idle_us_per_step']}, "
+              f"kernels {row['kernels_per_step']}, graph launches {row['graph_launches_per_step']}")
+        for k in row["top_kernels"]:
+            print(f"    {k['us_per_step']:9.2f} us  x{k['launches_per_step']:6.2f}  {k['name']}")
+    if opts.out:
+        with open(opts.out, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
