@@ -5,8 +5,8 @@
  * buffer, an output over the scores, two buffers interleaved or stacked, a
  * workspace over anything. The arena's bytes are random too (scores, maps,
  * indices: valid or not). Properties checked, for compaction, map building,
- * applying a map, permuting, and the MoE dispatch, combine and gated
- * activation:
+ * applying a map, permuting, the MoE dispatch, combine and gated activation,
+ * the small-M grouped GEMM and the router:
  *   - no crash and no out-of-bounds access (ASan, UBSan);
  *   - a failing call leaves every byte of the arena as it was;
  *   - a call whose written argument truly shares a byte with another
@@ -92,6 +92,23 @@ static int same_slots(const imoe_view *a, const imoe_view *b) {
           (a->lead_shape[0] == b->lead_shape[0] && a->lead_stride[0] == b->lead_stride[0]));
 }
 
+/* Valid indices in [lo, lo + span) written into an index view [lead0?, n]
+ * where it lands in the arena (some calls reach their work only with them). */
+static void write_indices(reader *r, const imoe_view *v, int64_t lo, int64_t span) {
+  const int64_t rows = v->lead_ndim ? v->lead_shape[0] : 1;
+  for (int64_t i = 0; i < rows; i++)
+    for (int64_t j = 0; j < v->n; j++) {
+      unsigned char *p = (unsigned char *)v->data + i * v->lead_stride[0] + j * v->n_stride;
+      const int64_t x = lo + (int64_t)(take(r) % (unsigned)(span > 0 ? span : 1));
+      if (v->dtype == IMOE_DTYPE_I64) {
+        memcpy(p, &x, 8);
+      } else {
+        const int32_t y = (int32_t)x;
+        memcpy(p, &y, 4);
+      }
+    }
+}
+
 /* Outcomes, printed at exit when IMOE_FUZZ_STATS is set: that the inputs
  * reach every case (accepted, refused as aliased, refused for other reasons). */
 static long outcome[4];
@@ -116,7 +133,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   }
   memcpy(before, arena, ARENA);
 
-  const int op = (int)(take(&r) % 7);
+  const int op = (int)(take(&r) % 9);
   const int64_t lead0 = (int64_t)(take(&r) % 4);
   const int64_t n = (int64_t)(take(&r) % 12);
   const int64_t row = 1 + (int64_t)(take(&r) % 9);
@@ -175,6 +192,10 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
         !take_view(&r, arena, t, k, 4, IMOE_DTYPE_F32, &views[count++]))
       return 0;
     written[0] = 0;
+    if (take(&r) % 2) { /* dest in [-1, R) */
+      write_indices(&r, &views[1], -1, n + 1);
+      memcpy(before, arena, ARENA);
+    }
     written[count] = 1;
     if (!take_view(&r, arena, t, h, 4, IMOE_DTYPE_F32, &views[count++])) return 0;
     st = imoe_moe_combine(&views[0], &views[1], &views[2], &views[3], NULL, &err);
@@ -186,6 +207,42 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     written[count] = 1;
     if (!take_view(&r, arena, 1 + lead0, h, 4, IMOE_DTYPE_F32, &views[count++])) return 0;
     st = imoe_gated_act(&views[0], &views[1], IMOE_ACT_SILU, NULL, NULL, &err);
+  } else if (op == 7) { /* grouped_gemm: a [R, K], w [E, K, N], offsets [E] (arena bytes), out [R, N] */
+    const int64_t rr = 1 + lead0, k = 1 + row % 4, nn = 1 + n % 4, e = 1 + (int64_t)(take(&r) % 3);
+    count = 0;
+    written[0] = 0;
+    if (!take_view(&r, arena, rr, k, 4, IMOE_DTYPE_F32, &views[count++]) ||
+        !take_view(&r, arena, e * k, nn, 4, IMOE_DTYPE_F32, &views[count++]) ||
+        !take_view(&r, arena, 0, e, 4, IMOE_DTYPE_I32, &views[count++]))
+      return 0;
+    if (take(&r) % 2) { /* valid offsets (non-decreasing, at most R) */
+      int32_t end = 0;
+      for (int64_t i = 0; i < e; i++) {
+        end += (int32_t)(take(&r) % 3);
+        const int32_t v = end < rr ? end : (int32_t)rr;
+        memcpy((unsigned char *)views[2].data + i * views[2].n_stride, &v, 4);
+      }
+      memcpy(before, arena, ARENA);
+    }
+    written[count] = 1;
+    if (!take_view(&r, arena, rr, nn, 4, IMOE_DTYPE_F32, &views[count++])) return 0;
+    /* w as [E, K, N]: the bytes of the [E x K, N] view the oracle marks. */
+    imoe_view w = views[1];
+    w.lead_ndim = 2;
+    w.lead_shape[0] = e, w.lead_shape[1] = k;
+    w.lead_stride[1] = views[1].lead_stride[0], w.lead_stride[0] = k * views[1].lead_stride[0];
+    st = imoe_grouped_gemm(&views[0], &w, &views[2], &views[3], NULL, &err);
+  } else if (op == 8) { /* topk_softmax: logits [T, E] into weights and indices [T, k] */
+    const int64_t t = 1 + lead0, e = 1 + n % 8, k = 1 + (int64_t)(take(&r) % (unsigned)e);
+    const int32_t renormalize = take(&r) % 2;
+    count = 0;
+    written[0] = 0;
+    if (!take_view(&r, arena, t, e, 4, IMOE_DTYPE_F32, &views[count++])) return 0;
+    written[count] = 1, written[count + 1] = 1;
+    if (!take_view(&r, arena, t, k, 4, IMOE_DTYPE_F32, &views[count++]) ||
+        !take_view(&r, arena, t, k, idx_bytes, idx_dtype, &views[count++]))
+      return 0;
+    st = imoe_topk_softmax(&views[0], k, renormalize, &views[1], &views[2], NULL, &err);
   } else if (op == 6) { /* moe_dispatch, dropless: ids [T, k], hidden [T] rows */
     const int64_t t = 1 + lead0, k = 1 + n % 3, e = 1 + (int64_t)(take(&r) % 4);
     count = 0;
@@ -199,6 +256,10 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
         !take_view(&r, arena, t, k, idx_bytes, idx_dtype, &views[count++]) ||
         !take_view(&r, arena, 0, t * k, idx_bytes, idx_dtype, &views[count++]))
       return 0;
+    if (take(&r) % 2) { /* expert ids in [0, E) */
+      write_indices(&r, &views[0], 0, e);
+      memcpy(before, arena, ARENA);
+    }
     const imoe_moe_routing routing = {&views[0], NULL, e, -1, IMOE_MOE_GROUPED, 0};
     st = imoe_moe_dispatch(&routing, &views[1], &views[2], &views[3], &views[4], &views[5], NULL,
                            NULL, 0, NULL, &err);
