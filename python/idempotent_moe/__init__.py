@@ -26,7 +26,7 @@ from .functional import (
 )
 from .kv import InplaceKVCompactor, compact_kv_cache_inplace, reduce_head_scores
 from .moe import InplaceMoERouter, compact_moe_tokens_inplace, generate_idempotent_moe_map
-from .moe_ops import MoEDispatch, gated_act, grouped_gemm, moe_combine, moe_dispatch
+from .moe_ops import MoEDispatch, gated_act, grouped_gemm, moe_combine, moe_dispatch, topk_softmax
 from .paged import PagedCompaction, apply_paged_map_, compact_paged_, paged_target_map
 
 __version__ = "0.1.0"
@@ -61,5 +61,6 @@ __all__ = [
     "reduce_head_scores",
     "restore_",
     "set_num_threads",
+    "topk_softmax",
     "ungroup_",
 ]
