@@ -6,8 +6,9 @@
 # SANITIZER_SECONDS, over the GPU tests of SANITIZER_FILES that
 # SANITIZER_TESTS selects with pytest -k). Results (JSON, plots), the updated README and docs tables and
 # one log go to OUT_DIR; README.md and docs/*.md are updated in place.
-# --no-models skips W4, the KV hooks, M1/M2/H1, the MoE layer's host cost and
-# expert parallelism.
+# --no-models skips W4, the KV hooks, M1/M2/H1 (and M1's compiled run and its
+# run of our options), the MoE layer's host cost and decode ceiling, the
+# small-M GEMM, the profiled decode step and expert parallelism.
 #   bash benchmarks/gpu_suite.sh OUT_DIR [--no-sanitizer] [--no-sweep] [--no-tests] [--no-models]
 set -uo pipefail
 out=${1:?usage: gpu_suite.sh OUT_DIR [--no-sanitizer] [--no-sweep] [--no-tests] [--no-models]}
@@ -58,8 +59,28 @@ if [ "$models" = 1 ]; then
   run python -m idempotent_moe kv --device cuda --out "$out" --doc docs/kv.md
   step "M1, M2 and H1: whole models in generate(), host cost per call"
   run python -m idempotent_moe model --device cuda --out "$out" --doc docs/results.md --readme README.md
+  # Runs of M1 beside it, each JSON named for its section of docs/results.md.
+  for run_name in static options; do
+    if [ "$run_name" = static ]; then
+      step "M1 compiled (static cache)"
+      args=(--caches static --impls grouped_mm,idempotent,idempotent+gemm)
+    else
+      step "M1: the options of ours (small-M GEMM, fused routers)"
+      args=(--caches dynamic --impls grouped_mm,idempotent,idempotent+gemm,idempotent+gemm+router)
+    fi
+    run python -m idempotent_moe model --device cuda "${args[@]}" --skip-m2 --skip-h1 --no-plot \
+      --out "$out/$run_name"
+    cp "$out/$run_name/model-cuda.json" "$out/model-$run_name-cuda.json" &&
+      run python -m idempotent_moe model --from-json "$out/model-$run_name-cuda.json" --doc docs/results.md
+  done
   step "the MoE layer's host time, kernels and decode ceiling"
   run python benchmarks/moe_host_cost.py --out "$out/moe-host-cost-cuda.json"
+  run python benchmarks/moe_host_cost.py --cache static --batches 1,8 \
+    --out "$out/moe-host-cost-static-cuda.json"
+  step "the small-M grouped GEMM against grouped_mm"
+  run python benchmarks/moe_gemm_cuda.py --out "$out/moe-gemm-cuda.json"
+  step "one decode step, profiled (compiled, batch 1)"
+  run python benchmarks/decode_profile.py --cache static --batch 1 --out "$out/decode-profile-cuda.json"
 fi
 step "permutation engine"
 run python -m idempotent_moe permute --device cuda --out "$out" --doc docs/results.md
