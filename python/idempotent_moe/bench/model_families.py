@@ -95,25 +95,20 @@ def parse_impl(name: str) -> Impl:
 def use_impl(model, impl: Impl) -> None:
     """Switch every experts module of `model` (the same weights) to `impl`."""
     from idempotent_moe.integrations import (
-        SMALL_M_GEMM_ATTR,
-        fuse_routers,
         routers_fused,
         set_capacity_factor,
         unfuse_routers,
         use_idempotent_experts,
     )
 
+    if routers_fused(model) and not impl.fused_router:
+        unfuse_routers(model)
     if impl.experts_implementation == "idempotent":
-        use_idempotent_experts(model, impl.capacity_factor)
-    else:
+        use_idempotent_experts(model, impl.capacity_factor, fuse_routers=impl.fused_router,
+                               small_m_gemm=impl.small_m_gemm)
+    else:  # the small-M switch is read by "idempotent" alone
         set_capacity_factor(model, None)
         model.set_experts_implementation(impl.experts_implementation)
-    for config in {id(m.config): m.config for m in model.modules() if hasattr(m, "config")}.values():
-        setattr(config, SMALL_M_GEMM_ATTR, impl.small_m_gemm)
-    if impl.fused_router:
-        fuse_routers(model)
-    elif routers_fused(model):
-        unfuse_routers(model)
 
 
 def build_model(family: Family, device: str, seed: int = 0):
