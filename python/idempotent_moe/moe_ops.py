@@ -172,7 +172,7 @@ def moe_combine(rows: Any, dest: Any, weights: Any, *, out: Any = None, out_dtyp
         return ops.moe_combine(rows, dest, weights, rows.dtype if out_dtype is None else out_dtype)
     if out is None:
         shape = (_arrays.shape_of(dest)[0], _arrays.shape_of(rows)[-1])
-        out = _empty(rows, shape, None if out_dtype is None else str(out_dtype).rsplit(".", 1)[-1])
+        out = _empty(rows, shape, _dtype_name(out_dtype))
     native().moe_combine(rows=rows, dest=dest, weights=weights, out=out,
                          num_threads=resolve_num_threads(num_threads),
                          stream=_arrays.dlpack_stream(rows))
