@@ -29,8 +29,10 @@ from .._moe import check_capacity_factor
 
 EXPERTS_IMPLEMENTATION = "idempotent"
 CAPACITY_FACTOR_ATTR = "idempotent_capacity_factor"
-# True: the decode path's two GEMMs run the library's grouped_gemm instead of
-# torch's grouped_mm (off by default: its rounding differs, docs/moe.md).
+# True: the fused path's two GEMMs run the library's grouped_gemm instead of
+# torch's grouped_mm at decode sizes (at most _fused.SMALL_M_ROWS_PER_EXPERT
+# rows per expert; eager and compiled). Off by default: its rounding differs
+# (docs/moe.md).
 # Defined before the import below: _fused reads it from here.
 SMALL_M_GEMM_ATTR = "idempotent_small_m_gemm"
 
