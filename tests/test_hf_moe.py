@@ -948,6 +948,33 @@ def test_gpu_dropless_matches_grouped_mm(hidden, intermediate, tokens):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_gpu_dropless_runs_in_a_cuda_graph_where_grouped_mm_does_not_compile(dtype):
+    """generate()'s static cache replays the compiled forward as a CUDA graph
+    (mode="reduce-overhead"). grouped_mm does not trace fp32 or fp16, and
+    transformers' fallback reads the group offsets on the host, which a
+    capture refuses: the traced forward takes grouped_gemm, syncs nothing,
+    and replays the eager output on new routing."""
+    torch._dynamo.reset()
+    experts = standalone_experts().to("cuda", dtype)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-3, atol=2e-3)
+    compiled = torch.compile(_compiled_experts(experts, None), mode="reduce-overhead", fullgraph=True)
+    g = torch.Generator().manual_seed(21)
+    hidden = torch.empty(24, 16, device="cuda", dtype=dtype)
+    index = torch.empty(24, 2, device="cuda", dtype=torch.int64)
+    weights = torch.empty(24, 2, device="cuda", dtype=dtype)
+    with torch.no_grad():
+        for step in range(4):  # warm-up, record, then replays on new data
+            i, w = skewed_routing(24, 8, 2, seed=30 + step)
+            hidden.copy_(torch.randn(24, 16, generator=g))
+            index.copy_(i)
+            weights.copy_(w)
+            out = compiled(hidden, index, weights).clone()
+            eager = run_experts(experts, hidden, index, weights, "idempotent")
+            torch.testing.assert_close(out, eager, **tol)
+
+
+@pytest.mark.gpu
 def test_gpu_decode_path_equals_the_general_fused_path():
     """The decode path (straight calls over the module's scratch
     intermediates) gives the general fused path's bits at every batch size,
