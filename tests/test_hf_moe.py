@@ -399,6 +399,22 @@ def test_dropless_compiles_with_fullgraph_for_every_dtype(dtype):
         assert _dispatch.COMPILED_FALLBACK is not None
 
 
+def test_the_fused_paths_cuda_check_traces_in_a_model_compiled_before_any_eager_call(monkeypatch):
+    """The fused path asks once whether CUDA runs its kernels; in a model
+    compiled before any eager CUDA forward that first question comes while
+    dynamo traces, which cannot trace the native call: it is a constant of
+    the graph, and fullgraph=True compiles."""
+    from idempotent_moe.integrations import _fused
+
+    monkeypatch.setattr(_fused, "_cuda_ok", None)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda x: x + 1 if _fused._cuda_runs() else x - 1, fullgraph=True,
+                             backend="eager")
+    expected = 1.0 if imoe.cuda_available() else -1.0
+    assert compiled(torch.zeros(2)).tolist() == [expected, expected]
+    assert _fused._cuda_ok is imoe.cuda_available()
+
+
 def test_compiled_dropless_is_differentiable_for_fp32():
     torch._dynamo.reset()
     experts = standalone_experts()
