@@ -399,6 +399,22 @@ def test_dropless_compiles_with_fullgraph_for_every_dtype(dtype):
         assert _dispatch.COMPILED_FALLBACK is not None
 
 
+def test_the_fused_paths_cuda_check_traces_in_a_model_compiled_before_any_eager_call(monkeypatch):
+    """The fused path asks once whether CUDA runs its kernels; in a model
+    compiled before any eager CUDA forward that first question comes while
+    dynamo traces, which cannot trace the native call: it is a constant of
+    the graph, and fullgraph=True compiles."""
+    from idempotent_moe.integrations import _fused
+
+    monkeypatch.setattr(_fused, "_cuda_ok", None)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda x: x + 1 if _fused._cuda_runs() else x - 1, fullgraph=True,
+                             backend="eager")
+    expected = 1.0 if imoe.cuda_available() else -1.0
+    assert compiled(torch.zeros(2)).tolist() == [expected, expected]
+    assert _fused._cuda_ok is imoe.cuda_available()
+
+
 def test_compiled_dropless_is_differentiable_for_fp32():
     torch._dynamo.reset()
     experts = standalone_experts()
@@ -945,6 +961,33 @@ def test_gpu_dropless_matches_grouped_mm(hidden, intermediate, tokens):
         err_ours = (ours.float() - exact).abs().mean()
         err_grouped = (grouped.float() - exact).abs().mean()
         assert torch.equal(ours, grouped) or err_ours <= err_grouped * 1.01
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_gpu_dropless_runs_in_a_cuda_graph_where_grouped_mm_does_not_compile(dtype):
+    """generate()'s static cache replays the compiled forward as a CUDA graph
+    (mode="reduce-overhead"). grouped_mm does not trace fp32 or fp16, and
+    transformers' fallback reads the group offsets on the host, which a
+    capture refuses: the traced forward takes grouped_gemm, syncs nothing,
+    and replays the eager output on new routing."""
+    torch._dynamo.reset()
+    experts = standalone_experts().to("cuda", dtype)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-3, atol=2e-3)
+    compiled = torch.compile(_compiled_experts(experts, None), mode="reduce-overhead", fullgraph=True)
+    g = torch.Generator().manual_seed(21)
+    hidden = torch.empty(24, 16, device="cuda", dtype=dtype)
+    index = torch.empty(24, 2, device="cuda", dtype=torch.int64)
+    weights = torch.empty(24, 2, device="cuda", dtype=dtype)
+    with torch.no_grad():
+        for step in range(4):  # warm-up, record, then replays on new data
+            i, w = skewed_routing(24, 8, 2, seed=30 + step)
+            hidden.copy_(torch.randn(24, 16, generator=g))
+            index.copy_(i)
+            weights.copy_(w)
+            out = compiled(hidden, index, weights).clone()
+            eager = run_experts(experts, hidden, index, weights, "idempotent")
+            torch.testing.assert_close(out, eager, **tol)
 
 
 @pytest.mark.gpu

@@ -6,7 +6,8 @@ with the expert-parallel dispatcher; shapes are named there).
 
 No function here synchronises the host with the device, except the per-expert
 loop that stands in for grouped_mm where torch has none (it reads the group
-offsets once).
+offsets once; while torch.compile traces a CUDA forward, grouped_gemm stands
+in instead, so a CUDA graph can hold it).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from .._moe import (
 )
 from .._sorting import compiling
 from ..functional import compact_
+from ..moe_ops import grouped_gemm
 
 
 class SortedDispatch(NamedTuple):
@@ -131,6 +133,19 @@ def _grouped_mm_compiles(weight: torch.Tensor) -> bool:
     return False
 
 
+def _graph_safe_gemm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> bool:
+    """Whether, while torch.compile traces a CUDA forward that grouped_mm does
+    not take (fp32, fp16), our grouped_gemm stands in for transformers'
+    fallback: that op reads the offsets on the host, which a CUDA graph
+    (generate()'s static cache) cannot capture. grouped_gemm reads each
+    active expert's weights once, syncs nothing, and needs the weights' K
+    axis contiguous and int32 offsets; it has no backward, so a traced
+    forward that records gradients keeps the fallback."""
+    return (w.device.type == "cuda" and w.stride(-2) == 1 and offsets.dtype == torch.int32
+            and x.dtype == w.dtype
+            and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)))
+
+
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor,
                    transposed: bool) -> torch.Tensor:
     """x [S, in] sorted by expert times each expert's weight: [E, out, in]
@@ -140,14 +155,17 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor,
 
     torch's grouped_mm where it takes these operands (no host sync). Else, in
     eager mode, a loop over the experts, which reads the offsets once (one
-    host sync); while torch.compile traces, transformers' grouped_mm fallback
-    op (the same loop as one custom op, so the graph does not break)."""
+    host sync); while torch.compile traces, on CUDA our grouped_gemm
+    (_graph_safe_gemm), else transformers' grouped_mm fallback op (the same
+    loop as one custom op, so the graph does not break)."""
     w = weight if transposed else weight.transpose(-2, -1)
     x = x.to(w.dtype)  # grouped_mm is not autocast-aware
     tracing = compiling()
     if _grouped_mm_compiles(w) if tracing else _grouped_mm_usable(x, w):
         fn = getattr(F, "grouped_mm", None) or torch._grouped_mm
         return fn(x, w, offs=offsets)
+    if tracing and _graph_safe_gemm(x, w, offsets):
+        return grouped_gemm(x, w, offsets)
     if tracing and COMPILED_FALLBACK is not None:
         return COMPILED_FALLBACK(x, w, offsets)
     pieces, start = [], 0

@@ -166,7 +166,18 @@ def _grouped(lib, a: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, strea
     return out
 
 
-_cuda_ok = None  # cuda_available(), asked once outside tracing
+_cuda_ok = None  # cuda_available(), asked once
+
+
+@torch.compiler.assume_constant_result
+def _cuda_runs() -> bool:
+    """cuda_available(), asked once per process. torch.compile cannot trace
+    the native call, so while it traces (a model compiled before any eager
+    CUDA forward) the answer is taken as a constant of the graph."""
+    global _cuda_ok
+    if _cuda_ok is None:
+        _cuda_ok = cuda_available()
+    return _cuda_ok
 
 
 def applies(experts, hidden_states: torch.Tensor) -> bool:
@@ -174,18 +185,14 @@ def applies(experts, hidden_states: torch.Tensor) -> bool:
     hidden states on the CPU or on a CUDA device the kernels run on, at
     most MOE_MAX_EXPERTS experts, no gradient recorded; under torch.compile
     where torch has custom ops (2.4 on: the fused ops are torch ops there)."""
-    global _cuda_ok
     device = hidden_states.device.type
     if (hidden_states.dtype not in _FLOATS or (device != "cpu" and device != "cuda")
             or experts.num_experts > _MAX_EXPERTS):
         return False
     if compiling() and not _OPS:
         return False
-    if device == "cuda":
-        if _cuda_ok is None:
-            _cuda_ok = cuda_available()
-        if not _cuda_ok:
-            return False
+    if device == "cuda" and not _cuda_runs():
+        return False
     return not (torch.is_grad_enabled() and (hidden_states.requires_grad or
                                              any(p.requires_grad for p in experts.parameters())))
 
