@@ -46,10 +46,10 @@ TABLES = [
 if os.path.exists(os.path.join(RESULTS, "model-cuda.json")):
     TABLES.append(("README.md", "model-cuda.json", report.readme_from_json))
     TABLES.append(("docs/results.md", "model-cuda.json", model_report.doc_from_json))
-# Runs of M1 beside the headline's: the compiled (static-cache) decode, and
-# the options of ours (+gemm, +router).
+# Runs beside the headline's: M1's compiled (static-cache) decode, the
+# options of ours (+gemm, +router), and H1 alone.
 TABLES += [("docs/results.md", name, model_report.doc_from_json)
-           for name in ("model-static-cuda.json", "model-options-cuda.json")]
+           for name in ("model-static-cuda.json", "model-options-cuda.json", "model-h1-cuda.json")]
 
 
 @pytest.mark.parametrize("doc, result, render", TABLES, ids=[f"{d}:{r}" for d, r, _ in TABLES])
