@@ -41,8 +41,7 @@ imoe_status imoe_check_buffers(const imoe_view *buffers, int32_t num_buffers, im
   }
   for (int32_t b = 0; b < num_buffers; b++) {
     const imoe_view *v = &buffers[b];
-    char name[32];
-    snprintf(name, sizeof name, "buffers[%d]", (int)b);
+    const char *name = imoe_buffer_name(b);
     imoe_status st = imoe_check_view(v, name, err);
     if (st == IMOE_OK) st = imoe_check_writable(v, name, err);
     if (st == IMOE_OK && b > 0) st = imoe_check_same_lead(v, name, &buffers[0], "buffers[0]", err);

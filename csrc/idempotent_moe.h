@@ -221,6 +221,11 @@ const char *imoe_option_name(imoe_option option, int value);
 imoe_status imoe_option_from_name(imoe_option option, const char *name, int *value,
                                   imoe_error *err);
 
+/* "buffers[b]", the name messages give buffer b of a call, for 0 <= b <
+ * IMOE_MAX_BUFFERS (NULL outside): a constant string, so naming a buffer
+ * costs nothing on a call that succeeds. */
+const char *imoe_buffer_name(int32_t b);
+
 /*
  * Plan workspaces. Orders STABLE and SCORE, imoe_permute and
  * imoe_group_by_expert apply a general permutation in place; they take an

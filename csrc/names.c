@@ -1,5 +1,6 @@
 /* names.c: the options' names (imoe_option_name / imoe_option_from_name), the
- * one table every layer above the C API converts through. */
+ * one table every layer above the C API converts through, and the buffers'
+ * names in messages (imoe_buffer_name). */
 #include <stdio.h>
 #include <string.h>
 
@@ -50,4 +51,24 @@ imoe_status imoe_option_from_name(imoe_option option, const char *name, int *val
   }
   return imoe_fail(err, IMOE_ERR_ARGUMENT, "%s must be one of %s, got '%.64s'", t->what, accepted,
                    name ? name : "(null)");
+}
+
+#define BUFFER_NAME(i) "buffers[" #i "]"
+#define BUFFER_NAMES_OF(t)                                                              \
+  BUFFER_NAME(t##0), BUFFER_NAME(t##1), BUFFER_NAME(t##2), BUFFER_NAME(t##3),           \
+      BUFFER_NAME(t##4), BUFFER_NAME(t##5), BUFFER_NAME(t##6), BUFFER_NAME(t##7),       \
+      BUFFER_NAME(t##8), BUFFER_NAME(t##9)
+
+static const char *const kBufferNames[] = {
+    BUFFER_NAME(0),     BUFFER_NAME(1),     BUFFER_NAME(2),     BUFFER_NAME(3),
+    BUFFER_NAME(4),     BUFFER_NAME(5),     BUFFER_NAME(6),     BUFFER_NAME(7),
+    BUFFER_NAME(8),     BUFFER_NAME(9),     BUFFER_NAMES_OF(1), BUFFER_NAMES_OF(2),
+    BUFFER_NAMES_OF(3), BUFFER_NAMES_OF(4), BUFFER_NAMES_OF(5), BUFFER_NAME(60),
+    BUFFER_NAME(61),    BUFFER_NAME(62),    BUFFER_NAME(63)};
+
+_Static_assert(sizeof kBufferNames / sizeof kBufferNames[0] == IMOE_MAX_BUFFERS,
+               "one name per buffer a call may take");
+
+const char *imoe_buffer_name(int32_t b) {
+  return b >= 0 && b < IMOE_MAX_BUFFERS ? kBufferNames[b] : NULL;
 }

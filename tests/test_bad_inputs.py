@@ -6,6 +6,8 @@ Each case is a builder `(framework, rng) -> (call, arrays)`: `call` must raise,
 
 from __future__ import annotations
 
+import re
+
 import idempotent_moe as imoe
 import numpy as np
 import pytest
@@ -769,3 +771,22 @@ def test_more_threads_than_cores_match_one_thread(rng):
     b = imoe.compact_(many, s, 100, num_threads=32)
     np.testing.assert_array_equal(np.asarray(a.indices), np.asarray(b.indices))
     np.testing.assert_array_equal(one.view(np.uint16), many.view(np.uint16))
+
+
+@requires_torch
+@pytest.mark.parametrize("make, name", [
+    (lambda: np.zeros((2, 8), np.int16), "int16"),
+    (lambda: np.zeros((2, 8), ">f4"), "float32 (byte-swapped)"),
+    (lambda: torch.zeros(2, 8, dtype=torch.float8_e4m3fn), "float8_e4m3fn"),
+    (lambda: torch.zeros(2, 8, dtype=torch.uint8), "uint8"),
+    (lambda: torch.zeros(2, 8, dtype=torch.complex64), "complex64"),
+], ids=["int16", "byte-swapped", "float8", "uint8", "complex64"])
+def test_a_refused_dtype_is_named_in_the_message(make, name):
+    """The binding names an array's dtype only when a message needs it (a
+    call that succeeds formats nothing): the name is still the dtype's."""
+    x = np.arange(48, dtype=np.float32).reshape(2, 8, 3)
+    before = x.copy()
+    with pytest.raises(TypeError, match=re.escape(f"scores must have dtype float32, float16 or bfloat16, "
+                                                  f"got {name}")):
+        imoe.compact_(x, make(), 4)
+    np.testing.assert_array_equal(x, before)

@@ -415,11 +415,11 @@ def _compact_tensors(torch: Any, x: Any, scores: Any, capacity: int, dim: int, m
                                   device=first.device)
     # The views before the call writes: nothing can fail after it.
     if many:
-        bufs = list(x)
+        bufs = tuple(x)
         views = tuple([b.narrow(dim, 0, kept) for b in bufs])
-        dims, rows = [dim] * len(bufs), [b.dim() - dim - 1 for b in bufs]
-    else:
-        bufs, views, dims, rows = [x], x.narrow(dim, 0, kept), [dim], [x.dim() - dim - 1]
+        dims, rows = (dim,) * len(bufs), tuple([b.dim() - dim - 1 for b in bufs])
+    else:  # tuples: the binding takes them as they are (a list is copied into one)
+        bufs, views, dims, rows = (x,), x.narrow(dim, 0, kept), (dim,), (x.dim() - dim - 1,)
     native().compact(
         bufs, dims, rows, scores=scores, active_indices=None, capacity=capacity,
         protected_prefix=protected_prefix, recent_window=recent_window, nan=nan, order="inplace",
@@ -533,7 +533,7 @@ def apply_map_(
         # path's arithmetic in a few lines; the core judges every value.
         d = indices.dim() - 1
         view = x.narrow(d, 0, min(indices.shape[d], x.shape[d]))
-        native().apply_indices([x], [d], [x.dim() - d - 1], indices=indices, order=order, mode=mode,
+        native().apply_indices((x,), (d,), (x.dim() - d - 1,), indices=indices, order=order, mode=mode,
                                workspace=None, num_threads=_num_threads, stream=_arrays.dlpack_stream(x))
         return view
     bufs, many = _buffers(x)

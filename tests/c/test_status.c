@@ -435,8 +435,24 @@ static void apply_paths(void) {
   world_free(&w);
 }
 
+/* The messages' names of buffers: "buffers[b]" for every b a call may take,
+ * NULL outside. */
+static void buffer_names(void) {
+  for (int32_t b = 0; b < IMOE_MAX_BUFFERS; b++) {
+    char expected[32];
+    snprintf(expected, sizeof expected, "buffers[%d]", (int)b);
+    const char *name = imoe_buffer_name(b);
+    CHECK(name != NULL && strcmp(name, expected) == 0, "imoe_buffer_name(%d) = %s", (int)b,
+          name ? name : "NULL");
+  }
+  CHECK(imoe_buffer_name(-1) == NULL, "imoe_buffer_name(-1) is not NULL");
+  CHECK(imoe_buffer_name(IMOE_MAX_BUFFERS) == NULL, "imoe_buffer_name(%d) is not NULL",
+        IMOE_MAX_BUFFERS);
+}
+
 void test_status_paths(void) {
   build_map_paths();
   compact_paths();
   apply_paths();
+  buffer_names();
 }

@@ -43,8 +43,10 @@
 
 /* One imported array, normalised: byte strides, byte offset applied. */
 typedef struct imoe_import {
-  char name[32];       /* the Python argument: "scores", "buffers[1]" */
-  char dtype_name[32]; /* for messages: "float32", "uint8", "bfloat16" */
+  char name[32];         /* the Python argument: "scores", "buffers[1]" */
+  int32_t dtype_code;    /* DLPack's dtype code and bits, and whether a NumPy */
+  int32_t dtype_swapped; /* array's bytes are swapped: imoe_py_dtype_name */
+  int64_t dtype_bits;    /* names them for messages */
   char *data;
   int32_t ndim;
   int64_t shape[IMOE_MAX_NDIM];
@@ -81,6 +83,11 @@ imoe_import *imoe_py_import_array(imoe_imports *set, PyObject *obj, const char *
 
 /* Releases every import of set exactly once; keeps any pending exception. */
 void imoe_py_release_imports(imoe_imports *set);
+
+/* The dtype of im for a message ("float32", "uint8", "bfloat16", "float8_e4m3fn",
+ * with " (byte-swapped)" for a swapped NumPy array), written into out. Named
+ * only when a message needs it: a call that succeeds formats nothing. */
+void imoe_py_dtype_name(const imoe_import *im, char *out, size_t size);
 
 /* ---- views.c ---- */
 

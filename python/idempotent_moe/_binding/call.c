@@ -7,8 +7,6 @@
  */
 #include "binding.h"
 
-#include <stdio.h>
-
 imoe_py_call *imoe_py_call_new(PyObject *stream, PyObject *threads) {
   int64_t num_threads = 0; /* None: the default */
   if (threads != Py_None && imoe_py_as_int64(threads, "num_threads", &num_threads) < 0)
@@ -129,8 +127,7 @@ int imoe_py_call_import_buffers(imoe_py_call *c, PyObject *buffers, PyObject *di
   }
 
   for (Py_ssize_t b = 0; b < count; ++b) {
-    char name[32];
-    snprintf(name, sizeof name, "buffers[%zd]", b);
+    const char *name = imoe_buffer_name((int32_t)b);
     imoe_import *im = imoe_py_call_import(c, PyTuple_GET_ITEM(bufs, b), name, 1);
     if (im == NULL || check_axes(name, b, dim[b], rows[b], (int)im->ndim) < 0) return -1;
     if (imoe_py_buffer_view(im, dim[b], rows[b], &c->buffers[b]) < 0) return -1;
@@ -144,7 +141,9 @@ int imoe_py_call_import_workspace(imoe_py_call *c, PyObject *obj) {
   imoe_import *im = imoe_py_call_import(c, obj, "workspace", 1);
   if (im == NULL) return -1;
   if (im->dtype != IMOE_DTYPE_I32) {
-    PyErr_Format(PyExc_TypeError, "workspace must have dtype int32, got %s", im->dtype_name);
+    char dtype[64];
+    imoe_py_dtype_name(im, dtype, sizeof dtype);
+    PyErr_Format(PyExc_TypeError, "workspace must have dtype int32, got %s", dtype);
     return -1;
   }
   int64_t expected = im->itemsize, elems = 1;

@@ -33,7 +33,7 @@ static imoe_dtype typed_dtype(int code, int64_t bits) {
   return IMOE_DTYPE_BYTES;
 }
 
-static void name_dtype(imoe_import *im, int code, int64_t bits) {
+void imoe_py_dtype_name(const imoe_import *im, char *out, size_t size) {
   static const char *const names[] = {"int",           "uint",
                                       "float",         "opaque",
                                       "bfloat",        "complex",
@@ -42,13 +42,32 @@ static void name_dtype(imoe_import *im, int code, int64_t bits) {
                                       "float8_e4m3fn", "float8_e4m3fnuz",
                                       "float8_e5m2",   "float8_e5m2fnuz",
                                       "float8_e8m0fnu"};
-  size_t size = sizeof im->dtype_name;
+  const int code = im->dtype_code;
+  const long long bits = (long long)im->dtype_bits;
+  const char *swapped = im->dtype_swapped ? " (byte-swapped)" : "";
   if (code >= kDLFloat8_e3m4 && code <= kDLFloat8_e8m0fnu)
-    snprintf(im->dtype_name, size, "%s", names[code]);
+    snprintf(out, size, "%s%s", names[code], swapped);
   else if (code >= 0 && code < (int)(sizeof names / sizeof names[0]))
-    snprintf(im->dtype_name, size, "%s%lld", names[code], (long long)bits);
+    snprintf(out, size, "%s%lld%s", names[code], bits, swapped);
   else
-    snprintf(im->dtype_name, size, "DLPack code %d (%lld bits)", code, (long long)bits);
+    snprintf(out, size, "DLPack code %d (%lld bits)%s", code, bits, swapped);
+}
+
+/* The type of an import: its typed dtype (or BYTES), kept with DLPack's code
+ * and bits for messages. */
+static void set_dtype(imoe_import *im, int code, int64_t bits, int swapped) {
+  im->dtype = swapped ? IMOE_DTYPE_BYTES : typed_dtype(code, bits);
+  im->dtype_code = code;
+  im->dtype_bits = bits;
+  im->dtype_swapped = swapped;
+}
+
+/* The Python argument's name into im->name (at most its size - 1 bytes). */
+static void set_name(imoe_import *im, const char *name) {
+  size_t len = strlen(name);
+  if (len >= sizeof im->name) len = sizeof im->name - 1;
+  memcpy(im->name, name, len);
+  im->name[len] = '\0';
 }
 
 /* ---- NumPy ---- */
@@ -89,16 +108,8 @@ static int import_ndarray(imoe_import *im, PyArrayObject *arr, int written) {
     PyErr_Format(PyExc_TypeError, "%s has a dtype of itemsize 0", im->name);
     return -1;
   }
-  int code = numpy_code(descr->kind);
-  name_dtype(im, code, 8 * im->itemsize);
-  if (PyArray_ISBYTESWAPPED(arr)) {
-    /* Typed data must be in native byte order; swapped data is only bytes. */
-    size_t len = strlen(im->dtype_name);
-    snprintf(im->dtype_name + len, sizeof im->dtype_name - len, " (byte-swapped)");
-    im->dtype = IMOE_DTYPE_BYTES;
-  } else {
-    im->dtype = typed_dtype(code, 8 * im->itemsize);
-  }
+  /* Typed data must be in native byte order; swapped data is only bytes. */
+  set_dtype(im, numpy_code(descr->kind), 8 * im->itemsize, PyArray_ISBYTESWAPPED(arr) != 0);
   im->data = PyArray_BYTES(arr);
   im->ndim = ndim;
   for (int i = 0; i < ndim; ++i) {
@@ -134,8 +145,7 @@ static int read_dltensor(imoe_import *im, const DLTensor *t) {
     return -1;
   }
   im->itemsize = t->dtype.bits / 8;
-  im->dtype = typed_dtype(t->dtype.code, t->dtype.bits);
-  name_dtype(im, t->dtype.code, t->dtype.bits);
+  set_dtype(im, t->dtype.code, t->dtype.bits, 0);
   im->ndim = t->ndim;
   int empty = 0;
   for (int i = 0; i < t->ndim; ++i) {
@@ -382,7 +392,7 @@ imoe_import *imoe_py_import_array(imoe_imports *set, PyObject *obj, const char *
   /* Counted before anything is owned, so release sees every record. */
   imoe_import *im = &set->item[set->count++];
   memset(im, 0, sizeof *im);
-  snprintf(im->name, sizeof im->name, "%s", name);
+  set_name(im, name);
 
   int rc;
   PyObject *method = NULL;

@@ -5,9 +5,6 @@
  */
 #include "binding.h"
 
-#include <stdio.h>
-
-
 /* The pools as [num_blocks, lead..., block_size, row] views in c->buffers. */
 static int import_pools(imoe_py_call *c, PyObject *buffers, PyObject *dims, PyObject *row_ndims) {
   if (imoe_py_call_hold_buffer_args(c, buffers, dims, row_ndims) < 0) return -1;
@@ -21,9 +18,8 @@ static int import_pools(imoe_py_call *c, PyObject *buffers, PyObject *dims, PyOb
     return -1;
   }
   for (Py_ssize_t b = 0; b < count; ++b) {
-    char name[32];
+    const char *name = imoe_buffer_name((int32_t)b);
     int64_t dim, rows;
-    snprintf(name, sizeof name, "buffers[%zd]", b);
     if (imoe_py_int_item(dim_t, b, "dims", &dim) < 0 ||
         imoe_py_int_item(row_t, b, "row_ndims", &rows) < 0)
       return -1;

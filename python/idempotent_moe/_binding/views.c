@@ -59,8 +59,10 @@ int imoe_py_buffer_view(const imoe_import *im, int64_t dim, int64_t row_ndim, im
 int imoe_py_typed_view(const imoe_import *im, unsigned accepted, const char *accepted_names,
                        imoe_view *view) {
   if (im->dtype == IMOE_DTYPE_BYTES || !(accepted & IMOE_DTYPE_BIT(im->dtype))) {
+    char dtype[64];
+    imoe_py_dtype_name(im, dtype, sizeof dtype);
     PyErr_Format(PyExc_TypeError, "%s must have dtype %s, got %s", im->name, accepted_names,
-                 im->dtype_name);
+                 dtype);
     return -1;
   }
   int lead_ndim = im->ndim - 1;
