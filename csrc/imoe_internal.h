@@ -214,7 +214,9 @@ void imoe_select_scores_row(const imoe_selection *sel, int64_t row, int64_t n,
                             imoe_row_workspace ws);
 
 /* keys[lo, hi): sets kept[i] = 1 for the k largest keys (ties to the lower
- * index), 0 for the rest; 0 < k < hi - lo. key_bits is 32 or 16. O(hi - lo).
+ * index), 0 for the rest; 0 < k < hi - lo. key_bits is 32 or 16. O(hi - lo)
+ * (a short row, up to 32 keys of 32 bits or 12 of 16: O((hi - lo)^2)
+ * comparisons, fewer operations there).
  * hist: IMOE_RADIX_HIST entries; cand: hi - lo entries of scratch. */
 void imoe_mark_top_k(const uint32_t *keys, int64_t lo, int64_t hi, int64_t k, int key_bits,
                      uint32_t *hist, uint32_t *cand, uint8_t *kept);

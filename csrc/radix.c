@@ -6,7 +6,8 @@
  * candidates, gathered in index order) go through the finer passes, which
  * narrow the threshold to one key value T; then keys above T are kept and,
  * of the keys equal to T, as many as still needed in index order: ties go
- * to the lower index. */
+ * to the lower index. Short rows (RANK_MAX_KEYS_*) are ranked by comparison
+ * instead (the same result). */
 #include "imoe_internal.h"
 
 typedef struct digit {
@@ -55,8 +56,30 @@ static uint32_t find_bin(const uint32_t *hist, uint32_t bins, uint32_t *need) {
   return b;
 }
 
+/* Rows this short rank every key against the others: a radix pass zeroes
+ * and walks its bins (2048 for 32-bit keys, 256 for 16-bit), more work than
+ * n * n comparisons up to about these lengths (measured on x86-64). */
+#define RANK_MAX_KEYS_32 32
+#define RANK_MAX_KEYS_16 12
+
+/* kept[i] = 1 when fewer than k keys outrank keys[i] (larger, or equal at a
+ * lower index): the radix select's result, by counting. */
+static void mark_by_rank(const uint32_t *keys, int64_t lo, int64_t hi, int64_t k, uint8_t *kept) {
+  for (int64_t i = lo; i < hi; i++) {
+    const uint32_t key = keys[i];
+    int64_t above = 0;
+    for (int64_t j = lo; j < i; j++) above += keys[j] >= key;
+    for (int64_t j = i + 1; j < hi; j++) above += keys[j] > key;
+    kept[i] = above < k;
+  }
+}
+
 void imoe_mark_top_k(const uint32_t *keys, int64_t lo, int64_t hi, int64_t k, int key_bits,
                      uint32_t *hist, uint32_t *cand, uint8_t *kept) {
+  if (hi - lo <= (key_bits == 32 ? RANK_MAX_KEYS_32 : RANK_MAX_KEYS_16)) {
+    mark_by_rank(keys, lo, hi, k, kept);
+    return;
+  }
   const digit *plan = key_bits == 32 ? plan32 : plan16;
   const int passes = key_bits == 32 ? 3 : 2;
   uint32_t need = (uint32_t)k;

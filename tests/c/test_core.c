@@ -9,6 +9,7 @@
 
 #include "check.h"
 #include "idempotent_moe.h"
+#include "imoe_internal.h"
 #include "parity.h"
 #include "ref.h"
 #include "tensor.h"
@@ -551,6 +552,47 @@ static void test_empty_rows(void) {
         "R = 0 apply: %s", err.message);
 }
 
+/* imoe_mark_top_k against a sort by (key descending, index ascending), on
+ * rows either side of the lengths where it ranks by comparison instead of
+ * radix passes (12 keys of 16 bits, 32 of 32); keys drawn from a few values (ties at the threshold) or
+ * from all 32 or 16 bits, at an offset lo > 0. */
+static int by_key_then_index(const void *a, const void *b) {
+  const uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
+  return x < y ? -1 : x > y;
+}
+
+static void test_mark_top_k(void) {
+  enum { MAX_N = 80, LO = 3 };
+  static uint32_t keys[LO + MAX_N], hist[IMOE_RADIX_HIST], cand[MAX_N];
+  static uint8_t kept[LO + MAX_N], want[LO + MAX_N];
+  static uint64_t order[MAX_N];
+  uint64_t rng = 0x70b0c4;
+  int bad = 0;
+  for (int64_t n = 2; n <= MAX_N && !bad; n++) {
+    for (int trial = 0; trial < 24 && !bad; trial++) {
+      const int key_bits = trial % 2 ? 16 : 32;
+      const uint32_t mask = key_bits == 32 ? 0xffffffffu : 0xffffu;
+      const uint32_t values = trial % 3 == 0 ? 3u : 0u; /* few values: ties */
+      for (int64_t i = 0; i < n; i++) {
+        const uint32_t r = (uint32_t)rng_next(&rng);
+        keys[LO + i] = (values ? (r % values) * (mask / 3u) : r) & mask;
+      }
+      const int64_t k = rng_range(&rng, 1, n - 1);
+      /* Sorting (~key, index) ascending puts the kept keys first. */
+      for (int64_t i = 0; i < n; i++)
+        order[i] = ((uint64_t)(~keys[LO + i] & mask) << 32) | (uint64_t)(LO + i);
+      qsort(order, (size_t)n, sizeof order[0], by_key_then_index);
+      memset(want, 0, sizeof want);
+      for (int64_t j = 0; j < k; j++) want[order[j] & 0xffffffffu] = 1;
+      memset(kept, 7, sizeof kept);
+      imoe_mark_top_k(keys, LO, LO + n, k, key_bits, hist, cand, kept);
+      bad = memcmp(kept + LO, want + LO, (size_t)n) != 0;
+      CHECK(!bad, "mark_top_k: n %lld, k %lld, %d-bit keys, %s", (long long)n, (long long)k,
+            key_bits, values ? "few values" : "random");
+    }
+  }
+}
+
 static void test_status_strings(void) {
   CHECK(strncmp(imoe_status_string(IMOE_OK), "IMOE_OK", 7) == 0, "OK string");
   CHECK(strncmp(imoe_status_string(IMOE_ERR_NAN), "IMOE_ERR_NAN:", 13) == 0, "NAN string");
@@ -566,6 +608,7 @@ int main(void) {
   test_reference_conversions();
   test_status_strings();
   test_ties();
+  test_mark_top_k();
   test_signed_zero();
   test_half_keys();
   test_nan_policies();
