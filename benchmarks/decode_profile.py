@@ -10,7 +10,10 @@ the first token cancel), each step one token per sequence:
   - device busy: the union of the CUDA kernels' intervals (what the GPU
     worked), and wall - busy (the GPU idle: the host is the bound there);
   - kernels launched, and CUDA graph launches;
-  - the kernels by device time (name, launches, us per token), top --top.
+  - the kernels by device time (name, launches, us per token), top --top;
+  - the host's ops and ranges by self time (name, calls, us per token: where
+    the host's time goes, dynamo's guards and the compiled graph's wrapper
+    included), top --top.
 On the CPU only the wall time and the host ops are there (a smoke test).
 
     python benchmarks/decode_profile.py --family mixtral --batch 1 --cache static \\
@@ -53,17 +56,35 @@ def busy_us(intervals: list) -> float:
     return total
 
 
+def _by_name(events, duration) -> dict:
+    """name -> [count, total of duration(e) us] over events."""
+    by_name = collections.defaultdict(lambda: [0, 0.0])
+    for e in events:
+        by_name[e.name][0] += 1
+        by_name[e.name][1] += duration(e)
+    return dict(by_name)
+
+
 def totals(prof, wall_s: float) -> dict:
     """One profiled generate(): wall and busy us, kernels by name
-    (launches, us), kernel and CUDA graph launch counts."""
-    kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
-    by_name = collections.defaultdict(lambda: [0, 0.0])
-    for e in kernels:
-        by_name[e.name][0] += 1
-        by_name[e.name][1] += e.time_range.end - e.time_range.start
-    graphs = sum(1 for e in prof.events() if e.device_type == DeviceType.CPU and e.name == "cudaGraphLaunch")
+    (launches, us), host ops and ranges by name (calls, self us: the time
+    in them outside their children), kernel and CUDA graph launch counts."""
+    events = prof.events()
+    kernels = [e for e in events if e.device_type == DeviceType.CUDA]
+    host = [e for e in events if e.device_type == DeviceType.CPU]
+    graphs = sum(1 for e in host if e.name == "cudaGraphLaunch")
     return {"wall": wall_s * 1e6, "busy": busy_us([(e.time_range.start, e.time_range.end) for e in kernels]),
-            "kernels": len(kernels), "graphs": graphs, "by_name": dict(by_name), "cuda": bool(kernels)}
+            "kernels": len(kernels), "graphs": graphs, "cuda": bool(kernels),
+            "by_name": _by_name(kernels, lambda e: e.time_range.end - e.time_range.start),
+            "host_by_name": _by_name(host, lambda e: e.self_cpu_time_total)}
+
+
+def _per_step(long: dict, one: dict, steps: int, top: int, count_key: str, time_key: str) -> list:
+    """The top names of long - one by time, per step."""
+    diff = {n: (c - one.get(n, (0, 0.0))[0], t - one.get(n, (0, 0.0))[1]) for n, (c, t) in long.items()}
+    ranked = sorted(diff.items(), key=lambda kv: -kv[1][1])[:top]
+    return [{"name": name[:120], count_key: round(c / steps, 2), time_key: round(t / steps, 2)}
+            for name, (c, t) in ranked]
 
 
 def step_profile(long: dict, one: dict, steps: int, top: int) -> dict:
@@ -71,9 +92,6 @@ def step_profile(long: dict, one: dict, steps: int, top: int) -> dict:
     def per(key):
         return (long[key] - one[key]) / steps
 
-    names = {n: (long["by_name"][n][0] - one["by_name"].get(n, (0, 0.0))[0],
-                 long["by_name"][n][1] - one["by_name"].get(n, (0, 0.0))[1]) for n in long["by_name"]}
-    ranked = sorted(names.items(), key=lambda kv: -kv[1][1])[:top]
     cuda = long["cuda"]
     return {
         "wall_us_per_step": round(per("wall"), 1),
@@ -81,8 +99,10 @@ def step_profile(long: dict, one: dict, steps: int, top: int) -> dict:
         "device_idle_us_per_step": round(per("wall") - per("busy"), 1) if cuda else None,
         "kernels_per_step": round(per("kernels"), 1),
         "graph_launches_per_step": round(per("graphs"), 2),
-        "top_kernels": [{"name": name[:120], "launches_per_step": round(n / steps, 2),
-                         "us_per_step": round(t / steps, 2)} for name, (n, t) in ranked],
+        "top_kernels": _per_step(long["by_name"], one["by_name"], steps, top, "launches_per_step",
+                                 "us_per_step"),
+        "top_host": _per_step(long.get("host_by_name", {}), one.get("host_by_name", {}), steps, top,
+                              "calls_per_step", "self_us_per_step"),
     }
 
 
@@ -143,6 +163,9 @@ def main() -> None:
               f"kernels {row['kernels_per_step']}, graph launches {row['graph_launches_per_step']}")
         for k in row["top_kernels"]:
             print(f"    {k['us_per_step']:9.2f} us  x{k['launches_per_step']:6.2f}  {k['name']}")
+        print("  host, self time:")
+        for k in row["top_host"]:
+            print(f"    {k['self_us_per_step']:9.2f} us  x{k['calls_per_step']:6.2f}  {k['name']}")
     if opts.out:
         with open(opts.out, "w") as f:
             json.dump(result, f, indent=1)

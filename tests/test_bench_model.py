@@ -383,3 +383,10 @@ def test_decode_profile_unions_kernel_intervals_and_takes_one_step():
         (100.0, 70.0, 30.0)
     assert row["kernels_per_step"] == 4.0 and row["graph_launches_per_step"] == round(3 / 9, 2)
     assert row["top_kernels"] == [{"name": "a", "launches_per_step": 3.0, "us_per_step": 60.0}]
+    assert row["top_host"] == []
+    long["host_by_name"] = {"guards": (18, 450.0), "aten::add": (27, 90.0)}
+    one["host_by_name"] = {"guards": (2, 45.0), "aten::add": (3, 18.0)}
+    row = dp.step_profile(long, one, 9, top=2)
+    assert row["top_host"] == [
+        {"name": "guards", "calls_per_step": round(16 / 9, 2), "self_us_per_step": 45.0},
+        {"name": "aten::add", "calls_per_step": round(24 / 9, 2), "self_us_per_step": 8.0}]
