@@ -328,9 +328,9 @@ def experts_forward(experts, hidden_states: torch.Tensor, top_k_index: torch.Ten
     dropped count, kept on the device)."""
     if capacity_factor is None:
         out, _ = forward(experts, hidden_states, top_k_index, top_k_weights, None)
-        # Stored only over a record (readers take a missing one as None): a
-        # compiled decode step then replays no module write per layer.
-        if experts.__dict__.get("idempotent_stats") is not None:
+        # Stored only where it is not None already: a compiled decode step
+        # then replays no module attribute write per layer.
+        if experts.__dict__.get("idempotent_stats", False) is not None:
             experts.idempotent_stats = None
         return out
     num_tokens, top_k = top_k_index.shape
