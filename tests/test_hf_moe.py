@@ -415,6 +415,35 @@ def test_the_fused_paths_cuda_check_traces_in_a_model_compiled_before_any_eager_
     assert _fused._cuda_ok is imoe.cuda_available()
 
 
+def test_a_compiled_dropless_forward_writes_no_module_attribute():
+    """After an eager forward, a compiled dropless forward leaves
+    `idempotent_stats` as it is (None): dynamo's frame replays no attribute
+    write on the experts module, host work every layer of every compiled
+    decode step would pay."""
+    import dis
+
+    debug = getattr(torch._C._dynamo.eval_frame, "_debug_get_cache_entry_list", None)
+    if debug is None:
+        pytest.skip("this torch has no _debug_get_cache_entry_list")
+    torch._dynamo.reset()
+    experts = standalone_experts().to(torch.bfloat16)
+    hidden = torch.randn(8, 16, generator=torch.Generator().manual_seed(13)).to(torch.bfloat16)
+    index, weights = skewed_routing(8, 8, 2, seed=8)
+    weights = weights.to(torch.bfloat16)
+
+    def forward(h, i, w):
+        return hf.hf_experts.experts_forward(experts, h, i, w, None)
+
+    with torch.no_grad():
+        eager = forward(hidden, index, weights)
+        out = torch.compile(forward, backend="eager", fullgraph=True)(hidden, index, weights)
+    torch.testing.assert_close(out, eager, rtol=0, atol=0)
+    assert experts.idempotent_stats is None
+    (entry,) = debug(forward.__code__)
+    names = {str(i.argval) for i in dis.get_instructions(entry.code)}
+    assert "idempotent_stats" not in names
+
+
 def test_compiled_dropless_is_differentiable_for_fp32():
     torch._dynamo.reset()
     experts = standalone_experts()

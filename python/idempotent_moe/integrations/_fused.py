@@ -328,7 +328,10 @@ def experts_forward(experts, hidden_states: torch.Tensor, top_k_index: torch.Ten
     dropped count, kept on the device)."""
     if capacity_factor is None:
         out, _ = forward(experts, hidden_states, top_k_index, top_k_weights, None)
-        experts.idempotent_stats = None
+        # Stored only where it is not None already: a compiled decode step
+        # then replays no module attribute write per layer.
+        if experts.__dict__.get("idempotent_stats", False) is not None:
+            experts.idempotent_stats = None
         return out
     num_tokens, top_k = top_k_index.shape
     capacity = expert_capacity(num_tokens, top_k, experts.num_experts, capacity_factor)
