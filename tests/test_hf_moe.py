@@ -444,6 +444,35 @@ def test_a_compiled_dropless_forward_writes_no_module_attribute():
     assert "idempotent_stats" not in names
 
 
+def test_grouped_gemm_stands_in_while_tracing_only_where_it_is_safe_and_small():
+    """_graph_safe_gemm on fake CUDA tensors (as torch.compile traces them):
+    fp16/fp32 operands with the weights' K axis contiguous, int32 offsets, at
+    most GRAPH_SAFE_ROWS_PER_EXPERT rows per expert, no gradient recorded."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    limit = _dispatch.GRAPH_SAFE_ROWS_PER_EXPERT
+    with FakeTensorMode(), torch.no_grad():
+        w = torch.empty(8, 32, 16, device="cuda", dtype=torch.float16).transpose(-2, -1)  # [E, K, N]
+        offs = torch.empty(8, device="cuda", dtype=torch.int32)
+
+        def safe(rows=8 * limit, weight=w, offsets=offs, device="cuda", dtype=torch.float16):
+            x = torch.empty(rows, 16, device=device, dtype=dtype)
+            return _dispatch._graph_safe_gemm(x, weight, offsets)
+
+        assert safe() and safe(rows=1)
+        assert not safe(rows=8 * limit + 1)  # prefill sizes keep the fallback's tensor cores
+        assert not safe(offsets=offs.long())
+        row_major = torch.empty(8, 16, 32, device="cuda", dtype=torch.float16)  # [E, K, N], N contiguous
+        assert not safe(weight=row_major)
+        assert not safe(dtype=torch.float32)  # x and w differ
+        cpu_w = torch.empty(8, 32, 16, dtype=torch.float16).transpose(-2, -1)
+        assert not safe(weight=cpu_w, offsets=torch.empty(8, dtype=torch.int32), device="cpu")
+    with FakeTensorMode(), torch.enable_grad():
+        w = torch.empty(8, 32, 16, device="cuda", dtype=torch.float16).transpose(-2, -1)
+        x = torch.empty(8, 16, device="cuda", dtype=torch.float16, requires_grad=True)
+        assert not _dispatch._graph_safe_gemm(x, w, torch.empty(8, device="cuda", dtype=torch.int32))
+
+
 def test_compiled_dropless_is_differentiable_for_fp32():
     torch._dynamo.reset()
     experts = standalone_experts()

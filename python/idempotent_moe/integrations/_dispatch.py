@@ -133,16 +133,25 @@ def _grouped_mm_compiles(weight: torch.Tensor) -> bool:
     return False
 
 
+# While tracing, grouped_gemm stands in for transformers' fallback up to this
+# many rows per expert on average (decode sizes). Its fp32 sums take no tensor
+# cores: at prefill sizes it is many times slower than the fallback's cuBLAS
+# GEMMs, which keep those (and which, reading the offsets on the host, a CUDA
+# graph cannot hold).
+GRAPH_SAFE_ROWS_PER_EXPERT = 32
+
+
 def _graph_safe_gemm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> bool:
     """Whether, while torch.compile traces a CUDA forward that grouped_mm does
     not take (fp32, fp16), our grouped_gemm stands in for transformers'
     fallback: that op reads the offsets on the host, which a CUDA graph
     (generate()'s static cache) cannot capture. grouped_gemm reads each
-    active expert's weights once, syncs nothing, and needs the weights' K
-    axis contiguous and int32 offsets; it has no backward, so a traced
-    forward that records gradients keeps the fallback."""
+    active expert's weights once and syncs nothing; it needs the weights' K
+    axis contiguous and int32 offsets, and is used up to
+    GRAPH_SAFE_ROWS_PER_EXPERT rows per expert. It has no backward, so a
+    traced forward that records gradients keeps the fallback."""
     return (w.device.type == "cuda" and w.stride(-2) == 1 and offsets.dtype == torch.int32
-            and x.dtype == w.dtype
+            and x.dtype == w.dtype and x.shape[0] <= GRAPH_SAFE_ROWS_PER_EXPERT * w.shape[0]
             and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)))
 
 
