@@ -473,6 +473,27 @@ def test_grouped_gemm_stands_in_while_tracing_only_where_it_is_safe_and_small():
         assert not _dispatch._graph_safe_gemm(x, w, torch.empty(8, device="cuda", dtype=torch.int32))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_capacity_mode_compiles_with_fullgraph(dtype):
+    """Capacity mode traces into one graph too: the same kept assignments and
+    dropped count as eager; the output equal in bf16 (grouped_mm on both
+    sides), within fp32 rounding in fp32 (the traced GEMM is transformers'
+    fallback op, eager's is grouped_mm)."""
+    torch._dynamo.reset()
+    experts = standalone_experts().to(dtype)
+    hidden = torch.randn(24, 16, generator=torch.Generator().manual_seed(11)).to(dtype)
+    index, weights = skewed_routing(24, 8, 2, seed=6)
+    weights = weights.to(dtype)
+    with torch.no_grad():
+        eager = run_experts(experts, hidden, index, weights, "idempotent", capacity_factor=1.0)
+        eager_stats = experts.idempotent_stats
+        compiled = torch.compile(_compiled_experts(experts, 1.0), backend="aot_eager", fullgraph=True)
+        out = compiled(hidden, index, weights)
+    assert int(eager_stats[2]) > 0 and int(experts.idempotent_stats[2]) == int(eager_stats[2])
+    tol = dict(rtol=0, atol=0) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out, eager, **tol)
+
+
 def test_compiled_dropless_is_differentiable_for_fp32():
     torch._dynamo.reset()
     experts = standalone_experts()
