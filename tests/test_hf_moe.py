@@ -378,17 +378,22 @@ def _compiled_experts(experts, factor):
     return forward
 
 
+def _compile_case(dtype, tokens=24, seed=11, routing_seed=6):
+    """A fresh dynamo, standalone experts and (hidden, index, weights) in dtype."""
+    torch._dynamo.reset()
+    experts = standalone_experts().to(dtype)
+    hidden = torch.randn(tokens, 16, generator=torch.Generator().manual_seed(seed)).to(dtype)
+    index, weights = skewed_routing(tokens, 8, 2, seed=routing_seed)
+    return experts, hidden, index, weights.to(dtype)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16],
                          ids=["fp32", "fp16", "bf16"])
 def test_dropless_compiles_with_fullgraph_for_every_dtype(dtype):
     """grouped_mm's tracing implementation takes bf16 only: fp32 and fp16 use
     transformers' compile-safe fallback op while tracing, and the CPU-side
     routing checks are skipped, so fullgraph=True traces with no break."""
-    torch._dynamo.reset()
-    experts = standalone_experts().to(dtype)
-    hidden = torch.randn(24, 16, generator=torch.Generator().manual_seed(11)).to(dtype)
-    index, weights = skewed_routing(24, 8, 2, seed=6)
-    weights = weights.to(dtype)
+    experts, hidden, index, weights = _compile_case(dtype)
     with torch.no_grad():
         eager = run_experts(experts, hidden, index, weights, "idempotent")
         compiled = torch.compile(_compiled_experts(experts, None), backend="aot_eager", fullgraph=True)
@@ -425,11 +430,7 @@ def test_a_compiled_dropless_forward_writes_no_module_attribute():
     debug = getattr(torch._C._dynamo.eval_frame, "_debug_get_cache_entry_list", None)
     if debug is None:
         pytest.skip("this torch has no _debug_get_cache_entry_list")
-    torch._dynamo.reset()
-    experts = standalone_experts().to(torch.bfloat16)
-    hidden = torch.randn(8, 16, generator=torch.Generator().manual_seed(13)).to(torch.bfloat16)
-    index, weights = skewed_routing(8, 8, 2, seed=8)
-    weights = weights.to(torch.bfloat16)
+    experts, hidden, index, weights = _compile_case(torch.bfloat16, tokens=8, seed=13, routing_seed=8)
 
     def forward(h, i, w):
         return hf.hf_experts.experts_forward(experts, h, i, w, None)
@@ -479,11 +480,7 @@ def test_capacity_mode_compiles_with_fullgraph(dtype):
     dropped count as eager; the output equal in bf16 (grouped_mm on both
     sides), within fp32 rounding in fp32 (the traced GEMM is transformers'
     fallback op, eager's is grouped_mm)."""
-    torch._dynamo.reset()
-    experts = standalone_experts().to(dtype)
-    hidden = torch.randn(24, 16, generator=torch.Generator().manual_seed(11)).to(dtype)
-    index, weights = skewed_routing(24, 8, 2, seed=6)
-    weights = weights.to(dtype)
+    experts, hidden, index, weights = _compile_case(dtype)
     with torch.no_grad():
         eager = run_experts(experts, hidden, index, weights, "idempotent", capacity_factor=1.0)
         eager_stats = experts.idempotent_stats
