@@ -190,7 +190,7 @@ imoe_status imoe_run_stages(const imoe_stage *stages, int num_stages, size_t wor
 /* ---- per-row workspace (workspace.c) ------------------------------------ */
 
 typedef struct imoe_row_workspace {
-  uint32_t *hist; /* radix histograms, IMOE_RADIX_HIST entries */
+  uint32_t *hist; /* radix histograms: imoe_radix_hist_entries(n) entries */
   uint32_t *keys; /* [n] order-preserving score keys */
   uint32_t *list; /* [n] slot lists: radix candidates, then holes and tails */
   uint8_t *flags; /* [n] kept flags, or a seen-bitmap for checks */
@@ -198,6 +198,19 @@ typedef struct imoe_row_workspace {
 
 /* 4 interleaved copies of 2048 bins (radix.c). */
 #define IMOE_RADIX_HIST (4 * 2048)
+/* imoe_mark_top_k's rules (radix.c): rows of at most these many keys are
+ * ranked by comparison (32-bit keys, 16-bit keys), and rows of this many
+ * keys or more histogram into all four copies. */
+#define IMOE_RANK_MAX_KEYS_32 32
+#define IMOE_RANK_MAX_KEYS_16 12
+#define IMOE_HIST_COPIES_MIN_KEYS 1024
+
+/* Histogram entries a row of n slots needs: none when every selection in it
+ * is ranked (n <= IMOE_RANK_MAX_KEYS_16, and a score sort of fewer than 48
+ * keys sorts by insertion), one copy of 2048 bins below
+ * IMOE_HIST_COPIES_MIN_KEYS, IMOE_RADIX_HIST from there on. The workspace
+ * is zeroed per call: a short row should not pay for 32 KiB of bins. */
+int64_t imoe_radix_hist_entries(int64_t n);
 
 /* Bytes for a workspace with everything a selection needs (full), or only
  * the flags (checks of caller data). */
@@ -217,7 +230,8 @@ void imoe_select_scores_row(const imoe_selection *sel, int64_t row, int64_t n,
  * index), 0 for the rest; 0 < k < hi - lo. key_bits is 32 or 16. O(hi - lo)
  * (a short row, up to 32 keys of 32 bits or 12 of 16: O((hi - lo)^2)
  * comparisons, fewer operations there).
- * hist: IMOE_RADIX_HIST entries; cand: hi - lo entries of scratch. */
+ * hist: imoe_radix_hist_entries(hi - lo) entries; cand: hi - lo entries of
+ * scratch. */
 void imoe_mark_top_k(const uint32_t *keys, int64_t lo, int64_t hi, int64_t k, int key_bits,
                      uint32_t *hist, uint32_t *cand, uint8_t *kept);
 

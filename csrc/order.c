@@ -16,6 +16,8 @@ size_t imoe_order_extra_bytes(int64_t n, imoe_order order) {
 
 /* Below this many words an insertion sort beats the histogram passes. */
 #define SMALL_SORT 48
+/* A row too short for histogram bins (imoe_radix_hist_entries) never radix-sorts. */
+_Static_assert(SMALL_SORT > IMOE_RANK_MAX_KEYS_16, "a row without bins sorts by insertion");
 
 static void insertion_sort(uint64_t *a, int64_t count) {
   for (int64_t i = 1; i < count; i++) {

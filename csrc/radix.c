@@ -25,7 +25,7 @@ static const digit plan16[] = {{8, 8}, {0, 8}};
  * wait on each other. Four interleaved copies of the histogram break that
  * chain; they pay for their zeroing only on longer rows. */
 #define HIST_COPIES 4
-#define HIST_COPIES_MIN_KEYS 1024
+#define HIST_COPIES_MIN_KEYS IMOE_HIST_COPIES_MIN_KEYS
 
 static void histogram_top(const uint32_t *keys, int64_t lo, int64_t hi, digit d, uint32_t *hist) {
   const uint32_t bins = 1u << d.width;
@@ -59,8 +59,10 @@ static uint32_t find_bin(const uint32_t *hist, uint32_t bins, uint32_t *need) {
 /* Rows this short rank every key against the others: a radix pass zeroes
  * and walks its bins (2048 for 32-bit keys, 256 for 16-bit), more work than
  * n * n comparisons up to about these lengths (measured on x86-64). */
-#define RANK_MAX_KEYS_32 32
-#define RANK_MAX_KEYS_16 12
+#define RANK_MAX_KEYS_32 IMOE_RANK_MAX_KEYS_32
+#define RANK_MAX_KEYS_16 IMOE_RANK_MAX_KEYS_16
+/* A row without bins (imoe_radix_hist_entries) is ranked for either key width. */
+_Static_assert(RANK_MAX_KEYS_32 >= RANK_MAX_KEYS_16, "short 16-bit rows are short 32-bit rows");
 
 /* kept[i] = 1 when fewer than k keys outrank keys[i] (larger, or equal at a
  * lower index): the radix select's result, by counting. */
