@@ -645,12 +645,13 @@ def test_the_fused_plan_helpers_trace_without_a_graph_break():
     weight layout) run inside a compiled forward: a graph break there split
     every MoE layer of a compiled model in two."""
     activations = pytest.importorskip("transformers.activations")
-    from idempotent_moe.integrations import _fused
+    from idempotent_moe.integrations import _dispatch, _fused
 
     w = torch.randn(4, 128, 64).transpose(-2, -1)
 
     def f(x, w):
-        ok = _fused._activation_name(activations.SiLUActivation()) == "silu" and _fused._small_m_fits(w, True)
+        ok = (_fused._activation_name(activations.SiLUActivation()) == "silu"
+              and _dispatch.grouped_gemm_takes(w, True))
         return x + 1 if ok else x - 1
 
     torch._dynamo.reset()

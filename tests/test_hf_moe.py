@@ -465,6 +465,9 @@ def test_grouped_gemm_stands_in_while_tracing_only_where_it_is_safe_and_small():
         assert not safe(offsets=offs.long())
         row_major = torch.empty(8, 16, 32, device="cuda", dtype=torch.float16)  # [E, K, N], N contiguous
         assert not safe(weight=row_major)
+        odd_k = torch.empty(8, 32, 12, device="cuda", dtype=torch.float16).transpose(-2, -1)  # K: 24 bytes
+        x = torch.empty(8, 12, device="cuda", dtype=torch.float16)
+        assert not _dispatch._graph_safe_gemm(x, odd_k, offs)
         assert not safe(dtype=torch.float32)  # x and w differ
         cpu_w = torch.empty(8, 32, 16, dtype=torch.float16).transpose(-2, -1)
         assert not safe(weight=cpu_w, offsets=torch.empty(8, dtype=torch.int32), device="cpu")

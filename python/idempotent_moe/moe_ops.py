@@ -136,11 +136,12 @@ def moe_dispatch(hidden: Any, top_k_index: Any, num_experts: int, *, top_k_weigh
     # Another shape is the core's to name.
     num_tokens, top_k = (int(shape[0]), int(shape[1])) if len(shape) == 2 else (0, 0)
     assignments = num_tokens * top_k
+    torch_hidden = _arrays.is_torch(hidden)
     if out is not None:
         if not isinstance(out, MoEDispatch):
             raise TypeError(f"out must be a MoEDispatch (rows, offsets, dest, src, dropped), not "
                             f"{type(out).__name__}")
-    elif _arrays.is_torch(hidden) and not _apart:
+    elif torch_hidden and not _apart:
         out = torch_outputs(hidden, num_experts, num_tokens, top_k,
                             dispatch_rows(assignments, num_experts, capacity, layout))
     else:
@@ -149,7 +150,7 @@ def moe_dispatch(hidden: Any, top_k_index: Any, num_experts: int, *, top_k_weigh
         out = MoEDispatch(_empty(hidden, (rows,) + hshape[1:]), _empty(hidden, (num_experts,), "int32"),
                           _empty(hidden, (num_tokens, top_k), "int32"), _empty(hidden, (rows,), "int32"),
                           _empty(hidden, (1,), "int64"))
-    cuda = hidden.is_cuda if _arrays.is_torch(hidden) else _arrays.cuda_device_of(hidden) is not None
+    cuda = hidden.is_cuda if torch_hidden else _arrays.cuda_device_of(hidden) is not None
     stream = _arrays.dlpack_stream(hidden)
     native().moe_dispatch(
         hidden=hidden, top_k_index=top_k_index, top_k_weights=top_k_weights,

@@ -133,6 +133,18 @@ def _grouped_mm_compiles(weight: torch.Tensor) -> bool:
     return False
 
 
+def grouped_gemm_takes(w: torch.Tensor, tracing: bool) -> bool:
+    """Whether grouped_gemm's CUDA kernel reads the GEMM-layout weight w
+    [E, K, N]: K contiguous, every column 16-byte aligned. A traced weight
+    has no address to read (nor an offset torch.compile traces without a
+    graph break): there the base is taken as aligned, as a parameter's is,
+    and the kernel's launcher refuses one that is not."""
+    size = w.element_size()
+    e, k, n = w.shape
+    return (w.stride(1) == 1 and (tracing or w.data_ptr() % 16 == 0) and k * size % 16 == 0
+            and (e == 1 or w.stride(0) * size % 16 == 0) and (n == 1 or w.stride(2) * size % 16 == 0))
+
+
 # While tracing, grouped_gemm stands in for transformers' fallback up to this
 # many rows per expert on average (decode sizes). Its fp32 sums take no tensor
 # cores: at prefill sizes it is many times slower than the fallback's cuBLAS
@@ -146,11 +158,11 @@ def _graph_safe_gemm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) ->
     not take (fp32, fp16), our grouped_gemm stands in for transformers'
     fallback: that op reads the offsets on the host, which a CUDA graph
     (generate()'s static cache) cannot capture. grouped_gemm reads each
-    active expert's weights once and syncs nothing; it needs the weights' K
-    axis contiguous and int32 offsets, and is used up to
+    active expert's weights once and syncs nothing; it needs weights it
+    takes (grouped_gemm_takes) and int32 offsets, and is used up to
     GRAPH_SAFE_ROWS_PER_EXPERT rows per expert. It has no backward, so a
     traced forward that records gradients keeps the fallback."""
-    return (w.device.type == "cuda" and w.stride(-2) == 1 and offsets.dtype == torch.int32
+    return (w.device.type == "cuda" and grouped_gemm_takes(w, True) and offsets.dtype == torch.int32
             and x.dtype == w.dtype and x.shape[0] <= GRAPH_SAFE_ROWS_PER_EXPERT * w.shape[0]
             and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)))
 

@@ -124,23 +124,12 @@ def _plan(experts, hidden_states: torch.Tensor) -> _Plan:
             and not _dispatch.expert_parallel(experts))
     small_m = (act is not None and usable and not experts.has_bias
                and not getattr(experts, "has_post_expert_norm", False)
-               and _small_m_fits(w_up, tracing) and _small_m_fits(w_down, tracing))
+               and _dispatch.grouped_gemm_takes(w_up, tracing)
+               and _dispatch.grouped_gemm_takes(w_down, tracing))
     plan = _Plan(key, w_up, w_down, usable, act, w_down.shape[-2], lean, small_m)
     if not tracing:
         experts.__dict__["_idempotent_plan"] = plan
     return plan
-
-
-def _small_m_fits(w: torch.Tensor, tracing: bool) -> bool:
-    """Whether grouped_gemm's CUDA kernel reads the GEMM-layout weight w
-    [E, K, N]: K contiguous, every column 16-byte aligned. A traced weight
-    has no address to read (nor an offset torch.compile traces without a
-    graph break): there the base is taken as aligned, as a parameter's is,
-    and the kernel's launcher refuses one that is not."""
-    size = w.element_size()
-    e, k, n = w.shape
-    return (w.stride(1) == 1 and (tracing or w.data_ptr() % 16 == 0) and k * size % 16 == 0
-            and (e == 1 or w.stride(0) * size % 16 == 0) and (n == 1 or w.stride(2) * size % 16 == 0))
 
 
 SMALL_M_ROWS_PER_EXPERT = 4  # grouped_gemm beats grouped_mm up to about this many rows per expert (H200)
