@@ -645,17 +645,17 @@ def test_the_fused_plan_helpers_trace_without_a_graph_break():
     weight layout) run inside a compiled forward: a graph break there split
     every MoE layer of a compiled model in two."""
     activations = pytest.importorskip("transformers.activations")
-    from idempotent_moe.integrations import _dispatch, _fused
+    from idempotent_moe.integrations import _dispatch
 
     w = torch.randn(4, 128, 64).transpose(-2, -1)
 
     def f(x, w):
-        ok = (_fused._activation_name(activations.SiLUActivation()) == "silu"
+        ok = (_dispatch.activation_name(activations.SiLUActivation()) == "silu"
               and _dispatch.grouped_gemm_takes(w, True))
         return x + 1 if ok else x - 1
 
     torch._dynamo.reset()
     compiled = torch.compile(f, backend="eager", fullgraph=True)
     assert torch.equal(compiled(torch.ones(2), w), torch.full((2,), 2.0))
-    assert _fused._activation_name(activations.GELUActivation()) == "gelu"
-    assert _fused._activation_name(torch.nn.Tanh()) is None
+    assert _dispatch.activation_name(activations.GELUActivation()) == "gelu"
+    assert _dispatch.activation_name(torch.nn.Tanh()) is None

@@ -314,7 +314,56 @@ def test_large_batches_run_the_gate_in_column_chunks(monkeypatch, factor):
                             lambda *a: calls.append(a[-1]) or real(*a))
         chunked = run_experts(experts, hidden, index, weights, "idempotent", factor)
     assert calls and calls[0] > 1  # 200 features in chunks of 64: 64, 64, 64, 8
+    # a CPU GEMM's sums may block differently by output width: not bit for bit
     torch.testing.assert_close(chunked, whole, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("module,name", [
+    (torch.nn.SiLU(), "silu"), (torch.nn.ReLU(), "relu"),
+    (torch.nn.GELU(), "gelu"), (torch.nn.GELU(approximate="tanh"), "gelu_tanh")])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_column_chunks_apply_the_activation_in_place_bit_for_bit(module, name, dtype):
+    """A chunk's activation runs in its gate buffer (one temporary fewer at
+    prefill sizes) with the module's own values."""
+    x = (torch.randn(257, generator=torch.Generator().manual_seed(3)) * 4).to(dtype)
+    assert _dispatch.activation_name(module) == name
+    buf = x.clone()
+    got = _dispatch._INPLACE_ACT[name](buf)
+    assert got.data_ptr() == buf.data_ptr()
+    assert torch.equal(got, module(x))
+
+
+@pytest.mark.parametrize("factor", [None, 0.9])
+def test_the_gathered_rows_are_freed_before_the_down_projection(monkeypatch, factor):
+    """The fused forward holds the dispatch's rows [S, H] only through the
+    up projection: at prefill sizes the down projection's output [S, H] then
+    takes their place instead of adding to the peak."""
+    import weakref
+
+    from idempotent_moe.integrations import _fused
+
+    experts = standalone_experts(hidden=16, intermediate=200)
+    hidden = torch.randn(64, 16, generator=torch.Generator().manual_seed(7))
+    index, weights = skewed_routing(64, 8, 2, seed=2)
+    with torch.no_grad():
+        want = run_experts(experts, hidden, index, weights, "idempotent", factor)
+        seen, alive = [], []
+        real_dispatch, real_output = _fused.moe_dispatch, _dispatch.expert_output
+
+        def dispatch(*a, **k):
+            d = real_dispatch(*a, **k)
+            seen.append(weakref.ref(d.rows))
+            return d
+
+        def output(*a):
+            alive.append(seen[-1]() is not None)
+            return real_output(*a)
+
+        monkeypatch.setattr(_fused, "moe_dispatch", dispatch)
+        monkeypatch.setattr(_dispatch, "expert_output", output)
+        got = run_experts(experts, hidden, index, weights, "idempotent", factor)
+    assert alive == [False]
+    assert torch.equal(got, want)
 
 
 def test_column_chunks_only_without_gradients_and_with_the_default_gate(monkeypatch):

@@ -16,6 +16,7 @@ import re
 from typing import NamedTuple
 
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 
 from .._moe import (
@@ -215,6 +216,41 @@ def _default_gate(experts) -> bool:
     return getattr(type(experts), "_apply_gate", None) is _default_apply_gate
 
 
+def activation_name(act) -> str | None:
+    """The library's name of an activation module ("silu", "gelu",
+    "gelu_tanh", "relu"), or None when it is not one the gated kernel
+    computes exactly as torch does."""
+    if isinstance(act, nn.SiLU):
+        return "silu"
+    if isinstance(act, nn.ReLU):
+        return "relu"
+    if isinstance(act, nn.GELU):
+        return {"none": "gelu", "tanh": "gelu_tanh"}.get(act.approximate)
+    # transformers' activation classes by name: nothing is imported, so that
+    # torch.compile traces this without a graph break.
+    kind = type(act)
+    hf = kind.__module__ == "transformers.activations"
+    if hf and kind.__name__ == "SiLUActivation":
+        return "silu"
+    inner = getattr(act, "act", None)
+    if hf and kind.__name__ == "GELUActivation" and inner is F.gelu:
+        return "gelu"
+    if hf and kind.__name__ == "GELUTanh" and getattr(inner, "func", None) is F.gelu and \
+            getattr(inner, "keywords", {}) == {"approximate": "tanh"}:
+        return "gelu_tanh"
+    return None
+
+
+# act(x) in place, for the activations activation_name knows: the same
+# torch kernels as the module's, so the values are the same bit for bit.
+_INPLACE_ACT = {
+    "silu": lambda x: F.silu(x, inplace=True),
+    "relu": torch.relu_,
+    "gelu": lambda x: torch.ops.aten.gelu_(x),
+    "gelu_tanh": lambda x: torch.ops.aten.gelu_(x, approximate="tanh"),
+}
+
+
 def _gated_chunks(experts, x: torch.Tensor, dtype: torch.dtype) -> int:
     """How many column chunks the gated MLP of `rows` rows runs in: 1 (whole)
     unless the gate/up output would exceed GATE_UP_CHUNK_BYTES, the module
@@ -241,26 +277,35 @@ def _out_features(weight: torch.Tensor, transposed: bool, start: int, stop: int)
 
 
 def _expert_mlp(experts, x: torch.Tensor, linear, bias_of) -> torch.Tensor:
-    """The experts' MLP: up (or gate-up) projection, gate or activation, down
-    projection, and the post-expert norm where the module has one
-    (`has_post_expert_norm`); `linear(x, weight)` applies each row's expert weight and
-    `bias_of(bias)` gives each row's bias.
+    """The experts' MLP: expert_hidden, then expert_output (see both)."""
+    return expert_output(experts, expert_hidden(experts, x, linear, bias_of), linear, bias_of)
+
+
+def expert_hidden(experts, x: torch.Tensor, linear, bias_of) -> torch.Tensor:
+    """The experts' hidden activations [rows, I]: the up (or gate-up)
+    projection, then the gate or the activation; `linear(x, weight)` applies
+    each row's expert weight and `bias_of(bias)` gives each row's bias.
 
     With the default gate and a large batch (inference), the gate and up
     projections run in column chunks of the intermediate features, each
     chunk's act(gate) * up written into one [rows, I] buffer: the [rows, 2I]
     projection and its two [rows, I] temporaries are never whole, which more
-    than halves the transient memory at the same FLOPs and weight reads."""
+    than halves the transient memory at the same FLOPs and weight reads.
+    A caller that drops x before expert_output lowers the peak again."""
     dtype = (experts.gate_up_proj if experts.has_gate else experts.up_proj).dtype
     chunks = _gated_chunks(experts, x, dtype)
     if chunks > 1:
-        h = _gated_chunked(experts, x, linear, bias_of, chunks)
-    else:
-        up = experts.gate_up_proj if experts.has_gate else experts.up_proj
-        h = linear(x, up)
-        if experts.has_bias:
-            h = h + bias_of(experts.gate_up_proj_bias if experts.has_gate else experts.up_proj_bias)
-        h = experts._apply_gate(h) if experts.has_gate else experts.act_fn(h)
+        return _gated_chunked(experts, x, linear, bias_of, chunks)
+    up = experts.gate_up_proj if experts.has_gate else experts.up_proj
+    h = linear(x, up)
+    if experts.has_bias:
+        h = h + bias_of(experts.gate_up_proj_bias if experts.has_gate else experts.up_proj_bias)
+    return experts._apply_gate(h) if experts.has_gate else experts.act_fn(h)
+
+
+def expert_output(experts, h: torch.Tensor, linear, bias_of) -> torch.Tensor:
+    """The down projection of expert_hidden's h, its bias, and the
+    post-expert norm where the module has one (`has_post_expert_norm`)."""
     y = linear(h, experts.down_proj)
     if experts.has_bias:
         y = y + bias_of(experts.down_proj_bias)
@@ -272,12 +317,14 @@ def _expert_mlp(experts, x: torch.Tensor, linear, bias_of) -> torch.Tensor:
 def _gated_chunked(experts, x: torch.Tensor, linear, bias_of, chunks: int) -> torch.Tensor:
     """act(x W_gate) * (x W_up) in `chunks` column chunks (multiples of 64
     features), element for element the operations of transformers' default
-    gate."""
+    gate. An activation activation_name knows runs in place: a chunk then
+    holds two temporaries (gate, up), not three."""
     weight, transposed = experts.gate_up_proj, experts.is_transposed
     bias = experts.gate_up_proj_bias if experts.has_bias else None
     inter = weight.shape[-1 if transposed else -2] // 2
     width = -(-inter // chunks)
     width = -(-width // 64) * 64
+    act = _INPLACE_ACT.get(activation_name(experts.act_fn), experts.act_fn)
     h = None
     for start in range(0, inter, width):
         stop = min(inter, start + width)
@@ -286,7 +333,7 @@ def _gated_chunked(experts, x: torch.Tensor, linear, bias_of, chunks: int) -> to
         if bias is not None:
             gate = gate + bias_of(bias[..., start:stop])
             up = up + bias_of(bias[..., inter + start:inter + stop])
-        gate = experts.act_fn(gate)
+        gate = act(gate)
         if h is None:
             h = gate.new_empty(*gate.shape[:-1], inter)
         torch.mul(gate, up, out=h[..., start:stop])

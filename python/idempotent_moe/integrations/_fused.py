@@ -30,7 +30,6 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 
 from .._moe import expert_capacity
@@ -56,31 +55,6 @@ _OPS = hasattr(torch.library, "custom_op")
 _RAW_MM = getattr(torch, "_grouped_mm", None)  # F.grouped_mm's op, less one Python frame
 _RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 SCRATCH_BYTES = 8 << 20  # per module: decode sizes only (prefill allocates per forward)
-
-
-def _activation_name(act) -> str | None:
-    """The library's name of an activation module ("silu", "gelu",
-    "gelu_tanh", "relu"), or None when it is not one the gated kernel
-    computes exactly as torch does."""
-    if isinstance(act, nn.SiLU):
-        return "silu"
-    if isinstance(act, nn.ReLU):
-        return "relu"
-    if isinstance(act, nn.GELU):
-        return {"none": "gelu", "tanh": "gelu_tanh"}.get(act.approximate)
-    # transformers' activation classes by name: nothing is imported, so that
-    # torch.compile traces this without a graph break.
-    kind = type(act)
-    hf = kind.__module__ == "transformers.activations"
-    if hf and kind.__name__ == "SiLUActivation":
-        return "silu"
-    inner = getattr(act, "act", None)
-    if hf and kind.__name__ == "GELUActivation" and inner is F.gelu:
-        return "gelu"
-    if hf and kind.__name__ == "GELUTanh" and getattr(inner, "func", None) is F.gelu and \
-            getattr(inner, "keywords", {}) == {"approximate": "tanh"}:
-        return "gelu_tanh"
-    return None
 
 
 class _Plan(NamedTuple):
@@ -116,7 +90,7 @@ def _plan(experts, hidden_states: torch.Tensor) -> _Plan:
     w_down = (down if experts.is_transposed else down.transpose(-2, -1)).detach()
     act = None
     if hidden_states.device.type == "cuda" and experts.has_gate and _dispatch._default_gate(experts):
-        act = _activation_name(experts.act_fn)
+        act = _dispatch.activation_name(experts.act_fn)
     usable = (_dispatch._grouped_mm_compiles(w_up) if tracing
               else _dispatch._grouped_mm_usable(hidden_states, w_up))
     lean = (act is not None and usable and not tracing and _RAW_MM is not None and _RAW_STREAM is not None
@@ -262,52 +236,60 @@ def forward(experts, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
     d = moe_dispatch(hidden_states, top_k_index, num_experts, top_k_weights=top_k_weights,
                      capacity=capacity, layout="grouped" if grouped else "padded",
                      skip_foreign=getattr(experts, "_is_expert_parallel", False))
-    rows = d.rows.shape[0]
+    # The gathered rows are dropped before the down projection (a prefill's
+    # peak): nothing below holds `d`, only its other outputs.
+    x, offsets, dest, dropped = d.rows, d.offsets, d.dest, d.dropped
+    del d
+    rows = x.shape[0]
     # linear(a, w): each row of a times its expert's weight w in GEMM layout
     # [E, in, out]: on CUDA grouped_mm directly where it takes the weights;
     # elsewhere grouped_linear, which also checks each operand's alignment.
     if (grouped and plan.act is not None and _small_m_on(experts, plan, rows)
             and _dispatch.gate_chunks(rows, plan.inter, plan.up.dtype) == 1):
         def linear(a, w):  # the fused gate's two GEMMs only (plan.up, plan.down)
-            return grouped_gemm(a, w, d.offsets)
+            return grouped_gemm(a, w, offsets)
     elif grouped and plan.grouped_mm and hidden_states.device.type == "cuda":
         def linear(a, w):
-            return _GROUPED_MM(a if a.dtype == w.dtype else a.to(w.dtype), w, offs=d.offsets)
+            return _GROUPED_MM(a if a.dtype == w.dtype else a.to(w.dtype), w, offs=offsets)
     elif grouped:
         def linear(a, w):
-            return _dispatch.grouped_linear(a, w, d.offsets, True)
+            return _dispatch.grouped_linear(a, w, offsets, True)
     else:  # padded [E, C, H]: batched GEMMs, static shapes
         def linear(a, w):
             return torch.bmm(a.to(w.dtype), w)
     if grouped:
-        x = d.rows
-        expert_of = _rows_expert(d.offsets, rows) if experts.has_bias else None
+        expert_of = _rows_expert(offsets, rows) if experts.has_bias else None
 
         def bias_of(bias):
             return bias[expert_of]
     else:
-        x = d.rows.view(num_experts, capacity, -1)
+        x = x.view(num_experts, capacity, -1)
 
         def bias_of(bias):
             return bias.unsqueeze(1)
+    lead = x.shape[:-1]
 
     if plan.act is None or _dispatch.gate_chunks(rows, plan.inter, plan.up.dtype) > 1:
         # torch's gate (column chunks when large) over the module's weights
         def module_linear(a, weight):
             return linear(a, weight if experts.is_transposed else weight.transpose(-2, -1))
-        y = _dispatch._expert_mlp(experts, x, module_linear, bias_of)
+        h = _dispatch.expert_hidden(experts, x, module_linear, bias_of)
+        del x
+        y = _dispatch.expert_output(experts, h, module_linear, bias_of)
     else:  # the fused gate: at decode sizes two grouped GEMMs, gated_act and nothing else
         h = linear(x, plan.up)
+        del x
         if experts.has_bias:
             h = h + bias_of(experts.gate_up_proj_bias)
-        h = gated_act(h.view(-1, h.shape[-1]), plan.act, limit=d.offsets if grouped else None)
-        y = linear(h.view(*x.shape[:-1], -1), plan.down)
+        h = gated_act(h.view(-1, h.shape[-1]), plan.act, limit=offsets if grouped else None)
+        y = linear(h.view(*lead, -1), plan.down)
         if experts.has_bias:
             y = y + bias_of(experts.down_proj_bias)
         if getattr(experts, "has_post_expert_norm", False):
             y = experts.post_expert_norm(y)
-    out = moe_combine(y.reshape(rows, -1), d.dest, top_k_weights, out_dtype=hidden_states.dtype)
-    return out, d.dropped
+    del h
+    out = moe_combine(y.reshape(rows, -1), dest, top_k_weights, out_dtype=hidden_states.dtype)
+    return out, dropped
 
 
 def experts_forward(experts, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
