@@ -390,3 +390,20 @@ def test_decode_profile_unions_kernel_intervals_and_takes_one_step():
     assert row["top_host"] == [
         {"name": "guards", "calls_per_step": round(16 / 9, 2), "self_us_per_step": 45.0},
         {"name": "aten::add", "calls_per_step": round(24 / 9, 2), "self_us_per_step": 8.0}]
+
+
+def test_prefill_rows_of_a_later_run_name_their_commit():
+    """m1.prefill_machine (prefill rows measured after the rest) shows in the
+    tables' footer and in the README headline's, beside the run's own commit."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, "benchmarks", "results", "model-cuda.json")) as f:
+        data = json.load(f)
+    with open(os.path.join(root, "benchmarks", "results", "main-cuda.json")) as f:
+        main_job = json.load(f)
+    data["m1"].pop("prefill_machine", None)
+    assert "prefill rows" not in model_report.table(data)
+    data["m1"]["prefill_machine"] = dict(data["machine"], commit="abc1234", date="2030-01-01")
+    note = "prefill rows: commit abc1234, 2030-01-01"
+    assert note in model_report.table(data)
+    assert note in model_report.headline(data, main_job)
+    assert "dropless, small-M GEMM, fused router" in model_report.headline(data, main_job)

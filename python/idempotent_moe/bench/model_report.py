@@ -111,6 +111,13 @@ def _footer(m: dict) -> str:
             f"commit {m.get('commit') or 'unknown'}; {m['date']}")
 
 
+def _prefill_run(data: dict) -> str:
+    """Where M1's prefill rows come from a later run than the rest
+    (m1.prefill_machine: the same machine block), its commit and date."""
+    m = (data.get("m1") or {}).get("prefill_machine")
+    return f"; prefill rows: commit {m.get('commit') or 'unknown'}, {m['date']}" if m else ""
+
+
 def table(data: dict) -> str:
     """Every section the JSON holds, as markdown."""
     out = []
@@ -128,7 +135,8 @@ def table(data: dict) -> str:
         out += m2_table(data)
     if data.get("h1"):
         out += ["", f"H1: host time per call, {data['h1']['calls']} calls back to back:", ""] + h1_table(data)
-    out += ["", _footer(data["machine"]) + (" (quick sizes)" if data.get("quick") else "")]
+    quick = " (quick sizes)" if data.get("quick") else ""
+    out += ["", _footer(data["machine"]) + _prefill_run(data) + quick]
     return "\n".join(out)
 
 
@@ -146,6 +154,11 @@ def _ms_mib(row: dict) -> str:
     return f"{row['median_ms']:.1f} ms{mem}"
 
 
+# The decode rows of ours in the headline: the default, and the options
+# (use_idempotent_experts(model, small_m_gemm=True, fuse_routers=True)) where the run has them.
+HEADLINE_DECODE = {"idempotent": "dropless", "idempotent+gemm+router": "dropless, small-M GEMM, fused router"}
+
+
 def _headline_m1(data: dict) -> list:
     rows = []
     for key, fam in data["families"].items():
@@ -157,7 +170,8 @@ def _headline_m1(data: dict) -> list:
                          "(time, peak alloc)", "grouped_mm", _ms_mib(base), "dropless", _ms_mib(ours),
                          _x(ours.get("speedup_vs_grouped_mm")), ""])
         for r in data["m1"]["decode"]:
-            if r["family"] != key or r["impl"] != "idempotent":
+            label = HEADLINE_DECODE.get(r["impl"])
+            if r["family"] != key or label is None:
                 continue
             base = _find(data["m1"]["decode"], family=key, impl="grouped_mm", cache=r["cache"],
                          batch=r["batch"])
@@ -165,7 +179,7 @@ def _headline_m1(data: dict) -> list:
                 continue
             rows.append([f"M1 {fam['name']}", f"decode tokens/s, batch {r['batch']}, {r['cache']} cache",
                          "grouped_mm", "error" if "error" in base else f"{base['decode_tokens_per_s']:.0f}",
-                         "dropless", "error" if "error" in r else f"{r['decode_tokens_per_s']:.0f}",
+                         label, "error" if "error" in r else f"{r['decode_tokens_per_s']:.0f}",
                          _x(r.get("speedup_vs_grouped_mm")), _agreement_cell(r)])
     return rows
 
@@ -213,7 +227,8 @@ def headline(model: dict, main: dict) -> str:
             "x faster than baseline", "check"]
     rows = _headline_m1(model) + _headline_m2(model) + _headline_main(main)
     lines = _table(head, rows)
-    lines += ["", f"M1, M2: {_footer(model['machine'])}. W1-W3: {_footer_main(main['machine'])}."]
+    lines += ["", f"M1, M2: {_footer(model['machine'])}{_prefill_run(model)}. "
+                  f"W1-W3: {_footer_main(main['machine'])}."]
     return "\n".join(lines)
 
 
