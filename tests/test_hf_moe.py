@@ -298,11 +298,16 @@ def test_per_expert_loop_matches_grouped_mm(monkeypatch):
     torch.testing.assert_close(looped, grouped, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("act", [None, torch.nn.Tanh()], ids=["silu", "tanh"])
 @pytest.mark.parametrize("factor", [None, 0.9])
-def test_large_batches_run_the_gate_in_column_chunks(monkeypatch, factor):
+def test_large_batches_run_the_gate_in_column_chunks(monkeypatch, factor, act):
     """Above GATE_UP_CHUNK_BYTES the gate/up projection runs in column chunks
-    (multiples of 64 features, the last one short): same result as whole."""
+    (multiples of 64 features, the last one short): same result as whole,
+    with an activation the library runs in place (SiLU) or the module's own
+    (Tanh, not one it knows)."""
     experts = standalone_experts(hidden=16, intermediate=200)
+    if act is not None:
+        experts.act_fn = act
     hidden = torch.randn(64, 16, generator=torch.Generator().manual_seed(7))
     index, weights = skewed_routing(64, 8, 2, seed=2)
     with torch.no_grad():
