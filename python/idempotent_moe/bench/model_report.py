@@ -280,8 +280,8 @@ def doc_from_json(path: str, json_path: str) -> None:
 
 
 def plot(data: dict, path: str) -> str:
-    """Per family: prefill time, and decode tokens/s against batch for each
-    cache; M2: time, decode rate and peak memory per cache."""
+    """Per family: prefill time and peak memory, and decode tokens/s against
+    batch for each cache; M2: time, decode rate and peak memory per cache."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -289,7 +289,7 @@ def plot(data: dict, path: str) -> str:
 
     families = list(data["families"]) if data.get("m1") else []
     caches = list(dict.fromkeys(r["cache"] for r in data["m1"]["decode"])) if families else []
-    cols = max(1 + len(caches), 3)
+    cols = max(2 + len(caches), 3)
     nrows = len(families) + (1 if data.get("m2") else 0)
     if nrows == 0:
         return None
@@ -302,8 +302,14 @@ def plot(data: dict, path: str) -> str:
         ax.set_title(f"{name}: prefill {data['options']['prefill_tokens']} tokens", fontsize=9)
         ax.set_ylabel("ms")
         ax.tick_params(axis="x", labelrotation=30, labelsize=7)
+        ax = axes[i][1]
+        mem = [r for r in pre if r.get("peak_allocated_bytes") is not None]
+        ax.bar([r["impl"] for r in mem], [r["peak_allocated_bytes"] / 2**20 for r in mem])
+        ax.set_title(f"{name}: prefill peak alloc", fontsize=9)
+        ax.set_ylabel("MiB")
+        ax.tick_params(axis="x", labelrotation=30, labelsize=7)
         for j, cache in enumerate(caches):
-            ax = axes[i][1 + j]
+            ax = axes[i][2 + j]
             rows = [r for r in data["m1"]["decode"] if r["family"] == key and r["cache"] == cache]
             for impl in dict.fromkeys(r["impl"] for r in rows):
                 pts = [(r["batch"], r["decode_tokens_per_s"]) for r in rows
@@ -316,8 +322,8 @@ def plot(data: dict, path: str) -> str:
             ax.set_ylabel("decode tokens/s (log)")
             ax.set_title(f"{name}: {cache} cache", fontsize=9)
         if caches:
-            report.legend_outside(axes[i][len(caches)], fontsize=7)
-        for j in range(1 + len(caches), cols):
+            report.legend_outside(axes[i][1 + len(caches)], fontsize=7)
+        for j in range(2 + len(caches), cols):
             axes[i][j].axis("off")
     if data.get("m2"):
         rows = [r for r in data["m2"]["rows"] if "total_ms" in r]
@@ -334,7 +340,8 @@ def plot(data: dict, path: str) -> str:
             ax.set_title(f"M2 {data['m2']['model']['name']}: {label}", fontsize=9)
             ax.tick_params(axis="x", labelsize=7)
     m = data["machine"]
-    fig.suptitle(f"M1 / M2: {m.get('gpu') or m.get('cpu')}", fontsize=10)
+    fig.suptitle(f"M1 / M2: {m.get('gpu') or m.get('cpu')}, commit {m.get('commit') or 'unknown'}"
+                 f"{_prefill_run(data)}", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
