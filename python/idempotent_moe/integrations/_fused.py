@@ -241,11 +241,11 @@ def forward(experts, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
     x, offsets, dest, dropped = d.rows, d.offsets, d.dest, d.dropped
     del d
     rows = x.shape[0]
+    whole = _dispatch.gate_chunks(rows, plan.inter, plan.up.dtype) == 1  # else the gate runs in column chunks
     # linear(a, w): each row of a times its expert's weight w in GEMM layout
     # [E, in, out]: on CUDA grouped_mm directly where it takes the weights;
     # elsewhere grouped_linear, which also checks each operand's alignment.
-    if (grouped and plan.act is not None and _small_m_on(experts, plan, rows)
-            and _dispatch.gate_chunks(rows, plan.inter, plan.up.dtype) == 1):
+    if grouped and plan.act is not None and whole and _small_m_on(experts, plan, rows):
         def linear(a, w):  # the fused gate's two GEMMs only (plan.up, plan.down)
             return grouped_gemm(a, w, offsets)
     elif grouped and plan.grouped_mm and hidden_states.device.type == "cuda":
@@ -269,7 +269,7 @@ def forward(experts, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
             return bias.unsqueeze(1)
     lead = x.shape[:-1]
 
-    if plan.act is None or _dispatch.gate_chunks(rows, plan.inter, plan.up.dtype) > 1:
+    if plan.act is None or not whole:
         # torch's gate (column chunks when large) over the module's weights
         def module_linear(a, weight):
             return linear(a, weight if experts.is_transposed else weight.transpose(-2, -1))
