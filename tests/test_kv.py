@@ -283,6 +283,54 @@ def test_hook_on_a_fused_kv_tensor(rng):
             assert torch.equal(now[:, h], logical[res.target_map[0, h, :5].long(), h])
 
 
+# --------------------------------------------------------------------------- the torch hot path
+
+
+@requires_torch
+@pytest.mark.parametrize("mode", ["swap", "move"])
+@pytest.mark.parametrize("window", [0, 5])
+def test_torch_kv_call_matches_the_general_path(mode, window, rng):
+    """Per-KV-head torch scores take the direct call into the core; the same
+    call with a NumPy integer capacity takes the general path: the same
+    caches, views and indices."""
+    k, v = caches("torch", rng)
+    scores = dyadic((B, HKV, S), "torch", rng)
+    k2, v2 = k.clone(), v.clone()
+    out = torch.full((B, HKV, KEEP), -1, dtype=torch.int64)
+    kv, vv, idx = imoe.compact_kv_cache_inplace(k, v, scores, KEEP, mode=mode, recent_window=window,
+                                                return_indices=True, out_indices=out)
+    ref_k, ref_v, ref_idx = imoe.compact_kv_cache_inplace(
+        k2, v2, scores, np.int64(KEEP), mode=mode, recent_window=window, return_indices=True)
+    assert idx is out and torch.equal(idx, ref_idx)
+    np.testing.assert_array_equal(bits(k), bits(k2))
+    np.testing.assert_array_equal(bits(v), bits(v2))
+    for view, ref_view, cache in ((kv, ref_k, k), (vv, ref_v, v)):
+        assert view.data_ptr() == cache.data_ptr() and view.shape == ref_view.shape
+        assert view.stride() == ref_view.stride()
+    ref = reference_indices(reference_kept(scores, KEEP, 4, window), S, KEEP, (B, HKV))
+    np.testing.assert_array_equal(idx.numpy(), ref)
+
+
+@requires_torch
+@pytest.mark.parametrize("case", ["nan", "prefix", "capacity_dtype", "v_heads"])
+def test_torch_kv_call_refuses_bad_values_and_changes_nothing(case, rng):
+    k, v = caches("torch", rng)
+    scores = dyadic((B, HKV, S), "torch", rng)
+    out = torch.full((B, HKV, KEEP), -1, dtype=torch.int64)
+    kwargs = dict(out_indices=out)
+    if case == "nan":
+        scores[1, 2, 7] = float("nan")
+    elif case == "prefix":
+        kwargs["protected_prefix_len"] = -1
+    elif case == "v_heads":
+        v = v[:, :2]
+    snaps = bits(k), bits(v), bits(out)
+    capacity = float(KEEP) if case == "capacity_dtype" else KEEP
+    with pytest.raises((ValueError, TypeError)):
+        imoe.compact_kv_cache_inplace(k, v, scores, capacity, **kwargs)
+    assert [bits(t).tobytes() for t in (k, v, out)] == [s.tobytes() for s in snaps]
+
+
 # --------------------------------------------------------------------------- benchmark
 
 

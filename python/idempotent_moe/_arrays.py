@@ -138,12 +138,41 @@ def _torch_stream(torch: Any, device: int) -> int:
     return int(handle) or 1
 
 
-def dlpack_stream(x: Any) -> int | None:
+CURRENT_STREAM = "current"  # the binding reads the framework's current stream itself
+_exchanged: Any = ()  # the tensor type whose current stream the binding reads, once known
+
+
+def _binding_reads_stream(torch: Any) -> bool:
+    """Whether the binding borrows torch tensors through DLPack's C exchange
+    table (torch >= 2.10), which also names torch's current stream; asked once."""
+    global _exchanged
+    from ._native import native
+
+    if native().exchanges(torch.Tensor):
+        _exchanged = torch.Tensor
+        return True
+    return False
+
+
+def dlpack_stream(x: Any) -> int | str | None:
+    """The stream the library launches on for x, as the binding takes it: the
+    caller's current stream on x's device (producers order their work before
+    it). For a torch tensor whose current stream the binding reads through
+    DLPack's C exchange table, "current" (no lookup here); else the DLPack
+    stream value (`stream_value`)."""
+    if type(x) is _exchanged:  # the hot case: one comparison
+        return CURRENT_STREAM
+    torch = _torch()
+    if torch is not None and type(x) is torch.Tensor and _binding_reads_stream(torch):
+        return CURRENT_STREAM
+    return stream_value(x)
+
+
+def stream_value(x: Any) -> int | None:
     """The DLPack stream value of the caller's current stream on x's device:
-    the library launches there, and producers order their work before it.
     None for host memory. The default stream is 1 (DLPack's legacy default)."""
     torch = _torch()
-    if torch is not None and type(x) is torch.Tensor:  # the hot case, in a few attribute reads
+    if torch is not None and type(x) is torch.Tensor:
         return _torch_stream(torch, x.get_device()) if x.is_cuda else None
     device = cuda_device_of(x)
     if device is None:

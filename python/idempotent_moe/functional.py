@@ -86,6 +86,9 @@ class Compacted(NamedTuple):
     indices: Any
 
 
+_new_compacted = tuple.__new__
+
+
 def set_num_threads(num_threads: int) -> None:
     """Threads for CPU work in later calls; 0 restores the OpenMP default."""
     global _num_threads
@@ -141,7 +144,7 @@ def check_errors(x: Any = None) -> None:
     device = _arrays.cuda_device_of(x)
     if device is None or not cuda_available():
         return
-    code = native().take_device_status(device, _arrays.dlpack_stream(x))
+    code = native().take_device_status(device, _arrays.stream_value(x))
     if code:
         raise ValueError(
             f"an earlier idempotent_moe call on cuda:{device} found bad data and changed "
@@ -425,8 +428,9 @@ def _compact_tensors(torch: Any, x: Any, scores: Any, capacity: int, dim: int, m
         protected_prefix=protected_prefix, recent_window=recent_window, nan=nan, order="inplace",
         out_indices=out_indices, out_target_map=out_target_map, mode=mode, workspace=None,
         num_threads=_num_threads, stream=_arrays.dlpack_stream(first))
-    _track_move_indices(out_indices, mode)
-    return Compacted(views, out_indices)
+    if _move_indices or mode == "move":
+        _track_move_indices(out_indices, mode)
+    return _new_compacted(Compacted, (views, out_indices))  # Compacted(...) without its frame
 
 
 def idempotent_map(

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import _arrays
+from . import _arrays, functional
 from .functional import apply_map_, compact_, idempotent_map
 
 SEQ_DIM = 2
@@ -102,7 +102,7 @@ def _broadcast_heads(scores: Any, shape: tuple) -> Any:
 def _check_cache(key_cache: Any, value_cache: Any) -> None:
     torch = _arrays._torch()
     if torch is not None and type(key_cache) is torch.Tensor and type(value_cache) is torch.Tensor:
-        k_shape, v_shape = tuple(key_cache.shape), tuple(value_cache.shape)
+        k_shape, v_shape = key_cache.shape, value_cache.shape  # torch.Size: a tuple
     else:
         _arrays.check_array(key_cache, "key_cache")
         _arrays.check_array(value_cache, "value_cache")
@@ -113,6 +113,22 @@ def _check_cache(key_cache: Any, value_cache: Any) -> None:
         raise ValueError(
             f"value_cache {list(v_shape)} must match key_cache {list(k_shape)} on batch, heads, seq"
         )
+
+
+def _hot_call(key_cache: Any, value_cache: Any, scores: Any, capacity: Any, active_indices: Any,
+              head_reduce: str, order: str) -> bool:
+    """Whether compact_kv_cache_inplace may call the core as compact_'s torch
+    path does, with nothing to work out: torch tensors K and V [B, H, S, D]
+    (same B, H, S) and scores [B, H, S], no gradient recorded, not traced by
+    torch.compile, order "inplace", an int capacity >= 0."""
+    torch = _arrays._torch()
+    return (torch is not None and type(key_cache) is torch.Tensor and type(value_cache) is torch.Tensor
+            and type(scores) is torch.Tensor and active_indices is None and order == "inplace"
+            and type(capacity) is int and capacity >= 0 and head_reduce in HEAD_REDUCTIONS
+            and key_cache.dim() == 4 and value_cache.dim() == 4 and scores.dim() == 3
+            and key_cache.shape[:3] == value_cache.shape[:3] and scores.shape[1] == key_cache.shape[1]
+            and not (key_cache.requires_grad or value_cache.requires_grad or scores.requires_grad)
+            and not functional._compiling())
 
 
 def compact_kv_cache_inplace(
@@ -149,6 +165,13 @@ def compact_kv_cache_inplace(
     with return_indices=True. Allocates the indices (unless out_indices is
     given) and, for per-query-head scores, the reduced [B, Hkv, S] scores.
     """
+    if _hot_call(key_cache, value_cache, attention_scores, capacity, active_indices, head_reduce, order):
+        # The common call: K and V and per-KV-head scores, torch tensors, the
+        # indices' dtype the default; the core judges every value.
+        k, v = (result := functional._compact_tensors(
+            _arrays._torch(), (key_cache, value_cache), attention_scores, capacity, SEQ_DIM, mode,
+            protected_prefix_len, recent_window, nan, out_indices, None, "int64")).values
+        return (k, v, result.indices) if return_indices else (k, v)
     _check_cache(key_cache, value_cache)
     if active_indices is not None:
         protected_prefix_len = 0
@@ -156,7 +179,7 @@ def compact_kv_cache_inplace(
         attention_scores = reduce_head_scores(
             attention_scores, _arrays.shape_of(key_cache)[1], head_reduce)
     result = compact_(
-        [key_cache, value_cache], attention_scores, capacity, active_indices=active_indices,
+        (key_cache, value_cache), attention_scores, capacity, active_indices=active_indices,
         dim=SEQ_DIM, mode=mode, protected_prefix=protected_prefix_len,
         recent_window=recent_window, nan=nan, out_indices=out_indices, order=order,
     )

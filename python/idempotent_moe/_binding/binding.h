@@ -67,8 +67,13 @@ typedef struct imoe_imports {
   int count;
   /* Borrowed: the consumer's stream, passed to every __dlpack__(stream=...):
    * None for host memory, else the DLPack stream value of the stream the
-   * call is launched on (1: legacy default, 2: per-thread, > 2: a handle). */
+   * call is launched on (1: legacy default, 2: per-thread, > 2: a handle),
+   * or "current": the arrays' framework's current stream on their device,
+   * read through its DLPack exchange table by the first CUDA array. */
   PyObject *stream;
+  int current;          /* stream is "current" */
+  int has_current;      /* ... and a CUDA array has named it: */
+  void *current_handle; /* the cudaStream_t (1: the legacy default) */
   imoe_import item[IMOE_MAX_IMPORTS];
 } imoe_imports;
 
@@ -83,6 +88,10 @@ imoe_import *imoe_py_import_array(imoe_imports *set, PyObject *obj, const char *
 
 /* Releases every import of set exactly once; keeps any pending exception. */
 void imoe_py_release_imports(imoe_imports *set);
+
+/* Whether tensors of `type` are borrowed through a DLPack C exchange table
+ * (case 3 of import.c), which also names their framework's current stream. */
+int imoe_py_type_exchanges(PyTypeObject *type);
 
 /* The dtype of im for a message ("float32", "uint8", "bfloat16", "float8_e4m3fn",
  * with " (byte-swapped)" for a swapped NumPy array), written into out. Named
@@ -104,8 +113,12 @@ int imoe_py_typed_view(const imoe_import *im, unsigned accepted, const char *acc
  * devices, an unknown device, or CUDA in a build without it). */
 int imoe_py_exec_for(const imoe_imports *set, int32_t num_threads, imoe_exec *exec);
 
-/* ValueError unless obj is None or a DLPack stream value (-1, 1, 2 or > 2). */
+/* ValueError unless obj is None, "current" or a DLPack stream value (-1, 1,
+ * 2 or > 2). */
 int imoe_py_check_stream(PyObject *obj);
+
+/* Whether obj is the stream "current" (the framework's current stream). */
+int imoe_py_is_current_stream(PyObject *obj);
 
 /* The cudaStream_t (as void *) that a DLPack stream value names. */
 void *imoe_py_stream_handle(PyObject *obj);

@@ -22,6 +22,9 @@ imoe_py_call *imoe_py_call_new(PyObject *stream, PyObject *threads) {
   /* Records are zeroed one by one as they are used: most calls use a few. */
   c->imports.count = 0;
   c->imports.stream = stream;
+  c->imports.current = imoe_py_is_current_stream(stream);
+  c->imports.has_current = 0;
+  c->imports.current_handle = NULL;
   c->num_buffers = 0;
   for (int i = 0; i < 3; ++i) c->held[i] = NULL;
   c->workspace = NULL;

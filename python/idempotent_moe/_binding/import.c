@@ -9,7 +9,8 @@
  *      (__dlpack_c_exchange_api__, torch >= 2.10): its DLTensor is borrowed
  *      through the table, with a reference held, when the call runs on the
  *      framework's current stream (no ordering to ask of the producer). No
- *      capsule, no Python call: the fast path of a torch tensor;
+ *      capsule, no Python call: the fast path of a torch tensor. The stream
+ *      "current" is read here, from the table, by the first CUDA array;
  *   4. an object with __dlpack__, asked for a capsule that is then taken as 2.
  * Whatever is imported is normalised into an imoe_import: byte strides (NULL
  * DLPack strides become compact row-major), byte_offset added to data.
@@ -333,18 +334,23 @@ static const DLPackExchangeAPI *exchange_api(PyTypeObject *type) {
   return api;
 }
 
+int imoe_py_type_exchanges(PyTypeObject *type) { return exchange_api(type) != NULL; }
+
 /*
  * Case 3 above. Returns 1 when obj was imported (or failed: -1, exception
  * set), 0 when the exchange table does not apply (no table, or the call runs
  * on another stream than the framework's current one, so the producer must
  * order its work through __dlpack__(stream=...)).
  */
-static int import_exchanged(imoe_import *im, PyObject *obj, PyObject *stream) {
+static int import_exchanged(imoe_import *im, PyObject *obj, imoe_imports *set) {
+  static PyObject *requires_grad;
   const DLPackExchangeAPI *api = exchange_api(Py_TYPE(obj));
   if (api == NULL) return 0;
+  if (requires_grad == NULL && (requires_grad = PyUnicode_InternFromString("requires_grad")) == NULL)
+    return -1;
   /* The table exports what __dlpack__ refuses (a torch tensor that requires
    * grad): such objects take case 4, which raises as before. */
-  PyObject *grad = PyObject_GetAttrString(obj, "requires_grad");
+  PyObject *grad = PyObject_GetAttr(obj, requires_grad);
   if (grad == NULL) {
     PyErr_Clear();
   } else {
@@ -363,25 +369,71 @@ static int import_exchanged(imoe_import *im, PyObject *obj, PyObject *stream) {
     return -1;
   }
   if (t.device.device_type != kDLCPU) {
+    PyObject *stream = set->stream;
     void *current = NULL;
     if (t.device.device_type != kDLCUDA || stream == NULL || stream == Py_None) return 0;
     if (api->current_work_stream(t.device.device_type, t.device.device_id, &current) != 0) {
       PyErr_Clear();
       return 0;
     }
-    /* -1 asks for no ordering; otherwise the call's stream must be the
-     * current one. DLPack names the legacy default stream 1, which a
-     * framework may report as NULL. */
-    if (PyLong_AsLongLong(stream) != -1) {
-      void *wanted = imoe_py_stream_handle(stream);
-      if (current == NULL) current = (void *)(uintptr_t)1;
-      if (wanted != current) return 0;
+    /* DLPack names the legacy default stream 1, which a framework may
+     * report as NULL. "current" takes the first CUDA array's (arrays on
+     * another device are refused later, with the device named); -1 asks for
+     * no ordering; otherwise the call's stream must be the current one. */
+    if (current == NULL) current = (void *)(uintptr_t)1;
+    if (set->current) {
+      if (!set->has_current) {
+        set->current_handle = current;
+        set->has_current = 1;
+      }
+    } else if (PyLong_AsLongLong(stream) != -1) {
+      if (imoe_py_stream_handle(stream) != current) return 0;
     }
     PyErr_Clear();
   }
   Py_INCREF(obj);
   im->ref = obj;
   return read_dltensor(im, &t) == 0 ? 1 : -1;
+}
+
+/*
+ * The DLPack stream value that "current" names for obj, an array that takes
+ * case 4: the stream an earlier CUDA array of the call named, else the
+ * current stream of obj's framework on obj's CUDA device, through its type's
+ * exchange table (a torch tensor that requires grad); None for host memory.
+ * A CUDA array of a framework without the table cannot say it: ValueError.
+ */
+static PyObject *new_ref(PyObject *obj) {
+  Py_INCREF(obj);
+  return obj;
+}
+
+static PyObject *current_stream_value(imoe_imports *set, PyObject *obj, const char *name) {
+  if (set->has_current) return PyLong_FromVoidPtr(set->current_handle);
+  PyObject *device = PyObject_CallMethod(obj, "__dlpack_device__", NULL);
+  if (device == NULL) {
+    PyErr_Clear();
+    return new_ref(Py_None); /* a producer too old to say: as for host memory */
+  }
+  int kind = 0, index = 0;
+  const int parsed = PyArg_ParseTuple(device, "ii", &kind, &index);
+  Py_DECREF(device);
+  if (!parsed) return NULL;
+  if (kind == kDLCPU) return new_ref(Py_None);
+  const DLPackExchangeAPI *api = exchange_api(Py_TYPE(obj));
+  void *current = NULL;
+  if ((kind != kDLCUDA && kind != kDLCUDAManaged) || api == NULL ||
+      api->current_work_stream(kDLCUDA, index, &current) != 0) {
+    PyErr_Clear();
+    PyErr_Format(PyExc_ValueError,
+                 "%s: stream 'current' is read from DLPack's C exchange table, which %.200s "
+                 "does not publish; pass the stream's value",
+                 name, Py_TYPE(obj)->tp_name);
+    return NULL;
+  }
+  set->current_handle = current != NULL ? current : (void *)(uintptr_t)1;
+  set->has_current = 1;
+  return PyLong_FromVoidPtr(set->current_handle);
 }
 
 imoe_import *imoe_py_import_array(imoe_imports *set, PyObject *obj, const char *name, int written) {
@@ -400,10 +452,13 @@ imoe_import *imoe_py_import_array(imoe_imports *set, PyObject *obj, const char *
     rc = import_ndarray(im, (PyArrayObject *)obj, written);
   } else if (PyCapsule_CheckExact(obj)) {
     rc = consume_capsule(im, obj, written);
-  } else if ((rc = import_exchanged(im, obj, set->stream)) != 0) {
+  } else if ((rc = import_exchanged(im, obj, set)) != 0) {
     rc = rc > 0 ? 0 : -1;
   } else if ((method = PyObject_GetAttrString(obj, "__dlpack__")) != NULL) {
-    rc = import_dlpack_object(im, method, set->stream ? set->stream : Py_None, written);
+    PyObject *stream = set->current ? current_stream_value(set, obj, name)
+                                    : new_ref(set->stream ? set->stream : Py_None);
+    rc = stream == NULL ? -1 : import_dlpack_object(im, method, stream, written);
+    Py_XDECREF(stream);
     Py_DECREF(method);
   } else if (PyErr_ExceptionMatches(PyExc_AttributeError)) {
     PyErr_Clear();

@@ -20,6 +20,10 @@ static PyObject *py_take_device_status(PyObject *self, PyObject *args) {
   PyObject *stream = Py_None;
   if (!PyArg_ParseTuple(args, "i|O:take_device_status", &device_id, &stream)) return NULL;
   if (imoe_py_check_stream(stream) < 0) return NULL;
+  if (imoe_py_is_current_stream(stream)) {
+    PyErr_SetString(PyExc_ValueError, "take_device_status needs the stream's value, not 'current'");
+    return NULL;
+  }
   imoe_exec exec = {IMOE_DEVICE_CUDA, device_id, 0, imoe_py_stream_handle(stream)};
   imoe_error err = {{0}};
   imoe_status recorded = IMOE_OK, status;
@@ -121,6 +125,16 @@ static PyObject *py_cuda_device_count(PyObject *self, PyObject *unused) {
   return PyLong_FromLong(count);
 }
 
+/* exchanges(type) -> bool: see imoe_py_type_exchanges. */
+static PyObject *py_exchanges(PyObject *self, PyObject *type) {
+  (void)self;
+  if (!PyType_Check(type)) {
+    PyErr_Format(PyExc_TypeError, "exchanges() takes a type, got %.200s", Py_TYPE(type)->tp_name);
+    return NULL;
+  }
+  return PyBool_FromLong(imoe_py_type_exchanges((PyTypeObject *)type));
+}
+
 /* ---- the module ---- */
 
 #define FASTCALL(f) (PyCFunction)(void (*)(void))(f), METH_FASTCALL | METH_KEYWORDS
@@ -196,6 +210,10 @@ static PyMethodDef methods[] = {
     {"paged_workspace_elems", FASTCALL(py_paged_workspace_elems),
      "paged_workspace_elems(num_blocks, num_seqs, max_blocks) -> int\n\n"
      "imoe_paged_workspace_elems: int32 elements of the paged workspace."},
+    {"exchanges", py_exchanges, METH_O,
+     "exchanges(type) -> bool\n\nWhether arrays of `type` are borrowed through DLPack's C "
+     "exchange table (torch >= 2.10), which also gives their framework's current stream: a call "
+     "on such arrays may pass stream='current'."},
     {"cuda_compiled", py_cuda_compiled, METH_NOARGS,
      "cuda_compiled() -> bool\n\nWhether this build has the CUDA launchers."},
     {"cuda_device_count", py_cuda_device_count, METH_NOARGS,

@@ -125,10 +125,18 @@ static int device_of(const imoe_import *im, imoe_exec *e) {
   }
 }
 
+int imoe_py_is_current_stream(PyObject *obj) {
+  static PyObject *current; /* interned, as the literal of a Python call site is */
+  if (current == NULL) current = PyUnicode_InternFromString("current");
+  if (obj == current) return 1;
+  return PyUnicode_Check(obj) && PyUnicode_CompareWithASCIIString(obj, "current") == 0;
+}
+
 int imoe_py_check_stream(PyObject *obj) {
-  if (obj == Py_None) return 0;
+  if (obj == Py_None || imoe_py_is_current_stream(obj)) return 0;
   if (PyBool_Check(obj) || !PyLong_Check(obj)) {
-    PyErr_Format(PyExc_TypeError, "stream must be None or an int (a DLPack stream), got %.200s",
+    PyErr_Format(PyExc_TypeError,
+                 "stream must be None, 'current' or an int (a DLPack stream), got %.200s",
                  Py_TYPE(obj)->tp_name);
     return -1;
   }
@@ -160,7 +168,10 @@ int imoe_py_exec_for(const imoe_imports *set, int32_t num_threads, imoe_exec *ex
     if (device_of(&set->item[i], &e) < 0) return -1;
     if (i == 0) {
       *exec = e;
-      if (e.device == IMOE_DEVICE_CUDA) exec->stream = imoe_py_stream_handle(set->stream);
+      if (e.device == IMOE_DEVICE_CUDA)
+        exec->stream = !set->current     ? imoe_py_stream_handle(set->stream)
+                       : set->has_current ? set->current_handle
+                                          : NULL;
     } else if (e.device != exec->device || e.device_id != exec->device_id) {
       char here[32], there[32];
       format_device(here, sizeof here, &e);

@@ -107,13 +107,15 @@ def _calls(device: str, quick: bool) -> dict:
 
     return {
         "torch add_ [1024] (one elementwise op)": ("torch", lambda: y.add_(1.0)),
+        "torch narrow [8, 64, 128] (one view, as compact_ returns)": ("torch", lambda: tiny[0].narrow(
+            1, 0, tiny[3])),
         "torch topk+gather [8, 64, 128]": ("torch", lambda: topk_gather(tiny)),
         f"torch topk+gather {w1_name}": ("torch", lambda: topk_gather(w1)),
         "compact_ [8, 64, 128], out_indices": ("ours", lambda: imoe.compact_(
             tiny[0], tiny[1], tiny[3], out_indices=tiny[2])),
         f"compact_ {w1_name}, out_indices": ("ours", lambda: imoe.compact_(
             w1[0], w1[1], w1[3], out_indices=w1[2])),
-        "compact_ [8, 64, 128], the core's call alone (stream given)": ("ours", core_compact),
+        "compact_ [8, 64, 128], the core's call alone": ("ours", core_compact),
         "apply_map_ [8, 64, 128]": ("ours", lambda: imoe.apply_map_(tiny[0], tiny[2])),
         "moe_dispatch [8 tokens, top-2 of 8, H 2048], out given": ("ours", lambda: moe_dispatch(
             hidden, top_idx, 8, out=dispatched)),
