@@ -213,7 +213,9 @@ def _default_gate(experts) -> bool:
         from transformers.integrations.moe import _default_apply_gate
     except ImportError:
         return False
-    return getattr(type(experts), "_apply_gate", None) is _default_apply_gate
+    # Through the bound method, not type(experts): under torch.compile each
+    # layer's type(...) would add an identity guard checked at every step.
+    return getattr(getattr(experts, "_apply_gate", None), "__func__", None) is _default_apply_gate
 
 
 def activation_name(act) -> str | None:

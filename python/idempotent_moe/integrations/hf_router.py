@@ -14,11 +14,20 @@ for inference next to the "idempotent" experts:
 
 The fused forward runs only on CUDA tensors with no gradient recorded;
 anywhere else (the CPU, training) the original forward runs.
+
+A router is fused by its class: it becomes an instance of a subclass of its
+own class (same name, `forward` replaced), made once per router class. No
+module gains a per-instance attribute, so torch.compile guards a fused model
+as it guards the original one (a bound method in a module's __dict__ costs
+two identity guards per layer at every compiled step). A fused router
+pickles as its original class: it loads unfused. A per-instance forward
+wrapper installed before fusing (accelerate's hooks) is kept, and calls the
+forward it wrapped.
 """
 
 from __future__ import annotations
 
-import types
+import copyreg
 from typing import Any, NamedTuple
 
 import torch
@@ -26,7 +35,8 @@ import torch.nn.functional as F
 
 from .. import moe_ops
 
-_ORIGINAL = "_idempotent_router_forward"  # set on a module while it is fused
+_FUSED_FROM = "_idempotent_fused_from"  # on a fused router class: the class it was made from
+_fused_classes: dict = {}  # router class -> its fused subclass
 
 
 class _RouterFamily(NamedTuple):
@@ -43,10 +53,12 @@ SUPPORTED_ROUTERS = {
 }
 
 
-def fused_route(router: torch.nn.Module, hidden_states):
+def fused_route(router: torch.nn.Module, hidden_states, family: _RouterFamily | None = None):
     """What a fused router returns, on any device: (router_logits, weights,
-    indices) with the original forward's shapes and dtypes."""
-    family = SUPPORTED_ROUTERS[type(router).__name__]
+    indices) with the original forward's shapes and dtypes. `family`: the
+    router's entry of SUPPORTED_ROUTERS (by its class name when None)."""
+    if family is None:
+        family = SUPPORTED_ROUTERS[type(router).__name__]
     hidden_states = hidden_states.reshape(-1, router.hidden_dim)
     router_logits = F.linear(hidden_states, router.weight)
     renormalize = True if family.renormalize is None else bool(getattr(router, family.renormalize))
@@ -59,8 +71,35 @@ def fused_route(router: torch.nn.Module, hidden_states):
 def _fused_forward(self, hidden_states):
     recording = torch.is_grad_enabled() and (hidden_states.requires_grad or self.weight.requires_grad)
     if not hidden_states.is_cuda or recording:
-        return getattr(self, _ORIGINAL)(hidden_states)
-    return fused_route(self, hidden_states)
+        return self._idempotent_fused_from.forward(self, hidden_states)
+    # Class attributes read through self, not type(self): under torch.compile
+    # each layer's type(...) would add an identity guard checked at every step.
+    return fused_route(self, hidden_states, self._idempotent_family)
+
+
+def _reduce_as_original(self, protocol):
+    """A fused router pickles as an instance of its original class, through
+    the reconstructor pickle itself uses for protocols 0 and 1 (no reference
+    to this library in the pickle)."""
+    state = self.__getstate__() if hasattr(self, "__getstate__") else self.__dict__
+    return copyreg._reconstructor, (getattr(type(self), _FUSED_FROM), object, None), state
+
+
+def _fused_class(cls: type) -> type:
+    """The fused subclass of router class `cls`, made once."""
+    fused = _fused_classes.get(cls)
+    if fused is None:
+        fused = type(cls.__name__, (cls,), {
+            "forward": _fused_forward, "__reduce_ex__": _reduce_as_original, _FUSED_FROM: cls,
+            "_idempotent_family": SUPPORTED_ROUTERS[cls.__name__],
+            "__module__": cls.__module__, "__qualname__": cls.__qualname__,
+            "__doc__": f"{cls.__qualname__} with the fused forward of idempotent_moe.fuse_routers."})
+        _fused_classes[cls] = fused
+    return fused
+
+
+def _is_fused(module: Any) -> bool:
+    return _FUSED_FROM in type(module).__dict__
 
 
 def _is_router(module: Any) -> bool:
@@ -82,24 +121,22 @@ def fuse_routers(model: torch.nn.Module) -> int:
         raise ValueError(f"fuse_routers: {type(model).__name__} has no router module; "
                          f"supported: {', '.join(sorted(SUPPORTED_ROUTERS))}")
     for m in routers:
-        if _ORIGINAL not in m.__dict__:
-            setattr(m, _ORIGINAL, m.forward)
-            m.forward = types.MethodType(_fused_forward, m)
+        if not _is_fused(m):
+            m.__class__ = _fused_class(type(m))
     return len(routers)
 
 
 def unfuse_routers(model: torch.nn.Module) -> int:
-    """Give every fused router of `model` its original forward back; returns
-    how many were restored."""
+    """Give every fused router of `model` its original class (and forward)
+    back; returns how many were restored."""
     count = 0
     for m in model.modules():
-        if _ORIGINAL in m.__dict__:
-            del m.__dict__["forward"]
-            delattr(m, _ORIGINAL)
+        if _is_fused(m):
+            m.__class__ = getattr(type(m), _FUSED_FROM)
             count += 1
     return count
 
 
 def routers_fused(model: torch.nn.Module) -> bool:
     """Whether any router of `model` is fused."""
-    return any(_ORIGINAL in m.__dict__ for m in model.modules())
+    return any(_is_fused(m) for m in model.modules())
