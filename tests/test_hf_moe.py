@@ -499,6 +499,25 @@ def test_a_compiled_dropless_forward_writes_no_module_attribute():
     assert "idempotent_stats" not in names
 
 
+def test_the_default_gate_is_known_while_tracing_with_or_without_an_eager_forward():
+    """_default_gate is worked out from the class: in an eager call it is kept
+    on the module, and under torch.compile (fullgraph) it is read from there,
+    or worked out again where no eager call came first. A wrong answer while
+    tracing turns the fused activation and the small-M GEMM off."""
+    from idempotent_moe.integrations import _dispatch
+
+    for eager_first in (True, False):
+        torch._dynamo.reset()
+        experts = standalone_experts()
+        if eager_first:
+            assert _dispatch._default_gate(experts) is True
+            assert experts.__dict__[_dispatch._DEFAULT_GATE] is True
+        traced = torch.compile(lambda x: x + 1 if _dispatch._default_gate(experts) else x - 1,
+                               backend="eager", fullgraph=True)
+        assert traced(torch.zeros(2)).tolist() == [1.0, 1.0]
+        assert (_dispatch._DEFAULT_GATE in experts.__dict__) is eager_first  # not written while tracing
+
+
 def _identity_guards(impl: str, layers: int) -> int:
     """Identity guards (Python lambdas, checked at every call) of one compiled
     static-cache step of the quick Qwen3-MoE-like model with `layers` layers."""

@@ -206,16 +206,26 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor,
 GATE_UP_CHUNK_BYTES = 128 << 20
 
 
+_DEFAULT_GATE = "_idempotent_default_gate"  # _default_gate's answer, kept on the module
+
+
 def _default_gate(experts) -> bool:
     """Whether the module gates the transformers way: gate = the first I
-    output features of gate_up_proj, up = the last I, act(gate) * up."""
+    output features of gate_up_proj, up = the last I, act(gate) * up. Worked
+    out from the module's class once, in an eager forward, and kept on the
+    module: under torch.compile, type(experts) in every layer would add an
+    identity guard that every compiled step checks."""
+    known = experts.__dict__.get(_DEFAULT_GATE)
+    if known is not None:
+        return known
     try:
         from transformers.integrations.moe import _default_apply_gate
     except ImportError:
         return False
-    # Through the bound method, not type(experts): under torch.compile each
-    # layer's type(...) would add an identity guard checked at every step.
-    return getattr(getattr(experts, "_apply_gate", None), "__func__", None) is _default_apply_gate
+    known = getattr(type(experts), "_apply_gate", None) is _default_apply_gate
+    if not compiling():
+        experts.__dict__[_DEFAULT_GATE] = known
+    return known
 
 
 def activation_name(act) -> str | None:
