@@ -512,7 +512,7 @@ def test_the_default_gate_is_known_while_tracing_with_or_without_an_eager_forwar
         if eager_first:
             assert _dispatch._default_gate(experts) is True
             assert experts.__dict__[_dispatch._DEFAULT_GATE] is True
-        traced = torch.compile(lambda x: x + 1 if _dispatch._default_gate(experts) else x - 1,
+        traced = torch.compile(lambda x, e=experts: x + 1 if _dispatch._default_gate(e) else x - 1,
                                backend="eager", fullgraph=True)
         assert traced(torch.zeros(2)).tolist() == [1.0, 1.0]
         assert (_dispatch._DEFAULT_GATE in experts.__dict__) is eager_first  # not written while tracing
@@ -523,10 +523,9 @@ def _identity_guards(impl: str, layers: int) -> int:
     static-cache step of the quick Qwen3-MoE-like model with `layers` layers."""
     import inspect
 
+    from idempotent_moe.bench import model_families as mf
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
     from transformers import StaticCache
-
-    from idempotent_moe.bench import model_families as mf
 
     base = mf.QUICK_MOE_FAMILIES["qwen3moe"]
     family = mf.Family(base.key, base.name, base.config_class,
