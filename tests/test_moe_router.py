@@ -501,6 +501,23 @@ def test_fuse_keeps_the_original_forward_on_the_cpu_and_unfuse_restores_it(famil
         assert torch.equal(model(ids).logits, before)
 
 
+def test_copies_of_a_fused_model_stay_fused():
+    import copy
+
+    model = tiny_model("mixtral")
+    ids = torch.randint(1, VOCAB, (2, 6), generator=torch.Generator().manual_seed(5))
+    hf.fuse_routers(model)
+    deep = copy.deepcopy(model)
+    assert hf.routers_fused(deep) and all(hf_router._is_fused(m) for m in routers(deep))
+    assert routers(deep)[0].weight is not routers(model)[0].weight
+    with torch.no_grad():
+        assert torch.equal(deep(ids).logits, model(ids).logits)
+    router = routers(model)[0]
+    shallow = copy.copy(router)
+    assert type(shallow) is type(router) and shallow.weight is router.weight
+    assert hf.unfuse_routers(deep) == 2 and hf.routers_fused(model)
+
+
 def test_a_fused_model_pickles_and_loads_unfused():
     import pickle
 

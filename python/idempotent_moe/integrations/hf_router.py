@@ -20,13 +20,15 @@ own class (same name, `forward` replaced), made once per router class. No
 module gains a per-instance attribute, so torch.compile guards a fused model
 as it guards the original one (a bound method in a module's __dict__ costs
 two identity guards per layer at every compiled step). A fused router
-pickles as its original class: it loads unfused. A per-instance forward
+pickles as its original class: it loads unfused (copy.copy and
+copy.deepcopy keep it fused). A per-instance forward
 wrapper installed before fusing (accelerate's hooks) is kept, and calls the
 forward it wrapped.
 """
 
 from __future__ import annotations
 
+import copy
 import copyreg
 from typing import Any, NamedTuple
 
@@ -85,12 +87,28 @@ def _reduce_as_original(self, protocol):
     return copyreg._reconstructor, (getattr(type(self), _FUSED_FROM), object, None), state
 
 
+def _copy_fused(self):
+    """copy.copy keeps the fused class (pickling alone drops it)."""
+    copied = type(self).__new__(type(self))
+    copied.__setstate__(self.__getstate__())
+    return copied
+
+
+def _deepcopy_fused(self, memo):
+    """copy.deepcopy keeps the fused class (pickling alone drops it)."""
+    copied = type(self).__new__(type(self))
+    memo[id(self)] = copied
+    copied.__setstate__(copy.deepcopy(self.__getstate__(), memo))
+    return copied
+
+
 def _fused_class(cls: type) -> type:
     """The fused subclass of router class `cls`, made once."""
     fused = _fused_classes.get(cls)
     if fused is None:
         fused = type(cls.__name__, (cls,), {
-            "forward": _fused_forward, "__reduce_ex__": _reduce_as_original, _FUSED_FROM: cls,
+            "forward": _fused_forward, "__reduce_ex__": _reduce_as_original, "__copy__": _copy_fused,
+            "__deepcopy__": _deepcopy_fused, _FUSED_FROM: cls,
             "_idempotent_family": SUPPORTED_ROUTERS[cls.__name__],
             "__module__": cls.__module__, "__qualname__": cls.__qualname__,
             "__doc__": f"{cls.__qualname__} with the fused forward of idempotent_moe.fuse_routers."})
