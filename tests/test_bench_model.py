@@ -69,6 +69,12 @@ def test_quick_run_writes_every_row(device, tmp_path, capsys):
         if r["impl"] == "grouped_mm":
             assert r["speedup_vs_grouped_mm"] == pytest.approx(1.0)
             assert a["tokens_equal_baseline"] == a["tokens"]
+        if r["compiled"]:  # what torch.compile did in each timed round
+            events = r["compile_events_rounds"]
+            assert len(events) == opts["rounds"]
+            assert all(e["cudagraphs_recorded"] >= 0 and e["frames_compiled"] >= 0 for e in events)
+        else:
+            assert "compile_events_rounds" not in r
 
     m2 = data["m2"]["rows"]
     budget = data["m2"]["options"]["budget"]
@@ -184,6 +190,20 @@ def test_near_tie_rule():
     assert float(small) == pytest.approx(4 * eps)
     assert model_agreement.equal_to(generated, torch.tensor([[0, 1, 5, 3]])) == {
         "tokens_equal_baseline": 3, "sequences_equal_baseline": 0, "sequences": 1}
+
+
+def test_compile_events_count_what_torch_compile_did():
+    import torch
+    from idempotent_moe.bench.model_timing import compile_events, compile_events_since
+
+    before = compile_events()
+    assert set(before) == {"frames_compiled", "cudagraphs_recorded", "cudagraph_record_s"}
+    torch._dynamo.reset()
+    fn = torch.compile(lambda x: x * 2 + 1, backend="eager")
+    fn(torch.ones(3))
+    fn(torch.ones(3))  # the cached frame: compiled once
+    events = compile_events_since(before)
+    assert events["frames_compiled"] == 1 and events["cudagraphs_recorded"] == 0
 
 
 def test_rounds_alternate_their_order():

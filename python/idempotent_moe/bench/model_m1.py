@@ -15,6 +15,9 @@ capacity mode. Per family:
   decode rate is batch x (new tokens - 1) over the time from the first new
   token to the last one. The first call of each implementation and batch is
   a warm-up (compilation, for the static cache): its time is reported apart.
+  Compiled rows keep, per timed round, what torch.compile did during it
+  (`compile_events_rounds`: frames compiled, CUDA graphs recorded, seconds
+  recording): a round that records a graph again pays for it in its time.
 
 Implementations run in interleaved rounds (A B C D, D C B A, ...) and every
 figure is the median over the rounds. A row that fails (an exception, e.g.
@@ -30,6 +33,8 @@ from .model_families import BASELINE, Family, build_model, parse_impl, random_pr
 from .model_timing import (
     Samples,
     attempt,
+    compile_events,
+    compile_events_since,
     error_text,
     log,
     peak_since,
@@ -157,10 +162,13 @@ def measure_decode(model, family: Family, impls: list, cache: str, batch: int, o
     for r in range(opts.rounds):
         for impl in (i for i in round_order(impls, r) if "error" not in rows[i.name]):
             label = f"M1 {family.key} {cache} batch {batch} {impl.name}"
+            events = compile_events()
             result = attempt(rows[impl.name], label, lambda impl=impl: timed(impl))
             if result is None:
                 tokens.pop(impl.name, None)
                 continue
+            if rows[impl.name]["compiled"]:
+                rows[impl.name].setdefault("compile_events_rounds", []).append(compile_events_since(events))
             new, timing = result
             previous = tokens.get(impl.name)
             if previous is not None and not bool((previous == new).all()):

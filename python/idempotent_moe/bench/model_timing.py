@@ -76,6 +76,25 @@ def timed_generate(device: str, generate) -> tuple:
     return out, GenerateTiming(t1 - t0, first - t0, last - first, len(clock.stamps) - 2)
 
 
+def compile_events() -> dict:
+    """What torch.compile has done so far in this process: frames dynamo
+    compiled, CUDA graphs recorded (cudagraph trees) and the seconds spent
+    recording them; {} where this torch does not keep them."""
+    try:
+        from torch._dynamo.utils import compilation_time_metrics, counters
+    except ImportError:
+        return {}
+    records = compilation_time_metrics.get("CUDAGraphNode.record", [])
+    return {"frames_compiled": int(counters["frames"]["ok"]), "cudagraphs_recorded": len(records),
+            "cudagraph_record_s": float(sum(records))}
+
+
+def compile_events_since(before: dict) -> dict:
+    """compile_events() now, less `before`."""
+    now = compile_events()
+    return {k: v - before.get(k, 0) for k, v in now.items()}
+
+
 @dataclass
 class Samples:
     """The timed rounds of one row."""
