@@ -139,32 +139,28 @@ def _torch_stream(torch: Any, device: int) -> int:
 
 
 CURRENT_STREAM = "current"  # the binding reads the framework's current stream itself
-_exchanged: Any = ()  # the tensor type whose current stream the binding reads, once known
-
-
-def _binding_reads_stream(torch: Any) -> bool:
-    """Whether the binding borrows torch tensors through DLPack's C exchange
-    table (torch >= 2.10), which also names torch's current stream; asked once."""
-    global _exchanged
-    from ._native import native
-
-    if native().exchanges(torch.Tensor):
-        _exchanged = torch.Tensor
-        return True
-    return False
+# torch.Tensor once the binding has said it reads torch's current stream
+# through DLPack's C exchange table (torch >= 2.10), () when it has said it
+# does not; None until the first torch tensor asks.
+_exchanged: Any = None
 
 
 def dlpack_stream(x: Any) -> int | str | None:
     """The stream the library launches on for x, as the binding takes it: the
     caller's current stream on x's device (producers order their work before
-    it). For a torch tensor whose current stream the binding reads through
-    DLPack's C exchange table, "current" (no lookup here); else the DLPack
-    stream value (`stream_value`)."""
+    it). For a torch tensor whose current stream the binding reads itself,
+    "current" (no lookup here); else the DLPack stream value (`stream_value`)."""
+    global _exchanged
     if type(x) is _exchanged:  # the hot case: one comparison
         return CURRENT_STREAM
-    torch = _torch()
-    if torch is not None and type(x) is torch.Tensor and _binding_reads_stream(torch):
-        return CURRENT_STREAM
+    if _exchanged is None:
+        torch = _torch()
+        if torch is not None and type(x) is torch.Tensor:
+            from ._native import native
+
+            _exchanged = torch.Tensor if native().exchanges(torch.Tensor) else ()
+            if _exchanged is torch.Tensor:
+                return CURRENT_STREAM
     return stream_value(x)
 
 

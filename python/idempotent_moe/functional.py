@@ -341,13 +341,11 @@ def compact_(
             protected_prefix=protected_prefix, recent_window=recent_window, nan=nan,
             out_indices=out_indices, out_target_map=out_target_map, index_dtype=index_dtype,
             workspace=workspace, num_threads=num_threads)
-    torch = _arrays._torch()
-    if (torch is not None and type(scores) is torch.Tensor and active_indices is None
-            and workspace is None and num_threads is None and order == "inplace"
-            and type(capacity) is int and capacity >= 0 and index_dtype in _arrays.INDEX_DTYPES
-            and not scores.requires_grad):
-        d = scores.dim() - 1 if dim is None else dim
-        if type(d) is int and d >= 0 and _tensor_buffers(torch, x, d):
+    if (active_indices is None and workspace is None and num_threads is None
+            and index_dtype in _arrays.INDEX_DTYPES):
+        torch = _arrays._torch()
+        d = _direct_axis(torch, x, scores, capacity, dim, order)
+        if d is not None:
             return _compact_tensors(torch, x, scores, capacity, d, mode, protected_prefix, recent_window,
                                     nan, out_indices, out_target_map, index_dtype)
     bufs, many = _buffers(x)
@@ -386,6 +384,19 @@ def _map_geometry(scores: Any, active: Any, num_slots: Any, lead_shape: Any) -> 
     if len(sel_shape) == 1:
         return selector, tuple(_arrays.check_int(s, "lead_shape") for s in (lead_shape or ())), n
     return selector, sel_shape[:-1], n
+
+
+def _direct_axis(torch: Any, x: Any, scores: Any, capacity: Any, dim: Any, order: str) -> int | None:
+    """The slot axis when a compaction by scores may call the core directly
+    (_compact_tensors): torch scores and buffers (_tensor_buffers) with no
+    gradient recorded, an int capacity >= 0, order "inplace", `dim` (else
+    the scores' last axis) an int >= 0; else None. Callers add what their
+    path also needs (compact_: no active indices, workspace or thread count)."""
+    if (torch is None or type(scores) is not torch.Tensor or order != "inplace"
+            or type(capacity) is not int or capacity < 0 or scores.requires_grad):
+        return None
+    d = scores.dim() - 1 if dim is None else dim
+    return d if type(d) is int and d >= 0 and _tensor_buffers(torch, x, d) else None
 
 
 def _tensor_buffers(torch: Any, x: Any, dim: int) -> bool:

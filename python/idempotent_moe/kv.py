@@ -115,20 +115,18 @@ def _check_cache(key_cache: Any, value_cache: Any) -> None:
         )
 
 
-def _hot_call(key_cache: Any, value_cache: Any, scores: Any, capacity: Any, active_indices: Any,
-              head_reduce: str, order: str) -> bool:
-    """Whether compact_kv_cache_inplace may call the core as compact_'s torch
-    path does, with nothing to work out: torch tensors K and V [B, H, S, D]
-    (same B, H, S) and scores [B, H, S], no gradient recorded, not traced by
-    torch.compile, order "inplace", an int capacity >= 0."""
+def _direct(key_cache: Any, value_cache: Any, scores: Any, capacity: Any, active_indices: Any,
+            head_reduce: str, order: str) -> bool:
+    """Whether compact_kv_cache_inplace may call the core as compact_ does on
+    its direct path (functional._direct_axis), with nothing to work out here:
+    K and V [B, H, S, D] (same B, H, S), scores [B, H, S] one per KV head, no
+    active indices, not traced by torch.compile."""
     torch = _arrays._torch()
-    return (torch is not None and type(key_cache) is torch.Tensor and type(value_cache) is torch.Tensor
-            and type(scores) is torch.Tensor and active_indices is None and order == "inplace"
-            and type(capacity) is int and capacity >= 0 and head_reduce in HEAD_REDUCTIONS
+    return (active_indices is None and head_reduce in HEAD_REDUCTIONS and not functional._compiling()
+            and functional._direct_axis(torch, (key_cache, value_cache), scores, capacity, SEQ_DIM,
+                                        order) == SEQ_DIM
             and key_cache.dim() == 4 and value_cache.dim() == 4 and scores.dim() == 3
-            and key_cache.shape[:3] == value_cache.shape[:3] and scores.shape[1] == key_cache.shape[1]
-            and not (key_cache.requires_grad or value_cache.requires_grad or scores.requires_grad)
-            and not functional._compiling())
+            and key_cache.shape[:3] == value_cache.shape[:3] and scores.shape[1] == key_cache.shape[1])
 
 
 def compact_kv_cache_inplace(
@@ -165,12 +163,12 @@ def compact_kv_cache_inplace(
     with return_indices=True. Allocates the indices (unless out_indices is
     given) and, for per-query-head scores, the reduced [B, Hkv, S] scores.
     """
-    if _hot_call(key_cache, value_cache, attention_scores, capacity, active_indices, head_reduce, order):
-        # The common call: K and V and per-KV-head scores, torch tensors, the
-        # indices' dtype the default; the core judges every value.
-        k, v = (result := functional._compact_tensors(
+    if _direct(key_cache, value_cache, attention_scores, capacity, active_indices, head_reduce, order):
+        # The common call: the core judges every value.
+        result = functional._compact_tensors(
             _arrays._torch(), (key_cache, value_cache), attention_scores, capacity, SEQ_DIM, mode,
-            protected_prefix_len, recent_window, nan, out_indices, None, "int64")).values
+            protected_prefix_len, recent_window, nan, out_indices, None, "int64")
+        k, v = result.values
         return (k, v, result.indices) if return_indices else (k, v)
     _check_cache(key_cache, value_cache)
     if active_indices is not None:

@@ -336,6 +336,28 @@ static const DLPackExchangeAPI *exchange_api(PyTypeObject *type) {
 
 int imoe_py_type_exchanges(PyTypeObject *type) { return exchange_api(type) != NULL; }
 
+/* The framework's current stream on CUDA device `device_id`, through its
+ * exchange table, as a handle: 0, or -1 (no exception set) when the table
+ * cannot say. DLPack names the legacy default stream 1, which a framework
+ * may report as NULL. */
+static int current_stream_of(const DLPackExchangeAPI *api, int32_t device_id, void **out) {
+  void *current = NULL;
+  if (api->current_work_stream(kDLCUDA, device_id, &current) != 0) {
+    PyErr_Clear();
+    return -1;
+  }
+  *out = current != NULL ? current : (void *)(uintptr_t)1;
+  return 0;
+}
+
+/* The first CUDA array of a call on stream "current" names the stream. */
+static void name_current(imoe_imports *set, void *handle) {
+  if (!set->has_current) {
+    set->current_handle = handle;
+    set->has_current = 1;
+  }
+}
+
 /*
  * Case 3 above. Returns 1 when obj was imported (or failed: -1, exception
  * set), 0 when the exchange table does not apply (no table, or the call runs
@@ -370,22 +392,14 @@ static int import_exchanged(imoe_import *im, PyObject *obj, imoe_imports *set) {
   }
   if (t.device.device_type != kDLCPU) {
     PyObject *stream = set->stream;
-    void *current = NULL;
+    void *current;
     if (t.device.device_type != kDLCUDA || stream == NULL || stream == Py_None) return 0;
-    if (api->current_work_stream(t.device.device_type, t.device.device_id, &current) != 0) {
-      PyErr_Clear();
-      return 0;
-    }
-    /* DLPack names the legacy default stream 1, which a framework may
-     * report as NULL. "current" takes the first CUDA array's (arrays on
-     * another device are refused later, with the device named); -1 asks for
-     * no ordering; otherwise the call's stream must be the current one. */
-    if (current == NULL) current = (void *)(uintptr_t)1;
+    if (current_stream_of(api, t.device.device_id, &current) < 0) return 0;
+    /* "current" takes the first CUDA array's (arrays on another device are
+     * refused later, with the device named); -1 asks for no ordering;
+     * otherwise the call's stream must be the current one. */
     if (set->current) {
-      if (!set->has_current) {
-        set->current_handle = current;
-        set->has_current = 1;
-      }
+      name_current(set, current);
     } else if (PyLong_AsLongLong(stream) != -1) {
       if (imoe_py_stream_handle(stream) != current) return 0;
     }
@@ -396,6 +410,11 @@ static int import_exchanged(imoe_import *im, PyObject *obj, imoe_imports *set) {
   return read_dltensor(im, &t) == 0 ? 1 : -1;
 }
 
+static PyObject *new_ref(PyObject *obj) {
+  Py_INCREF(obj);
+  return obj;
+}
+
 /*
  * The DLPack stream value that "current" names for obj, an array that takes
  * case 4: the stream an earlier CUDA array of the call named, else the
@@ -403,11 +422,6 @@ static int import_exchanged(imoe_import *im, PyObject *obj, imoe_imports *set) {
  * exchange table (a torch tensor that requires grad); None for host memory.
  * A CUDA array of a framework without the table cannot say it: ValueError.
  */
-static PyObject *new_ref(PyObject *obj) {
-  Py_INCREF(obj);
-  return obj;
-}
-
 static PyObject *current_stream_value(imoe_imports *set, PyObject *obj, const char *name) {
   if (set->has_current) return PyLong_FromVoidPtr(set->current_handle);
   PyObject *device = PyObject_CallMethod(obj, "__dlpack_device__", NULL);
@@ -421,18 +435,16 @@ static PyObject *current_stream_value(imoe_imports *set, PyObject *obj, const ch
   if (!parsed) return NULL;
   if (kind == kDLCPU) return new_ref(Py_None);
   const DLPackExchangeAPI *api = exchange_api(Py_TYPE(obj));
-  void *current = NULL;
+  void *current;
   if ((kind != kDLCUDA && kind != kDLCUDAManaged) || api == NULL ||
-      api->current_work_stream(kDLCUDA, index, &current) != 0) {
-    PyErr_Clear();
+      current_stream_of(api, index, &current) < 0) {
     PyErr_Format(PyExc_ValueError,
                  "%s: stream 'current' is read from DLPack's C exchange table, which %.200s "
                  "does not publish; pass the stream's value",
                  name, Py_TYPE(obj)->tp_name);
     return NULL;
   }
-  set->current_handle = current != NULL ? current : (void *)(uintptr_t)1;
-  set->has_current = 1;
+  name_current(set, current);
   return PyLong_FromVoidPtr(set->current_handle);
 }
 

@@ -127,7 +127,8 @@ static int device_of(const imoe_import *im, imoe_exec *e) {
 
 int imoe_py_is_current_stream(PyObject *obj) {
   static PyObject *current; /* interned, as the literal of a Python call site is */
-  if (current == NULL) current = PyUnicode_InternFromString("current");
+  if (current == NULL && (current = PyUnicode_InternFromString("current")) == NULL)
+    PyErr_Clear(); /* then compared by value below */
   if (obj == current) return 1;
   return PyUnicode_Check(obj) && PyUnicode_CompareWithASCIIString(obj, "current") == 0;
 }

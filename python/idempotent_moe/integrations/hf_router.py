@@ -37,7 +37,9 @@ import torch.nn.functional as F
 
 from .. import moe_ops
 
-_FUSED_FROM = "_idempotent_fused_from"  # on a fused router class: the class it was made from
+# A fused router class carries `_idempotent_fused_from` (the class it was made
+# from) and `_idempotent_family` (its SUPPORTED_ROUTERS entry), read through
+# the instance by the fused forward.
 _fused_classes: dict = {}  # router class -> its fused subclass
 
 
@@ -83,8 +85,7 @@ def _reduce_as_original(self, protocol):
     """A fused router pickles as an instance of its original class, through
     the reconstructor pickle itself uses for protocols 0 and 1 (no reference
     to this library in the pickle)."""
-    state = self.__getstate__() if hasattr(self, "__getstate__") else self.__dict__
-    return copyreg._reconstructor, (getattr(type(self), _FUSED_FROM), object, None), state
+    return copyreg._reconstructor, (self._idempotent_fused_from, object, None), self.__getstate__()
 
 
 def _copy_fused(self):
@@ -108,7 +109,7 @@ def _fused_class(cls: type) -> type:
     if fused is None:
         fused = type(cls.__name__, (cls,), {
             "forward": _fused_forward, "__reduce_ex__": _reduce_as_original, "__copy__": _copy_fused,
-            "__deepcopy__": _deepcopy_fused, _FUSED_FROM: cls,
+            "__deepcopy__": _deepcopy_fused, "_idempotent_fused_from": cls,
             "_idempotent_family": SUPPORTED_ROUTERS[cls.__name__],
             "__module__": cls.__module__, "__qualname__": cls.__qualname__,
             "__doc__": f"{cls.__qualname__} with the fused forward of idempotent_moe.fuse_routers."})
@@ -117,7 +118,7 @@ def _fused_class(cls: type) -> type:
 
 
 def _is_fused(module: Any) -> bool:
-    return _FUSED_FROM in type(module).__dict__
+    return "_idempotent_fused_from" in type(module).__dict__
 
 
 def _is_router(module: Any) -> bool:
@@ -150,7 +151,7 @@ def unfuse_routers(model: torch.nn.Module) -> int:
     count = 0
     for m in model.modules():
         if _is_fused(m):
-            m.__class__ = getattr(type(m), _FUSED_FROM)
+            m.__class__ = m._idempotent_fused_from
             count += 1
     return count
 
