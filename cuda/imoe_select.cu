@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "imoe_apply.cuh"
+#include "imoe_apply_small.cuh"
 #include "imoe_check.cuh"
 #include "imoe_launch.cuh"
 #include "imoe_select_common.cuh"
@@ -687,6 +688,43 @@ imoe_status select_and_move(const char *fn, const imoe_view *buffers, int32_t nu
 
 namespace {
 
+// apply_indices in one launch (k_check_apply) when one block does the whole
+// call quickly: at most kMaxBuf buffers, kOneBlockEntries indices, a
+// duplicate window of kOneBlockWindow slots and kOneBlockBytes of rows named
+// by the indices. Larger calls check and move in two launches, over the GPU.
+constexpr int64_t kOneBlockEntries = 4096;
+constexpr int64_t kOneBlockWindow = 65536;
+constexpr uint64_t kOneBlockBytes = 256u << 10;
+
+bool one_block_apply(const CallRows &pl, int64_t N, int64_t M, const imoe_view *buffers, int32_t num_buffers) {
+  if (num_buffers > kMaxBuf || M > kOneBlockEntries || pl.R * (uint64_t)M > (uint64_t)kOneBlockEntries ||
+      N - M > kOneBlockWindow)
+    return false;
+  uint64_t row_bytes = 0;
+  for (int b = 0; b < num_buffers; ++b) row_bytes += (uint64_t)buffers[b].row_bytes;
+  return row_bytes * pl.R * (uint64_t)M <= kOneBlockBytes;
+}
+
+imoe_status launch_check_apply(const char *fn, const imoe_view *buffers, int32_t num_buffers, const CallRows &pl,
+                               const InView &map, int64_t N, int64_t M, bool swap, cudaStream_t st,
+                               imoe_error *err) {
+  CheckApplyParams cp;
+  memset(&cp, 0, sizeof cp);
+  cp.lead = pl.lead;
+  cp.N = N;
+  cp.M = M;
+  cp.win_bits = (int32_t)std::max<int64_t>(32, (N - M + 31) & ~(int64_t)31);
+  cp.swap = swap ? 1 : 0;
+  cp.nbuf = num_buffers;
+  cp.rows = (uint32_t)pl.R;
+  cp.map = map;
+  for (int b = 0; b < num_buffers; ++b) cp.buf[b] = buf_desc(&buffers[b], pl.st[1 + b], pl.lead.nd);
+  const size_t smem = (size_t)M * 2 * sizeof(int32_t) + (size_t)cp.win_bits / 8;
+  const cudaError_t e = launch(k_check_apply, shape(1u, kApplyThreads, smem), st, cp);
+  if (e != cudaSuccess) return cuda_fail(err, fn, "launch of k_check_apply", e);
+  return IMOE_OK;
+}
+
 imoe_status apply_map(const char *fn, const imoe_view *buffers, int32_t num_buffers, const imoe_view *map,
                       int kind, imoe_mode mode, const imoe_exec *exec, imoe_error *err) {
   DeviceGuard guard;
@@ -710,6 +748,8 @@ imoe_status apply_map(const char *fn, const imoe_view *buffers, int32_t num_buff
   int nverdict = 0;
   const InView mv = in_view(map, pl.st[0], nd);
   cudaError_t e;
+  if (kind == 0 && one_block_apply(pl, N, M, buffers, num_buffers))
+    return launch_check_apply(fn, buffers, num_buffers, pl, mv, N, M, mode == IMOE_MODE_SWAP, st, err);
   if (kind == 0) {
     if (pl.R > 0x7FFFFFFFull) return fail(err, IMOE_ERR_ARGUMENT, "%s: too many rows for one launch", fn);
     s = launch_rows_check(fn, mv, pl.lead, (uint32_t)pl.R, N, M, 2, token, di, st, &nverdict, err);

@@ -302,6 +302,63 @@ def test_cuda_bad_indices_change_nothing(case, rng):
     np.testing.assert_array_equal(bits(x), before)
 
 
+# apply_indices: small calls check and move in one launch (one block), larger
+# ones in two; the shapes straddle the bounds (4,096 indices, a window of
+# 65,536 slots past C', 256 KiB of rows moved, 16 buffers).
+APPLY_SHAPES = [
+    pytest.param(8, 64, 32, 128, 1, id="one-block-tiny"),
+    pytest.param(1, 4096, 1024, 4, 1, id="one-block-long-row"),
+    pytest.param(64, 64, 63, 4, 2, id="one-block-k-and-v"),
+    pytest.param(8, 4096, 2048, 64, 1, id="two-launches-entries"),
+    pytest.param(2, 70000, 100, 4, 1, id="two-launches-window"),
+    pytest.param(16, 256, 64, 512, 1, id="two-launches-bytes"),
+]
+
+
+def _apply_case(rows, n, keep, row, nbuf, index_dtype, rng):
+    xs = [make_data((rows, n, row), "float16", "torch", rng) for _ in range(nbuf)]
+    scores = make_scores((rows, n), "float32", "torch", rng)
+    idx = imoe.idempotent_map(scores, keep, index_dtype=index_dtype)
+    return xs, idx
+
+
+@pytest.mark.parametrize("rows,n,keep,row,nbuf", APPLY_SHAPES)
+@pytest.mark.parametrize("mode", ["swap", "move"])
+@pytest.mark.parametrize("index_dtype", ["int32", "int64"])
+def test_cuda_apply_indices_equals_the_cpu(rows, n, keep, row, nbuf, mode, index_dtype, rng):
+    xs, idx = _apply_case(rows, n, keep, row, nbuf, index_dtype, rng)
+    gpu = [cuda(x) for x in xs]
+    ref = [x.clone() for x in xs]
+    imoe.apply_map_(ref if nbuf > 1 else ref[0], idx, mode=mode)
+    views = imoe.apply_map_(gpu if nbuf > 1 else gpu[0], cuda(idx), mode=mode)
+    imoe.check_errors(gpu[0])
+    for g, r in zip(gpu, ref):
+        np.testing.assert_array_equal(bits(g), bits(r))
+    first = views[0] if nbuf > 1 else views
+    assert tuple(first.shape) == (rows, keep, row) and first.data_ptr() == gpu[0].data_ptr()
+
+
+@pytest.mark.parametrize("rows,n,keep,row,nbuf", APPLY_SHAPES)
+@pytest.mark.parametrize("bad", ["duplicate", "range", "below_capacity"])
+def test_cuda_apply_indices_bad_last_row_changes_nothing(rows, n, keep, row, nbuf, bad, rng):
+    """A bad entry in the last row: the call records the error and no row of
+    any buffer moves (the one-block path checks every row first)."""
+    xs, idx = _apply_case(rows, n, keep, row, nbuf, "int64", rng)
+    if bad == "duplicate":
+        idx[-1, 0] = idx[-1, 1] = n - 1
+    elif bad == "range":
+        idx[-1, 0] = n
+    else:
+        idx[-1, 0] = 1  # below C' and not its own slot
+    gpu = [cuda(x) for x in xs]
+    before = [bits(g) for g in gpu]
+    imoe.apply_map_(gpu if nbuf > 1 else gpu[0], cuda(idx), mode="swap")
+    with pytest.raises(ValueError):
+        imoe.check_errors(gpu[0])
+    for g, b in zip(gpu, before):
+        np.testing.assert_array_equal(bits(g), b)
+
+
 @pytest.mark.parametrize("rows,n", [(8, 4096), (2, 65536)])
 def test_cuda_two_streams_at_once(rows, n, rng):
     """Two compactions in flight on two streams, each on its own buffers (and,
