@@ -17,7 +17,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("matplotlib")
 
 from idempotent_moe.__main__ import main  # noqa: E402
-from idempotent_moe.bench import model_agreement, model_m1, model_report, report  # noqa: E402
+from idempotent_moe.bench import model_agreement, model_m1, model_report, model_timing, report  # noqa: E402
 from idempotent_moe.bench.hostcost import TINY_SHAPE  # noqa: E402
 from idempotent_moe.bench.model_families import IMPLS, MOE_FAMILIES  # noqa: E402
 from idempotent_moe.bench.model_timing import round_order  # noqa: E402
@@ -58,6 +58,8 @@ def test_quick_run_writes_every_row(device, tmp_path, capsys):
         assert "error" not in r, r
         assert r["decode_tokens_per_s"] > 0 and len(r["decode_tokens_per_s_rounds"]) == opts["rounds"]
         assert r["same_tokens_every_round"]
+        assert r["step_median_ms"] > 0
+        assert r["step_tokens_per_s"] == pytest.approx(r["batch"] * 1e3 / r["step_median_ms"])
         a = r["agreement"]
         assert a["tokens"] == r["batch"] * opts["new_tokens"]
         assert a["exact"] + a["near_tie"] + a["disagree"] == a["tokens"]
@@ -68,6 +70,7 @@ def test_quick_run_writes_every_row(device, tmp_path, capsys):
             assert not r["agreement_checked"] and r["ok"] is None
         if r["impl"] == "grouped_mm":
             assert r["speedup_vs_grouped_mm"] == pytest.approx(1.0)
+            assert r["step_speedup_vs_grouped_mm"] == pytest.approx(1.0)
             assert a["tokens_equal_baseline"] == a["tokens"]
         if r["compiled"]:  # what torch.compile did in each timed round
             events = r["compile_events_rounds"]
@@ -95,6 +98,27 @@ def test_quick_run_writes_every_row(device, tmp_path, capsys):
 
     out = capsys.readouterr().out
     assert "M1 decode" in out and "InplaceEvictionCache" in out and "host us / call" in out
+
+
+def test_the_median_step_leaves_out_one_slow_step(monkeypatch):
+    """A call whose first decode step records a CUDA graph: the rate pays for
+    it, the median step is the pace of the others."""
+    now = [0.0]
+    monkeypatch.setattr(model_timing.time, "perf_counter", lambda: now[0])
+
+    def generate(clock):
+        now[0] += 0.020
+        clock.put(None)  # the prompt
+        for dt in (0.030, 0.100, 0.003, 0.003, 0.004, 0.003):  # prefill + first token, then 5 steps
+            now[0] += dt
+            clock.put(None)
+        return "out"
+
+    out, t = model_timing.timed_generate("cpu", generate)
+    assert out == "out" and t.decode_steps == 5
+    assert t.first_token_s == pytest.approx(0.050)
+    assert t.decode_s == pytest.approx(0.113)
+    assert t.step_median_s == pytest.approx(0.003)
 
 
 def _small(tmp_path, *extra) -> list:

@@ -312,7 +312,8 @@ def test_torch_kv_call_matches_the_general_path(mode, window, rng):
 
 
 @requires_torch
-@pytest.mark.parametrize("case", ["nan", "prefix", "capacity_dtype", "v_heads"])
+@pytest.mark.parametrize("case", ["nan", "prefix", "capacity_dtype", "v_heads", "v_seq", "v_batch",
+                                  "scores_seq"])
 def test_torch_kv_call_refuses_bad_values_and_changes_nothing(case, rng):
     k, v = caches("torch", rng)
     scores = dyadic((B, HKV, S), "torch", rng)
@@ -324,11 +325,19 @@ def test_torch_kv_call_refuses_bad_values_and_changes_nothing(case, rng):
         kwargs["protected_prefix_len"] = -1
     elif case == "v_heads":
         v = v[:, :2]
+    elif case == "v_seq":
+        v = v[:, :, : S - 3]
+    elif case == "v_batch":
+        v = v[:1]
+    elif case == "scores_seq":
+        scores = scores[..., : S - 3]
     snaps = bits(k), bits(v), bits(out)
     capacity = float(KEEP) if case == "capacity_dtype" else KEEP
-    with pytest.raises((ValueError, TypeError)):
+    with pytest.raises((ValueError, TypeError)) as info:
         imoe.compact_kv_cache_inplace(k, v, scores, capacity, **kwargs)
     assert [bits(t).tobytes() for t in (k, v, out)] == [s.tobytes() for s in snaps]
+    if case.startswith("v_"):  # named by the caches' own check, not the core's buffer numbers
+        assert "value_cache" in str(info.value) and "key_cache" in str(info.value)
 
 
 # --------------------------------------------------------------------------- benchmark

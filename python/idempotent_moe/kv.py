@@ -119,14 +119,15 @@ def _direct(key_cache: Any, value_cache: Any, scores: Any, capacity: Any, active
             head_reduce: str, order: str) -> bool:
     """Whether compact_kv_cache_inplace may call the core as compact_ does on
     its direct path (functional._direct_axis), with nothing to work out here:
-    K and V [B, H, S, D] (same B, H, S), scores [B, H, S] one per KV head, no
-    active indices, not traced by torch.compile."""
+    K and V 4-d, scores [B, H, S] one per KV head (as many heads as K), no
+    active indices, not traced by torch.compile. The core judges the rest:
+    K and V [B, H, S, D] with the scores' B, H and S."""
     torch = _arrays._torch()
     return (active_indices is None and head_reduce in HEAD_REDUCTIONS and not functional._compiling()
             and functional._direct_axis(torch, (key_cache, value_cache), scores, capacity, SEQ_DIM,
                                         order) == SEQ_DIM
-            and key_cache.dim() == 4 and value_cache.dim() == 4 and scores.dim() == 3
-            and key_cache.shape[:3] == value_cache.shape[:3] and scores.shape[1] == key_cache.shape[1])
+            and key_cache.ndim == 4 and value_cache.ndim == 4 and scores.ndim == 3
+            and scores.shape[1] == key_cache.shape[1])
 
 
 def compact_kv_cache_inplace(
@@ -164,10 +165,15 @@ def compact_kv_cache_inplace(
     given) and, for per-query-head scores, the reduced [B, Hkv, S] scores.
     """
     if _direct(key_cache, value_cache, attention_scores, capacity, active_indices, head_reduce, order):
-        # The common call: the core judges every value.
-        result = functional._compact_tensors(
-            _arrays._torch(), (key_cache, value_cache), attention_scores, capacity, SEQ_DIM, mode,
-            protected_prefix_len, recent_window, nan, out_indices, None, "int64")
+        # The common call: the core judges every value; a refusal is named
+        # by the caches' own check where it is theirs (nothing has moved).
+        try:
+            result = functional._compact_tensors(
+                _arrays._torch(), (key_cache, value_cache), attention_scores, capacity, SEQ_DIM, mode,
+                protected_prefix_len, recent_window, nan, out_indices, None, "int64")
+        except ValueError:
+            _check_cache(key_cache, value_cache)
+            raise
         k, v = result.values
         return (k, v, result.indices) if return_indices else (k, v)
     _check_cache(key_cache, value_cache)

@@ -184,6 +184,7 @@ def _measure(opts: ModelOptions, device: str) -> dict:
         add_ratios(rows["prefill"], "median_ms", False, ("family",))
         add_memory_ratios(rows["prefill"])
         add_ratios(rows["decode"], "decode_tokens_per_s", True, ("family", "cache", "batch"))
+        add_ratios(rows["decode"], "step_tokens_per_s", True, ("family", "cache", "batch"), "step_speedup")
         data["m1"] = rows
     if not opts.skip_m2:
         data["m2"] = run_m2(QUICK_LLAMA if opts.quick else LLAMA, _m2_options(opts, device))

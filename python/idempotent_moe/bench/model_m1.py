@@ -18,6 +18,12 @@ capacity mode. Per family:
   Compiled rows keep, per timed round, what torch.compile did during it
   (`compile_events_rounds`: frames compiled, CUDA graphs recorded, seconds
   recording): a round that records a graph again pays for it in its time.
+  Beside the rate, the median step (`step_median_ms`, the median of each
+  round's step-to-step times, then over the rounds) and its rate
+  (`step_tokens_per_s`, `step_speedup_vs_grouped_mm`): the pace of a decode
+  step without a call's one-off costs. transformers makes a new static cache
+  for every generate(), so every compiled call records its CUDA graph again
+  on its first decode step; the rate pays for it, the median step does not.
 
 Implementations run in interleaved rounds (A B C D, D C B A, ...) and every
 figure is the median over the rounds. A row that fails (an exception, e.g.
@@ -176,7 +182,8 @@ def measure_decode(model, family: Family, impls: list, cache: str, batch: int, o
             tokens[impl.name] = new
             samples[impl.name].add(
                 total_ms=timing.total_s * 1e3, first_token_ms=timing.first_token_s * 1e3,
-                decode_tokens_per_s=batch * timing.decode_steps / timing.decode_s)
+                decode_tokens_per_s=batch * timing.decode_steps / timing.decode_s,
+                step_median_ms=timing.step_median_s * 1e3)
     for impl in impls:
         row, s = rows[impl.name], samples[impl.name]
         if "error" in row:
@@ -185,7 +192,9 @@ def measure_decode(model, family: Family, impls: list, cache: str, batch: int, o
         row.update(rounds=opts.rounds, generate_ms=s.median("total_ms"),
                    first_token_ms=s.median("first_token_ms"),
                    decode_tokens_per_s=s.median("decode_tokens_per_s"),
-                   decode_tokens_per_s_rounds=s.values["decode_tokens_per_s"])
+                   decode_tokens_per_s_rounds=s.values["decode_tokens_per_s"],
+                   step_median_ms=s.median("step_median_ms"),
+                   step_tokens_per_s=batch * 1e3 / s.median("step_median_ms"))
     _check_agreement(model, ids, impls, rows, tokens, opts.tie_ulps)
     return list(rows.values())
 
@@ -251,10 +260,10 @@ def run_family(family: Family, opts: M1Options) -> dict:
     return {"prefill": prefill, "decode": decode}
 
 
-def add_ratios(rows: list, key: str, higher_is_better: bool, group: tuple) -> None:
-    """x faster than grouped_mm and than eager, per group of rows (same family,
-    cache, batch): baseline over this row for times, this row over baseline
-    for rates."""
+def add_ratios(rows: list, key: str, higher_is_better: bool, group: tuple, name: str = "speedup") -> None:
+    """x faster than grouped_mm and than eager (`{name}_vs_grouped_mm`, ...),
+    per group of rows (same family, cache, batch): baseline over this row for
+    times, this row over baseline for rates."""
     for row in rows:
         if key not in row:
             continue
@@ -263,7 +272,7 @@ def add_ratios(rows: list, key: str, higher_is_better: bool, group: tuple) -> No
                         and all(r.get(g) == row.get(g) for g in group)), None)
             if ref is not None:
                 ratio = row[key] / ref[key] if higher_is_better else ref[key] / row[key]
-                row[f"speedup_vs_{base}"] = ratio
+                row[f"{name}_vs_{base}"] = ratio
 
 
 def add_memory_ratios(prefill: list) -> None:

@@ -76,10 +76,12 @@ def decode_table(data: dict) -> list:
     for r in data["m1"]["decode"]:
         rows.append([names.get(r["family"], r["family"]), r["cache"], str(r["batch"]), r["impl"],
                      _num(r.get("decode_tokens_per_s"), ".1f"), _x(r.get("speedup_vs_grouped_mm")),
-                     _x(r.get("speedup_vs_eager")), _num(r.get("first_token_ms"), ".1f"),
+                     _x(r.get("speedup_vs_eager")), _num(r.get("step_median_ms"), ".2f"),
+                     _x(r.get("step_speedup_vs_grouped_mm")), _num(r.get("first_token_ms"), ".1f"),
                      _num(r.get("warmup_s"), ".1f"), _agreement_cell(r)])
     head = ["model", "cache", "batch", "implementation", "decode tokens/s", "x faster than grouped_mm",
-            "x faster than eager", "first token ms", "warm-up s", "tokens vs grouped_mm"]
+            "x faster than eager", "median step ms", "step x grouped_mm", "first token ms", "warm-up s",
+            "tokens vs grouped_mm"]
     return _table(head, rows)
 
 

@@ -52,12 +52,15 @@ class StepClock:
 @dataclass
 class GenerateTiming:
     """One timed generate(): total, time to the first new token (prefill and
-    one step), and the decode steps after it."""
+    one step), the decode steps after it, and their median step (the pace of
+    a step, without the one-off costs of a call: a compiled step's CUDA
+    graph recorded again for a new static cache is one slow step)."""
 
     total_s: float
     first_token_s: float
     decode_s: float
     decode_steps: int
+    step_median_s: float
 
 
 def timed_generate(device: str, generate) -> tuple:
@@ -73,7 +76,9 @@ def timed_generate(device: str, generate) -> tuple:
     if len(clock.stamps) < 2:
         raise RuntimeError("generate() streamed no new token")
     first, last = clock.stamps[1], clock.stamps[-1]
-    return out, GenerateTiming(t1 - t0, first - t0, last - first, len(clock.stamps) - 2)
+    steps = [b - a for a, b in zip(clock.stamps[1:], clock.stamps[2:])]
+    return out, GenerateTiming(t1 - t0, first - t0, last - first, len(steps),
+                               statistics.median(steps) if steps else float("nan"))
 
 
 def compile_events() -> dict:
