@@ -49,7 +49,8 @@ if os.path.exists(os.path.join(RESULTS, "model-cuda.json")):
 # Runs beside the headline's: M1's compiled (static-cache) decode, the
 # options of ours (+gemm, +router), and H1 alone.
 TABLES += [("docs/results.md", name, model_report.doc_from_json)
-           for name in ("model-static-cuda.json", "model-options-cuda.json", "model-h1-cuda.json")]
+           for name in ("model-static-cuda.json", "model-options-cuda.json", "model-h1-cuda.json",
+                        "model-h1-apply-cuda.json")]
 
 
 @pytest.mark.parametrize("doc, result, render", TABLES, ids=[f"{d}:{r}" for d, r, _ in TABLES])
