@@ -20,6 +20,20 @@ struct ApplyParams {
   BufDesc buf[kMaxBuf];
 };
 
+// The n pairs (s_dst[i], s_dst[seg + i]) of one row, moved (or swapped) in
+// every buffer: the row at coordinates c.
+__device__ __forceinline__ void move_row_pairs(int32_t *s_dst, uint32_t seg, int n, const BufDesc *buf, int nbuf,
+                                               const Lead &lead, const uint32_t (&c)[kMaxDims], int32_t swap) {
+  RingPairs get;
+  get.D = s_dst;
+  get.s_off = (int)seg;
+  get.a0 = 0;
+  get.b0 = 0;
+  get.cap = 0x7FFFFFFF;
+  for (int b = 0; b < nbuf; ++b)
+    move_pairs_inline(buf[b].data + row_offset(lead, c, buf[b].lead), buf[b], (uint32_t)n, swap, get);
+}
+
 __global__ void __launch_bounds__(kApplyThreads, 4) k_apply(const __grid_constant__ ApplyParams p) {
   extern __shared__ __align__(16) unsigned char dsm[];
   int32_t *s_dst = reinterpret_cast<int32_t *>(dsm);
@@ -45,18 +59,7 @@ __global__ void __launch_bounds__(kApplyThreads, 4) k_apply(const __grid_constan
   const bool aborted = call_aborted(module_words(), p.token, p.nverdict);
   __syncthreads();
   const int n = s_n;
-  if (!aborted && n > 0) {
-    RingPairs get;
-    get.D = s_dst;
-    get.s_off = (int)p.seg;
-    get.a0 = 0;
-    get.b0 = 0;
-    get.cap = 0x7FFFFFFF;
-    for (int b = 0; b < p.nbuf; ++b) {
-      const BufDesc &bd = p.buf[b];
-      move_pairs_inline(bd.data + row_offset(p.lead, c, bd.lead), bd, (uint32_t)n, p.swap, get);
-    }
-  }
+  if (!aborted && n > 0) move_row_pairs(s_dst, p.seg, n, p.buf, p.nbuf, p.lead, c, p.swap);
 }
 
 }  // namespace imoe_cu

@@ -85,18 +85,7 @@ __global__ void __launch_bounds__(kApplyThreads) k_check_apply(const __grid_cons
     }
     __syncthreads();
     const int n = s_n;
-    if (n > 0) {
-      RingPairs get;
-      get.D = s_dst;
-      get.s_off = (int)p.M;
-      get.a0 = 0;
-      get.b0 = 0;
-      get.cap = 0x7FFFFFFF;
-      for (int b = 0; b < p.nbuf; ++b) {
-        const BufDesc &bd = p.buf[b];
-        move_pairs_inline(bd.data + row_offset(p.lead, c, bd.lead), bd, (uint32_t)n, p.swap, get);
-      }
-    }
+    if (n > 0) move_row_pairs(s_dst, (uint32_t)p.M, n, p.buf, p.nbuf, p.lead, c, p.swap);
     __syncthreads();  // the pairs are read before the next row writes them
   }
 }
