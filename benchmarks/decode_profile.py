@@ -9,6 +9,9 @@ the first token cancel), each step one token per sequence:
     slower than M1's);
   - device busy: the union of the CUDA kernels' intervals (what the GPU
     worked), and wall - busy (the GPU idle: the host is the bound there);
+    the idle gaps between kernels split at 10 us: short ones (kernel
+    boundaries, e.g. inside a CUDA graph) and long ones (the GPU waiting for
+    the host);
   - kernels launched, and CUDA graph launches;
   - the kernels by device time (name, launches, us per token), top --top;
   - the host's ops and ranges by self time (name, calls, us per token: where
@@ -56,6 +59,25 @@ def busy_us(intervals: list) -> float:
     return total
 
 
+SHORT_GAP_US = 10.0  # an idle gap shorter than this is a kernel boundary, not the host
+
+
+def gaps_us(intervals: list, short: float = SHORT_GAP_US) -> tuple:
+    """(short, long): the idle time between consecutive stretches of kernel
+    activity, split at `short` us. Short gaps are the boundaries between
+    kernels the GPU already had (inside a CUDA graph, or a queue the host
+    keeps ahead); long ones are the GPU waiting for the host."""
+    short_total, long_total, end = 0.0, 0.0, None
+    for a, b in sorted(intervals):
+        if end is not None and a > end:
+            if a - end < short:
+                short_total += a - end
+            else:
+                long_total += a - end
+        end = b if end is None or b > end else end
+    return short_total, long_total
+
+
 def _by_name(events, duration) -> dict:
     """name -> [count, total of duration(e) us] over events."""
     by_name = collections.defaultdict(lambda: [0, 0.0])
@@ -73,7 +95,9 @@ def totals(prof, wall_s: float) -> dict:
     kernels = [e for e in events if e.device_type == DeviceType.CUDA]
     host = [e for e in events if e.device_type == DeviceType.CPU]
     graphs = sum(1 for e in host if e.name == "cudaGraphLaunch")
-    return {"wall": wall_s * 1e6, "busy": busy_us([(e.time_range.start, e.time_range.end) for e in kernels]),
+    spans = [(e.time_range.start, e.time_range.end) for e in kernels]
+    short, long = gaps_us(spans)
+    return {"wall": wall_s * 1e6, "busy": busy_us(spans), "short_gaps": short, "long_gaps": long,
             "kernels": len(kernels), "graphs": graphs, "cuda": bool(kernels),
             "by_name": _by_name(kernels, lambda e: e.time_range.end - e.time_range.start),
             "host_by_name": _by_name(host, lambda e: e.self_cpu_time_total)}
@@ -97,6 +121,9 @@ def step_profile(long: dict, one: dict, steps: int, top: int) -> dict:
         "wall_us_per_step": round(per("wall"), 1),
         "device_busy_us_per_step": round(per("busy"), 1) if cuda else None,
         "device_idle_us_per_step": round(per("wall") - per("busy"), 1) if cuda else None,
+        # of that idle time: kernel boundaries (gaps under SHORT_GAP_US) and waits for the host
+        "device_short_gaps_us_per_step": round(per("short_gaps"), 1) if cuda else None,
+        "device_long_gaps_us_per_step": round(per("long_gaps"), 1) if cuda else None,
         "kernels_per_step": round(per("kernels"), 1),
         "graph_launches_per_step": round(per("graphs"), 2),
         "top_kernels": _per_step(long["by_name"], one["by_name"], steps, top, "launches_per_step",
@@ -159,7 +186,9 @@ def main() -> None:
         row = step_profile(profiled(opts.new_tokens), profiled(1), opts.new_tokens - 1, opts.top)
         result["impls"][name] = row
         print(f"{name}: wall {row['wall_us_per_step']} us/step, "
-              f"device busy {row['device_busy_us_per_step']}, idle {row['device_idle_us_per_step']}, "
+              f"device busy {row['device_busy_us_per_step']}, idle {row['device_idle_us_per_step']} "
+              f"(gaps under {SHORT_GAP_US:g} us {row['device_short_gaps_us_per_step']}, "
+              f"longer {row['device_long_gaps_us_per_step']}), "
               f"kernels {row['kernels_per_step']}, graph launches {row['graph_launches_per_step']}")
         for k in row["top_kernels"]:
             print(f"    {k['us_per_step']:9.2f} us  x{k['launches_per_step']:6.2f}  {k['name']}")

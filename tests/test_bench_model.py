@@ -420,12 +420,17 @@ def test_decode_profile_unions_kernel_intervals_and_takes_one_step():
     dp = _decode_profile()
     assert dp.busy_us([(5, 7), (0, 2), (1, 3), (10, 11), (6, 6.5)]) == 3 + 2 + 1
     assert dp.busy_us([]) == 0
-    long = {"wall": 1000.0, "busy": 700.0, "kernels": 40, "graphs": 4, "cuda": True,
-            "by_name": {"a": (30, 600.0), "b": (10, 100.0)}}
-    one = {"wall": 100.0, "busy": 70.0, "kernels": 4, "graphs": 1, "cuda": True, "by_name": {"a": (3, 60.0)}}
+    # gaps: 2 (short), 30 (long), none (inside [50, 60)), 2 (short, from the end of [50, 60))
+    assert dp.gaps_us([(0, 10), (12, 20), (50, 60), (55, 58), (62, 63)]) == (2 + 2, 30)
+    assert dp.gaps_us([]) == (0.0, 0.0) and dp.gaps_us([(0, 5), (1, 2)]) == (0.0, 0.0)
+    long = {"wall": 1000.0, "busy": 700.0, "short_gaps": 90.0, "long_gaps": 180.0, "kernels": 40,
+            "graphs": 4, "cuda": True, "by_name": {"a": (30, 600.0), "b": (10, 100.0)}}
+    one = {"wall": 100.0, "busy": 70.0, "short_gaps": 9.0, "long_gaps": 18.0, "kernels": 4, "graphs": 1,
+           "cuda": True, "by_name": {"a": (3, 60.0)}}
     row = dp.step_profile(long, one, 9, top=1)
     assert (row["wall_us_per_step"], row["device_busy_us_per_step"], row["device_idle_us_per_step"]) == \
         (100.0, 70.0, 30.0)
+    assert (row["device_short_gaps_us_per_step"], row["device_long_gaps_us_per_step"]) == (9.0, 18.0)
     assert row["kernels_per_step"] == 4.0 and row["graph_launches_per_step"] == round(3 / 9, 2)
     assert row["top_kernels"] == [{"name": "a", "launches_per_step": 3.0, "us_per_step": 60.0}]
     assert row["top_host"] == []
