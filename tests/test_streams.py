@@ -120,6 +120,26 @@ def test_current_refuses_a_cuda_array_of_a_framework_that_cannot_name_its_stream
     np.testing.assert_array_equal(x, x0)
 
 
+@pytest.mark.gpu
+def test_current_refuses_a_call_whose_cuda_arrays_are_all_capsules():
+    """A capsule cannot name its framework's stream: with no other CUDA array
+    to name it, "current" is refused (not run on the legacy default stream)."""
+    torch = pytest.importorskip("torch")
+    if not (torch.cuda.is_available() and _C.cuda_compiled()):
+        pytest.skip("needs torch.cuda and a CUDA build of idempotent_moe")
+    from torch.utils.dlpack import to_dlpack
+
+    x = torch.randn(2, 4, 3, device="cuda")
+    scores = torch.rand(2, 4, device="cuda")
+    out = torch.full((2, 2), -1, dtype=torch.int64, device="cuda")
+    x0 = x.clone()
+    with pytest.raises(ValueError, match="no array of this call did"):
+        _C.compact((to_dlpack(x),), (1,), (1,), scores=to_dlpack(scores), capacity=2, num_threads=1,
+                   out_indices=to_dlpack(out), stream="current")
+    torch.cuda.synchronize()
+    assert torch.equal(x, x0) and bool((out == -1).all())
+
+
 def test_current_with_a_tensor_that_requires_grad_is_refused_as_before():
     """Such a tensor takes __dlpack__, with no stream on host memory: torch
     refuses it, as it does with stream None."""

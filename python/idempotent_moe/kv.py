@@ -116,18 +116,19 @@ def _check_cache(key_cache: Any, value_cache: Any) -> None:
 
 
 def _direct(key_cache: Any, value_cache: Any, scores: Any, capacity: Any, active_indices: Any,
-            head_reduce: str, order: str) -> bool:
-    """Whether compact_kv_cache_inplace may call the core as compact_ does on
-    its direct path (functional._direct_axis), with nothing to work out here:
-    K and V 4-d, scores [B, H, S] one per KV head (as many heads as K), no
-    active indices, not traced by torch.compile. The core judges the rest:
-    K and V [B, H, S, D] with the scores' B, H and S."""
+            head_reduce: str, order: str) -> Any:
+    """torch when compact_kv_cache_inplace may call the core as compact_ does
+    on its direct path (functional._direct_axis), with nothing to work out
+    here: K and V 4-d, scores [B, H, S] one per KV head (as many heads as K),
+    no active indices, not traced by torch.compile; else None. The core
+    judges the rest: K and V [B, H, S, D] with the scores' B, H and S."""
     torch = _arrays._torch()
-    return (active_indices is None and head_reduce in HEAD_REDUCTIONS and not functional._compiling()
-            and functional._direct_axis(torch, (key_cache, value_cache), scores, capacity, SEQ_DIM,
-                                        order) == SEQ_DIM
-            and key_cache.ndim == 4 and value_cache.ndim == 4 and scores.ndim == 3
-            and scores.shape[1] == key_cache.shape[1])
+    direct = (active_indices is None and head_reduce in HEAD_REDUCTIONS and not functional._compiling()
+              and functional._direct_axis(torch, (key_cache, value_cache), scores, capacity, SEQ_DIM,
+                                          order) == SEQ_DIM
+              and key_cache.ndim == 4 and value_cache.ndim == 4 and scores.ndim == 3
+              and scores.shape[1] == key_cache.shape[1])
+    return torch if direct else None
 
 
 def compact_kv_cache_inplace(
@@ -164,12 +165,13 @@ def compact_kv_cache_inplace(
     with return_indices=True. Allocates the indices (unless out_indices is
     given) and, for per-query-head scores, the reduced [B, Hkv, S] scores.
     """
-    if _direct(key_cache, value_cache, attention_scores, capacity, active_indices, head_reduce, order):
+    torch = _direct(key_cache, value_cache, attention_scores, capacity, active_indices, head_reduce, order)
+    if torch is not None:
         # The common call: the core judges every value; a refusal is named
         # by the caches' own check where it is theirs (nothing has moved).
         try:
             result = functional._compact_tensors(
-                _arrays._torch(), (key_cache, value_cache), attention_scores, capacity, SEQ_DIM, mode,
+                torch, (key_cache, value_cache), attention_scores, capacity, SEQ_DIM, mode,
                 protected_prefix_len, recent_window, nan, out_indices, None, "int64")
         except ValueError:
             _check_cache(key_cache, value_cache)

@@ -169,10 +169,17 @@ int imoe_py_exec_for(const imoe_imports *set, int32_t num_threads, imoe_exec *ex
     if (device_of(&set->item[i], &e) < 0) return -1;
     if (i == 0) {
       *exec = e;
+      if (e.device == IMOE_DEVICE_CUDA && set->current && !set->has_current) {
+        /* Only an array read through its framework's exchange table (or one
+         * asked through __dlpack__) names the stream; a capsule cannot. */
+        PyErr_Format(PyExc_ValueError,
+                     "%s: stream 'current' is named by a CUDA array of a framework that publishes "
+                     "DLPack's C exchange table, and no array of this call did; pass the stream's value",
+                     set->item[0].name);
+        return -1;
+      }
       if (e.device == IMOE_DEVICE_CUDA)
-        exec->stream = !set->current     ? imoe_py_stream_handle(set->stream)
-                       : set->has_current ? set->current_handle
-                                          : NULL;
+        exec->stream = set->current ? set->current_handle : imoe_py_stream_handle(set->stream);
     } else if (e.device != exec->device || e.device_id != exec->device_id) {
       char here[32], there[32];
       format_device(here, sizeof here, &e);
