@@ -8,8 +8,9 @@
 //                   a stable counting sort (tiles of 1024 assignments, warp
 //                   match for the rank within a tile);
 //   k_moe_gather    one block per row: the row's token copied, or zeros;
-//   k_moe_combine   one block per token: the weighted sum of its rows, in j
-//                   order, in F32, each product rounded first (no FMA);
+//   k_moe_combine   one block per (token, chunk of 1,024 features): the
+//                   weighted sum of its rows, in j order, in F32, each product
+//                   rounded first (no FMA);
 //   k_moe_dest_check  one block: the combine's dest checked, when there are
 //                   too many entries for every combine block to check them;
 //   k_gated_act     act(gate) x up, vectorised by 16 bytes where aligned.
@@ -33,6 +34,9 @@ constexpr int kRowThreads = 128;     // k_moe_gather, k_moe_combine, k_gated_act
 constexpr int kRankDirect = 64;      // k_moe_sort: most assignments an expert ranks pairwise
 constexpr int kInlineDestCheck = 2048;  // combine: at most this many dest entries are
                                         // checked by every block (no check kernel)
+constexpr int kCombineChunk = kRowThreads * 8;  // combine: features one block sums
+constexpr int kCombineStage = 64;   // combine: most k whose dest and weights go to shared memory
+constexpr int kCombineBatch = 4;    // combine: rows loaded before any is added
 
 // A 2-d typed array: element (r, c) at data + r * row + c * col (bytes).
 struct Mat {
@@ -259,17 +263,26 @@ __global__ void __launch_bounds__(kRowThreads) k_moe_gather(const __grid_constan
   typedef typename VecOf<VW>::T V;
   griddep_wait();
   if (call_aborted(p.words, p.token, 1)) return;
-  const int64_t nv = p.row_bytes / VW;
+  const int64_t nv = p.row_bytes / VW, step = blockDim.x;
   for (int64_t r = blockIdx.x; r < p.R; r += gridDim.x) {
     const int64_t s = load_index(p.src.data + r * p.src.n_stride, p.src.dtype, p.src.aligned != 0);
     V *to = reinterpret_cast<V *>(p.rows + r * p.rows_row);
     if (s < 0) {
       V zero;
       memset(&zero, 0, sizeof zero);
-      for (int64_t x = threadIdx.x; x < nv; x += blockDim.x) to[x] = zero;
+      for (int64_t x = threadIdx.x; x < nv; x += step) to[x] = zero;
     } else {
+      // Two vectors in flight per thread: a row of 2,048 bf16 is two 16-byte
+      // vectors for each of 128 threads, both loaded before either is stored.
       const V *from = reinterpret_cast<const V *>(p.hidden + s * p.hidden_row);
-      for (int64_t x = threadIdx.x; x < nv; x += blockDim.x) to[x] = from[x];
+      for (int64_t x = threadIdx.x; x < nv; x += 2 * step) {
+        const bool second = x + step < nv;
+        const V a = from[x];
+        V b;
+        if (second) b = from[x + step];
+        to[x] = a;
+        if (second) to[x + step] = b;
+      }
     }
   }
 }
@@ -306,9 +319,38 @@ __global__ void __launch_bounds__(1024) k_moe_dest_check(const __grid_constant__
   }
 }
 
-// VEC: 8 consecutive features per thread, 16-byte loads of 16-bit rows.
+// Eight features of a row, as floats: two 16-byte loads of F32, one of 16-bit.
+template <int YDT>
+__device__ __forceinline__ void load8(const char *y, float v[8]) {
+  if (YDT == IMOE_DTYPE_F32) {
+    const float4 a = reinterpret_cast<const float4 *>(y)[0], b = reinterpret_cast<const float4 *>(y)[1];
+    v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
+  } else {
+    const uint4 q = *reinterpret_cast<const uint4 *>(y);
+    const uint32_t words[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      const uint16_t lo = (uint16_t)(words[u] & 0xFFFFu), hi = (uint16_t)(words[u] >> 16);
+      if (YDT == IMOE_DTYPE_F16) {
+        v[2 * u] = __half2float(__ushort_as_half(lo));
+        v[2 * u + 1] = __half2float(__ushort_as_half(hi));
+      } else {
+        v[2 * u] = __bfloat162float(__ushort_as_bfloat16(lo));
+        v[2 * u + 1] = __bfloat162float(__ushort_as_bfloat16(hi));
+      }
+    }
+  }
+}
+
+// One block per (token, chunk of kCombineChunk features). The token's dest
+// and weights are staged in shared memory (k <= kCombineStage), and the VEC
+// path loads kCombineBatch rows before adding any, so that a token's k row
+// loads overlap instead of waiting one after another; the sum is the same, in
+// j order. VEC: 8 consecutive features per thread, 16-byte loads of 16-bit rows.
 template <int YDT, bool VEC>
 __global__ void __launch_bounds__(kRowThreads) k_moe_combine(const __grid_constant__ CombineParams p) {
+  __shared__ int64_t s_dest[kCombineStage];
+  __shared__ float s_weight[kCombineStage];
   if (p.inline_check) {
     if (dest_bad(p.dest, p.T, p.k, p.R)) {
       if (threadIdx.x == 0 && blockIdx.x == 0) record_status(p.words, IMOE_ERR_INDEX_RANGE);
@@ -319,53 +361,58 @@ __global__ void __launch_bounds__(kRowThreads) k_moe_combine(const __grid_consta
     if (call_aborted(p.words, p.token, 1)) return;
   }
   constexpr int ysize = YDT == IMOE_DTYPE_F32 ? 4 : 2;
-  for (int64_t t = blockIdx.x; t < p.T; t += gridDim.x) {
+  const int osize = p.odt == IMOE_DTYPE_F32 ? 4 : 2;
+  const bool staged = p.k <= kCombineStage;
+  const int64_t chunks = (p.H + kCombineChunk - 1) / kCombineChunk;
+  for (int64_t item = blockIdx.x; item < p.T * chunks; item += gridDim.x) {
+    const int64_t t = item / chunks, c0 = item % chunks * kCombineChunk;
+    const int64_t c1 = c0 + kCombineChunk < p.H ? c0 + kCombineChunk : p.H;
+    if (staged) {
+      __syncthreads();  // the previous item's readers are done
+      for (int j = threadIdx.x; j < p.k; j += blockDim.x) {
+        s_dest[j] = mat_index(p.dest, t, j);
+        s_weight[j] = load_float(p.weights.data + t * p.weights.row + j * p.weights.col, p.weights.dtype);
+      }
+      __syncthreads();
+    }
+    auto dest_of = [&](int j) -> int64_t { return staged ? s_dest[j] : mat_index(p.dest, t, j); };
+    auto weight_of = [&](int j) -> float {
+      return staged ? s_weight[j]
+                    : load_float(p.weights.data + t * p.weights.row + j * p.weights.col, p.weights.dtype);
+    };
     char *out = p.out + t * p.out_row;
     if (VEC) {
-      for (int64_t h0 = (int64_t)threadIdx.x * 8; h0 < p.H; h0 += (int64_t)blockDim.x * 8) {
-        float acc[8];
+      const int64_t h0 = c0 + (int64_t)threadIdx.x * 8;  // H % 8 == 0: all 8 are in the row
+      if (h0 >= c1) continue;
+      float acc[8];
 #pragma unroll
-        for (int u = 0; u < 8; ++u) acc[u] = 0.0f;
-        for (int j = 0; j < p.k; ++j) {
-          const int64_t d = mat_index(p.dest, t, j);
-          if (d < 0) continue;
-          const float w = load_float(p.weights.data + t * p.weights.row + j * p.weights.col, p.weights.dtype);
-          const char *y = p.rows + d * p.rows_row + h0 * ysize;
-          float v[8];
-          if (YDT == IMOE_DTYPE_F32) {
-            const float4 a = reinterpret_cast<const float4 *>(y)[0], b = reinterpret_cast<const float4 *>(y)[1];
-            v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
-          } else {
-            const uint4 q = *reinterpret_cast<const uint4 *>(y);
-            const uint32_t words[4] = {q.x, q.y, q.z, q.w};
+      for (int u = 0; u < 8; ++u) acc[u] = 0.0f;
+      for (int j0 = 0; j0 < p.k; j0 += kCombineBatch) {
+        int64_t d[kCombineBatch];
+        float v[kCombineBatch][8];
 #pragma unroll
-            for (int u = 0; u < 4; ++u) {
-              const uint16_t lo = (uint16_t)(words[u] & 0xFFFFu), hi = (uint16_t)(words[u] >> 16);
-              if (YDT == IMOE_DTYPE_F16) {
-                v[2 * u] = __half2float(__ushort_as_half(lo));
-                v[2 * u + 1] = __half2float(__ushort_as_half(hi));
-              } else {
-                v[2 * u] = __bfloat162float(__ushort_as_bfloat16(lo));
-                v[2 * u + 1] = __bfloat162float(__ushort_as_bfloat16(hi));
-              }
-            }
-          }
-#pragma unroll
-          for (int u = 0; u < 8; ++u) acc[u] = __fadd_rn(acc[u], round_to(__fmul_rn(v[u], w), p.tdt));
+        for (int b = 0; b < kCombineBatch; ++b) {
+          d[b] = j0 + b < p.k ? dest_of(j0 + b) : -1;
+          if (d[b] >= 0) load8<YDT>(p.rows + d[b] * p.rows_row + h0 * ysize, v[b]);
         }
 #pragma unroll
-        for (int u = 0; u < 8; ++u) store_float(out + (h0 + u) * (p.odt == IMOE_DTYPE_F32 ? 4 : 2), p.odt, acc[u]);
+        for (int b = 0; b < kCombineBatch; ++b) {
+          if (d[b] < 0) continue;
+          const float w = weight_of(j0 + b);
+#pragma unroll
+          for (int u = 0; u < 8; ++u) acc[u] = __fadd_rn(acc[u], round_to(__fmul_rn(v[b][u], w), p.tdt));
+        }
       }
+#pragma unroll
+      for (int u = 0; u < 8; ++u) store_float(out + (h0 + u) * osize, p.odt, acc[u]);
     } else {
-      const int osize = p.odt == IMOE_DTYPE_F32 ? 4 : 2;
-      for (int64_t h = threadIdx.x; h < p.H; h += blockDim.x) {
+      for (int64_t h = c0 + threadIdx.x; h < c1; h += blockDim.x) {
         float acc = 0.0f;
         for (int j = 0; j < p.k; ++j) {
-          const int64_t d = mat_index(p.dest, t, j);
+          const int64_t d = dest_of(j);
           if (d < 0) continue;
-          const float w = load_float(p.weights.data + t * p.weights.row + j * p.weights.col, p.weights.dtype);
           const float y = load_float(p.rows + d * p.rows_row + h * ysize, YDT);
-          acc = __fadd_rn(acc, round_to(__fmul_rn(y, w), p.tdt));
+          acc = __fadd_rn(acc, round_to(__fmul_rn(y, weight_of(j)), p.tdt));
         }
         store_float(out + h * osize, p.odt, acc);
       }
@@ -612,7 +659,7 @@ imoe_status imoe_cuda_moe_combine(const imoe_view *rows, const imoe_view *dest, 
     if (e != cudaSuccess) return cuda_fail(err, fn, "launch of k_moe_dest_check", e);
   }
   const bool vec = cp.H % 8 == 0 && vector_width({(int64_t)(uintptr_t)cp.rows, cp.rows_row}) >= 16;
-  const unsigned grid = grid_for(cp.T, di);
+  const unsigned grid = grid_for(cp.T * ((cp.H + kCombineChunk - 1) / kCombineChunk), di);
   const bool pdl = !cp.inline_check && di->cc_major >= 9;
   switch (cp.ydt) {
     case IMOE_DTYPE_F32: e = launch_combine<IMOE_DTYPE_F32>(vec, grid, pdl, st, cp); break;

@@ -321,14 +321,23 @@ def test_gpu_dispatch_moves_rows_of_any_width(hidden_shape, dtype):
     _cuda_equal_cpu_dispatch(50, 2, 4, None, "grouped", hidden_shape, dtype, 7, torch.int32)
 
 
+# One token and few (the decode shapes), k past the 64 staged in shared memory,
+# and the check kernel (4096 x 2 entries); rows of one feature chunk, of
+# several with a partial last chunk (2056, 1032: 16-byte vectors; 1500: the
+# element path), and narrow rows.
 @pytest.mark.gpu
-@pytest.mark.parametrize("tokens,top_k", [(8, 2), (4096, 2)])  # inline check, check kernel
+@pytest.mark.parametrize("tokens,top_k", [(1, 8), (3, 6), (8, 2), (5, 80), (4096, 2)])
 @pytest.mark.parametrize("row_dtype,weight_dtype,hidden", [(torch.bfloat16, torch.bfloat16, 2048),
+                                                           (torch.bfloat16, torch.float32, 2056),
                                                            (torch.float16, torch.float32, 100),
-                                                           (torch.float32, torch.float32, 64)])
+                                                           (torch.float32, torch.float32, 64),
+                                                           (torch.float32, torch.bfloat16, 1032),
+                                                           (torch.float16, torch.float16, 1500)])
 def test_gpu_combine_equals_the_cpu(tokens, top_k, row_dtype, weight_dtype, hidden):
-    index, weights = routing(tokens, top_k, 8, seed=tokens, weight_dtype=weight_dtype)
-    d = moe_dispatch(torch.zeros(tokens, 1), index, 8, top_k_weights=weights, capacity=tokens // 5 + 1)
+    experts = max(8, 2 * top_k)
+    index, weights = routing(tokens, top_k, experts, seed=tokens, weight_dtype=weight_dtype)
+    d = moe_dispatch(torch.zeros(tokens, 1), index, experts, top_k_weights=weights,
+                     capacity=tokens // 5 + 1)
     y = torch.randn(tokens * top_k, hidden).to(row_dtype)
     cpu = moe_combine(y, d.dest, weights)
     gpu = moe_combine(y.cuda(), d.dest.cuda(), weights.cuda())
