@@ -50,7 +50,7 @@ if os.path.exists(os.path.join(RESULTS, "model-cuda.json")):
 # options of ours (+gemm, +router), and H1 alone.
 TABLES += [("docs/results.md", name, model_report.doc_from_json)
            for name in ("model-static-cuda.json", "model-options-cuda.json", "model-h1-cuda.json",
-                        "model-h1-apply-cuda.json")]
+                        "model-h1-apply-cuda.json", "model-static-b1-combine-cuda.json")]
 
 
 @pytest.mark.parametrize("doc, result, render", TABLES, ids=[f"{d}:{r}" for d, r, _ in TABLES])
