@@ -518,9 +518,9 @@ def test_the_default_gate_is_known_while_tracing_with_or_without_an_eager_forwar
         assert (_dispatch._DEFAULT_GATE in experts.__dict__) is eager_first  # not written while tracing
 
 
-def _identity_guards(impl: str, layers: int) -> int:
-    """Identity guards (Python lambdas, checked at every call) of one compiled
-    static-cache step of the quick Qwen3-MoE-like model with `layers` layers."""
+def _step_guards(impl: str, layers: int, device: str = "cpu") -> str:
+    """The guards of one compiled static-cache step of the quick
+    Qwen3-MoE-like model with `layers` layers, as torch prints them."""
     import inspect
 
     from idempotent_moe.bench import model_families as mf
@@ -530,21 +530,21 @@ def _identity_guards(impl: str, layers: int) -> int:
     base = mf.QUICK_MOE_FAMILIES["qwen3moe"]
     family = mf.Family(base.key, base.name, base.config_class,
                        dict(base.config, num_hidden_layers=layers), base.dtype)
-    model = mf.build_model(family, "cpu")
+    model = mf.build_model(family, device)
     mf.use_impl(model, mf.parse_impl(impl))
     torch._dynamo.reset()
     cache = StaticCache(config=model.config, max_cache_len=16)
     # The cache's keyword: `cache` from transformers 5.2x, `past_key_values` before.
     name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     kw = {name: cache, "use_cache": True}
-    ids = torch.randint(0, 200, (1, 4), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(0, 200, (1, 4), generator=torch.Generator().manual_seed(0)).to(device)
     with torch.no_grad():
-        model(ids, cache_position=torch.arange(4), **kw)
+        model(ids, cache_position=torch.arange(4, device=device), **kw)
         step = torch.compile(model.forward, backend="eager")
         for pos in (4, 5):
-            step(ids[:, :1], cache_position=torch.tensor([pos]), **kw)
+            step(ids[:, :1], cache_position=torch.tensor([pos], device=device), **kw)
     (entry,) = _debug_get_cache_entry_list(type(model).forward.__code__)
-    return str(entry.guard_manager).count("LAMBDA_GUARD")
+    return str(entry.guard_manager)
 
 
 def test_compiled_steps_gain_no_guard_per_layer_over_transformers():
@@ -553,9 +553,46 @@ def test_compiled_steps_gain_no_guard_per_layer_over_transformers():
     compiled decode step: each would be checked at every step of every
     layer. The guards' growth from 2 to 4 layers is transformers' own."""
     pytest.importorskip("torch._dynamo.eval_frame")
-    growth = {impl: _identity_guards(impl, 4) - _identity_guards(impl, 2)
+    growth = {impl: _step_guards(impl, 4).count("LAMBDA_GUARD") - _step_guards(impl, 2).count("LAMBDA_GUARD")
               for impl in ("grouped_mm", "idempotent+router")}
     assert growth["idempotent+router"] <= growth["grouped_mm"], growth
+
+
+def _experts_tag_safety(impl: str, device: str) -> list:
+    """Per layer of a compiled step (three layers), with torch's recursive
+    dict-tag guards on: whether the experts module's guards may be skipped
+    while its __dict__ is unchanged ("tag safe", as torch prints it)."""
+    pytest.importorskip("torch._dynamo.eval_frame")
+    if not hasattr(torch._dynamo.config, "use_recursive_dict_tags_for_guards"):
+        pytest.skip("this torch has no recursive dict-tag guards")
+    with torch._dynamo.config.patch(use_recursive_dict_tags_for_guards=True):
+        text = _step_guards(impl, 3, device)
+    managers = [line for line in text.splitlines() if "._modules['experts'], accessed_by" in line]
+    assert len(managers) == 3, managers
+    return ["tag_safe=(True" in m for m in managers]
+
+
+def test_a_compiled_step_can_skip_the_experts_guards():
+    """torch.compile skips the guards of an nn.Module whose __dict__ is
+    unchanged since the last step when the module is "tag safe" (it and what
+    the step read from it are modules, dicts and immutable values). Ours
+    are where grouped_mm's are (every layer's but the first, whose class is
+    guarded there): a read of experts.__dict__ (the default gate,
+    idempotent_stats) made the experts, their MoE block and their layer
+    checked guard by guard at every step."""
+    theirs = _experts_tag_safety("grouped_mm", "cpu")
+    assert _experts_tag_safety("idempotent+router", "cpu") == theirs and any(theirs), theirs
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (torch.cuda.is_available() and imoe.cuda_available()),
+                    reason="needs torch.cuda and a CUDA build of idempotent_moe")
+def test_a_compiled_step_can_skip_the_experts_guards_with_the_small_m_gemm():
+    """The same on CUDA with the small-M GEMM switch, read from the module's
+    config at every forward: getattr(experts, "config", None) there made the
+    config a guarded child of the module, which is not tag safe."""
+    theirs = _experts_tag_safety("grouped_mm", "cuda")
+    assert _experts_tag_safety("idempotent+gemm+router", "cuda") == theirs and any(theirs), theirs
 
 
 def test_grouped_gemm_stands_in_while_tracing_only_where_it_is_safe_and_small():

@@ -214,8 +214,10 @@ def _default_gate(experts) -> bool:
     output features of gate_up_proj, up = the last I, act(gate) * up. Worked
     out from the module's class once, in an eager forward, and kept on the
     module: under torch.compile, type(experts) in every layer would add an
-    identity guard that every compiled step checks."""
-    known = experts.__dict__.get(_DEFAULT_GATE)
+    identity guard that every compiled step checks. Read as an attribute:
+    a read of experts.__dict__ would keep a compiled step from skipping the
+    module's guards while its __dict__ is unchanged."""
+    known = getattr(experts, _DEFAULT_GATE, None)
     if known is not None:
         return known
     try:

@@ -114,8 +114,12 @@ def _small_m_on(experts, plan: _Plan, rows: int) -> bool:
     the weights fit, at most SMALL_M_ROWS_PER_EXPERT rows per expert on
     average, and the module's config asks for it (read every forward: it may
     be switched)."""
+    # experts.config read as an attribute (every experts module of transformers'
+    # interface has one): under torch.compile the config is then guarded where
+    # the model's own reads guard it, and the module stays one whose guards a
+    # compiled step skips while its __dict__ is unchanged (test_hf_moe).
     return (plan.small_m and rows <= SMALL_M_ROWS_PER_EXPERT * experts.num_experts
-            and getattr(getattr(experts, "config", None), SMALL_M_GEMM_ATTR, False) is True)
+            and getattr(experts.config, SMALL_M_GEMM_ATTR, False) is True)
 
 
 def _grouped(lib, a: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, stream: int, small_m: bool):
@@ -300,8 +304,10 @@ def experts_forward(experts, hidden_states: torch.Tensor, top_k_index: torch.Ten
     if capacity_factor is None:
         out, _ = forward(experts, hidden_states, top_k_index, top_k_weights, None)
         # Stored only where it is not None already: a compiled decode step
-        # then replays no module attribute write per layer.
-        if experts.__dict__.get("idempotent_stats", False) is not None:
+        # then replays no module attribute write per layer. Read as an
+        # attribute, not through __dict__, which would keep torch.compile from
+        # skipping the module's guards (see _small_m_on).
+        if getattr(experts, "idempotent_stats", False) is not None:
             experts.idempotent_stats = None
         return out
     num_tokens, top_k = top_k_index.shape
