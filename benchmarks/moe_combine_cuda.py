@@ -16,50 +16,20 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 
 import torch
 
 sys.path.insert(0, "python")
 from idempotent_moe._native import native  # noqa: E402
 from idempotent_moe.bench.runner import _git_commit  # noqa: E402
+from idempotent_moe.bench.timing import interleaved_cuda  # noqa: E402
 from idempotent_moe.moe_ops import moe_combine, moe_dispatch  # noqa: E402
 
 MODELS = {  # hidden, experts, top-k, tokens
     "mixtral": (2048, 8, 2, [1, 8, 32, 4096]),
     "qwen3": (2048, 128, 8, [1, 8, 32, 4096]),
 }
-SPIN_CYCLES = 1_000_000  # ~0.5 ms: the host's launch work hides behind it
-
-
-def measure(impls: dict, rounds: int) -> dict:
-    """Median device us per implementation, interleaved round by round, and
-    host us per call back to back (50 calls, no sync between them)."""
-    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    samples = {name: [] for name in impls}
-    for fn in impls.values():
-        for _ in range(3):
-            fn()
-    for r in range(rounds):
-        order = list(impls.items()) if r % 2 == 0 else list(reversed(impls.items()))
-        for name, fn in order:
-            torch.cuda._sleep(SPIN_CYCLES)
-            start.record()
-            fn()
-            stop.record()
-            stop.synchronize()
-            samples[name].append(start.elapsed_time(stop) * 1e3)
-    host = {}
-    for name, fn in impls.items():
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(50):
-            fn()
-        host[name] = (time.perf_counter() - t0) / 50 * 1e6
-        torch.cuda.synchronize()
-    return {name: {"device_us": statistics.median(s), "host_us": host[name]} for name, s in samples.items()}
 
 
 def one_shape(model: str, hidden: int, experts: int, top_k: int, tokens: int, args, lib) -> dict:
@@ -88,8 +58,9 @@ def one_shape(model: str, hidden: int, experts: int, top_k: int, tokens: int, ar
                          out_offsets=dd.offsets, out_dest=dd.dest, out_src=dd.src, num_threads=0,
                          stream=stream)
 
-    times = measure({"moe_combine": ours, "torch_weighted_sum": torch_sum, "moe_dispatch": dispatch},
-                    args.rounds)
+    impls = {"moe_combine": ours, "torch_weighted_sum": torch_sum, "moe_dispatch": dispatch}
+    times = {name: {"device_us": dev_ms * 1e3, "host_us": host_ms * 1e3}
+             for name, (dev_ms, host_ms) in interleaved_cuda(impls, args.rounds).items()}
     ours()
     torch.cuda.synchronize()
     exact = torch.equal(out.cpu(), cpu)

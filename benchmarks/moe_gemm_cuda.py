@@ -16,21 +16,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 
 import torch
 
 sys.path.insert(0, "python")
 from idempotent_moe._native import native  # noqa: E402
 from idempotent_moe.bench.runner import _git_commit  # noqa: E402
+from idempotent_moe.bench.timing import interleaved_cuda  # noqa: E402
 
 MODELS = {  # hidden, intermediate, experts, top-k, rows S
     "mixtral": (2048, 7168, 8, 2, [1, 8, 16, 32, 64]),
     "qwen3": (2048, 768, 128, 8, [8, 64, 256]),
 }
-SPIN_CYCLES = 1_000_000  # ~0.5 ms: the host's launch work hides behind it
 
 
 def routed_rows(rows: int, experts: int, top_k: int, gen: torch.Generator) -> torch.Tensor:
@@ -61,35 +59,6 @@ def reference(a, w, offsets) -> torch.Tensor:
     return y
 
 
-def measure(impls: dict, args: tuple, rounds: int, flush: torch.Tensor) -> dict:
-    """Median device ms per implementation, interleaved round by round, and
-    host ms per call back to back."""
-    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    samples = {name: [] for name in impls}
-    for fn in impls.values():
-        for _ in range(3):
-            fn(*args)
-    for r in range(rounds):
-        order = list(impls.items()) if r % 2 == 0 else list(reversed(impls.items()))
-        for name, fn in order:
-            flush.zero_()
-            torch.cuda._sleep(SPIN_CYCLES)
-            start.record()
-            fn(*args)
-            stop.record()
-            stop.synchronize()
-            samples[name].append(start.elapsed_time(stop))
-    host = {}
-    for name, fn in impls.items():
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(50):
-            fn(*args)
-        host[name] = (time.perf_counter() - t0) / 50 * 1e3
-        torch.cuda.synchronize()
-    return {name: (statistics.median(s), host[name]) for name, s in samples.items()}
-
-
 def one_shape(model: str, gemm: str, rows: int, k: int, n: int, experts: int, top_k: int, w: torch.Tensor,
               args: argparse.Namespace, lib, flush: torch.Tensor) -> dict:
     gen = torch.Generator().manual_seed(rows)
@@ -98,7 +67,8 @@ def one_shape(model: str, gemm: str, rows: int, k: int, n: int, experts: int, to
     out = torch.empty(rows, n, dtype=torch.bfloat16, device="cuda")
     stream = torch.cuda.current_stream().cuda_stream or 1
     impls = {"grouped_gemm": ours(lib, stream), "grouped_mm": theirs}
-    times = measure(impls, (a, w, offsets, out), args.rounds, flush)
+    times = interleaved_cuda({name: (lambda fn=fn: fn(a, w, offsets, out)) for name, fn in impls.items()},
+                             args.rounds, before=flush.zero_)
     counts = torch.diff(offsets.cpu(), prepend=torch.zeros(1, dtype=torch.int32))
     active = int((counts > 0).sum())
     size = w.element_size()

@@ -64,6 +64,43 @@ def time_calls(
     return Timing(statistics.median(samples), min(samples), runs, statistics.median(host))
 
 
+def interleaved_cuda(impls: dict, rounds: int, before: Callable[[], object] | None = None,
+                     host_calls: int = 50) -> dict:
+    """name -> (median device ms, host ms per call) of zero-argument CUDA
+    calls timed side by side: three untimed calls each, then `rounds` rounds
+    that call every implementation once, in reverse order every other round,
+    each after `before` (untimed; e.g. an L2 flush) and BUSY_CYCLES of spin,
+    between CUDA events; then `host_calls` calls of each back to back with no
+    synchronisation (the host's time per call, the queue's drain left out)."""
+    import torch
+
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    samples = {name: [] for name in impls}
+    for fn in impls.values():
+        for _ in range(3):
+            fn()
+    for r in range(rounds):
+        order = list(impls.items()) if r % 2 == 0 else list(reversed(impls.items()))
+        for name, fn in order:
+            if before is not None:
+                before()
+            torch.cuda._sleep(BUSY_CYCLES)
+            start.record()
+            fn()
+            stop.record()
+            stop.synchronize()
+            samples[name].append(start.elapsed_time(stop))
+    host = {}
+    for name, fn in impls.items():
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(host_calls):
+            fn()
+        host[name] = (time.perf_counter() - t0) / host_calls * 1e3
+        torch.cuda.synchronize()
+    return {name: (statistics.median(s), host[name]) for name, s in samples.items()}
+
+
 def cuda_memory(fn: Callable[[], object]) -> tuple:
     """(fn's result, fields): the peak bytes one call of fn allocates beyond
     what was allocated before it, and the caching allocator's reserved pool
