@@ -741,6 +741,30 @@ def test_expert_parallel_matches_transformers_grouped_mm(factor):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
+def test_expert_parallel_gradients_ignore_what_grouped_mm_leaves_unwritten(monkeypatch):
+    """grouped_mm leaves the rows past offsets[-1] (other ranks' assignments)
+    unwritten: whatever they hold, NaN included, reaches no gradient."""
+    from idempotent_moe.integrations import _dispatch as dispatch_module
+
+    grouped_linear = dispatch_module.grouped_linear
+
+    def unwritten_rows_nan(x, weight, offsets, transposed):
+        out = grouped_linear(x, weight, offsets, transposed)
+        past = (torch.arange(out.shape[0]) >= offsets[-1]).unsqueeze(-1)
+        return out.masked_fill(past, float("nan"))
+
+    experts = standalone_experts()
+    experts._is_expert_parallel = True
+    hidden = torch.randn(40, 16, generator=torch.Generator().manual_seed(14))
+    index, weights = _expert_parallel_routing(40, 8, 2, seed=9)
+    clean = _grads(experts, hidden, index, weights, "idempotent")
+    monkeypatch.setattr(dispatch_module, "grouped_linear", unwritten_rows_nan)
+    poisoned = _grads(experts, hidden, index, weights, "idempotent")
+    for a, b in zip(poisoned, clean):
+        assert torch.isfinite(a).all()
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
 def test_expert_parallel_sentinels_only_where_the_module_is_split():
     experts = standalone_experts()
     index, weights = _expert_parallel_routing(10, 8, 2, seed=10)

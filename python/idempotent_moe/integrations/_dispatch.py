@@ -378,14 +378,16 @@ def dropless_forward(experts, hidden_states: torch.Tensor, top_k_index: torch.Te
     """Every assignment computed: sort by expert, one gathered buffer [S, H],
     grouped GEMMs, combine by the sort's indices. Under expert parallelism the
     other ranks' assignments (ids >= E) sort last, are computed by no GEMM and
-    add nothing (their rows are zeroed before the GEMMs, so no gradient comes
-    back from rows grouped_mm leaves unwritten)."""
+    add nothing. Their rows are zeroed before the GEMMs and again after them:
+    grouped_mm leaves them unwritten, and a NaN there would come back through
+    the combine as 0 * NaN in the routing weights' gradient."""
     dispatch = sort_by_expert(top_k_index, experts.num_experts, sentinels=expert_parallel(experts))
     x = hidden_states.index_select(0, dispatch.src_token)  # the one gathered buffer
-    if dispatch.local is not None:  # the sorted rows at or beyond offsets[-1] are other ranks'
-        foreign = torch.arange(x.shape[0], device=x.device) >= dispatch.offsets[-1]
-        x = x.masked_fill(foreign.unsqueeze(-1), 0)
-    y = expert_mlp_sorted(experts, x, dispatch)
+    if dispatch.local is None:
+        y = expert_mlp_sorted(experts, x, dispatch)
+    else:  # the sorted rows at or beyond offsets[-1] are other ranks'
+        foreign = (torch.arange(x.shape[0], device=x.device) >= dispatch.offsets[-1]).unsqueeze(-1)
+        y = expert_mlp_sorted(experts, x.masked_fill(foreign, 0), dispatch).masked_fill(foreign, 0)
     return combine(y, dispatch.dest, top_k_weights, hidden_states.dtype, keep=dispatch.local)
 
 
