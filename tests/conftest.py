@@ -50,6 +50,18 @@ TRANSFORMERS_DEPRECATIONS = (
 def pytest_configure(config):
     for spec in TRANSFORMERS_DEPRECATIONS:
         config.addinivalue_line("filterwarnings", spec)
+    poison_uninitialized_memory()
+
+
+def poison_uninitialized_memory() -> None:
+    """Without a GPU (CI), torch fills every tensor it allocates uninitialised
+    (ours and those inside its ops, grouped_mm's unwritten rows among them)
+    with NaN, or an integer dtype's largest value: a read of such memory fails
+    a test every run instead of now and then. GPU runs keep torch's defaults,
+    whose kernels and timings deterministic mode would change."""
+    if torch is not None and not torch.cuda.is_available():
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        torch.utils.deterministic.fill_uninitialized_memory = True
 
 
 def _gpu_ready() -> bool:
