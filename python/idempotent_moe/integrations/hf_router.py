@@ -38,9 +38,17 @@ import torch.nn.functional as F
 from .. import moe_ops
 
 # A fused router class carries `_idempotent_fused_from` (the class it was made
-# from) and `_idempotent_family` (its SUPPORTED_ROUTERS entry), read through
-# the instance by the fused forward.
+# from) and its SUPPORTED_ROUTERS entry as two plain values,
+# `_idempotent_renormalize` and `_idempotent_cast`, read through the instance
+# by the fused forward. torch.compile takes a str, a bool or None as a
+# constant; an object (the entry itself) reached from each layer's router
+# would cost an identity guard per layer (torch 2.11) at every step.
 _fused_classes: dict = {}  # router class -> its fused subclass
+
+# The device type on which the fused forward runs; elsewhere the original
+# forward runs (torch's CPU softmax differs from the kernel's in the last
+# bits). Tests route the CPU through the fused forward to read its guards.
+_FUSED_DEVICE_TYPE = "cuda"
 
 
 class _RouterFamily(NamedTuple):
@@ -63,22 +71,27 @@ def fused_route(router: torch.nn.Module, hidden_states, family: _RouterFamily | 
     router's entry of SUPPORTED_ROUTERS (by its class name when None)."""
     if family is None:
         family = SUPPORTED_ROUTERS[type(router).__name__]
+    return _route(router, hidden_states, family.renormalize, family.cast)
+
+
+def _route(router: torch.nn.Module, hidden_states, renormalize_attr: str | None, cast: bool):
+    """fused_route with the family's two values (see _RouterFamily)."""
     hidden_states = hidden_states.reshape(-1, router.hidden_dim)
     router_logits = F.linear(hidden_states, router.weight)
-    renormalize = True if family.renormalize is None else bool(getattr(router, family.renormalize))
+    renormalize = True if renormalize_attr is None else bool(getattr(router, renormalize_attr))
     weights, indices = moe_ops.topk_softmax(
         router_logits, router.top_k, renormalize=renormalize,
-        out_dtype=router_logits.dtype if family.cast else torch.float32)
+        out_dtype=router_logits.dtype if cast else torch.float32)
     return router_logits, weights, indices
 
 
 def _fused_forward(self, hidden_states):
     recording = torch.is_grad_enabled() and (hidden_states.requires_grad or self.weight.requires_grad)
-    if not hidden_states.is_cuda or recording:
+    if hidden_states.device.type != _FUSED_DEVICE_TYPE or recording:
         return self._idempotent_fused_from.forward(self, hidden_states)
     # Class attributes read through self, not type(self): under torch.compile
     # each layer's type(...) would add an identity guard checked at every step.
-    return fused_route(self, hidden_states, self._idempotent_family)
+    return _route(self, hidden_states, self._idempotent_renormalize, self._idempotent_cast)
 
 
 def _reduce_as_original(self, protocol):
@@ -110,7 +123,8 @@ def _fused_class(cls: type) -> type:
         fused = type(cls.__name__, (cls,), {
             "forward": _fused_forward, "__reduce_ex__": _reduce_as_original, "__copy__": _copy_fused,
             "__deepcopy__": _deepcopy_fused, "_idempotent_fused_from": cls,
-            "_idempotent_family": SUPPORTED_ROUTERS[cls.__name__],
+            "_idempotent_renormalize": SUPPORTED_ROUTERS[cls.__name__].renormalize,
+            "_idempotent_cast": SUPPORTED_ROUTERS[cls.__name__].cast,
             "__module__": cls.__module__, "__qualname__": cls.__qualname__,
             "__doc__": f"{cls.__qualname__} with the fused forward of idempotent_moe.fuse_routers."})
         _fused_classes[cls] = fused
