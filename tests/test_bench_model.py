@@ -442,6 +442,29 @@ def test_decode_profile_unions_kernel_intervals_and_takes_one_step():
         {"name": "aten::add", "calls_per_step": round(24 / 9, 2), "self_us_per_step": 8.0}]
 
 
+def test_guard_check_times_the_guards_a_compiled_step_passes(tmp_path):
+    """benchmarks/guard_check.py on the CPU (two quick layers, its own
+    process: it routes the CPU through the fused routers): every check of
+    every round passed (else it stops), and the counts come from the guards
+    torch printed."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "guards.json"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [os.path.join(ROOT, "python"), os.environ.get("PYTHONPATH", "")]))
+    subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "guard_check.py"), "--device", "cpu",
+                    "--layers", "2", "--rounds", "2", "--calls", "20", "--out", str(out)],
+                   check=True, env=env, capture_output=True, timeout=600)
+    data = json.loads(out.read_text())
+    assert data["layers"] == 2 and set(data["impls"]) == {"grouped_mm", "idempotent+router"}
+    for row in data["impls"].values():
+        assert len(row["check_us_rounds"]) == 2 and row["check_us"] > 0
+        assert 0 < row["identity_guards"] < row["guard_lines"]
+    assert data["impls"]["idempotent+router"]["fused_routers_traced"]
+    assert not data["impls"]["grouped_mm"]["fused_routers_traced"]
+
+
 def test_prefill_rows_of_a_later_run_name_their_commit():
     """m1.prefill_machine (prefill rows measured after the rest) shows in the
     tables' footer and in the README headline's, beside the run's own commit."""

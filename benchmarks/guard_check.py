@@ -1,0 +1,145 @@
+"""What torch.compile's guard check costs before each compiled decode step,
+per experts implementation, unprofiled: the host time the check of one M1
+model's compiled static-cache step takes, and how many guards it holds.
+
+Per implementation, one model (its own copy, the same seeded weights) is
+switched to the implementation, a prompt fills a StaticCache, and the
+model's forward is compiled (backend "eager": dynamo's guards do not depend
+on the backend) and run for two decode steps. The step's guards are then
+checked directly on the frame the next step would bring (the same model,
+cache and kwargs, the next position): in rounds of --calls checks, the
+implementations interleaved (order alternating), medians of --rounds. Every
+check must pass (the next step would reuse the compiled graph), else the
+run stops. The step here is called as model(ids, cache_position=...,
+cache=..., use_cache=True); generate() passes a few more kwargs, whose
+guards are the same for every implementation.
+
+On the CPU the quick models run (--layers sets their depth), and routers
+fused by "+router" take their fused forward on the CPU too (on CUDA they do
+anyway), so that the CPU holds the guards a GPU step has.
+
+    python benchmarks/guard_check.py --family qwen3moe --impls grouped_mm,idempotent+gemm+router \\
+        --out benchmarks/results/guard-check-qwen3moe-cuda.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import statistics
+import time
+
+import torch
+from idempotent_moe.bench import runner
+from idempotent_moe.bench.model import _raise_recompile_limit
+from idempotent_moe.bench.model_families import (
+    MOE_FAMILIES,
+    QUICK_MOE_FAMILIES,
+    Family,
+    build_model,
+    parse_impl,
+    use_impl,
+)
+from idempotent_moe.integrations import hf_router
+from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+from transformers import StaticCache
+
+PROMPT = 4  # tokens in the cache before the compiled steps
+
+
+def _frame_locals(fn, *args, **kwargs) -> dict:
+    """The locals a call fn(*args, **kwargs) starts its frame with: the bound
+    arguments and the closure's cells (a decorated forward's wrapper reads
+    the function it wraps)."""
+    bound = inspect.signature(fn, follow_wrapped=False).bind(*args, **kwargs)
+    bound.apply_defaults()
+    f_locals = dict(bound.arguments)
+    code = fn.__code__
+    for name, cell in zip(code.co_freevars, fn.__closure__ or ()):
+        f_locals[name] = cell.cell_contents
+    return f_locals
+
+
+def compiled_step(family: Family, impl: str, device: str) -> tuple:
+    """(guard manager, the next step's frame locals, model): the model's
+    forward compiled and run for two decode steps."""
+    model = build_model(family, device)
+    use_impl(model, parse_impl(impl))
+    cache = StaticCache(config=model.config, max_cache_len=PROMPT + 4)
+    # The cache's keyword: `cache` from transformers 5.2x, `past_key_values` before.
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    ids = torch.randint(0, model.config.vocab_size, (1, PROMPT + 3),
+                        generator=torch.Generator().manual_seed(0)).to(device)
+    step = torch.compile(model.forward, backend="eager")
+    with torch.no_grad():
+        model(ids[:, :PROMPT], cache_position=torch.arange(PROMPT, device=device), **{name: cache})
+        for pos in (PROMPT, PROMPT + 1):
+            step(ids[:, pos:pos + 1], cache_position=torch.tensor([pos], device=device),
+                 **{name: cache, "use_cache": True})
+    entry = _debug_get_cache_entry_list(type(model).forward.__code__)[0]  # the newest
+    pos = PROMPT + 2
+    f_locals = _frame_locals(type(model).forward, model, ids[:, pos:pos + 1],
+                             cache_position=torch.tensor([pos], device=device),
+                             **{name: cache, "use_cache": True})
+    return entry.guard_manager, f_locals, model
+
+
+def time_checks(guards, f_locals, calls: int) -> float:
+    """us per check, over `calls` checks back to back; each must pass."""
+    start = time.perf_counter()
+    passed = 0
+    for _ in range(calls):
+        passed += guards.check(f_locals)
+    us = (time.perf_counter() - start) / calls * 1e6
+    if passed != calls:
+        raise RuntimeError(f"the step's guards failed: {guards.check_verbose(f_locals)}")
+    return us
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--family", default="qwen3moe", choices=sorted(MOE_FAMILIES))
+    ap.add_argument("--impls", default="grouped_mm,idempotent+router")
+    ap.add_argument("--layers", type=int, default=None, help="layers (default: the family's)")
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--calls", type=int, default=2000)
+    ap.add_argument("--device", choices=("cuda", "cpu"),
+                    default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--out", default=None)
+    opts = ap.parse_args()
+    cuda = opts.device == "cuda"
+    base = (MOE_FAMILIES if cuda else QUICK_MOE_FAMILIES)[opts.family]
+    config = base.config if opts.layers is None else dict(base.config, num_hidden_layers=opts.layers)
+    family = Family(base.key, base.name, base.config_class, config, base.dtype)
+    if not cuda:
+        hf_router._FUSED_DEVICE_TYPE = "cpu"
+    _raise_recompile_limit()
+    torch.set_grad_enabled(False)  # the guards hold the grad mode of the compiled steps
+    impls = opts.impls.split(",")
+    steps = {impl: compiled_step(family, impl, opts.device) for impl in impls}
+    times: dict = {impl: [] for impl in impls}
+    for r in range(opts.rounds):
+        for impl in impls if r % 2 == 0 else impls[::-1]:
+            guards, f_locals, _ = steps[impl]
+            times[impl].append(time_checks(guards, f_locals, opts.calls))
+    result = {"family": family.key, "name": family.name, "layers": config["num_hidden_layers"],
+              "device": torch.cuda.get_device_name(0) if cuda else "cpu", "torch": torch.__version__,
+              "commit": runner._git_commit(), "rounds": opts.rounds, "calls": opts.calls, "impls": {}}
+    for impl in impls:
+        text = str(steps[impl][0])
+        row = {"check_us": round(statistics.median(times[impl]), 2),
+               "check_us_rounds": [round(t, 2) for t in times[impl]],
+               "guard_lines": len(text.splitlines()), "identity_guards": text.count("LAMBDA_GUARD"),
+               # the step ran the fused routers' forward (guards on what it read from the class)
+               "fused_routers_traced": "_idempotent_renormalize" in text}
+        result["impls"][impl] = row
+        print(f"{impl}: guard check {row['check_us']} us (median of {opts.rounds} x {opts.calls}), "
+              f"{row['guard_lines']} guard lines, {row['identity_guards']} identity guards (LAMBDA_GUARD)")
+    if opts.out:
+        with open(opts.out, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
