@@ -131,8 +131,8 @@ def main() -> None:
         row = {"check_us": round(statistics.median(times[impl]), 2),
                "check_us_rounds": [round(t, 2) for t in times[impl]],
                "guard_lines": len(text.splitlines()), "identity_guards": text.count("LAMBDA_GUARD"),
-               # the step ran the fused routers' forward (guards on what it read from the class)
-               "fused_routers_traced": "_idempotent_renormalize" in text}
+               # the step ran the fused routers' forward (guards name its lines)
+               "fused_routers_traced": "hf_router.py" in text}
         result["impls"][impl] = row
         print(f"{impl}: guard check {row['check_us']} us (median of {opts.rounds} x {opts.calls}), "
               f"{row['guard_lines']} guard lines, {row['identity_guards']} identity guards (LAMBDA_GUARD)")
