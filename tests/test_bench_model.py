@@ -450,12 +450,15 @@ def test_guard_check_times_the_guards_a_compiled_step_passes(tmp_path):
     import subprocess
     import sys
 
+    import idempotent_moe
+
     out = tmp_path / "guards.json"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        [os.path.join(ROOT, "python"), os.environ.get("PYTHONPATH", "")]))
-    subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "guard_check.py"), "--device", "cpu",
-                    "--layers", "2", "--rounds", "2", "--calls", "20", "--out", str(out)],
-                   check=True, env=env, capture_output=True, timeout=600)
+    package_root = os.path.dirname(os.path.dirname(os.path.abspath(idempotent_moe.__file__)))
+    env = dict(os.environ, PYTHONPATH=package_root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "guard_check.py"), "--device",
+                           "cpu", "--layers", "2", "--rounds", "2", "--calls", "20", "--out", str(out)],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
     data = json.loads(out.read_text())
     assert data["layers"] == 2 and set(data["impls"]) == {"grouped_mm", "idempotent+router"}
     for row in data["impls"].values():
