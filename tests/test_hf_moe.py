@@ -196,6 +196,21 @@ def test_integrations_import_without_torch_or_transformers():
     assert out == "ok"
 
 
+def test_integrations_without_the_native_part_say_so():
+    """With torch installed but idempotent_moe._C missing (a source tree not
+    built), the error names the native part, not torch."""
+    out = _run_python("""
+        import sys
+        sys.modules["idempotent_moe._C"] = None
+        try:
+            import idempotent_moe.integrations
+        except ImportError as e:
+            assert "native part" in str(e) and "needs torch" not in str(e), e
+            print("ok")
+    """)
+    assert out == "ok"
+
+
 def test_register_is_idempotent_and_custom_names_work():
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 

@@ -38,10 +38,10 @@ SMALL_M_GEMM_ATTR = "idempotent_small_m_gemm"
 
 try:
     import torch
-
-    from . import _dispatch, _fused
 except ImportError:  # the hook works on NumPy arrays without torch; the experts need it
     torch = None
+if torch is not None:  # outside the try: their own ImportError (no native part) is not "no torch"
+    from . import _dispatch, _fused
 
 
 class CapacityStats(NamedTuple):
