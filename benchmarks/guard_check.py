@@ -113,7 +113,7 @@ def main() -> None:
     config = base.config if opts.layers is None else dict(base.config, num_hidden_layers=opts.layers)
     family = Family(base.key, base.name, base.config_class, config, base.dtype)
     if not cuda:
-        hf_router._FUSED_DEVICE_TYPE = "cpu"
+        hf_router._FUSED_ON_CPU = True
     _raise_recompile_limit()
     torch.set_grad_enabled(False)  # the guards hold the grad mode of the compiled steps
     impls = opts.impls.split(",")

@@ -45,10 +45,10 @@ from .. import moe_ops
 # would cost an identity guard per layer (torch 2.11) at every step.
 _fused_classes: dict = {}  # router class -> its fused subclass
 
-# The device type on which the fused forward runs; elsewhere the original
-# forward runs (torch's CPU softmax differs from the kernel's in the last
-# bits). Tests route the CPU through the fused forward to read its guards.
-_FUSED_DEVICE_TYPE = "cuda"
+# The fused forward runs on CUDA; elsewhere the original forward runs (torch's
+# CPU softmax differs from the kernel's in the last bits), unless this is set:
+# tests route the CPU through the fused forward to read its guards.
+_FUSED_ON_CPU = False
 
 
 class _RouterFamily(NamedTuple):
@@ -87,7 +87,7 @@ def _route(router: torch.nn.Module, hidden_states, renormalize_attr: str | None,
 
 def _fused_forward(self, hidden_states):
     recording = torch.is_grad_enabled() and (hidden_states.requires_grad or self.weight.requires_grad)
-    if hidden_states.device.type != _FUSED_DEVICE_TYPE or recording:
+    if not (hidden_states.is_cuda or _FUSED_ON_CPU) or recording:
         return self._idempotent_fused_from.forward(self, hidden_states)
     # Class attributes read through self, not type(self): under torch.compile
     # each layer's type(...) would add an identity guard checked at every step.
