@@ -5,8 +5,8 @@ model's compiled static-cache step takes, and how many guards it holds.
 Per implementation, one model (its own copy, the same seeded weights) is
 switched to the implementation, a prompt fills a StaticCache, and the
 model's forward is compiled (backend "eager": dynamo's guards do not depend
-on the backend) and run for two decode steps. The step's guards are then
-checked directly on the frame the next step would bring (the same model,
+on the backend) and run for two decode steps (idempotent_moe.bench.guards).
+The step's guards are then checked directly on the frame the next step would bring (the same model,
 cache and kwargs, the next position): in rounds of --calls checks, the
 implementations interleaved (order alternating), medians of --rounds. Every
 check must pass (the next step would reuse the compiled graph), else the
@@ -25,64 +25,16 @@ anyway), so that the CPU holds the guards a GPU step has.
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import statistics
 import time
 
 import torch
 from idempotent_moe.bench import runner
+from idempotent_moe.bench.guards import compiled_step
 from idempotent_moe.bench.model import _raise_recompile_limit
-from idempotent_moe.bench.model_families import (
-    MOE_FAMILIES,
-    QUICK_MOE_FAMILIES,
-    Family,
-    build_model,
-    parse_impl,
-    use_impl,
-)
+from idempotent_moe.bench.model_families import MOE_FAMILIES, QUICK_MOE_FAMILIES, Family
 from idempotent_moe.integrations import hf_router
-from torch._dynamo.eval_frame import _debug_get_cache_entry_list
-from transformers import StaticCache
-
-PROMPT = 4  # tokens in the cache before the compiled steps
-
-
-def _frame_locals(fn, *args, **kwargs) -> dict:
-    """The locals a call fn(*args, **kwargs) starts its frame with: the bound
-    arguments and the closure's cells (a decorated forward's wrapper reads
-    the function it wraps)."""
-    bound = inspect.signature(fn, follow_wrapped=False).bind(*args, **kwargs)
-    bound.apply_defaults()
-    f_locals = dict(bound.arguments)
-    code = fn.__code__
-    for name, cell in zip(code.co_freevars, fn.__closure__ or ()):
-        f_locals[name] = cell.cell_contents
-    return f_locals
-
-
-def compiled_step(family: Family, impl: str, device: str) -> tuple:
-    """(guard manager, the next step's frame locals, model): the model's
-    forward compiled and run for two decode steps."""
-    model = build_model(family, device)
-    use_impl(model, parse_impl(impl))
-    cache = StaticCache(config=model.config, max_cache_len=PROMPT + 4)
-    # The cache's keyword: `cache` from transformers 5.2x, `past_key_values` before.
-    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-    ids = torch.randint(0, model.config.vocab_size, (1, PROMPT + 3),
-                        generator=torch.Generator().manual_seed(0)).to(device)
-    step = torch.compile(model.forward, backend="eager")
-    with torch.no_grad():
-        model(ids[:, :PROMPT], cache_position=torch.arange(PROMPT, device=device), **{name: cache})
-        for pos in (PROMPT, PROMPT + 1):
-            step(ids[:, pos:pos + 1], cache_position=torch.tensor([pos], device=device),
-                 **{name: cache, "use_cache": True})
-    entry = _debug_get_cache_entry_list(type(model).forward.__code__)[0]  # the newest
-    pos = PROMPT + 2
-    f_locals = _frame_locals(type(model).forward, model, ids[:, pos:pos + 1],
-                             cache_position=torch.tensor([pos], device=device),
-                             **{name: cache, "use_cache": True})
-    return entry.guard_manager, f_locals, model
 
 
 def time_checks(guards, f_locals, calls: int) -> float:

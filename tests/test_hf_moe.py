@@ -536,30 +536,14 @@ def test_the_default_gate_is_known_while_tracing_with_or_without_an_eager_forwar
 def _step_guards(impl: str, layers: int, device: str = "cpu") -> str:
     """The guards of one compiled static-cache step of the quick
     Qwen3-MoE-like model with `layers` layers, as torch prints them."""
-    import inspect
-
     from idempotent_moe.bench import model_families as mf
-    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
-    from transformers import StaticCache
+    from idempotent_moe.bench.guards import compiled_step
 
     base = mf.QUICK_MOE_FAMILIES["qwen3moe"]
     family = mf.Family(base.key, base.name, base.config_class,
                        dict(base.config, num_hidden_layers=layers), base.dtype)
-    model = mf.build_model(family, device)
-    mf.use_impl(model, mf.parse_impl(impl))
     torch._dynamo.reset()
-    cache = StaticCache(config=model.config, max_cache_len=16)
-    # The cache's keyword: `cache` from transformers 5.2x, `past_key_values` before.
-    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-    kw = {name: cache, "use_cache": True}
-    ids = torch.randint(0, 200, (1, 4), generator=torch.Generator().manual_seed(0)).to(device)
-    with torch.no_grad():
-        model(ids, cache_position=torch.arange(4, device=device), **kw)
-        step = torch.compile(model.forward, backend="eager")
-        for pos in (4, 5):
-            step(ids[:, :1], cache_position=torch.tensor([pos], device=device), **kw)
-    (entry,) = _debug_get_cache_entry_list(type(model).forward.__code__)
-    return str(entry.guard_manager)
+    return str(compiled_step(family, impl, device).guards)
 
 
 def test_compiled_steps_gain_no_guard_per_layer_over_transformers(monkeypatch):

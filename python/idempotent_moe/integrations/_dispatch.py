@@ -378,9 +378,10 @@ def dropless_forward(experts, hidden_states: torch.Tensor, top_k_index: torch.Te
     """Every assignment computed: sort by expert, one gathered buffer [S, H],
     grouped GEMMs, combine by the sort's indices. Under expert parallelism the
     other ranks' assignments (ids >= E) sort last, are computed by no GEMM and
-    add nothing. Their rows are zeroed before the GEMMs and again after them:
-    grouped_mm leaves them unwritten, and a NaN there would come back through
-    the combine as 0 * NaN in the routing weights' gradient."""
+    add nothing. grouped_mm leaves their rows unwritten both ways, so they
+    are zeroed on both sides of the GEMMs: after them, or a NaN in the output
+    would reach the routing weights' gradient through the combine (0 * NaN);
+    before them, or one in the input's gradient would reach hidden_states'."""
     dispatch = sort_by_expert(top_k_index, experts.num_experts, sentinels=expert_parallel(experts))
     x = hidden_states.index_select(0, dispatch.src_token)  # the one gathered buffer
     if dispatch.local is None:
