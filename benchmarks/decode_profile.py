@@ -1,5 +1,5 @@
-"""Where a decode step's time goes, per experts implementation: one M1 model
-in generate(), profiled (torch.profiler, CPU and CUDA activities).
+"""Where a decode step's (or a prefill's) time goes, per experts implementation:
+one M1 model in generate(), profiled (torch.profiler, CPU and CUDA activities).
 
 Per implementation, after a warm-up generate() (the compile, for the static
 cache), two profiled generate() calls, of --new-tokens tokens and of one;
@@ -19,8 +19,15 @@ the first token cancel), each step one token per sequence:
     included), top --top.
 On the CPU only the wall time and the host ops are there (a smoke test).
 
+With --prefill N, M1's prefill is profiled instead: one forward of a
+[1, N] prompt with the default cache, the last token's logits only (as
+bench/model_m1.py times it), after two warm-up forwards; each "step"
+figure is then the whole prefill.
+
     python benchmarks/decode_profile.py --family mixtral --batch 1 --cache static \\
         --impls grouped_mm,idempotent,idempotent+gemm --out FILE.json
+    python benchmarks/decode_profile.py --family mixtral --prefill 4096 \\
+        --impls grouped_mm,idempotent+gemm+router --out FILE.json
 """
 
 from __future__ import annotations
@@ -111,6 +118,11 @@ def _per_step(long: dict, one: dict, steps: int, top: int, count_key: str, time_
             for name, (c, t) in ranked]
 
 
+# totals() of nothing: what step_profile subtracts from a run that is one step (a prefill)
+NOTHING = {"wall": 0.0, "busy": 0.0, "short_gaps": 0.0, "long_gaps": 0.0, "kernels": 0, "graphs": 0,
+           "by_name": {}, "host_by_name": {}}
+
+
 def step_profile(long: dict, one: dict, steps: int, top: int) -> dict:
     """Per decode step: (long - one) / steps."""
     def per(key):
@@ -137,7 +149,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--family", default="mixtral", choices=sorted(MOE_FAMILIES))
     ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--cache", choices=("dynamic", "static"), default="static")
+    ap.add_argument("--cache", choices=("dynamic", "static"), default=None,
+                    help="the decode's cache (default static); not with --prefill")
+    ap.add_argument("--prefill", type=int, default=0,
+                    help="profile M1's prefill of this many tokens instead of a decode step")
     ap.add_argument("--impls", default="grouped_mm,idempotent,idempotent+gemm")
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--prompt", type=int, default=128)
@@ -146,13 +161,21 @@ def main() -> None:
                     default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--out", default=None)
     opts = ap.parse_args()
+    if opts.prefill and opts.cache is not None:
+        ap.error("--cache is the decode's; the prefill runs with the default cache, as M1's does")
+    if opts.prefill < 0:
+        ap.error("--prefill must be a token count > 0")
+    opts.cache = "prefill" if opts.prefill else opts.cache or "static"
     cuda = opts.device == "cuda"
     if opts.cache == "static":
         _raise_recompile_limit()
     family = (MOE_FAMILIES if cuda else QUICK_MOE_FAMILIES)[opts.family]
     hf.register()
     model = build_model(family, opts.device)
-    ids = random_prompt(opts.batch, opts.prompt, model.config.vocab_size, opts.device, seed=0)
+    if opts.prefill:
+        ids = random_prompt(1, opts.prefill, model.config.vocab_size, opts.device, seed=11)
+    else:
+        ids = random_prompt(opts.batch, opts.prompt, model.config.vocab_size, opts.device, seed=0)
     kwargs = dict(attention_mask=torch.ones_like(ids), do_sample=False)
     if opts.cache == "static":
         kwargs["cache_implementation"] = "static"
@@ -161,29 +184,39 @@ def main() -> None:
         with torch.no_grad():
             return model.generate(ids, max_new_tokens=n, min_new_tokens=n, **kwargs)
 
+    def prefill():
+        with torch.no_grad():
+            return model(ids, use_cache=True, logits_to_keep=1).logits
+
     def sync():
         if cuda:
             torch.cuda.synchronize()
 
-    result = {"family": family.key, "batch": opts.batch, "cache": opts.cache, "new_tokens": opts.new_tokens,
+    result = {"family": family.key, "batch": 1 if opts.prefill else opts.batch, "cache": opts.cache,
+              "new_tokens": 0 if opts.prefill else opts.new_tokens, "prefill_tokens": opts.prefill,
               "device": torch.cuda.get_device_name(0) if cuda else "cpu", "torch": torch.__version__,
               "commit": runner._git_commit(), "impls": {}}
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
 
-    def profiled(n):
+    def profiled(run):
         sync()
         with profile(activities=activities) as prof:
             t0 = time.perf_counter()
-            generate(n)
+            run()
             sync()
             wall = time.perf_counter() - t0
         return totals(prof, wall)
 
     for name in opts.impls.split(","):
         use_impl(model, parse_impl(name))
-        generate()  # warm-up (the compile, for the static cache)
-        generate(1)
-        row = step_profile(profiled(opts.new_tokens), profiled(1), opts.new_tokens - 1, opts.top)
+        if opts.prefill:
+            prefill(), prefill()  # warm-up
+            row = step_profile(profiled(prefill), NOTHING, 1, opts.top)
+        else:
+            generate()  # warm-up (the compile, for the static cache)
+            generate(1)
+            row = step_profile(profiled(generate), profiled(lambda: generate(1)), opts.new_tokens - 1,
+                               opts.top)
         result["impls"][name] = row
         print(f"{name}: wall {row['wall_us_per_step']} us/step, "
               f"device busy {row['device_busy_us_per_step']}, idle {row['device_idle_us_per_step']} "

@@ -442,22 +442,48 @@ def test_decode_profile_unions_kernel_intervals_and_takes_one_step():
         {"name": "aten::add", "calls_per_step": round(24 / 9, 2), "self_us_per_step": 8.0}]
 
 
-def test_guard_check_times_the_guards_a_compiled_step_passes(tmp_path):
-    """benchmarks/guard_check.py on the CPU (two quick layers, its own
-    process: it routes the CPU through the fused routers): every check of
-    every round passed (else it stops), and the counts come from the guards
-    torch printed."""
+def _run_benchmark_script(name: str, *args: str):
+    """benchmarks/<name> in its own process, against the idempotent_moe the
+    tests import (an installed wheel in CI)."""
     import subprocess
     import sys
 
     import idempotent_moe
 
-    out = tmp_path / "guards.json"
     package_root = os.path.dirname(os.path.dirname(os.path.abspath(idempotent_moe.__file__)))
     env = dict(os.environ, PYTHONPATH=package_root + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "guard_check.py"), "--device",
-                           "cpu", "--layers", "2", "--rounds", "2", "--calls", "20", "--out", str(out)],
-                          env=env, capture_output=True, text=True, timeout=600)
+    return subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", name), *args], env=env,
+                          capture_output=True, text=True, timeout=600)
+
+
+def test_decode_profile_profiles_the_prefill_as_one_step(tmp_path):
+    """--prefill: one profiled forward of M1's prefill per implementation
+    (the quick model on the CPU: host ops, no kernels), and --cache, which
+    is the decode's, refused with it."""
+    out = tmp_path / "prefill.json"
+    proc = _run_benchmark_script("decode_profile.py", "--device", "cpu", "--family", "mixtral",
+                                 "--prefill", "32", "--impls", "grouped_mm,idempotent", "--top", "3",
+                                 "--out", str(out))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    data = json.loads(out.read_text())
+    assert (data["cache"], data["prefill_tokens"], data["batch"], data["new_tokens"]) == ("prefill", 32, 1, 0)
+    assert set(data["impls"]) == {"grouped_mm", "idempotent"}
+    for row in data["impls"].values():
+        assert row["wall_us_per_step"] > 0 and row["device_busy_us_per_step"] is None
+        assert len(row["top_host"]) == 3 and all(op["calls_per_step"] >= 1 for op in row["top_host"])
+    refused = _run_benchmark_script("decode_profile.py", "--device", "cpu", "--prefill", "32", "--cache",
+                                    "static")
+    assert refused.returncode == 2 and "--cache is the decode's" in refused.stderr
+
+
+def test_guard_check_times_the_guards_a_compiled_step_passes(tmp_path):
+    """benchmarks/guard_check.py on the CPU (two quick layers, its own
+    process: it routes the CPU through the fused routers): every check of
+    every round passed (else it stops), and the counts come from the guards
+    torch printed."""
+    out = tmp_path / "guards.json"
+    proc = _run_benchmark_script("guard_check.py", "--device", "cpu", "--layers", "2", "--rounds", "2",
+                                 "--calls", "20", "--out", str(out))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     data = json.loads(out.read_text())
     assert data["layers"] == 2 and set(data["impls"]) == {"grouped_mm", "idempotent+router"}
