@@ -22,7 +22,8 @@ On the CPU only the wall time and the host ops are there (a smoke test).
 With --prefill N, M1's prefill is profiled instead: one forward of a
 [1, N] prompt with the default cache, the last token's logits only (as
 bench/model_m1.py times it), after two warm-up forwards; each "step"
-figure is then the whole prefill.
+figure is then the whole prefill. --batch, --prompt and --new-tokens
+shape the decode only; --cache, which would not apply, is refused.
 
     python benchmarks/decode_profile.py --family mixtral --batch 1 --cache static \\
         --impls grouped_mm,idempotent,idempotent+gemm --out FILE.json
@@ -152,7 +153,8 @@ def main() -> None:
     ap.add_argument("--cache", choices=("dynamic", "static"), default=None,
                     help="the decode's cache (default static); not with --prefill")
     ap.add_argument("--prefill", type=int, default=0,
-                    help="profile M1's prefill of this many tokens instead of a decode step")
+                    help="profile M1's prefill of this many tokens (batch 1) instead of a decode step; "
+                         "--batch, --prompt and --new-tokens are the decode's")
     ap.add_argument("--impls", default="grouped_mm,idempotent,idempotent+gemm")
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--prompt", type=int, default=128)
