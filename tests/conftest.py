@@ -3,6 +3,8 @@ views of torch tensors and NumPy arrays, array factories, and the `gpu` marker."
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
@@ -62,6 +64,16 @@ def poison_uninitialized_memory() -> None:
     if torch is not None and not torch.cuda.is_available():
         torch.use_deterministic_algorithms(True, warn_only=True)
         torch.utils.deterministic.fill_uninitialized_memory = True
+
+
+def package_env() -> dict:
+    """os.environ with the root of the idempotent_moe these tests import first
+    on PYTHONPATH (an installed wheel in CI, python/ in a checkout): a
+    subprocess started with it imports the same package."""
+    import idempotent_moe
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(idempotent_moe.__file__)))
+    return dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
 
 
 def _gpu_ready() -> bool:

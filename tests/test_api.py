@@ -4,7 +4,6 @@ cuda_available, cuda_compiled and an import that needs neither torch nor transfo
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import textwrap
@@ -22,6 +21,7 @@ from conftest import (
     is_torch,
     make_data,
     make_scores,
+    package_env,
     reference_indices,
     reference_kept,
     requires_torch,
@@ -341,7 +341,6 @@ def test_public_names():
 def test_import_without_torch_or_transformers():
     """`import idempotent_moe` must not need torch or transformers, and NumPy
     arrays must compact without them."""
-    package_root = os.path.dirname(os.path.dirname(os.path.abspath(imoe.__file__)))
     code = textwrap.dedent("""
         import sys
         sys.modules["torch"] = None          # any import of torch now fails
@@ -358,7 +357,7 @@ def test_import_without_torch_or_transformers():
         assert "torch" not in {m for m, v in sys.modules.items() if v is not None}
         print("ok")
     """)
-    env = dict(os.environ, PYTHONPATH=package_root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = package_env()
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
                           timeout=120)
     assert proc.returncode == 0, proc.stderr

@@ -448,12 +448,10 @@ def _run_benchmark_script(name: str, *args: str):
     import subprocess
     import sys
 
-    import idempotent_moe
+    from conftest import package_env
 
-    package_root = os.path.dirname(os.path.dirname(os.path.abspath(idempotent_moe.__file__)))
-    env = dict(os.environ, PYTHONPATH=package_root + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    return subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", name), *args], env=env,
-                          capture_output=True, text=True, timeout=600)
+    return subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", name), *args],
+                          env=package_env(), capture_output=True, text=True, timeout=600)
 
 
 def test_decode_profile_profiles_the_prefill_as_one_step(tmp_path):

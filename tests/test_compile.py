@@ -5,7 +5,6 @@ same bits in every buffer and output as the eager one, on fresh data."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import textwrap
@@ -18,7 +17,7 @@ if not hasattr(torch.library, "custom_op"):
     pytest.skip("torch.library.custom_op needs torch 2.4", allow_module_level=True)
 
 import idempotent_moe as imoe  # noqa: E402
-from conftest import bits, make_data, make_scores  # noqa: E402
+from conftest import bits, make_data, make_scores, package_env  # noqa: E402
 from idempotent_moe import _torch_ops  # noqa: E402
 
 DEVICES = [pytest.param("cpu", id="cpu"), pytest.param("cuda", id="cuda", marks=pytest.mark.gpu)]
@@ -565,7 +564,6 @@ def test_takes_only_torch_tensors():
 def test_eager_calls_do_not_load_the_ops():
     """With torch imported but nothing compiling, calls on torch tensors take
     the direct path: the ops module is never imported."""
-    package_root = os.path.dirname(os.path.dirname(os.path.abspath(imoe.__file__)))
     code = textwrap.dedent("""
         import sys
         import torch
@@ -578,7 +576,7 @@ def test_eager_calls_do_not_load_the_ops():
         assert "idempotent_moe._torch_ops" not in sys.modules
         print("ok")
     """)
-    env = dict(os.environ, PYTHONPATH=package_root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = package_env()
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
                           timeout=300)
     assert proc.returncode == 0, proc.stderr

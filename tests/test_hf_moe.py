@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import subprocess
 import sys
 import textwrap
@@ -22,6 +21,7 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("transformers.integrations.moe", reason="needs transformers' experts interface")
 
 import idempotent_moe as imoe  # noqa: E402
+from conftest import package_env  # noqa: E402
 from idempotent_moe import integrations as hf  # noqa: E402
 from idempotent_moe.integrations import _dispatch  # noqa: E402
 from transformers import (  # noqa: E402
@@ -154,10 +154,8 @@ def run_experts(experts, hidden, index, weights, implementation, capacity_factor
 
 
 def _run_python(code: str) -> str:
-    package_root = os.path.dirname(os.path.dirname(os.path.abspath(imoe.__file__)))
-    env = dict(os.environ, PYTHONPATH=package_root + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
-                          text=True, env=env, timeout=120)
+                          text=True, env=package_env(), timeout=120)
     assert proc.returncode == 0, proc.stderr
     return proc.stdout.strip()
 
