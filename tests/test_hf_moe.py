@@ -336,6 +336,44 @@ def test_large_batches_run_the_gate_in_column_chunks(monkeypatch, factor, act):
     torch.testing.assert_close(chunked, whole, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
+@pytest.mark.parametrize("chunks", [2, 3, 7])
+def test_row_chunks_compute_each_chunks_fused_gate(chunks, act):
+    """gated_row_chunks: each row chunk's grouped GEMM over its clipped
+    offsets, then gated_act into its rows, is the whole fused gate, with
+    experts that start and end inside chunks, an empty expert, and rows past
+    offsets[-1] (no expert's) left unwritten."""
+    from idempotent_moe.integrations import _fused
+    from idempotent_moe.moe_ops import gated_act
+
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(40, 16, generator=g)
+    w_up = torch.randn(4, 16, 2 * 24, generator=g) * 0.3  # [E, in, 2I], GEMM layout
+    offsets = torch.tensor([9, 9, 23, 37], dtype=torch.int32)  # expert 1 empty; rows 37-39 no one's
+
+    def gemm(a, w, offs):
+        return _dispatch.grouped_linear(a, w, offs, True)
+
+    seen = []
+
+    def spy(a, w, offs):
+        seen.append(offs.tolist())
+        return gemm(a, w, offs)
+
+    with torch.no_grad():
+        got = _fused.gated_row_chunks(spy, x, w_up, offsets, act, chunks)
+        want = gated_act(gemm(x, w_up, offsets), act, limit=offsets)
+    step = -(-40 // chunks)
+    last = step * (chunks - 1)
+    assert len(seen) == chunks
+    assert seen[0] == [min(o, step) for o in (9, 9, 23, 37)]
+    assert seen[-1] == [min(max(o, last), 40) - last for o in (9, 9, 23, 37)]
+    assert got.shape == (40, 24)
+    torch.testing.assert_close(got[:37], want[:37], rtol=1e-6, atol=1e-6)
+    if torch.utils.deterministic.fill_uninitialized_memory and torch.are_deterministic_algorithms_enabled():
+        assert torch.isnan(got[37:]).all()  # never written (conftest poisons new memory)
+
+
 @pytest.mark.parametrize("module,name", [
     (torch.nn.SiLU(), "silu"), (torch.nn.ReLU(), "relu"),
     (torch.nn.GELU(), "gelu"), (torch.nn.GELU(approximate="tanh"), "gelu_tanh")])

@@ -226,6 +226,26 @@ def _lean_forward(experts, plan: _Plan, hidden: torch.Tensor, top_k_index: torch
     return out, dropped
 
 
+def gated_row_chunks(gemm, x: torch.Tensor, w_up: torch.Tensor, offsets: torch.Tensor, act: str,
+                     chunks: int) -> torch.Tensor:
+    """act(gate) * up [S, I] of the expert-sorted rows x [S, H] (the fused
+    gate) in `chunks` row chunks: each chunk's whole gate/up projection, one
+    grouped GEMM `gemm(rows, w_up, offs)` with the offsets clipped to the
+    chunk, then one gated_act into the chunk's rows of the result. A chunk's
+    transient [S / chunks, 2I] is what a column chunk of torch's gate holds
+    ([S, 2I / chunks], _dispatch._gated_chunked), for one GEMM and one
+    activation kernel instead of two GEMMs, the activation and the product.
+    Rows at or beyond offsets[-1] (no expert's) are left unwritten."""
+    rows = x.shape[0]
+    h = x.new_empty((rows, w_up.shape[-1] // 2), dtype=w_up.dtype)
+    step = -(-rows // chunks)
+    for start in range(0, rows, step):
+        stop = min(rows, start + step)
+        offs = offsets.clamp(start, stop).sub_(start)
+        gated_act(gemm(x[start:stop], w_up, offs), act, limit=offs, out=h[start:stop])
+    return h
+
+
 def forward(experts, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
             top_k_weights: torch.Tensor, capacity: int | None):
     """The experts' output [T, H] and the dropped count ([1] int64 on the
@@ -245,19 +265,24 @@ def forward(experts, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
     x, offsets, dest, dropped = d.rows, d.offsets, d.dest, d.dropped
     del d
     rows = x.shape[0]
-    whole = _dispatch.gate_chunks(rows, plan.inter, plan.up.dtype) == 1  # else the gate runs in column chunks
-    # linear(a, w): each row of a times its expert's weight w in GEMM layout
-    # [E, in, out]: on CUDA grouped_mm directly where it takes the weights;
-    # elsewhere grouped_linear, which also checks each operand's alignment.
+    chunks = _dispatch.gate_chunks(rows, plan.inter, plan.up.dtype)  # > 1: the gate/up output is not whole
+    whole = chunks == 1
+    # gemm(a, w, offs): each row of a times its expert's weight w in GEMM
+    # layout [E, in, out] (offs: the rows' expert ends): on CUDA grouped_mm
+    # directly where it takes the weights; elsewhere grouped_linear, which
+    # also checks each operand's alignment. linear(a, w): over all rows.
     if grouped and plan.act is not None and whole and _small_m_on(experts, plan, rows):
-        def linear(a, w):  # the fused gate's two GEMMs only (plan.up, plan.down)
-            return grouped_gemm(a, w, offsets)
+        def gemm(a, w, offs):  # the fused gate's two GEMMs only (plan.up, plan.down)
+            return grouped_gemm(a, w, offs)
     elif grouped and plan.grouped_mm and hidden_states.device.type == "cuda":
+        def gemm(a, w, offs):
+            return _GROUPED_MM(a if a.dtype == w.dtype else a.to(w.dtype), w, offs=offs)
+    else:
+        def gemm(a, w, offs):
+            return _dispatch.grouped_linear(a, w, offs, True)
+    if grouped:
         def linear(a, w):
-            return _GROUPED_MM(a if a.dtype == w.dtype else a.to(w.dtype), w, offs=offsets)
-    elif grouped:
-        def linear(a, w):
-            return _dispatch.grouped_linear(a, w, offsets, True)
+            return gemm(a, w, offsets)
     else:  # padded [E, C, H]: batched GEMMs, static shapes
         def linear(a, w):
             return torch.bmm(a.to(w.dtype), w)
@@ -273,7 +298,11 @@ def forward(experts, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
             return bias.unsqueeze(1)
     lead = x.shape[:-1]
 
-    if plan.act is None or not whole:
+    # Large and eager, the fused gate runs in row chunks (gated_row_chunks);
+    # traced, or with a bias, torch's gate in column chunks.
+    row_chunks = (not whole and grouped and plan.act is not None and not experts.has_bias
+                  and not compiling())
+    if plan.act is None or not (whole or row_chunks):
         # torch's gate (column chunks when large) over the module's weights
         def module_linear(a, weight):
             return linear(a, weight if experts.is_transposed else weight.transpose(-2, -1))
@@ -281,11 +310,15 @@ def forward(experts, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
         del x
         y = _dispatch.expert_output(experts, h, module_linear, bias_of)
     else:  # the fused gate: at decode sizes two grouped GEMMs, gated_act and nothing else
-        h = linear(x, plan.up)
-        del x
-        if experts.has_bias:
-            h = h + bias_of(experts.gate_up_proj_bias)
-        h = gated_act(h.view(-1, h.shape[-1]), plan.act, limit=offsets if grouped else None)
+        if row_chunks:
+            h = gated_row_chunks(gemm, x, plan.up, offsets, plan.act, chunks)
+            del x
+        else:
+            h = linear(x, plan.up)
+            del x
+            if experts.has_bias:
+                h = h + bias_of(experts.gate_up_proj_bias)
+            h = gated_act(h.view(-1, h.shape[-1]), plan.act, limit=offsets if grouped else None)
         y = linear(h.view(*lead, -1), plan.down)
         if experts.has_bias:
             y = y + bias_of(experts.down_proj_bias)
