@@ -1245,12 +1245,37 @@ def _block_output(block, x, implementation, factor=None):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("factor", [None, 1.25])
+def test_gpu_large_batches_run_the_fused_gate_in_row_chunks(monkeypatch, factor):
+    """Above GATE_UP_CHUNK_BYTES an eager CUDA forward runs the fused gate in
+    row chunks (gated_row_chunks), dropless and with a capacity, and gives
+    the whole fused gate's output up to bf16 rounding (its GEMMs have other
+    row counts)."""
+    from idempotent_moe.integrations import _fused
+
+    hf.register()
+    block = _cuda_block(1024, 3584, "bfloat16")
+    x = torch.randn(1, 4096, 1024, device="cuda", dtype=torch.bfloat16,
+                    generator=torch.Generator(device="cuda").manual_seed(4))
+    calls = []
+    real = _fused.gated_row_chunks
+    monkeypatch.setattr(_fused, "gated_row_chunks", lambda *a: calls.append(a[-1]) or real(*a))
+    monkeypatch.setattr(_dispatch, "GATE_UP_CHUNK_BYTES", 16 << 20)
+    chunked = _block_output(block, x, "idempotent", factor)
+    assert calls and calls[0] > 1, calls
+    monkeypatch.setattr(_dispatch, "GATE_UP_CHUNK_BYTES", 1 << 40)
+    whole = _block_output(block, x, "idempotent", factor)
+    assert len(calls) == 1
+    torch.testing.assert_close(chunked, whole, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("tokens", [16, 4096])
 @pytest.mark.parametrize("hidden,intermediate", [(1024, 3584), (4096, 14336)])
 def test_gpu_dropless_matches_grouped_mm(hidden, intermediate, tokens):
     """Bit-identical to grouped_mm where the GEMM shapes are grouped_mm's own;
-    where the gate runs in column chunks (a large batch), no further from the
-    experts in fp32 than grouped_mm is."""
+    where the gate runs in chunks (a large batch: row chunks of the fused
+    gate), no further from the experts in fp32 than grouped_mm is."""
     from idempotent_moe.bench import w4
 
     hf.register()

@@ -10,7 +10,7 @@ beyond what was allocated before it and the caching allocator's reserved
 pool before and after (CUDA), and a check of the
 output: eager, grouped_mm and dropless rows against the experts in fp32 on the
 same routing (mean and largest absolute error); dropless rows also against
-grouped_mm bit for bit, or, where the GEMM shapes differ (the column chunks of
+grouped_mm bit for bit, or, where the GEMM shapes differ (the chunked gate of
 a large batch), no further from fp32 than grouped_mm; capacity rows against a plain torch reference that
 drops each expert's lowest-weight overflow (same count dropped, largest
 relative difference). `--quick` runs a reduced block on the CPU in seconds.
@@ -198,7 +198,7 @@ def run(device: str = "auto", runs: int = 0, quick: bool = False, tokens: tuple 
                         grouped = next(r for r in rows if r["tokens"] == num_tokens
                                        and r["impl"] == "grouped_mm")
                         row["bit_exact_vs_grouped_mm"] = bool(torch.equal(result, outputs["grouped_mm"]))
-                        # Where the GEMM shapes differ (column chunks), no further
+                        # Where the GEMM shapes differ (a chunked gate), no further
                         # from the fp32 reference than grouped_mm is.
                         row["ok"] = row["bit_exact_vs_grouped_mm"] or (
                             row["mean_abs_err_vs_fp32"] <= grouped["mean_abs_err_vs_fp32"] * 1.01 + 1e-9)
