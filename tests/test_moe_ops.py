@@ -345,6 +345,23 @@ def test_gpu_combine_equals_the_cpu(tokens, top_k, row_dtype, weight_dtype, hidd
     assert torch.equal(gpu.cpu(), cpu)
 
 
+# 16-byte rows into an out whose rows start 2 bytes past a 16-byte boundary
+# (element stores) or on one (vector stores); the columns around are kept.
+@pytest.mark.gpu
+@pytest.mark.parametrize("shift", [1, 8])
+@pytest.mark.parametrize("tokens,top_k", [(1, 8), (4096, 2)])
+def test_gpu_combine_into_a_view_of_out_equals_the_cpu(shift, tokens, top_k):
+    index, weights = routing(tokens, top_k, 16, seed=5)
+    d = moe_dispatch(torch.zeros(tokens, 1), index, 16)
+    y = torch.randn(tokens * top_k, 2056).to(torch.bfloat16)
+    base = torch.full((tokens, 2056 + 16), 7.0, dtype=torch.bfloat16, device="cuda")
+    out = base[:, shift:shift + 2056]
+    moe_combine(y.cuda(), d.dest.cuda(), weights.cuda(), out=out)
+    check_errors(out)
+    assert torch.equal(out.cpu(), moe_combine(y, d.dest, weights))
+    assert bool((base[:, :shift] == 7.0).all()) and bool((base[:, shift + 2056:] == 7.0).all())
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("tokens", [8, 4096])
 def test_gpu_bad_data_is_recorded_and_nothing_is_written(tokens):
