@@ -201,8 +201,10 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor,
 
 
 # Above this many bytes, the gate/up projection's output (rows x 2I) is not
-# made whole: the intermediate features run in column chunks (see
-# _gated_chunks). Below it, the GEMMs have grouped_mm's own shapes.
+# made whole: the fused forward of an eager, unbiased module runs the rows in
+# chunks (_fused.gated_row_chunks); elsewhere the intermediate features run in
+# column chunks (see _gated_chunks). Below it, the GEMMs have grouped_mm's own
+# shapes.
 GATE_UP_CHUNK_BYTES = 128 << 20
 
 
@@ -279,8 +281,9 @@ def _gated_chunks(experts, x: torch.Tensor, dtype: torch.dtype) -> int:
 
 
 def gate_chunks(rows: int, inter: int, dtype: torch.dtype) -> int:
-    """The column chunks of a [rows, 2 * inter] gate/up output of `dtype`
-    (1: whole) under GATE_UP_CHUNK_BYTES, chunks of at least 64 features."""
+    """The chunks of a [rows, 2 * inter] gate/up output of `dtype` (1:
+    whole) under GATE_UP_CHUNK_BYTES, column chunks of at least 64 features;
+    the fused forward's row chunks are as many."""
     total = rows * 2 * inter * torch.finfo(dtype).bits // 8
     return max(1, min(-(-total // GATE_UP_CHUNK_BYTES), inter // 64))
 
