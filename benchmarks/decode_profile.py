@@ -119,15 +119,13 @@ def _per_step(long: dict, one: dict, steps: int, top: int, count_key: str, time_
             for name, (c, t) in ranked]
 
 
-# totals() of nothing: what step_profile subtracts from a run that is one step (a prefill)
-NOTHING = {"wall": 0.0, "busy": 0.0, "short_gaps": 0.0, "long_gaps": 0.0, "kernels": 0, "graphs": 0,
-           "by_name": {}, "host_by_name": {}}
+def step_profile(long: dict, one: dict | None, steps: int, top: int) -> dict:
+    """Per decode step: (long - one) / steps; one None: long is the one step
+    (a prefill), nothing subtracted."""
+    one = one or {}
 
-
-def step_profile(long: dict, one: dict, steps: int, top: int) -> dict:
-    """Per decode step: (long - one) / steps."""
     def per(key):
-        return (long[key] - one[key]) / steps
+        return (long[key] - one.get(key, 0)) / steps
 
     cuda = long["cuda"]
     return {
@@ -139,7 +137,7 @@ def step_profile(long: dict, one: dict, steps: int, top: int) -> dict:
         "device_long_gaps_us_per_step": round(per("long_gaps"), 1) if cuda else None,
         "kernels_per_step": round(per("kernels"), 1),
         "graph_launches_per_step": round(per("graphs"), 2),
-        "top_kernels": _per_step(long["by_name"], one["by_name"], steps, top, "launches_per_step",
+        "top_kernels": _per_step(long["by_name"], one.get("by_name", {}), steps, top, "launches_per_step",
                                  "us_per_step"),
         "top_host": _per_step(long.get("host_by_name", {}), one.get("host_by_name", {}), steps, top,
                               "calls_per_step", "self_us_per_step"),
@@ -213,7 +211,7 @@ def main() -> None:
         use_impl(model, parse_impl(name))
         if opts.prefill:
             prefill(), prefill()  # warm-up
-            row = step_profile(profiled(prefill), NOTHING, 1, opts.top)
+            row = step_profile(profiled(prefill), None, 1, opts.top)
         else:
             generate()  # warm-up (the compile, for the static cache)
             generate(1)

@@ -281,18 +281,18 @@ def forward(experts, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
         def gemm(a, w, offs):
             return _dispatch.grouped_linear(a, w, offs, True)
     if grouped:
+        expert_of = _rows_expert(offsets, rows) if experts.has_bias else None
+
         def linear(a, w):
             return gemm(a, w, offsets)
-    else:  # padded [E, C, H]: batched GEMMs, static shapes
-        def linear(a, w):
-            return torch.bmm(a.to(w.dtype), w)
-    if grouped:
-        expert_of = _rows_expert(offsets, rows) if experts.has_bias else None
 
         def bias_of(bias):
             return bias[expert_of]
-    else:
+    else:  # padded [E, C, H]: batched GEMMs, static shapes
         x = x.view(num_experts, capacity, -1)
+
+        def linear(a, w):
+            return torch.bmm(a.to(w.dtype), w)
 
         def bias_of(bias):
             return bias.unsqueeze(1)
