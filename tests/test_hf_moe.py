@@ -160,15 +160,29 @@ def _run_python(code: str) -> str:
     return proc.stdout.strip()
 
 
-def test_import_idempotent_moe_leaves_transformers_alone_and_integrations_register():
+def test_import_idempotent_moe_leaves_transformers_alone_and_registers_when_it_loads():
     out = _run_python("""
         import sys
         import idempotent_moe
         assert "transformers" not in sys.modules and "torch" not in sys.modules
         from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
-        assert "idempotent" not in ALL_EXPERTS_FUNCTIONS
         import idempotent_moe.integrations as hf
         assert ALL_EXPERTS_FUNCTIONS["idempotent"] is hf.idempotent_experts_forward
+        print("ok")
+    """)
+    assert out == "ok"
+
+
+def test_import_after_transformers_registers_at_once():
+    """A model built before `import idempotent_moe` takes the name too."""
+    out = _run_python("""
+        from transformers import MixtralConfig, MixtralForCausalLM
+        model = MixtralForCausalLM(MixtralConfig(
+            hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+            num_key_value_heads=1, num_local_experts=4, vocab_size=50))
+        import idempotent_moe
+        model.set_experts_implementation("idempotent")
+        assert model.config._experts_implementation == "idempotent"
         print("ok")
     """)
     assert out == "ok"

@@ -4,9 +4,12 @@ Buffers are compacted where they are, with an idempotent map: kept tokens
 below the capacity stay, each kept token beyond it is paired with a dropped
 slot below it, and all pairs move at once, bit-exact, with no scratch buffer.
 Takes torch tensors, NumPy arrays and any DLPack producer; `import
-idempotent_moe` needs neither torch nor transformers.
+idempotent_moe` needs neither torch nor transformers, and registers the
+"idempotent" experts implementation with transformers when (and if) that
+is imported, before or after.
 """
 
+from ._hf_registration import register_when_transformers_loads
 from .functional import (
     Compacted,
     Grouped,
@@ -28,6 +31,9 @@ from .kv import InplaceKVCompactor, compact_kv_cache_inplace, reduce_head_scores
 from .moe import InplaceMoERouter, compact_moe_tokens_inplace, generate_idempotent_moe_map
 from .moe_ops import MoEDispatch, gated_act, grouped_gemm, moe_combine, moe_dispatch, topk_softmax
 from .paged import PagedCompaction, apply_paged_map_, compact_paged_, paged_target_map
+
+register_when_transformers_loads()
+del register_when_transformers_loads
 
 __version__ = "0.1.0"
 

@@ -8,9 +8,10 @@ KV caches:
 Hugging Face MoE:
 - `HuggingFaceMoEInplaceHook`: expert-capacity dropping in place on
   per-expert buffers (the original API's two call forms), differentiable.
-- the "idempotent" experts implementation for transformers: importing this
-  package registers it with transformers' ExpertsInterface (when transformers
-  is installed), so that `model.set_experts_implementation("idempotent")` and
+- the "idempotent" experts implementation for transformers: `import
+  idempotent_moe` registers it with transformers' ExpertsInterface when that
+  is imported (and importing this package does, when transformers is
+  installed), so that `model.set_experts_implementation("idempotent")` and
   `from_pretrained(..., experts_implementation="idempotent")` work.
   `set_capacity_factor` picks capacity mode, `capacity_stats` reads the drops.
 - `fuse_routers` / `unfuse_routers`: the routers of Mixtral, Qwen2/3-MoE and
