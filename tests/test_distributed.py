@@ -345,6 +345,37 @@ def test_receive_buffer_is_freed_before_the_combine(tmp_path, capacity_factor, m
     assert mode.peak <= rows + 3 * term + 64 * 1024, mode.peak
 
 
+@pytest.mark.parametrize("bad", ["broadcast_row", "too_few_rows", "not_a_tensor"])
+def test_expert_fn_of_the_wrong_shape_is_refused(tmp_path, bad, monkeypatch):
+    """One rank (world size 1): an expert_fn whose result would broadcast into
+    its rows, or not fit them, raises and names the expert."""
+    import torch.distributed as dist
+    from idempotent_moe.distributed import ExpertParallelDispatcher
+
+    def exchange(output, input, output_split_sizes=None, input_split_sizes=None, group=None):
+        output.copy_(input)
+
+    monkeypatch.setattr(dist, "all_to_all_single", exchange)
+    g = torch.Generator().manual_seed(4)
+    hidden = torch.randn(16, 8, generator=g)
+    ids = torch.stack([torch.randperm(4, generator=g)[:2] for _ in range(16)])
+    weights = torch.rand(16, 2, generator=g)
+
+    def expert_fn(e, rows):
+        if bad == "broadcast_row":
+            return rows[:1]
+        if bad == "too_few_rows":
+            return rows[1:]
+        return rows.tolist()
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        with pytest.raises(ValueError, match=r"expert_fn\(0, rows \[\d+, 8\]\) must return"):
+            ExpertParallelDispatcher(4, 2)(hidden, ids, weights, expert_fn)
+    finally:
+        dist.destroy_process_group()
+
+
 def _capacity_order_reference(local_ids: list, weights: list) -> list:
     """Sorted by local expert, then weight descending (NaN below -inf, -0 ==
     +0), then arrival index: Python's stable sorts, one key at a time."""

@@ -1463,3 +1463,52 @@ def test_gpu_w4_benchmark(tmp_path):
     grouped = {r["tokens"]: r for r in rows if r["impl"] == "grouped_mm"}
     assert dropless[16]["bit_exact_vs_grouped_mm"]
     assert dropless[4096]["peak_allocated_bytes"] * 2 <= grouped[4096]["peak_allocated_bytes"]
+
+
+# --------------------------------------------------------------------------- the hook's contract
+
+def _hook_case():
+    g = torch.Generator().manual_seed(5)
+    hook = hf.HuggingFaceMoEInplaceHook(8, 4, 2)
+    return hook, torch.randn(6, 8, generator=g), torch.randn(6, 4, generator=g)
+
+
+@pytest.mark.parametrize("bad", ["nan_logits", "strided", "dtype", "leaf", "aliases_hidden", "not_tensor"])
+def test_hook_forward_refuses_before_writing_the_dispatch_buffer(bad):
+    hook, hidden, logits = _hook_case()
+    buffer = torch.full((4, 6, 8), 7.0)
+    expected = TypeError if bad in ("leaf", "not_tensor") else ValueError
+    if bad == "nan_logits":
+        logits[2, 1] = float("nan")
+    elif bad == "strided":
+        buffer = torch.full((4, 8, 6), 7.0).transpose(1, 2)
+    elif bad == "dtype":
+        buffer = torch.full((4, 6, 8), 7.0, dtype=torch.float64)
+    elif bad == "leaf":
+        buffer.requires_grad_(True)
+    elif bad == "aliases_hidden":
+        buffer = torch.full((4, 6, 8), 7.0)
+        hidden = buffer[3]
+    before = buffer.detach().clone()
+    with pytest.raises(expected):
+        hook.forward(hidden, logits, 3, dispatch_buffer=buffer.numpy() if bad == "not_tensor" else buffer)
+    assert torch.equal(buffer.detach(), before)
+
+
+def test_hook_forward_into_a_buffer_equals_the_allocated_one():
+    hook, hidden, logits = _hook_case()
+    buffer = torch.full((4, 6, 8), 7.0)
+    mine = hook.forward(hidden, logits, 3, dispatch_buffer=buffer, return_indices=True)
+    theirs = hook.forward(hidden, logits, 3, return_indices=True)
+    assert mine.expert_inputs.data_ptr() == buffer.data_ptr()
+    for a, b in zip(mine, theirs):
+        assert torch.equal(a, b)
+
+
+def test_hook_combine_refuses_weights_of_another_shape():
+    hook, hidden, logits = _hook_case()
+    d = hook.forward(hidden, logits, 3, return_indices=True)
+    with pytest.raises(ValueError, match=r"weights must be \[E, C\]"):
+        hook.combine(d.expert_inputs, d.indices, d.weights[:, :1], 6)
+    with pytest.raises(ValueError, match=r"indices must be \[E, C\]"):
+        hook.combine(d.expert_inputs, d.indices.reshape(-1), d.weights, 6)

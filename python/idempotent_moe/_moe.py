@@ -171,7 +171,17 @@ def combine_slots(expert_outputs: torch.Tensor, indices: torch.Tensor, weights: 
     weighted output [E, C, D] added into its token, out [T, D]."""
     import torch
 
+    for name, t in (("expert_outputs", expert_outputs), ("indices", indices), ("weights", weights)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if expert_outputs.dim() != 3:
+        raise ValueError(f"expert_outputs must be [E, C, D], got {list(expert_outputs.shape)}")
     num_experts, kept, dim = expert_outputs.shape
+    for name, t in (("indices", indices), ("weights", weights)):
+        if tuple(t.shape) != (num_experts, kept):
+            raise ValueError(f"{name} must be [E, C] = {[num_experts, kept]} like expert_outputs, "
+                             f"got {list(t.shape)}")
+    num_tokens = _arrays.check_int(num_tokens, "num_tokens", minimum=0)
     acc = accumulation_dtype(expert_outputs.dtype, weights.dtype)
     out = torch.zeros(num_tokens, dim, dtype=acc, device=expert_outputs.device)
     terms = (expert_outputs.to(acc) * weights.to(acc).unsqueeze(-1)).reshape(num_experts * kept, dim)

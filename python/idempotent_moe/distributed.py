@@ -243,7 +243,12 @@ def _run_experts(grouped: torch.Tensor, per_expert: list, capacity: int | None,
         c = n if capacity is None else min(capacity, n)
         dropped += n - c
         if c:
-            seg[:c] = expert_fn(first_expert + e, seg[:c])
+            out = expert_fn(first_expert + e, seg[:c])
+            if not isinstance(out, torch.Tensor) or tuple(out.shape) != tuple(seg[:c].shape):
+                got = list(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+                raise ValueError(f"expert_fn({first_expert + e}, rows {list(seg[:c].shape)}) must return "
+                                 f"a tensor of the same shape, got {got}")
+            seg[:c] = out
         if c < n:
             seg[c:] = 0
         start += n

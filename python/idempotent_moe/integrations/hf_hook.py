@@ -24,7 +24,7 @@ from typing import Any, NamedTuple
 
 from .. import _arrays
 from .._moe import check_expert_buffer, combine_slots, expert_scores
-from ..functional import compact_, restore_
+from ..functional import apply_map_, compact_, idempotent_map, restore_
 
 
 class MoEDispatch(NamedTuple):
@@ -54,7 +54,12 @@ def _compact_function():
     global _compact_swap
     if _compact_swap is None:
         _compact_swap = _build_compact_function()
-    return _compact_swap
+    return _compact_swap[0]
+
+
+def _apply_function():
+    _compact_function()
+    return _compact_swap[1]
 
 
 def _build_compact_function():
@@ -76,26 +81,80 @@ def _build_compact_function():
             restore_(grad, indices, dim=1)  # the same exchanges: the permutation is its own inverse
             return grad, None, None, None
 
-    return CompactSwap
+    class ApplySwap(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, indices):
+            apply_map_(x.detach(), indices, dim=1, mode="swap")
+            ctx.mark_dirty(x)
+            ctx.save_for_backward(indices)
+            return x
+
+        @staticmethod
+        def backward(ctx, grad_x):
+            (indices,) = ctx.saved_tensors
+            grad = grad_x.clone(memory_format=torch.contiguous_format)
+            restore_(grad, indices, dim=1)
+            return grad, None
+
+    return CompactSwap, ApplySwap
+
+
+def _check_differentiable(tokens: Any, mode: str) -> bool:
+    """True when tokens take the autograd route; TypeError / ValueError where
+    they cannot be changed in place under autograd."""
+    if not (_arrays.is_torch(tokens) and tokens.requires_grad and _torch().is_grad_enabled()):
+        return False
+    if tokens.is_leaf:
+        raise TypeError(
+            "expert_inputs is a leaf tensor that requires grad: it cannot be changed in "
+            "place. Compact a tensor computed from it (the dispatch output), or its .clone()"
+        )
+    if mode != "swap":
+        raise ValueError(f"mode={mode!r} is not differentiable (it overwrites dropped tokens); "
+                         "use mode='swap', or run under torch.no_grad()")
+    return True
+
+
+def _byte_span(t: Any) -> tuple[int, int] | None:
+    if t.numel() == 0:
+        return None
+    last = sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride()))
+    start = t.data_ptr()
+    return start, start + (last + 1) * t.element_size()
+
+
+def _check_dispatch_buffer(buffer: Any, shape: tuple, tokens: Any, reads: dict) -> None:
+    """Everything `forward` needs of a caller's dispatch buffer, judged before
+    it is written: kind, shape, dtype, device, rows of contiguous features, a
+    buffer autograd lets us change, and no memory shared with what is read."""
+    torch = _torch()
+    if not isinstance(buffer, torch.Tensor):
+        raise TypeError(f"dispatch_buffer must be a torch.Tensor, got {type(buffer).__name__}")
+    if tuple(buffer.shape) != shape:
+        raise ValueError(f"dispatch_buffer must be {list(shape)}, got {list(buffer.shape)}")
+    if buffer.dtype != tokens.dtype or buffer.device != tokens.device:
+        raise ValueError(f"dispatch_buffer must be {tokens.dtype} on {tokens.device} like hidden_states, "
+                         f"got {buffer.dtype} on {buffer.device}")
+    if buffer.numel() and buffer.stride(-1) != 1:
+        raise ValueError("dispatch_buffer's last axis (the features of a token) must be contiguous, "
+                         f"got strides {list(buffer.stride())}")
+    if buffer.requires_grad and buffer.is_leaf and torch.is_grad_enabled():
+        raise TypeError("dispatch_buffer is a leaf tensor that requires grad: it cannot be written in place")
+    span = _byte_span(buffer)
+    for name, t in reads.items():
+        other = _byte_span(t)
+        if span and other and span[0] < other[1] and other[0] < span[1]:
+            raise ValueError(f"dispatch_buffer shares memory with {name}, which forward reads")
 
 
 def _compact_experts(tokens: Any, scores: Any, capacity: int, mode: str, out_indices: Any) -> tuple:
     """compact_ on [E, T, D] along T, through autograd when tokens require grad."""
     if _arrays.is_torch(scores):
         scores = scores.detach()
+    if _check_differentiable(tokens, mode):
+        full, indices = _compact_function().apply(tokens, scores, capacity, out_indices)
+        return full.narrow(1, 0, indices.shape[-1]), indices
     if _arrays.is_torch(tokens) and tokens.requires_grad:
-        torch = _torch()
-        if torch.is_grad_enabled():
-            if tokens.is_leaf:
-                raise TypeError(
-                    "expert_inputs is a leaf tensor that requires grad: it cannot be changed in "
-                    "place. Compact a tensor computed from it (the dispatch output), or its .clone()"
-                )
-            if mode != "swap":
-                raise ValueError(f"mode={mode!r} is not differentiable (it overwrites dropped tokens); "
-                                 "use mode='swap', or run under torch.no_grad()")
-            full, indices = _compact_function().apply(tokens, scores, capacity, out_indices)
-            return full.narrow(1, 0, indices.shape[-1]), indices
         tokens = tokens.detach()  # no_grad: a plain in-place change, as torch allows there
     result = compact_(tokens, scores, capacity, dim=1, mode=mode, out_indices=out_indices)
     return result.values, result.indices
@@ -196,14 +255,22 @@ class HuggingFaceMoEInplaceHook:
             top_w = top_w / top_w.sum(dim=-1, keepdim=True)
         scores = expert_scores(top_i, top_w, self.num_experts)  # [E, T], -inf where not routed
         shape = (self.num_experts, num_tokens, dim)
+        if dispatch_buffer is not None:
+            _check_dispatch_buffer(dispatch_buffer, shape, tokens,
+                                   {"hidden_states": hidden_states, "router_logits": router_logits})
+        # The kept set before any write: scores the core refuses (NaN logits)
+        # leave a caller's buffer as it was.
+        indices = idempotent_map(scores.detach(), capacity)
         if dispatch_buffer is None:
             buffer = tokens.unsqueeze(0).expand(shape).clone()
         else:
-            if tuple(dispatch_buffer.shape) != shape:
-                raise ValueError(f"dispatch_buffer must be {list(shape)}, got {list(dispatch_buffer.shape)}")
             buffer = dispatch_buffer
             buffer.copy_(tokens.unsqueeze(0).expand(shape))
-        kept, indices = _compact_experts(buffer, scores, capacity, self.mode, None)
+        if _check_differentiable(buffer, self.mode):
+            buffer = _apply_function().apply(buffer, indices)
+        else:
+            apply_map_(buffer.detach() if buffer.requires_grad else buffer, indices, dim=1, mode=self.mode)
+        kept = buffer.narrow(1, 0, indices.shape[-1])
         if not return_indices:
             return kept
         # weights [E, C]: differentiable routing weights of the kept slots, 0 for unrouted tokens
