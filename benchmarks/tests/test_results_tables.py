@@ -135,3 +135,17 @@ def test_faster_reads_above_one():
     cells = _cells(permute.table({"machine": machine, "results": permute_rows}))
     assert cells[1]["x faster than torch"] == "2.00x"
 
+
+
+def test_every_cited_result_is_committed():
+    """A `benchmarks/results/NAME` named in README.md, benchmarks/README.md or
+    docs/*.md is there, unless cited as history (`git show COMMIT:benchmarks/results/NAME`)."""
+    missing = []
+    for doc in _documents() + ["benchmarks/README.md"]:
+        with open(os.path.join(ROOT, doc)) as f:
+            text = f.read()
+        cited = r"(git show [0-9a-f]{7,40}:)?benchmarks/results/([A-Za-z0-9._*-]+\.[a-z]+)"
+        for m in re.finditer(cited, text):
+            if not m.group(1) and not os.path.exists(os.path.join(RESULTS, m.group(2))):
+                missing.append(f"{doc}: {m.group(2)}")
+    assert not missing, missing
