@@ -119,3 +119,21 @@ def test_a_good_invocation_still_runs(tmp_path):
     assert proc.returncode == 0, proc.stderr
     with open(os.path.join(ROOT, "docs", "results.md")) as f:
         assert doc.read_text() == f.read()
+
+
+def test_a_module_command_is_one_line(monkeypatch):
+    """MODULE_COMMANDS["NAME"] = (module, help) makes `python -m imoe_bench
+    NAME ARGS...` call that module's main(ARGS) and return its status, and
+    lists NAME in the help."""
+    import types
+
+    from imoe_bench import cli
+
+    seen = []
+    module = types.ModuleType("imoe_bench.example_workload")
+    module.main = lambda argv: seen.append(argv) or 3
+    monkeypatch.setitem(sys.modules, "imoe_bench.example_workload", module)
+    monkeypatch.setitem(cli.MODULE_COMMANDS, "example", ("example_workload", "an example workload"))
+    assert cli.main(["example", "--quick", "--runs", "2"]) == 3
+    assert seen == [["--quick", "--runs", "2"]]
+    assert "example" in cli._parser().format_help()
