@@ -10,7 +10,7 @@ import re
 # Where a run writes its JSON and plot unless told otherwise: a folder that git
 # ignores (.gitignore), so that running a benchmark in a clone changes no
 # tracked file. The committed results (benchmarks/results/ and the tables of
-# README.md and docs/, which tests/test_results_tables.py checks against each
+# README.md and docs/, which benchmarks/tests/test_results_tables.py checks against each
 # other) change only when asked: --out benchmarks/results, --readme, --doc.
 DEFAULT_OUT = "imoe-results"
 COMMITTED_OUT = os.path.join("benchmarks", "results")
