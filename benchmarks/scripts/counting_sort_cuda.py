@@ -5,12 +5,9 @@ int32) and a stable torch.sort, at the sizes of the expert-parallel
 benchmark; check that they give equal perms. Log:
 benchmarks/results/counting-sort-cuda.log (the first three columns)."""
 import statistics
-import sys
 
 import torch
-
-sys.path.insert(0, "python")
-from imoe_bench.internals import counting_sort  # noqa: E402
+from imoe_bench.internals import counting_sort
 
 
 def outer_axis(keys, num_keys):

@@ -19,12 +19,10 @@ import json
 import sys
 
 import torch
-
-sys.path.insert(0, "python")
-from idempotent_moe.moe_ops import moe_combine, moe_dispatch  # noqa: E402
-from imoe_bench.internals import native  # noqa: E402
-from imoe_bench.runner import git_commit  # noqa: E402
-from imoe_bench.timing import interleaved_cuda  # noqa: E402
+from idempotent_moe.moe_ops import moe_combine, moe_dispatch
+from imoe_bench.internals import native
+from imoe_bench.runner import git_commit
+from imoe_bench.timing import interleaved_cuda
 
 MODELS = {  # hidden, experts, top-k, tokens
     "mixtral": (2048, 8, 2, [1, 8, 32, 4096]),

@@ -16,14 +16,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 
 import torch
-
-sys.path.insert(0, "python")
-from imoe_bench.internals import native  # noqa: E402
-from imoe_bench.runner import git_commit  # noqa: E402
-from imoe_bench.timing import interleaved_cuda  # noqa: E402
+from imoe_bench.internals import native
+from imoe_bench.runner import git_commit
+from imoe_bench.timing import interleaved_cuda
 
 MODELS = {  # hidden, intermediate, experts, top-k, rows S
     "mixtral": (2048, 7168, 8, 2, [1, 8, 16, 32, 64]),

@@ -12,13 +12,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 
+import idempotent_moe as imoe
 import torch
-
-sys.path.insert(0, "python")
-import idempotent_moe as imoe  # noqa: E402
-from imoe_bench.timing import time_calls  # noqa: E402
+from imoe_bench.timing import time_calls
 
 E, T, D, C = 8, 4096, 1024, 2048
 
