@@ -5,7 +5,6 @@ import subprocess
 import sys
 
 import idempotent_moe
-
 from conftest import package_env
 
 
