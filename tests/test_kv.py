@@ -340,25 +340,3 @@ def test_torch_kv_call_refuses_bad_values_and_changes_nothing(case, rng):
         assert "value_cache" in str(info.value) and "key_cache" in str(info.value)
 
 
-# --------------------------------------------------------------------------- benchmark
-
-
-@requires_torch
-def test_kv_bench_quick_writes_json_and_doc(tmp_path):
-    import json
-
-    from idempotent_moe.__main__ import main
-
-    doc = tmp_path / "kv.md"
-    doc.write_text("# kv\n<!-- kv:cpu -->\nold\n<!-- /kv:cpu -->\ntail\n")
-    assert main(["kv", "--device", "cpu", "--quick", "--runs", "1", "--dtypes", "float16",
-                 "--out", str(tmp_path), "--no-plot", "--doc", str(doc)]) == 0
-    data = json.loads((tmp_path / "kv-cpu-quick.json").read_text())
-    rows = data["results"]
-    impls = {(r["workload"], r["impl"]) for r in rows}
-    assert {("W2", "torch topk+sort+gather"), ("W2", "vLLM hook move"), ("W2", "vLLM hook swap"),
-            ("W2 paged", "torch topk+sort+paged gather"), ("W2 paged", "paged vLLM hook move"),
-            ("W2 paged", "paged vLLM hook swap")} <= impls
-    assert all(r["bit_exact"] and r["median_ms"] > 0 for r in rows)
-    text = doc.read_text()
-    assert "old" not in text and "paged vLLM hook move" in text and text.endswith("tail\n")

@@ -249,8 +249,8 @@ def test_gpu_small_m_experts_forward_is_no_worse_than_grouped_mm(tokens):
     (its kernel runs), and the output is as close to the fp32 experts as
     grouped_mm's."""
     import idempotent_moe.integrations as hf
-    from idempotent_moe.bench import w4
     from idempotent_moe.integrations import _fused
+    from imoe_bench import w4
     from test_hf_moe import _block_output, _cuda_block
     from torch.profiler import ProfilerActivity, profile
 
@@ -296,7 +296,7 @@ def test_gpu_small_m_compiled_is_the_eager_path_and_large_batches_keep_grouped_m
 
     hf.register()
     block = _cuda_block(1024, 3584, "bfloat16")
-    from idempotent_moe.bench import w4
+    from imoe_bench import w4
 
     w4._use(block, "idempotent", None)
     experts = block.experts

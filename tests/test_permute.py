@@ -415,26 +415,6 @@ def test_ordered_bad_arguments(fw, rng):
         assert_unchanged([x, s], snaps)
 
 
-@requires_torch
-def test_permute_bench_quick_writes_json_and_plot(tmp_path):
-    pytest.importorskip("matplotlib")
-    import json
-
-    from idempotent_moe.__main__ import main
-
-    assert main(["permute", "--quick", "--runs", "1", "--out", str(tmp_path)]) == 0
-    data = json.loads((tmp_path / "permute-cpu-quick.json").read_text())
-    assert (tmp_path / "permute-cpu-quick.png").stat().st_size > 1000
-    rows = data["results"]
-    assert all(r["bit_exact"] for r in rows)
-    workloads = {r["workload"].split(" ")[0] for r in rows}
-    assert workloads == {"permute", "group", "ungroup", "compact"}
-    for r in rows:
-        assert r["median_ms"] > 0 and r["time_ratio_vs_torch"] > 0
-        if r["kind"] == "ours" and "per call" not in r["impl"]:
-            assert r["transient_bytes"] == 0
-
-
 def test_plan_workspace_elems_per_device():
     assert imoe.plan_workspace_elems("permute", 3, 10, cuda=False) == 30
     assert imoe.plan_workspace_elems("group", 3, 10, cuda=False) == 30

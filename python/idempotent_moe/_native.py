@@ -23,5 +23,7 @@ def native() -> ModuleType:
             _error = exc
     raise ImportError(
         "the native part of idempotent_moe (idempotent_moe._C) is not built or failed to load: "
-        f"{_error}. Build it with `pip install -e .` (a C compiler is needed; nvcc adds CUDA)."
+        f"{_error}. Build it from a clone of the project's repository with `pip install .` (a C "
+        "compiler is needed; nvcc adds the CUDA kernels, IMOE_NO_CUDA=1 skips them). The PyPI "
+        "package named idempotent-moe is a different project: do not install it for this one."
     ) from _error

@@ -105,7 +105,7 @@ def register(name: str = EXPERTS_IMPLEMENTATION) -> None:
     except ImportError as e:
         raise ImportError(
             "registering the 'idempotent' experts implementation needs transformers >= 5.17 "
-            "(its ExpertsInterface): pip install 'idempotent-moe[huggingface]'"
+            "(its ExpertsInterface): pip install 'transformers>=5.17'"
         ) from e
     ExpertsInterface.register(name, idempotent_experts_forward)
     # Compiling a dtype grouped_mm cannot trace (anything but bf16) uses
