@@ -299,7 +299,7 @@ def topk_softmax(logits: Any, k: int, *, renormalize: bool = True, out_dtype: An
     NaN or +inf logit, or only -inf logits, gets NaN weights (as torch's
     softmax gives) and experts 0 .. k-1 in torch's order for equal values
     (1, 0 for k = 2)."""
-    ops = _ops(logits)
+    ops = _ops(logits) if _arrays.is_torch(logits) and _arrays._torch().compiler.is_compiling() else None
     if ops is not None:
         torch = _arrays._torch()
         dtype = torch.float32 if out_dtype is None else getattr(torch, _dtype_name(out_dtype))
