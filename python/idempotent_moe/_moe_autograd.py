@@ -31,8 +31,6 @@ over the experts (inside an op's real implementation: never traced).
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import torch.nn.functional as F
 
@@ -54,14 +52,14 @@ _ACT = {"silu": F.silu, "relu": F.relu, "gelu": F.gelu,
         "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}
 
 
-def _limit_mask(rows: int, limit: Optional[torch.Tensor], device) -> Optional[torch.Tensor]:
+def _limit_mask(rows: int, limit: torch.Tensor | None, device) -> torch.Tensor | None:
     """[rows, 1] bool: the rows below limit[-1], or None without a limit."""
     if limit is None:
         return None
     return (torch.arange(rows, device=device) < limit[-1].to(torch.int64)).unsqueeze(-1)
 
 
-def ref_gated_act(gate_up: torch.Tensor, act: str, limit: Optional[torch.Tensor]) -> torch.Tensor:
+def ref_gated_act(gate_up: torch.Tensor, act: str, limit: torch.Tensor | None) -> torch.Tensor:
     """act(gate) * up; rows at or past limit[-1] zero (the kernel leaves them)."""
     inter = gate_up.shape[-1] // 2
     out = _ACT[act](gate_up[:, :inter]) * gate_up[:, inter:]
@@ -85,7 +83,7 @@ def _act_slope(x: torch.Tensor, act: str) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def ref_gated_act_backward(gate_up: torch.Tensor, grad: torch.Tensor, act: str,
-                           limit: Optional[torch.Tensor]) -> torch.Tensor:
+                           limit: torch.Tensor | None) -> torch.Tensor:
     """d(gate_up) of ref_gated_act: [d * up * act'(gate), d * act(gate)],
     in float32 for narrower dtypes (the kernel's math), rounded once."""
     acc = torch.promote_types(gate_up.dtype, torch.float32)
@@ -105,7 +103,7 @@ def ref_combine(rows: torch.Tensor, dest: torch.Tensor, weights: torch.Tensor,
 
 
 def ref_gather_rows(src: torch.Tensor, dest: torch.Tensor, num_rows: int,
-                    weights: Optional[torch.Tensor], out_dtype: torch.dtype) -> torch.Tensor:
+                    weights: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
     """moe_gather_rows with torch ops."""
     flat = dest.reshape(-1).long()
     token = torch.arange(dest.numel(), device=src.device) // dest.shape[1]
@@ -250,7 +248,8 @@ def row_weights(dest: torch.Tensor, weights: torch.Tensor, num_rows: int, dtype)
 def experts_forward_direct(hidden, top_k_index, top_k_weights, w_up, w_down, act, num_experts,
                            capacity, skip_foreign):
     """(out [T, H], gate_up [R, 2I], offsets, dest, dropped); see the module."""
-    hidden, top_k_index, top_k_weights, w_up, w_down = _plain(hidden, top_k_index, top_k_weights, w_up, w_down)
+    hidden, top_k_index, top_k_weights, w_up, w_down = _plain(hidden, top_k_index, top_k_weights, w_up,
+                                                              w_down)
     with _op_depth.inside_op():
         select = None if capacity is None else (
             top_k_weights if top_k_weights.dtype in CORE_DTYPES else top_k_weights.float())
@@ -391,7 +390,7 @@ def experts_backward(ctx, grad_out, *_):
 
 def fused_experts(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
                   w_up: torch.Tensor, w_down: torch.Tensor, act: str, num_experts: int,
-                  capacity: Optional[int] = None, skip_foreign: bool = False):
+                  capacity: int | None = None, skip_foreign: bool = False):
     """The experts layer as one differentiable unit: (out [T, H], dropped [1]).
     w_up [E, H, 2I] and w_down [E, I, H] in GEMM layout (views are fine)."""
     from . import _moe_torch_ops  # noqa: F401  (registers the ops)
