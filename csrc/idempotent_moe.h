@@ -495,7 +495,9 @@ imoe_status imoe_gated_act(const imoe_view *gate_up, const imoe_view *out, imoe_
 
 /*
  * MoE backward (csrc/moe_backward.c, cuda/imoe_moe_backward.cu). F32 math,
- * products rounded before they are added; the same bits on the CPU and CUDA.
+ * products rounded before they are added. The gather and the dot products
+ * are the same bits on the CPU and CUDA; the activation's backward uses each
+ * device's expf / erff / tanhf (a few ulp apart).
  *
  * imoe_gated_act_backward: for rows r below limit[E - 1] (clamped to
  * [0, R]; all rows without a limit), with g = gate_up[r, i], u =
@@ -529,9 +531,10 @@ imoe_status imoe_gated_act(const imoe_view *gate_up, const imoe_view *out, imoe_
  *   b     [R, H] F32/F16/BF16, rows contiguous.
  *   dest  [T, k] I32/I64, each in [-1, R).
  *   out   [T, k] F32/F16/BF16.
- * On CUDA: one kernel each (the gather: two, zeros then rows), on the
- * stream, no host synchronisation; dest out of range is a recorded data error
- * (imoe_take_device_status) and nothing is written.
+ * On CUDA, on the stream, no host synchronisation: the activation's backward
+ * one kernel; the gather and the dot products a one-block check of dest,
+ * then their kernel (the gather: zeros, then rows). dest out of range is a
+ * recorded data error (imoe_take_device_status) and nothing is written.
  */
 imoe_status imoe_gated_act_backward(const imoe_view *gate_up, const imoe_view *grad_act, imoe_act act,
                                     const imoe_view *limit, const imoe_view *grad_gate_up,
