@@ -107,9 +107,10 @@ def ref_gather_rows(src: torch.Tensor, dest: torch.Tensor, num_rows: int,
     """moe_gather_rows with torch ops."""
     flat = dest.reshape(-1).long()
     token = torch.arange(dest.numel(), device=src.device) // dest.shape[1]
-    terms = src.index_select(0, token).to(torch.promote_types(src.dtype, out_dtype))
+    acc = torch.promote_types(torch.promote_types(src.dtype, out_dtype), torch.float32)
+    terms = src.index_select(0, token).to(acc)  # products in float32 at least, rounded once
     if weights is not None:
-        terms = terms * weights.reshape(-1, 1).to(terms.dtype)
+        terms = terms * weights.reshape(-1, 1).to(acc)
     out = src.new_zeros((num_rows + 1, src.shape[-1]), dtype=terms.dtype)
     out.index_copy_(0, torch.where(flat < 0, num_rows, flat), terms)  # dropped: the extra row
     return out[:num_rows].to(out_dtype)
@@ -274,10 +275,11 @@ def experts_backward_direct(grad_out, hidden, top_k_weights, w_up, w_down, gate_
     with _op_depth.inside_op():
         rows, num_experts = gate_up.shape[0], w_up.shape[0]
         dt = gate_up.dtype
-        none = grad_out.new_empty(0)
+        def none():  # a fresh empty per output (custom op outputs may not alias)
+            return grad_out.new_empty(0)
         gdo = gather_rows_direct(grad_out, dest, None, rows, w_down.dtype)      # [R, H]
         g = grouped_mm_nt(gdo, w_down, offsets)                                # [R, I]
-        d_weights = d_down = none
+        d_weights, d_down = none(), none()
         if need_weights or need_down:
             a = gated_act_direct(gate_up, act, offsets)                        # recomputed [R, I]
             if need_weights:
@@ -290,7 +292,7 @@ def experts_backward_direct(grad_out, hidden, top_k_weights, w_up, w_down, gate_
         del gdo
         d_gate_up = gated_act_backward_direct(gate_up, g.mul_(w_row.to(g.dtype)), act, offsets)
         del g
-        d_up = d_hidden = none
+        d_up, d_hidden = none(), none()
         if need_up:
             x = gather_rows_direct(hidden, dest, None, rows, dt)
             d_up = grouped_mm_dw(x, d_gate_up, offsets, num_experts)
