@@ -27,9 +27,8 @@ import statistics
 import sys
 import time
 
-import torch
-
 import idempotent_moe.integrations as imoe_hf
+import torch
 
 FULL = {
     "model": {
@@ -100,7 +99,8 @@ def make_model(family: str, shape: dict, cfg: dict, device, dtype):
                                num_experts_per_tok=shape["top_k"])
         model = MixtralForCausalLM(config)
     else:
-        config = Qwen3MoeConfig(**common, intermediate_size=shape["inter"], moe_intermediate_size=shape["inter"],
+        config = Qwen3MoeConfig(**common, intermediate_size=shape["inter"],
+                                moe_intermediate_size=shape["inter"],
                                 num_experts=shape["experts"], num_experts_per_tok=shape["top_k"],
                                 head_dim=shape["hidden"] // shape["heads"])
         model = Qwen3MoeForCausalLM(config)
@@ -204,7 +204,7 @@ def run_models(cfg, device, dtype, rounds, reps, rate):
                     key = (impl, cap, skew)
                     set_mode(model, model.config, impl, cap)
 
-                    def step():
+                    def step(model=model, counter=counter, ids=ids):
                         model.zero_grad(set_to_none=True)
                         counter.bytes = 0
                         with torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t):
@@ -247,7 +247,7 @@ def run_layers(cfg, device, dtype, rounds, reps, rate):
                     set_mode(experts, experts.config, impl, cap)
                     counter = SavedBytes(experts.parameters())
 
-                    def step():
+                    def step(experts=experts, counter=counter, hidden=hidden, w=w, idx=idx, grad=grad):
                         experts.zero_grad(set_to_none=True)
                         h = hidden.detach().requires_grad_()
                         ww = w.detach().requires_grad_()
@@ -293,7 +293,8 @@ def main(argv=None) -> int:
         results += run_models(cfg, device, dtype, rounds, reps, rate)
     if args.only in (None, "layer"):
         results += run_layers(cfg, device, dtype, rounds, reps, rate)
-    report = dict(workload="T1", device=str(torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"),
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    report = dict(workload="T1", device=name,
                   torch=torch.__version__, quick=args.quick, dtype=str(dtype), gemm_flops_per_s=rate,
                   rounds=rounds, reps=reps, results=results)
     text = json.dumps(report, indent=1)
