@@ -144,3 +144,24 @@ def test_compiled_moe_block_fullgraph_forward_and_backward(capacity):
     assert torch.allclose(got[0], want[0], atol=1e-6) and torch.allclose(got[1], want[1], atol=1e-6)
     close(got[2], want[2], 1e-5)
     assert torch.equal(again[0], got[0])
+
+
+def test_t1_script_quick_mode_writes_its_json(tmp_path):
+    import importlib.util
+    import json
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "t1_train.py"
+    spec = importlib.util.spec_from_file_location("t1_train", path)
+    t1 = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(t1)
+    out = tmp_path / "t1.json"
+    assert t1.main(["--quick", "--only", "layer", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    rows = report["results"]
+    assert {r["implementation"] for r in rows} == {"grouped_mm", "eager", "idempotent"}
+    for shape in ("mixtral_8x7b", "qwen3_30b_a3b"):
+        saved = {(r["implementation"], r["capacity"]): r["moe_saved_bytes"] for r in rows
+                 if r["shape"] == shape and not r["skewed"]}
+        assert 0 < saved[("idempotent", None)] < saved[("grouped_mm", None)]
+        assert saved[("idempotent", 1.0)] <= saved[("idempotent", None)]
