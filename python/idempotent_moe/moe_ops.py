@@ -70,8 +70,14 @@ def _ops(x: Any, *more: Any) -> Any:
         return None
     torch = _arrays._torch()
     if not torch.compiler.is_compiling():
-        if not torch.is_grad_enabled() or not (
-                x.requires_grad or any(m is not None and m.requires_grad for m in more)):
+        # Attribute reads first: the no-grad path pays the least.
+        if not x.requires_grad:
+            for m in more:
+                if m is not None and m.requires_grad:
+                    break
+            else:
+                return None
+        if not torch.is_grad_enabled():
             return None
     from . import _moe_torch_ops
 
