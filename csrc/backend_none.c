@@ -116,3 +116,20 @@ imoe_status imoe_cuda_topk_softmax(const imoe_view *logits, int64_t k, int32_t r
                                    const imoe_exec *exec, imoe_error *err) {
   return IMOE_ERR_UNSUPPORTED;
 }
+
+imoe_status imoe_cuda_gated_act_backward(const imoe_view *gate_up, const imoe_view *grad_act, imoe_act act,
+                                         const imoe_view *limit, const imoe_view *grad_gate_up,
+                                         const imoe_exec *exec, imoe_error *err) {
+  return IMOE_ERR_UNSUPPORTED;
+}
+
+imoe_status imoe_cuda_moe_gather_rows(const imoe_view *src, const imoe_view *dest, const imoe_view *weights,
+                                      const imoe_view *out, const imoe_exec *exec, imoe_error *err) {
+  return IMOE_ERR_UNSUPPORTED;
+}
+
+imoe_status imoe_cuda_moe_weight_grad(const imoe_view *a, int32_t a_by_row, const imoe_view *b,
+                                      const imoe_view *dest, const imoe_view *out, const imoe_exec *exec,
+                                      imoe_error *err) {
+  return IMOE_ERR_UNSUPPORTED;
+}

@@ -494,6 +494,58 @@ imoe_status imoe_gated_act(const imoe_view *gate_up, const imoe_view *out, imoe_
                            const imoe_view *limit, const imoe_exec *exec, imoe_error *err);
 
 /*
+ * MoE backward (csrc/moe_backward.c, cuda/imoe_moe_backward.cu). F32 math,
+ * products rounded before they are added. The gather and the dot products
+ * are the same bits on the CPU and CUDA; the activation's backward uses each
+ * device's expf / erff / tanhf (a few ulp apart).
+ *
+ * imoe_gated_act_backward: for rows r below limit[E - 1] (clamped to
+ * [0, R]; all rows without a limit), with g = gate_up[r, i], u =
+ * gate_up[r, I + i], d = grad_act[r, i]: grad_gate_up[r, i] = d x u x
+ * act'(g) and grad_gate_up[r, I + i] = d x act(g) (act and act' in F32,
+ * unrounded; relu' is 1 for g > 0, else 0), each rounded once into
+ * gate_up's dtype. Rows at or past the limit are written +0.0.
+ *   gate_up       [R, 2I] F32/F16/BF16, rows contiguous.
+ *   grad_act      [R, I] F32/F16/BF16, rows contiguous.
+ *   grad_gate_up  [R, 2I], gate_up's dtype, rows contiguous.
+ *
+ * imoe_moe_gather_rows: out[dest[t, j]] = weights[t, j] x src[t] (weights
+ * NULL: src[t]) for every dest[t, j] >= 0, rounded once into out's dtype;
+ * every other row of out is +0.0. The combine's d(rows) (src its output's
+ * gradient), and the dispatch's gather of a [T, H] array to a dispatch's
+ * rows (weights NULL).
+ *   src      [T, H] F32/F16/BF16, rows contiguous.
+ *   dest     [T, k] I32/I64, each in [-1, R) (IMOE_ERR_INDEX_RANGE); the
+ *            entries >= 0 distinct (IMOE_ERR_INDEX_DUPLICATE on the CPU; a
+ *            repeat is not checked on CUDA), as imoe_moe_dispatch writes them.
+ *   weights  [T, k] F32/F16/BF16 or NULL.
+ *   out      [R, H] F32/F16/BF16, rows contiguous, written whole.
+ *
+ * imoe_moe_weight_grad: out[t, j] = <a[i], b[dest[t, j]]> (i = dest[t, j]
+ * when a_by_row, else t), 0 where dest[t, j] = -1: the combine's
+ * d(top_k_weights) (a its output's gradient [T, H], b its rows), or the
+ * fused layer's (a = b' = rows of one width). In F32: 32 lane sums, element
+ * h added to lane h mod 32 in increasing h, then p[l] += p[l + s] for l < s,
+ * s = 16, 8, 4, 2, 1; rounded once into out's dtype.
+ *   a     [T, H] (or [R, H] when a_by_row) F32/F16/BF16, rows contiguous.
+ *   b     [R, H] F32/F16/BF16, rows contiguous.
+ *   dest  [T, k] I32/I64, each in [-1, R).
+ *   out   [T, k] F32/F16/BF16.
+ * On CUDA, on the stream, no host synchronisation: the activation's backward
+ * one kernel; the gather and the dot products a one-block check of dest,
+ * then their kernel (the gather: zeros, then rows). dest out of range is a
+ * recorded data error (imoe_take_device_status) and nothing is written.
+ */
+imoe_status imoe_gated_act_backward(const imoe_view *gate_up, const imoe_view *grad_act, imoe_act act,
+                                    const imoe_view *limit, const imoe_view *grad_gate_up,
+                                    const imoe_exec *exec, imoe_error *err);
+imoe_status imoe_moe_gather_rows(const imoe_view *src, const imoe_view *dest, const imoe_view *weights,
+                                 const imoe_view *out, const imoe_exec *exec, imoe_error *err);
+imoe_status imoe_moe_weight_grad(const imoe_view *a, int32_t a_by_row, const imoe_view *b,
+                                 const imoe_view *dest, const imoe_view *out, const imoe_exec *exec,
+                                 imoe_error *err);
+
+/*
  * imoe_grouped_gemm: the small-M grouped GEMM of an experts layer (CPU core
  * csrc/moe_gemm.c, CUDA cuda/imoe_moe_gemm.cu). With E experts over the
  * expert-sorted rows of a dispatch, out[r] = a[r] @ w[e(r)] for every row

@@ -150,6 +150,17 @@ imoe_status imoe_cuda_moe_combine(const imoe_view *rows, const imoe_view *dest,
 imoe_status imoe_cuda_gated_act(const imoe_view *gate_up, const imoe_view *out, imoe_act act,
                                 const imoe_view *limit, const imoe_exec *exec, imoe_error *err);
 
+/* ---- MoE backward (cuda/imoe_moe_backward.cu): the core has checked
+ * shapes and dtypes; data errors are recorded on the device. */
+imoe_status imoe_cuda_gated_act_backward(const imoe_view *gate_up, const imoe_view *grad_act, imoe_act act,
+                                         const imoe_view *limit, const imoe_view *grad_gate_up,
+                                         const imoe_exec *exec, imoe_error *err);
+imoe_status imoe_cuda_moe_gather_rows(const imoe_view *src, const imoe_view *dest, const imoe_view *weights,
+                                      const imoe_view *out, const imoe_exec *exec, imoe_error *err);
+imoe_status imoe_cuda_moe_weight_grad(const imoe_view *a, int32_t a_by_row, const imoe_view *b,
+                                      const imoe_view *dest, const imoe_view *out, const imoe_exec *exec,
+                                      imoe_error *err);
+
 /* ---- the small-M grouped GEMM (cuda/imoe_moe_gemm.cu) -----------------
  * imoe_grouped_gemm on the device. The core has checked shapes, dtypes and
  * aliasing; the launcher refuses layouts its kernel does not read

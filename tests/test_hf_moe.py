@@ -832,7 +832,10 @@ def test_expert_parallel_gradients_ignore_what_grouped_mm_leaves_unwritten(monke
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
-def test_expert_parallel_sentinels_only_where_the_module_is_split():
+def test_expert_parallel_sentinels_only_where_the_module_is_split(monkeypatch):
+    from idempotent_moe.integrations import _fused
+
+    monkeypatch.setattr(_fused, "trains", lambda experts: False)  # training on the torch path
     experts = standalone_experts()
     index, weights = _expert_parallel_routing(10, 8, 2, seed=10)
     for grad in (False, True):  # the fused path (inference), the torch path

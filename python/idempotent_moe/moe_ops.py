@@ -62,14 +62,23 @@ class MoEDispatch(NamedTuple):
     dropped: Any
 
 
-def _ops(x: Any) -> Any:
-    """The torch ops (`_moe_torch_ops`) when torch.compile is tracing a call on
-    torch tensors, else None."""
+def _ops(x: Any, *more: Any) -> Any:
+    """The torch ops (`_moe_torch_ops`, differentiable) when torch.compile is
+    tracing a call on torch tensors, or when autograd records one (x or one
+    of `more` requires grad), else None."""
     if _op_depth.depth or not _arrays.is_torch(x):
         return None
     torch = _arrays._torch()
     if not torch.compiler.is_compiling():
-        return None
+        # Attribute reads first: the no-grad path pays the least.
+        if not x.requires_grad:
+            for m in more:
+                if m is not None and m.requires_grad:
+                    break
+            else:
+                return None
+        if not torch.is_grad_enabled():
+            return None
     from . import _moe_torch_ops
 
     return torch.ops.idempotent_moe if _moe_torch_ops.AVAILABLE else None
@@ -168,7 +177,7 @@ def moe_combine(rows: Any, dest: Any, weights: Any, *, out: Any = None, out_dtyp
     weights, summed in fp32 in j order, rounded once (the arithmetic of
     `acc.add_(rows[dest[:, j]] * weights[:, j, None])` in an fp32 `acc`).
     `out` (or a new array of `out_dtype`, default rows' dtype) is returned."""
-    ops = _ops(rows) if out is None else None
+    ops = _ops(rows, weights) if out is None else None
     if ops is not None:
         return ops.moe_combine(rows, dest, weights, rows.dtype if out_dtype is None else out_dtype)
     if out is None:
@@ -208,13 +217,66 @@ def grouped_gemm(a: Any, w: Any, offsets: Any, *, out: Any = None, num_threads: 
     idempotent_moe.h, rounded once; CPU and CUDA agree bit for bit.
     Bad offsets (decreasing, or beyond R) are a ValueError on the CPU and a
     recorded error on CUDA (check_errors), with nothing written."""
-    ops = _ops(a) if out is None else None
+    ops = _ops(a, w) if out is None else None
     if ops is not None:
         return ops.grouped_gemm(a, w, offsets)
     if out is None:
         out = _empty(a, (_arrays.shape_of(a)[0], _arrays.shape_of(w)[-1]))
     native().grouped_gemm(a=a, w=w, offsets=offsets, out=out, num_threads=resolve_num_threads(num_threads),
                           stream=_arrays.dlpack_stream(a))
+    return out
+
+
+def gated_act_backward(gate_up: Any, grad_act: Any, act: str = "silu", *, limit: Any = None,
+                       out: Any = None, num_threads: int | None = None) -> Any:
+    """d(gate_up) [R, 2I] of `gated_act(gate_up, act, limit=limit)` given its
+    output's gradient `grad_act` [R, I]: d(gate) = grad * up * act'(gate),
+    d(up) = grad * act(gate), in fp32, rounded once to gate_up's dtype. Rows
+    at or past limit[-1] get zeros."""
+    ops = _ops(gate_up, grad_act) if out is None else None
+    if ops is not None:
+        return ops.gated_act_backward(gate_up, grad_act, act, limit)
+    if out is None:
+        out = _empty(gate_up, _arrays.shape_of(gate_up))
+    native().gated_act_backward(gate_up=gate_up, grad_act=grad_act, out=out, act=act, limit=limit,
+                                num_threads=resolve_num_threads(num_threads),
+                                stream=_arrays.dlpack_stream(gate_up))
+    return out
+
+
+def moe_gather_rows(src: Any, dest: Any, num_rows: int, *, weights: Any = None, out: Any = None,
+                    out_dtype: Any = None, num_threads: int | None = None) -> Any:
+    """[num_rows, H]: row dest[t, j] = weights[t, j] * src[t] (weights None:
+    src[t]) for each kept assignment, zeros in every other row; fp32 products
+    rounded once. The combine's d(rows) from its output's gradient `src`
+    [T, H], and the re-gather of a dispatch's rows from hidden (weights None)."""
+    ops = _ops(src, weights) if out is None else None
+    if ops is not None:
+        torch = _arrays._torch()
+        dtype = src.dtype if out_dtype is None else getattr(torch, _dtype_name(out_dtype))
+        return ops.moe_gather_rows(src, dest, weights, num_rows, dtype)
+    if out is None:
+        out = _empty(src, (num_rows, _arrays.shape_of(src)[-1]), _dtype_name(out_dtype))
+    native().moe_gather_rows(src=src, dest=dest, weights=weights, out=out,
+                             num_threads=resolve_num_threads(num_threads), stream=_arrays.dlpack_stream(src))
+    return out
+
+
+def moe_weight_grad(a: Any, b: Any, dest: Any, *, a_by_row: bool = False, out: Any = None,
+                    out_dtype: Any = None, num_threads: int | None = None) -> Any:
+    """[T, k]: <a[i], b[dest[t, j]]> with i = dest[t, j] (`a_by_row`) or t,
+    0 where dest is -1; fp32 sums in a fixed order (idempotent_moe.h), one
+    rounding to `out_dtype` (default a's). The combine's d(top_k_weights):
+    a its output's gradient [T, H], b its rows [R, H]."""
+    ops = _ops(a, b) if out is None else None
+    if ops is not None:
+        torch = _arrays._torch()
+        dtype = a.dtype if out_dtype is None else getattr(torch, _dtype_name(out_dtype))
+        return ops.moe_weight_grad(a, b, dest, a_by_row, dtype)
+    if out is None:
+        out = _empty(a, tuple(_arrays.shape_of(dest)), _dtype_name(out_dtype))
+    native().moe_weight_grad(a=a, b=b, dest=dest, out=out, a_by_row=a_by_row,
+                             num_threads=resolve_num_threads(num_threads), stream=_arrays.dlpack_stream(a))
     return out
 
 
@@ -243,7 +305,7 @@ def topk_softmax(logits: Any, k: int, *, renormalize: bool = True, out_dtype: An
     NaN or +inf logit, or only -inf logits, gets NaN weights (as torch's
     softmax gives) and experts 0 .. k-1 in torch's order for equal values
     (1, 0 for k = 2)."""
-    ops = _ops(logits)
+    ops = _ops(logits) if _arrays.is_torch(logits) and _arrays._torch().compiler.is_compiling() else None
     if ops is not None:
         torch = _arrays._torch()
         dtype = torch.float32 if out_dtype is None else getattr(torch, _dtype_name(out_dtype))

@@ -230,6 +230,10 @@ IMOE_PY_FASTCALL(imoe_py_moe_dispatch);
 IMOE_PY_FASTCALL(imoe_py_moe_combine);
 IMOE_PY_FASTCALL(imoe_py_gated_act);
 IMOE_PY_FASTCALL(imoe_py_grouped_gemm);
+/* moe_backward.c */
+IMOE_PY_FASTCALL(imoe_py_gated_act_backward);
+IMOE_PY_FASTCALL(imoe_py_moe_gather_rows);
+IMOE_PY_FASTCALL(imoe_py_moe_weight_grad);
 IMOE_PY_FASTCALL(imoe_py_topk_softmax);
 
 /* The result of a C API call: None, or the exception of its status. */

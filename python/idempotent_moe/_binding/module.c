@@ -195,6 +195,15 @@ static PyMethodDef methods[] = {
      "imoe_topk_softmax: per row of logits [T, E], softmax in fp32, the k largest (equal values "
      "in torch's CUDA topk order), divided by their sum when renormalize; torch's CUDA "
      "arithmetic."},
+    {"gated_act_backward", FASTCALL(imoe_py_gated_act_backward),
+     "gated_act_backward(*, gate_up, grad_act, out, act='silu', limit=None, num_threads, stream=None) "
+     "-> None\n\nimoe_gated_act_backward: d(gate_up) of out = act(gate) * up."},
+    {"moe_gather_rows", FASTCALL(imoe_py_moe_gather_rows),
+     "moe_gather_rows(*, src, dest, weights=None, out, num_threads, stream=None) -> None\n\n"
+     "imoe_moe_gather_rows: out[dest[t, j]] = weights[t, j] * src[t], other rows zero."},
+    {"moe_weight_grad", FASTCALL(imoe_py_moe_weight_grad),
+     "moe_weight_grad(*, a, b, dest, out, a_by_row=False, num_threads, stream=None) -> None\n\n"
+     "imoe_moe_weight_grad: out[t, j] = <a[t or dest[t, j]], b[dest[t, j]]>, 0 where dropped."},
     {"moe_workspace_elems", FASTCALL(py_moe_workspace_elems),
      "moe_workspace_elems(assignments, capacity, cuda) -> int\n\n"
      "imoe_moe_workspace_elems: int32 elements of moe_dispatch's workspace."},

@@ -6,12 +6,13 @@ GEMM, the combine; torch's grouped_mm launches two kernels per GEMM), with
 no host synchronisation, dropless or with a capacity folded into the sort.
 
 Taken by the "idempotent" experts implementation (hf_experts) when it
-applies (`applies`); otherwise the torch path of _dispatch runs. Inference
-only: the fused ops are not differentiable, so a forward that records a
-gradient takes the torch path. What does not change between forwards of a
-module (its activation, whether grouped_mm takes its weights, the weights'
-GEMM layout) is worked out once and kept on the module (`_Plan`): decode
-is bound by the host, and every microsecond of Python counts there.
+applies (`applies`); otherwise the torch path of _dispatch runs. A forward that
+records a gradient runs the fused experts layer as one differentiable op pair
+(`train_forward`, _moe_autograd) where the module has the default gate and no
+bias or post-expert norm; other modules take the torch path in training.
+What does not change between forwards of a module (its activation, whether
+grouped_mm takes its weights, the weights' GEMM layout) is worked out once
+and kept on the module (`_Plan`): decode is bound by the host, and every microsecond of Python counts there.
 
 At decode sizes on CUDA (`_lean_forward`) the forward is five calls: the
 dispatch, grouped_mm, gated_act, grouped_mm and the combine, straight into
@@ -33,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from .._moe import expert_capacity
+from .._moe_autograd import fused_experts
 from .._native import native
 from .._sorting import compiling
 from ..functional import cuda_available
@@ -160,8 +162,34 @@ def applies(experts, hidden_states: torch.Tensor) -> bool:
         return False
     if device == "cuda" and not _cuda_runs():
         return False
-    return not (torch.is_grad_enabled() and (hidden_states.requires_grad or
-                                             any(p.requires_grad for p in experts.parameters())))
+    if torch.is_grad_enabled() and (hidden_states.requires_grad or
+                                    any(p.requires_grad for p in experts.parameters())):
+        return trains(experts)
+    return True
+
+
+def trains(experts) -> bool:
+    """Whether a forward that records a gradient runs the fused experts layer
+    (`_moe_autograd.fused_experts`: one differentiable op pair): the default
+    gate with an activation the kernels compute, no biases, no post-expert
+    norm."""
+    return (experts.has_gate and not experts.has_bias and not getattr(experts, "has_post_expert_norm", False)
+            and _dispatch._default_gate(experts) and _dispatch.activation_name(experts.act_fn) is not None)
+
+
+def train_forward(experts, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                  top_k_weights: torch.Tensor, capacity: int | None):
+    """forward() where autograd records it: the experts layer's output and
+    dropped count from the fused op pair, which keeps for backward the
+    gate/up output, the int32 dispatch and the routing weights (and hidden
+    only where gate_up_proj needs a gradient), never a [rows, H] copy. The
+    weights are the module's parameters in GEMM layout, as views."""
+    up, down = experts.gate_up_proj, experts.down_proj
+    w_up = up if experts.is_transposed else up.transpose(-2, -1)
+    w_down = down if experts.is_transposed else down.transpose(-2, -1)
+    return fused_experts(hidden_states, top_k_index, top_k_weights, w_up, w_down,
+                         _dispatch.activation_name(experts.act_fn), experts.num_experts, capacity,
+                         _dispatch.expert_parallel(experts))
 
 
 def _rows_expert(offsets: torch.Tensor, rows: int) -> torch.Tensor:
@@ -250,6 +278,9 @@ def forward(experts, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
             top_k_weights: torch.Tensor, capacity: int | None):
     """The experts' output [T, H] and the dropped count ([1] int64 on the
     device; zero dropless)."""
+    if torch.is_grad_enabled() and (hidden_states.requires_grad or experts.down_proj.requires_grad
+                                    or experts.gate_up_proj.requires_grad or top_k_weights.requires_grad):
+        return train_forward(experts, hidden_states, top_k_index, top_k_weights, capacity)
     plan = _plan(experts, hidden_states)
     if plan.lean and hidden_states.device.type == "cuda":
         result = _lean_forward(experts, plan, hidden_states, top_k_index, top_k_weights, capacity)

@@ -1,0 +1,300 @@
+"""Workload T1 (WORKLOADS.md): training with MoE layers.
+
+- model: the M1 families at 4 layers (Mixtral-like: hidden 2048, intermediate
+  7168, 8 experts, top-2; Qwen3-MoE-like: hidden 1024, moe intermediate 768,
+  64 experts, top-8), batch 4 x 1024 tokens, bf16, one forward + backward
+  (router auxiliary loss on);
+- layer: the experts layer alone, forward + backward, at the Mixtral-8x7B
+  shape (4096, 14336, 8, top-2) and the Qwen3-30B-A3B shape (2048, 768, 128,
+  top-8), 16,384 tokens;
+
+each with the "idempotent" experts implementation dropless and with capacity
+1.0 and 1.25, against transformers' grouped_mm and eager, same weights,
+interleaved rounds, medians; the layer cases also with a skewed router (+3
+on expert 0's logit; the model cases run their own routers unchanged).
+Reported: step time, tokens/s, peak memory, the bytes autograd saves
+in the MoE layers (parameters excluded, saved-tensor hooks), and the FLOP
+floor 6 T k 3 H I at the measured bf16 GEMM rate. --quick: tiny shapes on the
+CPU in seconds (a check of the script, not a measurement).
+
+    python benchmarks/t1_train.py --out "$OUT/t1.json"
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import idempotent_moe.integrations as imoe_hf
+import torch
+
+FULL = {
+    "model": {
+        "mixtral_like": dict(hidden=2048, inter=7168, experts=8, top_k=2, heads=16, kv=4),
+        "qwen3_moe_like": dict(hidden=1024, inter=768, experts=64, top_k=8, heads=16, kv=4),
+    },
+    "layer": {
+        "mixtral_8x7b": dict(hidden=4096, inter=14336, experts=8, top_k=2),
+        "qwen3_30b_a3b": dict(hidden=2048, inter=768, experts=128, top_k=8),
+    },
+    "layers": 4, "batch": 4, "seq": 1024, "layer_tokens": 16384, "vocab": 32000,
+}
+QUICK = {
+    "model": {
+        "mixtral_like": dict(hidden=64, inter=96, experts=8, top_k=2, heads=4, kv=2),
+        "qwen3_moe_like": dict(hidden=32, inter=24, experts=16, top_k=4, heads=4, kv=2),
+    },
+    "layer": {
+        "mixtral_8x7b": dict(hidden=64, inter=128, experts=8, top_k=2),
+        "qwen3_30b_a3b": dict(hidden=32, inter=24, experts=16, top_k=4),
+    },
+    "layers": 2, "batch": 2, "seq": 32, "layer_tokens": 256, "vocab": 128,
+}
+MODES = [("grouped_mm", None), ("eager", None), ("idempotent", None), ("idempotent", 1.0),
+         ("idempotent", 1.25)]
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _peak_reset(device):
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def _peak(device):
+    return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+
+
+def bf16_rate(device, quick: bool) -> float:
+    """Measured dense bf16 GEMM FLOP/s (the floor's rate)."""
+    n = 256 if quick else 8192
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    for _ in range(3):
+        a @ b
+    _sync(device)
+    reps = 3 if quick else 20
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        a @ b
+    _sync(device)
+    return 2 * n ** 3 * reps / (time.perf_counter() - t0)
+
+
+def make_model(family: str, shape: dict, cfg: dict, device, dtype):
+    from transformers import MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    common = dict(vocab_size=cfg["vocab"], hidden_size=shape["hidden"], num_hidden_layers=cfg["layers"],
+                  num_attention_heads=shape["heads"], num_key_value_heads=shape["kv"],
+                  max_position_embeddings=cfg["seq"], output_router_logits=True, use_cache=False)
+    torch.manual_seed(0)
+    if family == "mixtral_like":
+        config = MixtralConfig(**common, intermediate_size=shape["inter"], num_local_experts=shape["experts"],
+                               num_experts_per_tok=shape["top_k"])
+        model = MixtralForCausalLM(config)
+    else:
+        config = Qwen3MoeConfig(**common, intermediate_size=shape["inter"],
+                                moe_intermediate_size=shape["inter"],
+                                num_experts=shape["experts"], num_experts_per_tok=shape["top_k"],
+                                head_dim=shape["hidden"] // shape["heads"])
+        model = Qwen3MoeForCausalLM(config)
+    return model.to(device, dtype).train()
+
+
+def make_experts(shape: dict, device, dtype):
+    from transformers import MixtralConfig
+    from transformers.models.mixtral.modeling_mixtral import MixtralExperts
+
+    config = MixtralConfig(hidden_size=shape["hidden"], intermediate_size=shape["inter"],
+                           num_local_experts=shape["experts"], num_experts_per_tok=shape["top_k"])
+    torch.manual_seed(0)
+    experts = MixtralExperts(config).to(device, dtype)
+    with torch.no_grad():
+        for p in experts.parameters():
+            p.normal_(0.0, 0.02)
+    return experts
+
+
+def set_mode(target, config, implementation: str, capacity):
+    setattr(config, imoe_hf.CAPACITY_FACTOR_ATTR, capacity)
+    if hasattr(target, "set_experts_implementation"):
+        if implementation == "idempotent":
+            imoe_hf.use_idempotent_experts(target, capacity)
+        else:
+            target.set_experts_implementation(implementation)
+    else:
+        config._experts_implementation = implementation
+
+
+class SavedBytes:
+    """Bytes autograd saves inside the experts modules, parameters excluded."""
+
+    def __init__(self, params):
+        self.params = {p.data_ptr() for p in params}
+        self.bytes = 0
+        self.active = False
+
+    def pack(self, t):
+        if self.active and t.data_ptr() not in self.params:
+            self.bytes += t.numel() * t.element_size()
+        return t
+
+
+def wrap_experts(model, counter: SavedBytes):
+    for _, m in imoe_hf.hf_experts._experts_modules(model):
+        if getattr(m, "_t1_wrapped", False):
+            continue
+        forward = m.forward
+
+        def counted(*a, _forward=forward, **k):
+            counter.active = True
+            try:
+                return _forward(*a, **k)
+            finally:
+                counter.active = False
+        m.forward = counted
+        m._t1_wrapped = True
+
+
+def time_step(fn, device, reps):
+    out = []
+    for _ in range(reps):
+        _sync(device)
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def run_models(cfg, device, dtype, rounds, reps, rate):
+    results = []
+    tokens = cfg["batch"] * cfg["seq"]
+    for family, shape in cfg["model"].items():
+        model = make_model(family, shape, cfg, device, dtype)
+        counter = SavedBytes(model.parameters())
+        wrap_experts(model, counter)
+        ids = torch.randint(1, cfg["vocab"], (cfg["batch"], cfg["seq"]), device=device,
+                            generator=torch.Generator().manual_seed(1)) if device.type == "cpu" else \
+            torch.randint(1, cfg["vocab"], (cfg["batch"], cfg["seq"]), device=device)
+        times = {}
+        info = {}
+        for skew in (False,):  # the model's own router (the skewed router: the layer cases)
+            for _ in range(rounds):  # interleaved: one step block per mode per round
+                for impl, cap in MODES:
+                    key = (impl, cap, skew)
+                    set_mode(model, model.config, impl, cap)
+
+                    def step(model=model, counter=counter, ids=ids):
+                        model.zero_grad(set_to_none=True)
+                        counter.bytes = 0
+                        with torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t):
+                            loss = model(ids, labels=ids).loss
+                        loss.backward()
+                    step()  # warm-up
+                    _peak_reset(device)
+                    times.setdefault(key, []).extend(time_step(step, device, reps))
+                    info[key] = (_peak(device), counter.bytes)
+        flops = 6 * tokens * shape["top_k"] * 3 * shape["hidden"] * shape["inter"] * cfg["layers"]
+        for (impl, cap, skew), ts in times.items():
+            med = statistics.median(ts)
+            peak, saved = info[(impl, cap, skew)]
+            results.append(dict(case="model", family=family, implementation=impl, capacity=cap, skewed=skew,
+                                tokens=tokens, step_s=med, tokens_per_s=tokens / med, peak_bytes=peak,
+                                moe_saved_bytes=saved, moe_floor_s=flops / rate, samples=len(ts)))
+        del model
+    return results
+
+
+def run_layers(cfg, device, dtype, rounds, reps, rate):
+    results = []
+    tokens = cfg["layer_tokens"]
+    for name, shape in cfg["layer"].items():
+        experts = make_experts(shape, device, dtype)
+        g = torch.Generator(device=device).manual_seed(3)
+        hidden = torch.randn(tokens, shape["hidden"], device=device, dtype=dtype, generator=g)
+        logits = torch.randn(tokens, shape["experts"], device=device, generator=g)
+        grad = torch.randn(tokens, shape["hidden"], device=device, dtype=dtype, generator=g)
+        times, info = {}, {}
+        for skew in (False, True):
+            lg = logits.clone()
+            if skew:
+                lg[:, 0] += 3.0
+            w, idx = torch.softmax(lg, -1).topk(shape["top_k"], -1)
+            w = (w / w.sum(-1, keepdim=True)).to(dtype)
+            for _ in range(rounds):
+                for impl, cap in MODES:
+                    key = (impl, cap, skew)
+                    set_mode(experts, experts.config, impl, cap)
+                    counter = SavedBytes(experts.parameters())
+
+                    def step(experts=experts, counter=counter, hidden=hidden, w=w, idx=idx, grad=grad):
+                        experts.zero_grad(set_to_none=True)
+                        h = hidden.detach().requires_grad_()
+                        ww = w.detach().requires_grad_()
+                        counter.bytes = 0
+                        counter.active = True
+                        with torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t):
+                            out = experts(h, idx, ww)
+                        counter.active = False
+                        out.backward(grad)
+                    step()
+                    _peak_reset(device)
+                    times.setdefault(key, []).extend(time_step(step, device, reps))
+                    info[key] = (_peak(device), counter.bytes)
+        flops = 6 * tokens * shape["top_k"] * 3 * shape["hidden"] * shape["inter"]
+        for (impl, cap, skew), ts in times.items():
+            med = statistics.median(ts)
+            peak, saved = info[(impl, cap, skew)]
+            results.append(dict(case="layer", shape=name, implementation=impl, capacity=cap, skewed=skew,
+                                tokens=tokens, step_s=med, tokens_per_s=tokens / med, peak_bytes=peak,
+                                moe_saved_bytes=saved, floor_s=flops / rate,
+                                floor_fraction=flops / rate / med, samples=len(ts)))
+        del experts
+    return results
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="tiny shapes on the CPU, in seconds")
+    parser.add_argument("--out", help="JSON file to write")
+    parser.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 3; quick 1)")
+    parser.add_argument("--reps", type=int, default=None, help="timed steps per mode and round (default 3)")
+    parser.add_argument("--only", choices=["model", "layer"], default=None)
+    args = parser.parse_args(argv)
+    device = torch.device("cpu" if args.quick or not torch.cuda.is_available() else "cuda")
+    cfg = QUICK if args.quick else FULL
+    dtype = torch.float32 if args.quick else torch.bfloat16
+    rounds = args.rounds or (1 if args.quick else 3)
+    reps = args.reps or (1 if args.quick else 3)
+    imoe_hf.hf_experts.register()
+    rate = bf16_rate(device, args.quick)
+    results = []
+    if args.only in (None, "model"):
+        results += run_models(cfg, device, dtype, rounds, reps, rate)
+    if args.only in (None, "layer"):
+        results += run_layers(cfg, device, dtype, rounds, reps, rate)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    report = dict(workload="T1", device=name,
+                  torch=torch.__version__, quick=args.quick, dtype=str(dtype), gemm_flops_per_s=rate,
+                  rounds=rounds, reps=reps, results=results)
+    text = json.dumps(report, indent=1)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text)
+    for r in results:
+        print(f"{r['case']:5} {r.get('family', r.get('shape')):16} {r['implementation']:10} "
+              f"cap={r['capacity']!s:5} skew={r['skewed']!s:5} {r['step_s'] * 1e3:9.2f} ms "
+              f"saved={r['moe_saved_bytes'] / 2**20:9.2f} MiB peak={r['peak_bytes']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,326 @@
+// imoe_moe_backward.cu: the MoE backward kernels on the device
+// (imoe_gated_act_backward, imoe_moe_gather_rows, imoe_moe_weight_grad;
+// contract in idempotent_moe.h, "MoE backward", CPU core in
+// csrc/moe_backward.c). Every launch is on the caller's stream; no host
+// synchronisation.
+//   k_bwd_dest_check  one block: dest checked against [-1, R); a bad entry is
+//                     a recorded IMOE_ERR_INDEX_RANGE and the call's verdict,
+//                     which the kernels after it read (nothing is written);
+//   k_bwd_zero_rows   the gather's output zeroed (grid-stride);
+//   k_bwd_gather      one block per assignment (grid-stride): its token's row
+//                     times its weight into its row;
+//   k_bwd_weight_grad one warp per assignment: the dot product in the core's
+//                     order (lane l sums h = l mod 32 in increasing h, then
+//                     p[l] += p[l + s], s = 16 .. 1), the CPU's bits;
+//   k_bwd_gated_act   d(gate), d(up) per element, rows past the limit zero.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <math.h>
+#include <string.h>
+
+#include "imoe_device.cuh"
+#include "imoe_launch.cuh"
+
+namespace imoe_cu_bwd {
+using namespace imoe_cu;
+
+constexpr int kThreads = 256;
+
+__device__ __forceinline__ float ld(const char *p, int dt) {
+  if (dt == IMOE_DTYPE_F32) return *reinterpret_cast<const float *>(p);
+  if (dt == IMOE_DTYPE_F16) return __half2float(*reinterpret_cast<const __half *>(p));
+  return __bfloat162float(*reinterpret_cast<const __nv_bfloat16 *>(p));
+}
+
+__device__ __forceinline__ void st(char *p, int dt, float v) {
+  if (dt == IMOE_DTYPE_F32) *reinterpret_cast<float *>(p) = v;
+  else if (dt == IMOE_DTYPE_F16) *reinterpret_cast<__half *>(p) = __float2half_rn(v);
+  else *reinterpret_cast<__nv_bfloat16 *>(p) = __float2bfloat16_rn(v);
+}
+
+__device__ __forceinline__ int esize(int dt) { return dt == IMOE_DTYPE_F32 ? 4 : 2; }
+
+// A [T, k] index matrix: element (t, j) at data + t * row + j * col.
+struct Idx {
+  const char *data;
+  int64_t row, col;
+  int32_t dtype, aligned;
+};
+
+__device__ __forceinline__ int64_t idx_at(const Idx &m, int64_t t, int64_t j) {
+  return load_index(m.data + t * m.row + j * m.col, m.dtype, m.aligned != 0);
+}
+
+struct BwdParams {
+  Idx dest;
+  const char *a, *b, *w;  // gather: a = src, w = weights or null; weight grad: a, b
+  int64_t a_row, b_row, w_row, w_col;
+  char *out;
+  int64_t out_row, out_col;
+  int64_t T, R, H;
+  int32_t k, adt, bdt, wdt, odt, a_by_row;
+  uint32_t token;
+  StatusWords words;
+};
+
+__global__ void __launch_bounds__(1024) k_bwd_dest_check(const __grid_constant__ BwdParams p) {
+  bool bad = false;
+  for (int64_t i = threadIdx.x; i < p.T * p.k; i += blockDim.x) {
+    const int64_t d = idx_at(p.dest, i / p.k, i % p.k);
+    bad |= d < -1 || d >= p.R;
+  }
+  block_verdict(p.words, p.token, bad, IMOE_ERR_INDEX_RANGE);
+}
+
+__global__ void __launch_bounds__(kThreads) k_bwd_zero_rows(const __grid_constant__ BwdParams p) {
+  if (call_aborted(p.words, p.token, 1)) return;
+  const int size = esize(p.odt);
+  for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < p.R * p.H;
+       i += (int64_t)gridDim.x * blockDim.x) {
+    const int64_t r = i / p.H, h = i - r * p.H;
+    st(p.out + r * p.out_row + h * size, p.odt, 0.0f);
+  }
+}
+
+__global__ void __launch_bounds__(kThreads) k_bwd_gather(const __grid_constant__ BwdParams p) {
+  if (call_aborted(p.words, p.token, 1)) return;
+  const int asize = esize(p.adt), osize = esize(p.odt);
+  for (int64_t item = blockIdx.x; item < p.T * p.k; item += gridDim.x) {
+    const int64_t t = item / p.k, j = item - t * p.k;
+    const int64_t d = idx_at(p.dest, t, j);
+    if (d < 0) continue;
+    const float w = p.w ? ld(p.w + t * p.w_row + j * p.w_col, p.wdt) : 1.0f;
+    const char *src = p.a + t * p.a_row;
+    char *out = p.out + d * p.out_row;
+    for (int64_t h = threadIdx.x; h < p.H; h += blockDim.x) {
+      const float v = ld(src + h * asize, p.adt);
+      st(out + h * osize, p.odt, p.w ? __fmul_rn(w, v) : v);
+    }
+  }
+}
+
+__global__ void __launch_bounds__(kThreads) k_bwd_weight_grad(const __grid_constant__ BwdParams p) {
+  if (call_aborted(p.words, p.token, 1)) return;
+  const int lane = threadIdx.x & 31, warps = blockDim.x / 32;
+  const int asize = esize(p.adt), bsize = esize(p.bdt);
+  for (int64_t item = (int64_t)blockIdx.x * warps + threadIdx.x / 32; item < p.T * p.k;
+       item += (int64_t)gridDim.x * warps) {
+    const int64_t t = item / p.k, j = item - t * p.k;
+    const int64_t d = idx_at(p.dest, t, j);
+    float s = 0.0f;
+    if (d >= 0) {
+      const char *a = p.a + (p.a_by_row ? d : t) * p.a_row, *b = p.b + d * p.b_row;
+      for (int64_t h = lane; h < p.H; h += 32)
+        s = __fadd_rn(s, __fmul_rn(ld(a + h * asize, p.adt), ld(b + h * bsize, p.bdt)));
+#pragma unroll
+      for (int o = 16; o >= 1; o >>= 1) s = __fadd_rn(s, __shfl_down_sync(0xFFFFFFFFu, s, o));
+    }
+    if (lane == 0) st(p.out + t * p.out_row + j * p.out_col, p.odt, s);
+  }
+}
+
+struct ActBwdParams {
+  const char *in, *grad;
+  int64_t in_row, grad_row;
+  char *out;
+  int64_t out_row;
+  InView limit;  // [E] offsets, or data null
+  int64_t limit_last;
+  int64_t R, I;
+  int32_t act, dt, gdt;
+};
+
+// act(x) and act'(x) in F32 (the CPU core's formulas).
+__device__ __forceinline__ float act_slope(float x, int act, float *slope) {
+  switch (act) {
+    case IMOE_ACT_SILU: {
+      const float s = 1.0f / (1.0f + expf(-x));
+      *slope = s * (1.0f + x * (1.0f - s));
+      return x * s;
+    }
+    case IMOE_ACT_GELU: {
+      const float cdf = 0.5f * (1.0f + erff(x * 0.70710678118654752440f));
+      const float pdf = 0.39894228040143267794f * expf(-0.5f * x * x);
+      *slope = cdf + x * pdf;
+      return x * cdf;
+    }
+    case IMOE_ACT_GELU_TANH: {
+      const float beta = 0.7978845608028654f, kappa = 0.044715f;
+      const float x2 = x * x;
+      const float t = tanhf(beta * (x + kappa * x2 * x));
+      *slope = 0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * beta * (1.0f + 3.0f * kappa * x2);
+      return 0.5f * x * (1.0f + t);
+    }
+    default:
+      *slope = x > 0.0f ? 1.0f : 0.0f;
+      return x > 0.0f ? x : 0.0f;
+  }
+}
+
+__global__ void __launch_bounds__(kThreads) k_bwd_gated_act(const __grid_constant__ ActBwdParams p) {
+  int64_t rows = p.R;
+  if (p.limit.data) {
+    const int64_t end = load_index(p.limit.data + p.limit_last * p.limit.n_stride, p.limit.dtype,
+                                   p.limit.aligned != 0);
+    rows = end < 0 ? 0 : end < p.R ? end : p.R;
+  }
+  const int size = esize(p.dt), gsize = esize(p.gdt);
+  for (int64_t item = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; item < p.R * p.I;
+       item += (int64_t)gridDim.x * blockDim.x) {
+    const int64_t r = item / p.I, i = item - r * p.I;
+    char *out = p.out + r * p.out_row;
+    if (r >= rows) {
+      st(out + i * size, p.dt, 0.0f);
+      st(out + (p.I + i) * size, p.dt, 0.0f);
+      continue;
+    }
+    const char *in = p.in + r * p.in_row;
+    const float g = ld(in + i * size, p.dt), u = ld(in + (p.I + i) * size, p.dt);
+    const float d = ld(p.grad + r * p.grad_row + i * gsize, p.gdt);
+    float slope;
+    const float a = act_slope(g, p.act, &slope);
+    st(out + i * size, p.dt, d * u * slope);
+    st(out + (p.I + i) * size, p.dt, d * a);
+  }
+}
+
+namespace {
+
+Idx idx_of(const imoe_view *v) {
+  Idx m;
+  m.data = static_cast<const char *>(v->data);
+  m.row = v->lead_ndim ? v->lead_stride[0] : 0;
+  m.col = v->n_stride;
+  m.dtype = v->dtype;
+  const int64_t size = dtype_size(v->dtype);
+  m.aligned = (uintptr_t)m.data % size == 0 && m.row % size == 0 && m.col % size == 0;
+  return m;
+}
+
+unsigned grid_of(int64_t items, const DevInfo *di) {
+  const int64_t cap = (int64_t)di->sms * 8;
+  return (unsigned)(items < 1 ? 1 : items < cap ? items : cap);
+}
+
+// The params every dest-reading call shares, and its check kernel launched.
+cudaError_t begin(const imoe_view *dest, int64_t rows, DevInfo *di, cudaStream_t s, BwdParams *p) {
+  memset(p, 0, sizeof *p);
+  p->dest = idx_of(dest);
+  p->T = dest->lead_shape[0];
+  p->k = (int32_t)dest->n;
+  p->R = rows;
+  p->words = di->words;
+  p->token = next_token();
+  return launch(k_bwd_dest_check, shape(1, 1024), s, *p);
+}
+
+}  // namespace
+}  // namespace imoe_cu_bwd
+
+using namespace imoe_cu_bwd;
+
+extern "C" {
+
+imoe_status imoe_cuda_moe_gather_rows(const imoe_view *src, const imoe_view *dest, const imoe_view *weights,
+                                      const imoe_view *out, const imoe_exec *exec, imoe_error *err) {
+  const char *fn = "imoe_cuda_moe_gather_rows";
+  DeviceGuard guard;
+  DevInfo *di = nullptr;
+  imoe_status s = enter(exec, fn, err, &guard, &di);
+  if (s != IMOE_OK) return s;
+  cudaStream_t stream = static_cast<cudaStream_t>(exec->stream);
+  BwdParams p;
+  cudaError_t e = begin(dest, out->lead_shape[0], di, stream, &p);
+  if (e != cudaSuccess) return cuda_fail(err, fn, "launch of k_bwd_dest_check", e);
+  p.a = static_cast<const char *>(src->data);
+  p.a_row = src->lead_ndim ? src->lead_stride[0] : 0;
+  p.adt = src->dtype;
+  if (weights) {
+    p.w = static_cast<const char *>(weights->data);
+    p.w_row = weights->lead_ndim ? weights->lead_stride[0] : 0;
+    p.w_col = weights->n_stride;
+    p.wdt = weights->dtype;
+  }
+  p.out = static_cast<char *>(out->data);
+  p.out_row = out->lead_stride[0];
+  p.odt = out->dtype;
+  p.H = out->n;
+  if (p.R * p.H > 0) {
+    e = launch(k_bwd_zero_rows, shape(grid_of((p.R * p.H + kThreads - 1) / kThreads, di), kThreads), stream, p);
+    if (e != cudaSuccess) return cuda_fail(err, fn, "launch of k_bwd_zero_rows", e);
+  }
+  if (p.T * p.k > 0 && p.H > 0) {
+    e = launch(k_bwd_gather, shape(grid_of(p.T * p.k, di), kThreads), stream, p);
+    if (e != cudaSuccess) return cuda_fail(err, fn, "launch of k_bwd_gather", e);
+  }
+  return IMOE_OK;
+}
+
+imoe_status imoe_cuda_moe_weight_grad(const imoe_view *a, int32_t a_by_row, const imoe_view *b,
+                                      const imoe_view *dest, const imoe_view *out, const imoe_exec *exec,
+                                      imoe_error *err) {
+  const char *fn = "imoe_cuda_moe_weight_grad";
+  DeviceGuard guard;
+  DevInfo *di = nullptr;
+  imoe_status s = enter(exec, fn, err, &guard, &di);
+  if (s != IMOE_OK) return s;
+  cudaStream_t stream = static_cast<cudaStream_t>(exec->stream);
+  BwdParams p;
+  cudaError_t e = begin(dest, b->lead_shape[0], di, stream, &p);
+  if (e != cudaSuccess) return cuda_fail(err, fn, "launch of k_bwd_dest_check", e);
+  p.a = static_cast<const char *>(a->data);
+  p.a_row = a->lead_ndim ? a->lead_stride[0] : 0;
+  p.adt = a->dtype;
+  p.a_by_row = a_by_row;
+  p.b = static_cast<const char *>(b->data);
+  p.b_row = b->lead_ndim ? b->lead_stride[0] : 0;
+  p.bdt = b->dtype;
+  p.out = static_cast<char *>(out->data);
+  p.out_row = out->lead_ndim ? out->lead_stride[0] : 0;
+  p.out_col = out->n_stride;
+  p.odt = out->dtype;
+  p.H = b->n;
+  const int warps = kThreads / 32;
+  e = launch(k_bwd_weight_grad, shape(grid_of((p.T * p.k + warps - 1) / warps, di), kThreads), stream, p);
+  if (e != cudaSuccess) return cuda_fail(err, fn, "launch of k_bwd_weight_grad", e);
+  return IMOE_OK;
+}
+
+imoe_status imoe_cuda_gated_act_backward(const imoe_view *gate_up, const imoe_view *grad_act, imoe_act act,
+                                         const imoe_view *limit, const imoe_view *grad_gate_up,
+                                         const imoe_exec *exec, imoe_error *err) {
+  const char *fn = "imoe_cuda_gated_act_backward";
+  DeviceGuard guard;
+  DevInfo *di = nullptr;
+  imoe_status s = enter(exec, fn, err, &guard, &di);
+  if (s != IMOE_OK) return s;
+  cudaStream_t stream = static_cast<cudaStream_t>(exec->stream);
+  ActBwdParams p;
+  memset(&p, 0, sizeof p);
+  p.in = static_cast<const char *>(gate_up->data);
+  p.in_row = gate_up->lead_stride[0];
+  p.grad = static_cast<const char *>(grad_act->data);
+  p.grad_row = grad_act->lead_stride[0];
+  p.out = static_cast<char *>(grad_gate_up->data);
+  p.out_row = grad_gate_up->lead_stride[0];
+  if (limit) {
+    p.limit.data = static_cast<char *>(limit->data);
+    p.limit.n_stride = limit->n_stride;
+    p.limit.dtype = limit->dtype;
+    const int64_t size = dtype_size(limit->dtype);
+    p.limit.aligned = (uintptr_t)limit->data % size == 0 && limit->n_stride % size == 0;
+    p.limit_last = limit->n - 1;
+  }
+  p.R = gate_up->lead_shape[0];
+  p.I = grad_act->n;
+  p.act = act;
+  p.dt = gate_up->dtype;
+  p.gdt = grad_act->dtype;
+  const cudaError_t e =
+      launch(k_bwd_gated_act, shape(grid_of((p.R * p.I + kThreads - 1) / kThreads, di), kThreads), stream, p);
+  if (e != cudaSuccess) return cuda_fail(err, fn, "launch of k_bwd_gated_act", e);
+  return IMOE_OK;
+}
+
+}  // extern "C"

@@ -1,0 +1,402 @@
+"""The backward of the MoE ops and of the fused experts layer.
+
+The backward formulas that `_moe_torch_ops` registers with torch.library
+(`register_autograd`) on moe_dispatch, moe_combine, gated_act and
+grouped_gemm, and the fused experts layer as one differentiable pair of
+ops (`experts_forward` / `experts_backward`):
+
+    forward   d = dispatch(hidden); gate_up = d.rows @ W_up[e];
+              A = act(gate) * up; Y = A @ W_down[e]; out = combine(Y, w)
+    saved     gate_up [R, 2I], offsets, dest (int32), the routing weights,
+              the weights (parameters), and hidden only when W_up needs a
+              gradient (it is alive anyway: the layer's input). Never the
+              gathered rows [R, H] nor the expert outputs Y [R, H].
+    backward  gdo = gather(dOut) [R, H]; G = gdo @ W_down[e]^T [R, I];
+              A recomputed from gate_up (gated_act); d(w)[t, j] =
+              <G[row], A[row]> (= <dOut[t], Y[row]>: Y is never needed);
+              dA = w_row * G; dW_down[e] = (w_row * A)^T gdo;
+              d(gate_up) = gated_act_backward(gate_up, dA);
+              dW_up[e] = gather(hidden)^T d(gate_up);
+              d(hidden) = combine(d(gate_up) @ W_up[e]^T, dest, 1).
+
+Only rows below offsets[-1] (the kept assignments) are computed by any GEMM;
+a dropped assignment (dest -1) gets exactly zero gradient. Frozen weights
+(requires_grad False) get no dW and nothing is kept for one.
+
+The library's kernels take float32, float16 and bfloat16; float64 (for
+torch.autograd.gradcheck) runs the plain torch references below, the same
+formulas. GEMMs: torch's grouped_mm where it takes the operands, else a loop
+over the experts (inside an op's real implementation: never traced).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from . import _op_depth, moe_ops
+from ._moe import combine as _torch_combine
+
+CORE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_GMM = getattr(torch, "_grouped_mm", None)
+
+
+def on_core(*xs: torch.Tensor) -> bool:
+    """Whether the library's kernels take these tensors' dtypes."""
+    return all(x.dtype in CORE_DTYPES for x in xs)
+
+
+# ---- plain torch references (float64, and the tests' truth) -------------------------
+
+_ACT = {"silu": F.silu, "relu": F.relu, "gelu": F.gelu,
+        "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}
+
+
+def _limit_mask(rows: int, limit: torch.Tensor | None, device) -> torch.Tensor | None:
+    """[rows, 1] bool: the rows below limit[-1], or None without a limit."""
+    if limit is None:
+        return None
+    return (torch.arange(rows, device=device) < limit[-1].to(torch.int64)).unsqueeze(-1)
+
+
+def ref_gated_act(gate_up: torch.Tensor, act: str, limit: torch.Tensor | None) -> torch.Tensor:
+    """act(gate) * up; rows at or past limit[-1] zero (the kernel leaves them)."""
+    inter = gate_up.shape[-1] // 2
+    out = _ACT[act](gate_up[:, :inter]) * gate_up[:, inter:]
+    keep = _limit_mask(gate_up.shape[0], limit, gate_up.device)
+    return out if keep is None else out.masked_fill(~keep, 0)
+
+
+def _act_slope(x: torch.Tensor, act: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """act(x) and act'(x), closed forms in x's dtype."""
+    if act == "silu":
+        s = torch.sigmoid(x)
+        return x * s, s * (1 + x * (1 - s))
+    if act == "relu":
+        return x.clamp(min=0), (x > 0).to(x.dtype)
+    if act == "gelu":
+        cdf = 0.5 * (1 + torch.erf(x * 0.7071067811865476))
+        return x * cdf, cdf + x * 0.3989422804014327 * torch.exp(-0.5 * x * x)
+    beta, kappa = 0.7978845608028654, 0.044715
+    t = torch.tanh(beta * (x + kappa * x ** 3))
+    return 0.5 * x * (1 + t), 0.5 * (1 + t) + 0.5 * x * (1 - t * t) * beta * (1 + 3 * kappa * x * x)
+
+
+def ref_gated_act_backward(gate_up: torch.Tensor, grad: torch.Tensor, act: str,
+                           limit: torch.Tensor | None) -> torch.Tensor:
+    """d(gate_up) of ref_gated_act: [d * up * act'(gate), d * act(gate)],
+    in float32 for narrower dtypes (the kernel's math), rounded once."""
+    acc = torch.promote_types(gate_up.dtype, torch.float32)
+    inter = gate_up.shape[-1] // 2
+    g, u, d = gate_up[:, :inter].to(acc), gate_up[:, inter:].to(acc), grad.to(acc)
+    a, slope = _act_slope(g, act)
+    out = torch.cat([d * u * slope, d * a], dim=-1).to(gate_up.dtype)
+    keep = _limit_mask(gate_up.shape[0], limit, gate_up.device)
+    return out if keep is None else out.masked_fill(~keep, 0)
+
+
+def ref_combine(rows: torch.Tensor, dest: torch.Tensor, weights: torch.Tensor,
+                out_dtype: torch.dtype) -> torch.Tensor:
+    """moe_combine's sum with torch ops (dest -1 adds nothing)."""
+    keep = dest >= 0
+    return _torch_combine(rows, dest.long().clamp(min=0), weights, out_dtype, keep=keep)
+
+
+def ref_gather_rows(src: torch.Tensor, dest: torch.Tensor, num_rows: int,
+                    weights: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+    """moe_gather_rows with torch ops."""
+    flat = dest.reshape(-1).long()
+    token = torch.arange(dest.numel(), device=src.device) // dest.shape[1]
+    acc = torch.promote_types(torch.promote_types(src.dtype, out_dtype), torch.float32)
+    terms = src.index_select(0, token).to(acc)  # products in float32 at least, rounded once
+    if weights is not None:
+        terms = terms * weights.reshape(-1, 1).to(acc)
+    out = src.new_zeros((num_rows + 1, src.shape[-1]), dtype=terms.dtype)
+    out.index_copy_(0, torch.where(flat < 0, num_rows, flat), terms)  # dropped: the extra row
+    return out[:num_rows].to(out_dtype)
+
+
+def ref_weight_grad(a: torch.Tensor, b: torch.Tensor, dest: torch.Tensor, a_by_row: bool,
+                    out_dtype: torch.dtype) -> torch.Tensor:
+    """moe_weight_grad with torch ops (float32 sums where a and b are narrower)."""
+    acc = torch.promote_types(torch.promote_types(a.dtype, b.dtype), torch.float32)
+    d = dest.long()
+    rows = d.clamp(min=0)
+    left = a.index_select(0, rows.reshape(-1)).view(*d.shape, -1) if a_by_row else a.unsqueeze(1)
+    right = b.index_select(0, rows.reshape(-1)).view(*d.shape, -1)
+    dots = (left.to(acc) * right.to(acc)).sum(-1)
+    return dots.masked_fill(d < 0, 0).to(out_dtype)
+
+
+# ---- grouped GEMMs over a dispatch's offsets ------------------------------------------
+
+def _loop(a: torch.Tensor, offsets: torch.Tensor, fn, out: torch.Tensor) -> torch.Tensor:
+    start = 0
+    for expert, end in enumerate(offsets.tolist()):
+        if end > start:
+            fn(expert, start, end, out)
+        start = end
+    return out
+
+
+def grouped_mm(a: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """out[r] = a[r] @ w[e(r)] [R, N] for rows below offsets[-1]; the rows past
+    it are zero or (grouped_mm) unwritten: no caller reads them."""
+    if _GMM is not None and a.dtype == w.dtype and a.dtype in CORE_DTYPES:
+        try:
+            return _GMM(a, w, offs=offsets)
+        except (RuntimeError, NotImplementedError, ValueError):
+            pass
+
+    def one(e, s, t, out):
+        torch.matmul(a[s:t].to(w.dtype), w[e], out=out[s:t])
+    return _loop(a, offsets, one, a.new_zeros((a.shape[0], w.shape[-1]), dtype=w.dtype))
+
+
+def grouped_mm_nt(g: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """out[r] = g[r] @ w[e(r)]^T [R, K] (w [E, K, N]): a grouped GEMM's dX."""
+    return grouped_mm(g, w.transpose(-2, -1), offsets)
+
+
+def grouped_mm_dw(a: torch.Tensor, g: torch.Tensor, offsets: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """dW[e] = a[rows of e]^T @ g[rows of e] [E, K, N] (zero for an expert
+    without rows): a grouped GEMM's weight gradient."""
+    if _GMM is not None and a.dtype == g.dtype and a.dtype in CORE_DTYPES:
+        try:
+            return _GMM(a.t(), g, offs=offsets)
+        except (RuntimeError, NotImplementedError, ValueError):
+            pass
+
+    def one(e, s, t, out):
+        torch.matmul(a[s:t].t(), g[s:t], out=out[e])
+    return _loop(a, offsets, one, a.new_zeros((num_experts, a.shape[1], g.shape[1])))
+
+
+def zero_tail(x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """x with its rows at or past offsets[-1] zeroed (in place, no host sync)."""
+    keep = torch.arange(x.shape[0], device=x.device) < offsets[-1].to(torch.int64)
+    return x.masked_fill_(~keep.unsqueeze(-1), 0)
+
+
+# ---- the primitive ops' direct implementations (float64: the references) -------------
+# An op's real implementation sees its inputs as autograd recorded them
+# (requires_grad set, which DLPack refuses): each is detached first.
+
+def _plain(*xs):
+    return tuple(None if x is None else x.detach() for x in xs)
+
+
+def gated_act_direct(gate_up, act, limit):
+    gate_up, limit = _plain(gate_up, limit)
+    with _op_depth.inside_op():
+        if on_core(gate_up):
+            return moe_ops.gated_act(gate_up, act, limit=limit)
+        return ref_gated_act(gate_up, act, limit)
+
+
+def gated_act_backward_direct(gate_up, grad, act, limit):
+    gate_up, grad, limit = _plain(gate_up, grad, limit)
+    with _op_depth.inside_op():
+        if on_core(gate_up, grad):
+            return moe_ops.gated_act_backward(gate_up, grad.contiguous(), act, limit=limit)
+        return ref_gated_act_backward(gate_up, grad, act, limit)
+
+
+def combine_direct(rows, dest, weights, out_dtype):
+    rows, dest, weights = _plain(rows, dest, weights)
+    with _op_depth.inside_op():
+        if on_core(rows, weights) and out_dtype in CORE_DTYPES:
+            return moe_ops.moe_combine(rows.contiguous(), dest, weights, out_dtype=out_dtype)
+        return ref_combine(rows, dest, weights, out_dtype)
+
+
+def gather_rows_direct(src, dest, weights, num_rows, out_dtype):
+    src, dest, weights = _plain(src, dest, weights)
+    with _op_depth.inside_op():
+        if on_core(src) and out_dtype in CORE_DTYPES and (weights is None or on_core(weights)):
+            return moe_ops.moe_gather_rows(src.contiguous(), dest, num_rows, weights=weights,
+                                           out_dtype=out_dtype)
+        return ref_gather_rows(src, dest, num_rows, weights, out_dtype)
+
+
+def weight_grad_direct(a, b, dest, a_by_row, out_dtype):
+    a, b, dest = _plain(a, b, dest)
+    with _op_depth.inside_op():
+        if on_core(a, b) and out_dtype in CORE_DTYPES:
+            return moe_ops.moe_weight_grad(a.contiguous(), b.contiguous(), dest, a_by_row=a_by_row,
+                                           out_dtype=out_dtype)
+        return ref_weight_grad(a, b, dest, a_by_row, out_dtype)
+
+
+def grouped_gemm_direct(a, w, offsets):
+    a, w, offsets = _plain(a, w, offsets)
+    with _op_depth.inside_op():
+        if on_core(a, w):
+            return moe_ops.grouped_gemm(a, w, offsets)
+        return grouped_mm(a, w, offsets)
+
+
+# ---- the fused experts layer ---------------------------------------------------------
+
+def row_weights(dest: torch.Tensor, weights: torch.Tensor, num_rows: int, dtype) -> torch.Tensor:
+    """[R, 1]: each row's routing weight (0 for a row without an assignment)."""
+    flat = dest.reshape(-1).long()
+    w = weights.new_zeros(num_rows + 1, dtype=dtype)
+    w.index_copy_(0, torch.where(flat < 0, num_rows, flat), weights.reshape(-1).to(dtype))
+    return w[:num_rows].unsqueeze(-1)
+
+
+def experts_forward_direct(hidden, top_k_index, top_k_weights, w_up, w_down, act, num_experts,
+                           capacity, skip_foreign):
+    """(out [T, H], gate_up [R, 2I], offsets, dest, dropped); see the module."""
+    hidden, top_k_index, top_k_weights, w_up, w_down = _plain(hidden, top_k_index, top_k_weights, w_up,
+                                                              w_down)
+    with _op_depth.inside_op():
+        select = None if capacity is None else (
+            top_k_weights if top_k_weights.dtype in CORE_DTYPES else top_k_weights.float())
+        d = moe_ops.moe_dispatch(hidden, top_k_index, num_experts, top_k_weights=select,
+                                 capacity=capacity, skip_foreign=skip_foreign, _apart=True)
+        x, offsets, dest, dropped = d.rows, d.offsets, d.dest, d.dropped
+        del d
+        gate_up = grouped_mm(x if x.dtype == w_up.dtype else x.to(w_up.dtype), w_up, offsets)
+        del x
+        a = gated_act_direct(gate_up, act, offsets)
+        y = grouped_mm(a, w_down, offsets)
+        del a
+        out = combine_direct(y, dest, top_k_weights, hidden.dtype)
+        return out, gate_up, offsets, dest, dropped
+
+
+def experts_backward_direct(grad_out, hidden, top_k_weights, w_up, w_down, gate_up, offsets, dest, act,
+                            need_hidden, need_weights, need_up, need_down):
+    """(d_hidden, d_weights, d_w_up, d_w_down), each an empty tensor where not needed."""
+    grad_out, hidden, top_k_weights, w_up, w_down, gate_up, offsets, dest = _plain(
+        grad_out, hidden, top_k_weights, w_up, w_down, gate_up, offsets, dest)
+    with _op_depth.inside_op():
+        rows, num_experts = gate_up.shape[0], w_up.shape[0]
+        dt = gate_up.dtype
+        def none():  # a fresh empty per output (custom op outputs may not alias)
+            return grad_out.new_empty(0)
+        gdo = gather_rows_direct(grad_out, dest, None, rows, w_down.dtype)      # [R, H]
+        g = grouped_mm_nt(gdo, w_down, offsets)                                # [R, I]
+        d_weights, d_down = none(), none()
+        if need_weights or need_down:
+            a = gated_act_direct(gate_up, act, offsets)                        # recomputed [R, I]
+            if need_weights:
+                d_weights = weight_grad_direct(g, a, dest, True, top_k_weights.dtype)
+        w_row = row_weights(dest, top_k_weights, rows, torch.float32 if dt in CORE_DTYPES else dt)
+        if need_down:
+            d_down = grouped_mm_dw(a.mul_(w_row.to(dt)), gdo, offsets, num_experts)
+        if need_weights or need_down:
+            del a
+        del gdo
+        d_gate_up = gated_act_backward_direct(gate_up, g.mul_(w_row.to(g.dtype)), act, offsets)
+        del g
+        d_up, d_hidden = none(), none()
+        if need_up:
+            x = gather_rows_direct(hidden, dest, None, rows, dt)
+            d_up = grouped_mm_dw(x, d_gate_up, offsets, num_experts)
+            del x
+        if need_hidden:
+            d_rows = grouped_mm_nt(d_gate_up, w_up, offsets)
+            ones = torch.ones(dest.shape, dtype=d_rows.dtype, device=d_rows.device)
+            d_hidden = combine_direct(d_rows, dest, ones, grad_out.dtype)
+        return d_hidden, d_weights, d_up, d_down
+
+
+# ---- autograd formulas (registered by _moe_torch_ops) --------------------------------
+
+def _needs(ctx, i: int) -> bool:
+    needs = getattr(ctx, "needs_input_grad", None)
+    return True if needs is None else bool(needs[i])
+
+
+def dispatch_setup(ctx, inputs, output):
+    ctx.hidden_dtype = inputs[0].dtype
+    ctx.save_for_backward(output[2])  # dest
+
+
+def dispatch_backward(ctx, g_rows, *_):
+    (dest,) = ctx.saved_tensors
+    d_hidden = None
+    if g_rows is not None:
+        ones = torch.ones(dest.shape, dtype=g_rows.dtype, device=g_rows.device)
+        d_hidden = torch.ops.idempotent_moe.moe_combine(g_rows.contiguous(), dest, ones, ctx.hidden_dtype)
+    return d_hidden, None, None, None, None, None, None
+
+
+def combine_setup(ctx, inputs, output):
+    rows, dest, weights, _ = inputs
+    ctx.rows_shape = (rows.shape[0], rows.dtype)
+    ctx.weights_dtype = weights.dtype
+    ctx.save_for_backward(rows if _needs(ctx, 2) else None, dest, weights if _needs(ctx, 0) else None)
+
+
+def combine_backward(ctx, grad):
+    rows, dest, weights = ctx.saved_tensors
+    ops = torch.ops.idempotent_moe
+    grad = grad.contiguous()
+    d_rows = d_w = None
+    if ctx.needs_input_grad[0]:
+        d_rows = ops.moe_gather_rows(grad, dest, weights, ctx.rows_shape[0], ctx.rows_shape[1])
+    if ctx.needs_input_grad[2]:
+        d_w = ops.moe_weight_grad(grad, rows, dest, False, ctx.weights_dtype)
+    return d_rows, None, d_w, None
+
+
+def act_setup(ctx, inputs, output):
+    gate_up, act, limit = inputs
+    ctx.act = act
+    ctx.save_for_backward(gate_up, limit)
+
+
+def act_backward(ctx, grad):
+    gate_up, limit = ctx.saved_tensors
+    return torch.ops.idempotent_moe.gated_act_backward(gate_up, grad.contiguous(), ctx.act, limit), None, None
+
+
+def gemm_setup(ctx, inputs, output):
+    a, w, offsets = inputs
+    ctx.save_for_backward(a if _needs(ctx, 1) else None, w if _needs(ctx, 0) else None, offsets)
+
+
+def gemm_backward(ctx, grad):
+    a, w, offsets = ctx.saved_tensors
+    ops = torch.ops.idempotent_moe
+    grad = grad.contiguous()
+    d_a = ops.grouped_mm_nt(grad, w, offsets) if ctx.needs_input_grad[0] else None
+    d_w = ops.grouped_mm_dw(a, grad, offsets, w.shape[0]) if ctx.needs_input_grad[1] else None
+    return d_a, d_w, None
+
+
+def experts_setup(ctx, inputs, output):
+    hidden, _, top_k_weights, w_up, w_down, act, _, _, _ = inputs
+    _, gate_up, offsets, dest, _ = output
+    ctx.act = act
+    ctx.needs = tuple(_needs(ctx, i) for i in (0, 2, 3, 4))
+    ctx.mark_non_differentiable(gate_up)
+    # hidden only for dW_up (its gather is recomputed); nothing kept for a frozen dW
+    ctx.save_for_backward(hidden if ctx.needs[2] else None, top_k_weights, w_up, w_down, gate_up, offsets,
+                          dest)
+
+
+def experts_backward(ctx, grad_out, *_):
+    hidden, top_k_weights, w_up, w_down, gate_up, offsets, dest = ctx.saved_tensors
+    n_hidden, n_weights, n_up, n_down = ctx.needs
+    d = torch.ops.idempotent_moe.experts_backward(grad_out.contiguous(), hidden, top_k_weights, w_up, w_down,
+                                                  gate_up, offsets, dest, ctx.act, n_hidden, n_weights, n_up,
+                                                  n_down)
+    d_hidden, d_weights, d_up, d_down = (t if need else None for t, need in zip(d, ctx.needs))
+    return d_hidden, None, d_weights, d_up, d_down, None, None, None, None
+
+
+def fused_experts(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                  w_up: torch.Tensor, w_down: torch.Tensor, act: str, num_experts: int,
+                  capacity: int | None = None, skip_foreign: bool = False):
+    """The experts layer as one differentiable unit: (out [T, H], dropped [1]).
+    w_up [E, H, 2I] and w_down [E, I, H] in GEMM layout (views are fine)."""
+    from . import _moe_torch_ops  # noqa: F401  (registers the ops)
+
+    out, _, _, _, dropped = torch.ops.idempotent_moe.experts_forward(
+        hidden, top_k_index, top_k_weights, w_up, w_down, act, num_experts, capacity, skip_foreign)
+    return out, dropped

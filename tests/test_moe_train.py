@@ -1,0 +1,369 @@
+"""Training on the library's MoE path: the backward kernels (gated_act_backward,
+moe_gather_rows, moe_weight_grad) against plain torch references, the
+autograd of the torch ops (gradcheck in float64), the fused experts layer
+(gradcheck dropless and capacity, float32 and bf16 against float64, frozen
+experts, dropped assignments, what is saved for backward), torch.compile
+(fullgraph, forward and backward), and CUDA against the CPU (`gpu`)."""
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from idempotent_moe import _moe_autograd as ag  # noqa: E402
+from idempotent_moe import moe_ops  # noqa: E402
+
+ACTS = ["silu", "gelu", "gelu_tanh", "relu"]
+T, H, E, K, INTER = 7, 8, 4, 2, 6
+
+
+def routing(num_tokens=T, num_experts=E, top_k=K, seed=0, skew=False, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(num_tokens, num_experts, generator=g)
+    if skew:
+        logits[:, 0] += 3.0
+    w, idx = torch.softmax(logits, -1).topk(top_k, -1)
+    return (w / w.sum(-1, keepdim=True)).to(device), idx.to(device)
+
+
+def layer_inputs(dtype=torch.float64, seed=0, device="cpu", grad=True):
+    g = torch.Generator().manual_seed(seed)
+
+    def rand(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g, dtype=torch.float64) * scale).to(device, dtype) \
+            .requires_grad_(grad)
+    return rand(T, H), rand(E, H, 2 * INTER, scale=0.4), rand(E, INTER, H, scale=0.4)
+
+
+def reference_layer(hidden, idx, w, w_up, w_down, act, capacity=None):
+    """The experts layer with torch ops only, per assignment (the truth)."""
+    keep = torch.ones_like(w, dtype=torch.bool)
+    if capacity is not None:  # each expert keeps its C highest weights, ties to the lower token
+        for e in range(E):
+            pos = (idx == e).nonzero()
+            order = sorted(pos.tolist(), key=lambda p: (-float(w[p[0], p[1]]), p[0]))
+            for t, j in order[capacity:]:
+                keep[t, j] = False
+    out = torch.zeros_like(hidden)
+    for t in range(hidden.shape[0]):
+        for j in range(idx.shape[1]):
+            if keep[t, j]:
+                e = int(idx[t, j])
+                h = hidden[t] @ w_up[e]
+                a = ag._ACT[act](h[:INTER]) * h[INTER:]
+                out[t] = out[t] + w[t, j] * (a @ w_down[e])
+    return out
+
+
+# --------------------------------------------------------------------------- kernels
+
+
+@pytest.mark.parametrize("act", ACTS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_gated_act_backward_matches_the_float64_derivative(act, dtype):
+    g = torch.Generator().manual_seed(3)
+    gate_up = (torch.randn(9, 2 * 5, generator=g) * 2).to(dtype)
+    grad = torch.randn(9, 5, generator=g).to(dtype)
+    limit = torch.tensor([3, 3, 7], dtype=torch.int32)
+    out = moe_ops.gated_act_backward(gate_up, grad, act, limit=limit)
+    x = gate_up.double().requires_grad_()
+    y = ag._ACT[act](x[:, :5]) * x[:, 5:]
+    (truth,) = torch.autograd.grad(y, x, grad.double())
+    eps = {torch.float32: 2e-6, torch.bfloat16: 1e-2, torch.float16: 2e-3}[dtype]
+    err = (out[:7].double() - truth[:7]).abs() / (truth[:7].abs() + 1)
+    assert err.max() <= eps
+    assert (out[7:] == 0).all()  # rows past the limit are zeros
+    assert torch.equal(out, ag.ref_gated_act_backward(gate_up, grad, act, limit)) or dtype != torch.float32 \
+        or (out - ag.ref_gated_act_backward(gate_up, grad, act, limit)).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gather_rows_writes_each_assignment_row_and_zeros_elsewhere(weighted, dtype):
+    src = torch.randn(4, 5, generator=torch.Generator().manual_seed(1)).to(dtype)
+    dest = torch.tensor([[0, 5], [2, -1], [-1, -1], [3, 1]], dtype=torch.int32)
+    w = torch.rand(4, 2, generator=torch.Generator().manual_seed(2)) if weighted else None
+    out = torch.full((7, 5), float("nan"), dtype=dtype)
+    moe_ops.moe_gather_rows(src, dest, 7, weights=w, out=out)
+    assert torch.equal(out, ag.ref_gather_rows(src, dest, 7, w, dtype))
+    assert (out[[4, 6]] == 0).all()
+
+
+def test_weight_grad_is_the_dot_product_in_the_documented_order():
+    g = torch.Generator().manual_seed(4)
+    a, b = torch.randn(3, 70, generator=g), torch.randn(5, 70, generator=g)
+    dest = torch.tensor([[4, -1], [0, 2], [1, 3]], dtype=torch.int64)
+    out = moe_ops.moe_weight_grad(a, b, dest)
+    lanes = torch.zeros(3, 2, 32)
+    for h in range(70):  # lane h mod 32, in increasing h, each product rounded
+        prod = a[:, None, h] * b[dest.clamp(min=0), h]
+        lanes[:, :, h % 32] += prod
+    s = 16
+    while s:
+        lanes[..., :s] = lanes[..., :s] + lanes[..., s:2 * s]
+        s //= 2
+    truth = lanes[..., 0].masked_fill(dest < 0, 0)
+    assert torch.equal(out, truth)
+    by_row = moe_ops.moe_weight_grad(b, b, dest, a_by_row=True)
+    assert torch.allclose(by_row, (b[dest.clamp(min=0)] ** 2).sum(-1).masked_fill(dest < 0, 0), atol=1e-5)
+
+
+def test_bad_arguments_are_named_and_leave_out_untouched():
+    out = torch.full((4, 3), 7.0)
+    with pytest.raises(ValueError, match=r"dest\[0, 1\] = 5 is outside"):
+        moe_ops.moe_gather_rows(torch.ones(2, 3), torch.tensor([[0, 5], [1, 2]]), 4, out=out)
+    with pytest.raises(ValueError, match="names a row an earlier entry named"):
+        moe_ops.moe_gather_rows(torch.ones(2, 3), torch.tensor([[0, 1], [1, 2]]), 4, out=out)
+    assert (out == 7).all()
+    with pytest.raises(ValueError, match="grad_act"):
+        moe_ops.gated_act_backward(torch.ones(2, 6), torch.ones(2, 2))
+    with pytest.raises(ValueError, match="even"):
+        moe_ops.gated_act_backward(torch.ones(2, 5), torch.ones(2, 2))
+    with pytest.raises(TypeError, match="dest"):
+        moe_ops.moe_weight_grad(torch.ones(2, 3), torch.ones(4, 3), torch.zeros(2, 2))
+    wg = torch.full((2, 2), 7.0)
+    with pytest.raises(ValueError, match="outside"):
+        moe_ops.moe_weight_grad(torch.ones(2, 3), torch.ones(4, 3), torch.tensor([[0, 4], [1, 2]]), out=wg)
+    assert (wg == 7).all()
+
+
+# --------------------------------------------------------------------------- autograd of the ops
+
+
+@pytest.mark.parametrize("act", ACTS)
+def test_gradcheck_of_the_composed_ops(act):
+    w, idx = routing()
+    hidden, w_up, w_down = layer_inputs()
+    w = w.double().requires_grad_()
+
+    def layer(hidden, w, w_up, w_down):
+        d = moe_ops.moe_dispatch(hidden, idx, E, top_k_weights=w)
+        h = moe_ops.grouped_gemm(d.rows, w_up, d.offsets)
+        a = moe_ops.gated_act(h, act, limit=d.offsets)
+        return moe_ops.moe_combine(moe_ops.grouped_gemm(a, w_down, d.offsets), d.dest, w)
+
+    inputs = (hidden, w, w_up, w_down)
+    if act == "relu":  # keep finite differences off the kink
+        with torch.no_grad():
+            hidden.add_(0.05 * torch.sign(hidden))
+    assert torch.autograd.gradcheck(layer, inputs, fast_mode=True)
+    assert torch.allclose(layer(*inputs), reference_layer(*inputs[:1], idx, *inputs[1:], act))
+
+
+def test_ops_route_to_autograd_only_when_a_gradient_is_recorded():
+    w, idx = routing()
+    hidden = torch.randn(T, H)
+    d = moe_ops.moe_dispatch(hidden, idx, E)
+    assert d.rows.grad_fn is None and not d.rows.requires_grad
+    d = moe_ops.moe_dispatch(hidden.requires_grad_(), idx, E)
+    assert d.rows.grad_fn is not None
+    out = moe_ops.moe_combine(d.rows, d.dest, w)
+    (g,) = torch.autograd.grad(out.sum(), hidden)
+    assert torch.allclose(g, torch.full_like(g, 1.0) * w.sum(-1, keepdim=True), atol=1e-6)
+
+
+# --------------------------------------------------------------------------- the fused layer
+
+
+def fused(hidden, idx, w, w_up, w_down, act="silu", capacity=None):
+    return ag.fused_experts(hidden, idx, w, w_up, w_down, act, E, capacity)
+
+
+@pytest.mark.parametrize("capacity", [None, 2, 0])
+@pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
+def test_gradcheck_of_the_fused_layer(capacity, act):
+    w, idx = routing(skew=True)  # expert 0 overloaded, some experts empty
+    w = w.double()
+    w[1] = w[2]  # equal weights: ties go to the lower token
+    idx[1] = idx[2]
+    w.requires_grad_()
+    hidden, w_up, w_down = layer_inputs(seed=1)
+    inputs = (hidden, w, w_up, w_down)
+
+    def layer(hidden, w, w_up, w_down):
+        return fused(hidden, idx, w, w_up, w_down, act, capacity)[0]
+    if capacity is None:
+        assert torch.autograd.gradcheck(layer, inputs, fast_mode=True)
+    else:  # a nudged weight may change the selection at a tie: w held fixed there
+        assert torch.autograd.gradcheck(lambda h, u, d: layer(h, w, u, d), (hidden, w_up, w_down),
+                                        fast_mode=True)
+    truth = reference_layer(hidden, idx, w, w_up, w_down, act, capacity)
+    out = layer(*inputs)
+    assert torch.allclose(out, truth)
+    probe = torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view_as(out)
+    got = torch.autograd.grad((out * probe).sum(), inputs)
+    if not truth.requires_grad:  # capacity 0: everything dropped
+        assert all((g == 0).all() for g in got)
+        return
+    want = torch.autograd.grad((truth * probe).sum(), inputs)  # the selection a constant
+    for a, b in zip(got, want):
+        assert torch.allclose(a, b, atol=1e-10)
+
+
+@pytest.mark.parametrize("capacity", [None, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_layer_gradients_against_float64(capacity, dtype):
+    w, idx = routing(skew=True)
+    grads = {}
+    for dt in (torch.float64, dtype):
+        hidden, w_up, w_down = layer_inputs(dt, seed=2)
+        ww = w.to(dt).requires_grad_()
+        out, _ = fused(hidden, idx, ww, w_up, w_down, "silu", capacity)
+        probe = torch.linspace(-1, 1, out.numel(), dtype=torch.float64).view_as(out).to(dt)
+        grads[dt] = [out] + list(torch.autograd.grad((out * probe).sum(), (hidden, ww, w_up, w_down)))
+    # bf16 tolerance: a few bf16 ulps of each value's scale (the same bound as
+    # the per-assignment torch layer in bf16 meets against float64)
+    tol = 1e-5 if dtype == torch.float32 else 4e-2
+    for lo, hi in zip(grads[dtype], grads[torch.float64]):
+        assert ((lo.double() - hi).abs() <= tol * (hi.abs().max() + 1)).all()
+
+
+def test_dropped_assignments_get_exactly_zero_gradient_and_are_counted():
+    w, idx = routing(skew=True)
+    hidden, w_up, w_down = layer_inputs(torch.float32, seed=3)
+    w = w.requires_grad_()
+    out, dropped = fused(hidden, idx, w, w_up, w_down, "silu", 1)
+    d = moe_ops.moe_dispatch(hidden.detach(), idx, E, top_k_weights=w.detach(), capacity=1)
+    kept = d.dest >= 0
+    assert int(dropped) == int((~kept).sum()) > 0
+    gh, gw = torch.autograd.grad(out.square().sum(), (hidden, w))
+    assert (gw[~kept] == 0).all() and (gw[kept] != 0).all()
+    untouched = ~kept.any(-1)  # tokens whose every assignment was dropped
+    assert untouched.any() and (gh[untouched] == 0).all() and (out[untouched] == 0).all()
+
+
+def saved_tensors(fn):
+    """Shapes of the tensors autograd saves while fn runs (parameters included)."""
+    shapes = []
+
+    def pack(t):
+        shapes.append(tuple(t.shape))
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        result = fn()
+    return shapes, result
+
+
+@pytest.mark.parametrize("capacity", [None, 2])
+def test_the_fused_layer_saves_no_rows_by_hidden_copy(capacity):
+    w, idx = routing(num_tokens=16)
+    g = torch.Generator().manual_seed(5)
+    hidden = torch.randn(16, 24, generator=g, requires_grad=True)
+    w_up = torch.randn(E, 24, 2 * INTER, generator=g, requires_grad=True)
+    w_down = torch.randn(E, INTER, 24, generator=g, requires_grad=True)
+    rows = 16 * K
+    shapes, (out, _) = saved_tensors(lambda: fused(hidden, idx, w, w_up, w_down, "silu", capacity))
+    assert (rows, 24) not in shapes  # never the gathered rows nor the expert outputs
+    assert (rows, 2 * INTER) in shapes  # the gate/up output
+    assert (16, 24) in shapes  # hidden, for dW_up only
+    # the torch path of the same layer keeps [rows, H] tensors
+    composed, _ = saved_tensors(lambda: moe_ops.moe_combine(
+        moe_ops.grouped_gemm(moe_ops.gated_act(moe_ops.grouped_gemm(
+            d.rows, w_up, d.offsets), "silu", limit=d.offsets), w_down, d.offsets), d.dest, w)
+        if (d := moe_ops.moe_dispatch(hidden, idx, E)) else None)
+    assert (rows, 24) in composed
+
+
+def test_frozen_experts_compute_no_weight_gradient_and_keep_no_hidden():
+    w, idx = routing()
+    hidden, w_up, w_down = layer_inputs(torch.float32, seed=6)
+    w_up.requires_grad_(False)
+    w_down.requires_grad_(False)
+    calls = []
+    real = ag.grouped_mm_dw
+    ag.grouped_mm_dw = lambda *a: calls.append(a) or real(*a)
+    try:
+        shapes, (out, _) = saved_tensors(lambda: fused(hidden, idx, w, w_up, w_down))
+        (gh,) = torch.autograd.grad(out.sum(), hidden)
+    finally:
+        ag.grouped_mm_dw = real
+    assert calls == []
+    assert (T, H) not in shapes
+    ref = reference_layer(hidden.double(), idx, w.double(), w_up.double(), w_down.double(), "silu")
+    (gr,) = torch.autograd.grad(ref.sum(), hidden)
+    assert torch.allclose(gh.double(), gr.double(), atol=1e-4)
+
+
+def test_compiled_fused_layer_fullgraph_forward_and_backward():
+    w, idx = routing()
+    hidden, w_up, w_down = layer_inputs(torch.float32, seed=7)
+    torch._dynamo.reset()
+
+    def step(hidden, w, w_up, w_down):
+        out, dropped = fused(hidden, idx, w, w_up, w_down, "silu", 3)
+        return out.square().sum(), dropped
+
+    ww = w.clone().requires_grad_()
+    loss, dropped = torch.compile(step, fullgraph=True, backend="aot_eager")(hidden, ww, w_up, w_down)
+    got = torch.autograd.grad(loss, (hidden, ww, w_up, w_down))
+    ww2 = w.clone().requires_grad_()
+    loss2, dropped2 = step(hidden, ww2, w_up, w_down)
+    want = torch.autograd.grad(loss2, (hidden, ww2, w_up, w_down))
+    assert torch.allclose(loss, loss2) and int(dropped) == int(dropped2)
+    for a, b in zip(got, want):
+        assert torch.allclose(a, b, atol=1e-6)
+
+
+# --------------------------------------------------------------------------- CUDA
+
+
+def _cuda_grads(dtype, capacity, device):
+    w, idx = routing(num_tokens=64, num_experts=8, seed=9, skew=True, device=device)
+    g = torch.Generator().manual_seed(8)
+    hidden = torch.randn(64, 128, generator=g).to(device, dtype).requires_grad_()
+    w_up = (torch.randn(8, 128, 96, generator=g) * 0.1).to(device, dtype).requires_grad_()
+    w_down = (torch.randn(8, 48, 128, generator=g) * 0.1).to(device, dtype).requires_grad_()
+    w = w.to(dtype).requires_grad_()
+    out, dropped = ag.fused_experts(hidden, idx, w, w_up, w_down, "silu", 8, capacity)
+    grads = torch.autograd.grad(out.square().sum(), (hidden, w, w_up, w_down))
+    return [out, dropped] + list(grads)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("capacity", [None, 12])
+def test_cuda_fused_layer_gradients_match_the_cpu(capacity):
+    cpu = _cuda_grads(torch.float32, capacity, "cpu")
+    gpu = _cuda_grads(torch.float32, capacity, "cuda")
+    assert int(cpu[1]) == int(gpu[1])
+    for a, b in zip(cpu[:1] + cpu[2:], gpu[:1] + gpu[2:]):
+        assert torch.allclose(a, b.cpu(), rtol=1e-3, atol=1e-3)
+    bf16 = _cuda_grads(torch.bfloat16, capacity, "cuda")
+    for a, b in zip(gpu[:1] + gpu[2:], bf16[:1] + bf16[2:]):
+        assert ((a - b.float()).abs() <= 4e-2 * (a.abs().max() + 1)).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("act", ACTS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_cuda_backward_kernels_match_the_cpu(act, dtype):
+    g = torch.Generator().manual_seed(10)
+    gate_up = torch.randn(33, 2 * 40, generator=g).to(dtype)
+    grad = torch.randn(33, 40, generator=g).to(dtype)
+    limit = torch.tensor([5, 20, 29], dtype=torch.int32)
+    cpu = moe_ops.gated_act_backward(gate_up, grad, act, limit=limit)
+    gpu = moe_ops.gated_act_backward(gate_up.cuda(), grad.cuda(), act, limit=limit.cuda()).cpu()
+    ulp = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-3}[dtype]
+    assert ((cpu.double() - gpu.double()).abs() <= ulp * (cpu.double().abs() + 1)).all()
+    assert (gpu[29:] == 0).all()
+    src = torch.randn(6, 40, generator=g).to(dtype)
+    dest = torch.tensor([[0, 9], [3, -1], [-1, -1], [4, 1], [2, 5], [7, 8]], dtype=torch.int32)
+    w = torch.rand(6, 2, generator=g)
+    rows_cpu = moe_ops.moe_gather_rows(src, dest, 11, weights=w)
+    rows_gpu = moe_ops.moe_gather_rows(src.cuda(), dest.cuda(), 11, weights=w.cuda()).cpu()
+    assert torch.equal(rows_cpu, rows_gpu)  # the same bits
+    b = torch.randn(11, 40, generator=g).to(dtype)
+    assert torch.equal(moe_ops.moe_weight_grad(src, b, dest), moe_ops.moe_weight_grad(
+        src.cuda(), b.cuda(), dest.cuda()).cpu())
+    assert torch.equal(moe_ops.moe_weight_grad(b, b, dest, a_by_row=True), moe_ops.moe_weight_grad(
+        b.cuda(), b.cuda(), dest.cuda(), a_by_row=True).cpu())
+
+
+@pytest.mark.gpu
+def test_cuda_bad_dest_is_a_recorded_error_and_writes_nothing():
+    import idempotent_moe as imoe
+
+    out = torch.full((4, 3), 7.0, device="cuda")
+    moe_ops.moe_gather_rows(torch.ones(2, 3, device="cuda"), torch.tensor([[0, 5], [1, 2]], device="cuda"), 4,
+                            out=out)
+    with pytest.raises(ValueError, match="outside|range"):
+        imoe.check_errors(out)
+    assert (out == 7).all()

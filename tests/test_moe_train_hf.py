@@ -1,0 +1,173 @@
+"""Training through the "idempotent" transformers experts implementation on
+the fused experts layer: a tiny Mixtral and a tiny Qwen3-MoE (router
+auxiliary loss on), loss and gradients against transformers' grouped_mm,
+capacity mode against the library's torch capacity path, gradient
+checkpointing, bf16 autocast and a compiled MoE block (fullgraph)."""
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("transformers.integrations.moe", reason="needs transformers' experts interface")
+
+from idempotent_moe import _moe_autograd as ag  # noqa: E402
+from idempotent_moe import integrations as hf  # noqa: E402
+from idempotent_moe.integrations import _fused  # noqa: E402
+from transformers import MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM  # noqa: E402
+
+VOCAB = 96
+COMMON = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=128, initializer_range=0.2,
+              pad_token_id=0, bos_token_id=None, eos_token_id=None, output_router_logits=True,
+              use_cache=False)
+FAMILIES = ["mixtral", "qwen3_moe"]
+
+
+def tiny_model(family: str, seed: int = 0):
+    torch.manual_seed(seed)
+    if family == "mixtral":
+        return MixtralForCausalLM(MixtralConfig(**COMMON, intermediate_size=48, num_local_experts=8,
+                                                num_experts_per_tok=2)).train()
+    return Qwen3MoeForCausalLM(Qwen3MoeConfig(**COMMON, intermediate_size=48, moe_intermediate_size=24,
+                                              head_dim=8, num_experts=8, num_experts_per_tok=3,
+                                              norm_topk_prob=True)).train()
+
+
+IDS = torch.randint(1, VOCAB, (2, 16), generator=torch.Generator().manual_seed(1))
+
+
+def step(family, implementation, capacity=None, autocast=False, checkpointing=False, fused=True):
+    """(loss, aux loss, {name: grad}, fused forwards run) of one training step."""
+    model = tiny_model(family)
+    if implementation == "idempotent":
+        hf.use_idempotent_experts(model, capacity)
+    else:
+        model.set_experts_implementation(implementation)
+    if checkpointing:
+        enable = getattr(model, "activation_checkpointing_enable", None)
+        if enable is not None:
+            enable()
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    calls = []
+    real_trains, real_fwd = _fused.trains, ag.experts_forward_direct
+    _fused.trains = real_trains if fused else (lambda experts: False)
+    ag.experts_forward_direct = lambda *a: calls.append(1) or real_fwd(*a)
+    try:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            out = model(IDS, labels=IDS)
+        out.loss.backward()
+    finally:
+        _fused.trains, ag.experts_forward_direct = real_trains, real_fwd
+    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    return out.loss.detach(), out.aux_loss.detach(), grads, len(calls)
+
+
+def close(a: dict, b: dict, tol: float) -> None:
+    assert a.keys() == b.keys()
+    for name in a:
+        scale = b[name].abs().max().item() + 1e-12
+        assert (a[name] - b[name]).abs().max().item() <= tol * scale, name
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_training_step_matches_grouped_mm(family):
+    loss, aux, grads, calls = step(family, "idempotent")
+    ref_loss, ref_aux, ref_grads, _ = step(family, "grouped_mm")
+    assert calls == 2  # both layers on the fused experts layer
+    assert any("experts" in n for n in grads) and any("gate" in n and "experts" not in n for n in grads)
+    assert torch.allclose(loss, ref_loss, rtol=1e-5) and torch.allclose(aux, ref_aux, rtol=1e-5)
+    close(grads, ref_grads, 1e-4)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("capacity", [1.0, 0.5])
+def test_capacity_training_matches_the_torch_capacity_path(family, capacity):
+    loss, _, grads, calls = step(family, "idempotent", capacity)
+    ref_loss, _, ref_grads, ref_calls = step(family, "idempotent", capacity, fused=False)
+    assert calls == 2 and ref_calls == 0
+    assert torch.allclose(loss, ref_loss, rtol=1e-5)
+    close(grads, ref_grads, 1e-4)
+    model = tiny_model(family)
+    hf.use_idempotent_experts(model, capacity)
+    model(IDS, labels=IDS).loss.backward()
+    stats = hf.capacity_stats(model)
+    assert len(stats) == 2 and all(s.dropped >= 0 for s in stats.values())
+    if capacity == 0.5:
+        assert all(s.dropped > 0 for s in stats.values())
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_gradient_checkpointing_gives_the_same_gradients(family):
+    loss, _, grads, calls = step(family, "idempotent", checkpointing=True)
+    ref_loss, _, ref_grads, _ = step(family, "idempotent")
+    assert calls == 4  # each layer's forward run again in the backward
+    assert torch.equal(loss, ref_loss)
+    close(grads, ref_grads, 1e-6)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_bf16_autocast_within_grouped_mms_own_error(family):
+    """Under bf16 autocast, our gradients are as far from the fp32 step as
+    grouped_mm's own bf16-autocast gradients are (within a factor)."""
+    _, _, fp32, _ = step(family, "grouped_mm")
+    loss, _, ours, calls = step(family, "idempotent", autocast=True)
+    ref_loss, _, theirs, _ = step(family, "grouped_mm", autocast=True)
+    assert calls == 2 and torch.isfinite(loss)
+    for name in fp32:
+        scale = fp32[name].abs().max().item() + 1e-12
+        err_ours = (ours[name].float() - fp32[name]).abs().max().item() / scale
+        err_theirs = (theirs[name].float() - fp32[name]).abs().max().item() / scale
+        assert err_ours <= 2 * err_theirs + 2e-2, name
+
+
+@pytest.mark.parametrize("capacity", [None, 1.0])
+def test_compiled_moe_block_fullgraph_forward_and_backward(capacity):
+    model = tiny_model("mixtral")
+    hf.use_idempotent_experts(model, capacity)
+    block = model.model.layers[0].mlp
+    x = torch.randn(2, 16, 32, generator=torch.Generator().manual_seed(2))
+    torch._dynamo.reset()
+
+    def run(fn):
+        block.zero_grad()
+        h = x.clone().requires_grad_()
+        out = fn(h)
+        out = out[0] if isinstance(out, tuple) else out
+        out.square().sum().backward()
+        return out.detach(), h.grad, {n: p.grad.clone() for n, p in block.named_parameters()}
+
+    want = run(block)
+    compiled = torch.compile(block, fullgraph=True, backend="aot_eager")
+    got = run(compiled)
+    again = run(compiled)  # a second step: the same result
+    assert torch.allclose(got[0], want[0], atol=1e-6) and torch.allclose(got[1], want[1], atol=1e-6)
+    close(got[2], want[2], 1e-5)
+    assert torch.equal(again[0], got[0])
+    with torch._dynamo.config.patch(error_on_recompile=True):  # changing routing: no recompilation
+        for seed in range(3, 6):
+            h = torch.randn(2, 16, 32, generator=torch.Generator().manual_seed(seed), requires_grad=True)
+            out = compiled(h)
+            (out[0] if isinstance(out, tuple) else out).sum().backward()
+            assert torch.isfinite(h.grad).all()
+
+
+def test_t1_script_quick_mode_writes_its_json(tmp_path):
+    import importlib.util
+    import json
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "t1_train.py"
+    spec = importlib.util.spec_from_file_location("t1_train", path)
+    t1 = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(t1)
+    out = tmp_path / "t1.json"
+    assert t1.main(["--quick", "--only", "layer", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    rows = report["results"]
+    assert {r["implementation"] for r in rows} == {"grouped_mm", "eager", "idempotent"}
+    for shape in ("mixtral_8x7b", "qwen3_30b_a3b"):
+        saved = {(r["implementation"], r["capacity"]): r["moe_saved_bytes"] for r in rows
+                 if r["shape"] == shape and not r["skewed"]}
+        assert 0 < saved[("idempotent", None)] < saved[("grouped_mm", None)]
+        assert saved[("idempotent", 1.0)] <= saved[("idempotent", None)]
