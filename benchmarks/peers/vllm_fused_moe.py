@@ -165,7 +165,9 @@ def moe_align_block_size(topk_ids, block_size: int, num_experts: int):
     if numel < num_experts:
         max_padded = min(numel * block_size, max_padded)
     flat = topk_ids.reshape(-1).to(torch.int64)
-    counts = torch.bincount(flat, minlength=num_experts)[:num_experts]
+    # scatter_add, not bincount: CUDA's bincount reads its input's max back to the host (a sync)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
     padded = (counts + block_size - 1) // block_size * block_size
     padded_end = torch.cumsum(padded, 0)
     padded_start = padded_end - padded
