@@ -482,6 +482,12 @@ def main(argv=None) -> int:
         if device == "cuda":
             torch.cuda.empty_cache()
     result["wall_s"] = time.perf_counter() - t_start
+    if peer is not None:
+        names = [n for n in result["rows"][0]["impls"] if n not in ("vllm_fused_moe", "vllm_moe_align")]
+        print("device time / vLLM fused_moe's:", "  ".join(names))
+        for row in result["rows"]:
+            ratios = "  ".join(f"{row['impls'][n]['device_over_vllm']:.2f}" for n in names)
+            print(f"{row['shape']:15s} T={row['tokens']:5d}  {ratios}")
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     result["plot"] = plot(result, os.path.splitext(args.out)[0] + ".png")
     with open(args.out, "w") as f:

@@ -130,11 +130,13 @@ def extract_plain_functions(source: str, names: tuple) -> dict:
 def checkout_commit(vllm_path: str) -> str | None:
     """The checkout's commit: `git rev-parse HEAD` where it is a git work
     tree, else the 40-hex commit a COMMIT file or fused_moe.py's head names."""
-    try:
-        out = subprocess.run(["git", "-C", vllm_path, "rev-parse", "HEAD"], capture_output=True, text=True,
-                             timeout=10)
-        if out.returncode == 0 and re.fullmatch(r"[0-9a-f]{40}", out.stdout.strip()):
-            return out.stdout.strip()
+    try:  # only where the checkout is its own work tree's top (not a folder inside another repository)
+        out = subprocess.run(["git", "-C", vllm_path, "rev-parse", "--show-toplevel", "HEAD"],
+                             capture_output=True, text=True, timeout=10)
+        lines = out.stdout.split()
+        own = len(lines) == 2 and os.path.realpath(lines[0]) == os.path.realpath(vllm_path)
+        if out.returncode == 0 and own and re.fullmatch(r"[0-9a-f]{40}", lines[1]):
+            return lines[1]
     except (OSError, subprocess.SubprocessError):
         pass
     for path in (os.path.join(vllm_path, "COMMIT"), os.path.join(vllm_path, FUSED_MOE_PY)):
