@@ -651,10 +651,12 @@ class InplaceEvictionCache(Cache):
     def _evicting_layers(self) -> list:
         return [layer for layer in self.layers if isinstance(layer, InplaceEvictionLayer)]
 
-    def evict(self, budget: int | None = None) -> int:
-        """Evict every layer now, down to `budget` (the policy's by default);
-        returns the tokens evicted in all."""
-        evicted = sum(layer.evict(budget) for layer in self._evicting_layers())
+    def evict(self, budget: int | None = None, score: Any = None) -> int:
+        """Evict every layer now, down to `budget` (the policy's by default),
+        scored by `score` (the policy's by default, or any policy the kept
+        statistics serve: see InplaceEvictionLayer.evict); returns the tokens
+        evicted in all."""
+        evicted = sum(layer.evict(budget, score) for layer in self._evicting_layers())
         self._sample_peak()
         return evicted
 
@@ -680,7 +682,7 @@ class InplaceEvictionCache(Cache):
                         raise ValueError(f"policy needs queries, but {type(module).__name__} has no q_proj")
                     self._hooks.append(module.register_forward_pre_hook(self._query_hook,
                                                                         with_kwargs=True))
-                self._hooks.append(module.register_forward_hook(self._attention_hook))
+                self._hooks.append(module.register_forward_hook(self._attention_hook, with_kwargs=True))
         if not self._hooks:
             raise ValueError("found no attention module with layer_idx in the model")
         self._attached = True
@@ -693,7 +695,17 @@ class InplaceEvictionCache(Cache):
         self._hooks = []
         self._attached = False
 
+    def _is_mine(self, kwargs: dict) -> bool:
+        """Whether the attention's forward caches into this cache (hooks stay
+        on the model: a forward with another cache must not touch this one)."""
+        for name in ("cache", "past_key_values", "past_key_value"):
+            if kwargs.get(name) is not None:
+                return kwargs[name] is self
+        return False
+
     def _query_hook(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        if not self._is_mine(kwargs):
+            return
         idx = module.layer_idx
         if idx >= len(self.layers) or not isinstance(self.layers[idx], InplaceEvictionLayer):
             if idx < len(self.layers) or not self.policy.query_window:
@@ -717,7 +729,9 @@ class InplaceEvictionCache(Cache):
             q = q * cos + _rotate_half(q) * sin
         self.layers[idx].stage_queries(q.detach(), getattr(module, "scaling", None))
 
-    def _attention_hook(self, module: torch.nn.Module, args: tuple, output: Any) -> None:
+    def _attention_hook(self, module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        if not self._is_mine(kwargs):
+            return
         idx = module.layer_idx
         if idx >= len(self.layers) or not isinstance(self.layers[idx], InplaceEvictionLayer):
             return
