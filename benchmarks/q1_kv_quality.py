@@ -400,6 +400,46 @@ def passkey_table(pk: dict) -> dict:
     return {k: {"passed": sum(v), "trials": len(v)} for k, v in table.items()}
 
 
+def markdown_tables(result: dict) -> str:
+    """The Q1 tables of docs/kv.md from a result JSON."""
+    budgets = result["budgets"]
+    head = "| policy | " + " | ".join(f"budget {b}" for b in budgets) + " |\n"
+    rule = "|---|" + "---|" * len(budgets) + "\n"
+
+    def rows(table, prefix):
+        out = ""
+        for label, per in table.items():
+            per = {int(k): v for k, v in per.items()}  # JSON keys are strings
+            cells = [f"{per[b]:.3f}" if b in per else "" for b in budgets]
+            out += f"| {prefix}{label} | " + " | ".join(cells) + " |\n"
+        return out
+
+    text = ""
+    if "prefill_ppl_ratio" in result:
+        text += "Prefill (prompt compressed once), perplexity / full cache's:\n\n" + head + rule
+        text += rows(result["prefill_ppl_ratio"], "library: ")
+        text += rows(result.get("kvpress_prefill_ppl_ratio", {}), "kvpress: ") + "\n"
+    if "decode_ppl_ratio" in result:
+        text += (f"Decode (eviction every {result['evict_every']} tokens, teacher-forced), "
+                 "perplexity / full cache's:\n\n" + head + rule)
+        text += rows(result["decode_ppl_ratio"], "library: ") + "\n"
+    if "passkey_table" in result:
+        pk = result["passkey_table"]
+        text += "Passkey retrieval (passed / trials):\n\n" + head + rule
+        full = pk.get("full")
+        if full:
+            cell = f"{full['passed']}/{full['trials']}"
+            text += "| full cache | " + " | ".join(cell for _ in budgets) + " |\n"
+        labels = sorted({k.rsplit("@", 1)[0] for k in pk if "@" in k})
+        for label in labels:
+            cells = []
+            for b in budgets:
+                c = pk.get(f"{label}@{b}")
+                cells.append(f"{c['passed']}/{c['trials']}" if c else "")
+            text += f"| {label} | " + " | ".join(cells) + " |\n"
+    return text
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True)
@@ -418,7 +458,11 @@ def main(argv=None) -> int:
     p.add_argument("--kvpress-presses", default=",".join(KVPRESS_PRESSES))
     p.add_argument("--tokens", help="a JSON of this script whose token ids kvpress runs on")
     p.add_argument("--kvpress-json", help="kvpress's JSON to merge into --out")
+    p.add_argument("--tables", action="store_true", help="print the markdown tables of --out and exit")
     args = p.parse_args(argv)
+    if args.tables:
+        print(markdown_tables(json.loads(Path(args.out).read_text())))
+        return 0
     torch.set_num_threads(args.threads)
     budgets = [int(b) for b in args.budgets.split(",")]
 
@@ -433,7 +477,7 @@ def main(argv=None) -> int:
 
     global PROMPT, CONTINUATION, PASSKEY_TOKENS
     if args.quick:
-        PROMPT, CONTINUATION = 96, 32
+        PROMPT, CONTINUATION = 192, 32  # a prompt longer than the steady buffer, as in the real run
         budgets = [16, 32]
         args.trials = min(args.trials, 3)
         args.evict_every = 8

@@ -356,3 +356,23 @@ def test_paged_pools_scored_by_a_policy(layout):
     res = VLLMInplaceCompactionHook(6, policy="keydiff", layout=layout)(k2, v2, block_tables=tables,
                                                                        seq_lens=lens)
     assert res.seq_lens == ref.seq_lens == [6, 6] and torch.equal(res.target_map, ref.target_map)
+
+
+def test_q1_benchmark_quick(tmp_path):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "q1_kv_quality.py"
+    spec = importlib.util.spec_from_file_location("q1_kv_quality", path)
+    q1 = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(q1)
+    out = tmp_path / "q1.json"
+    assert q1.main(["--quick", "--out", str(out), "--trials", "2"]) == 0
+    import json
+
+    result = json.loads(out.read_text())
+    assert result["check"]["max_abs_nll_diff_vs_shared"] < 1e-4  # the shared prompt is the user's path
+    assert set(result["prefill_ppl_ratio"]["snapkv"]) == {"16", "32"}
+    assert result["memory"]["peak_kv_bytes_layer"] < result["memory"]["peak_kv_bytes_whole"]
+    assert len(result["passkey"]["trials"]) == 2 and "decode_ppl_ratio" in result
+    assert "| library: tova |" in q1.markdown_tables(result)
