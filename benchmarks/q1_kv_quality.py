@@ -40,6 +40,7 @@ from __future__ import annotations
 import argparse
 import copy
 import importlib.util
+import inspect
 import json
 import math
 import os
@@ -85,7 +86,7 @@ def gguf_dir() -> str:
     return os.path.dirname(spec.origin)
 
 
-def load_model(quick: bool):
+def load_model(quick: bool, device: str = "cpu"):
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     if quick:
@@ -93,11 +94,11 @@ def load_model(quick: bool):
         config = LlamaConfig(vocab_size=211, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096)
         config._attn_implementation = "eager"
-        return LlamaForCausalLM(config).eval(), None
+        return LlamaForCausalLM(config).eval().to(device), None
     d = gguf_dir()
     tok = AutoTokenizer.from_pretrained(d, gguf_file=GGUF)
     model = AutoModelForCausalLM.from_pretrained(d, gguf_file=GGUF, dtype=torch.float32,
-                                                 attn_implementation="eager").eval()
+                                                 attn_implementation="eager").eval().to(device)
     return model, tok
 
 
@@ -170,11 +171,14 @@ def recording_cache(model, budget: int, window: int = 64):
 
 def nll(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]),
-                                             targets.reshape(-1), reduction="none")
+                                             targets.reshape(-1).to(logits.device), reduction="none")
 
 
 def forward(model, ids, cache, keep=0):
-    return model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=keep).logits
+    # transformers 5.24 renamed forward()'s past_key_values to cache
+    arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    return model(input_ids=ids.to(model.device), **{arg: cache}, use_cache=True,
+                 logits_to_keep=keep).logits
 
 
 def prefill_setting(model, docs, budgets, policies, log) -> dict:
@@ -242,6 +246,8 @@ def decode_setting(model, docs, budgets, policies, evict_every, recent_frac, log
                 for name, ids in docs.items():
                     ids_t = torch.tensor([ids])
                     row = out.setdefault(name, {})
+                    if (f"{label}@{budget}" if label != "full" else "full") in row:
+                        continue  # resumed from an earlier run's --out
                     t0 = time.time()
                     if label == "full":
                         from transformers import DynamicCache
@@ -361,7 +367,11 @@ def kvpress_run(tokens: dict, budgets, presses, log) -> dict:
                     cache = DynamicCache()
                     with press(model):
                         model(input_ids=prompt, past_key_values=cache, use_cache=True, logits_to_keep=1)
-                    logits = model(input_ids=cont, past_key_values=cache, use_cache=True).logits
+                    # the compressed cache's length is not the prompt's: positions as kvpress's
+                    # pipeline gives them, counting on from the prompt
+                    pos = torch.arange(PROMPT, PROMPT + cont.shape[1])[None]
+                    logits = model(input_ids=cont, past_key_values=cache, position_ids=pos,
+                                   use_cache=True).logits
                     row[f"{press_name}@{budget}"] = nll(logits[:, :-1], cont[:, 1:]).tolist()
                     log(f"kvpress {name} {press_name}@{budget}: {time.time() - t0:.1f}s "
                         f"ppl {math.exp(mean(row[f'{press_name}@{budget}'])):.3f}")
@@ -454,14 +464,20 @@ def main(argv=None) -> int:
     p.add_argument("--passkey-policies", default=",".join(PASSKEY_POLICIES))
     p.add_argument("--docs", type=int, default=len(DOCS))
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--device", default="cpu", help="cpu, or cuda (a CUDA build of idempotent_moe)")
     p.add_argument("--kvpress-run", action="store_true", help="run kvpress (in its own environment)")
     p.add_argument("--kvpress-presses", default=",".join(KVPRESS_PRESSES))
     p.add_argument("--tokens", help="a JSON of this script whose token ids kvpress runs on")
     p.add_argument("--kvpress-json", help="kvpress's JSON to merge into --out")
+    p.add_argument("--merge", nargs="+", help="combine the settings of these runs' JSON into --out")
+    p.add_argument("--resume", action="store_true", help="keep the decode runs already in --out")
     p.add_argument("--tables", action="store_true", help="print the markdown tables of --out and exit")
     args = p.parse_args(argv)
     if args.tables:
         print(markdown_tables(json.loads(Path(args.out).read_text())))
+        return 0
+    if args.merge:
+        Path(args.out).write_text(json.dumps(merge_runs(args.merge, args.kvpress_json), indent=1))
         return 0
     torch.set_num_threads(args.threads)
     budgets = [int(b) for b in args.budgets.split(",")]
@@ -481,19 +497,24 @@ def main(argv=None) -> int:
         budgets = [16, 32]
         args.trials = min(args.trials, 3)
         args.evict_every = 8
-    model, tok = load_model(args.quick)
+    model, tok = load_model(args.quick, args.device)
     docs = dict(list(documents(tok, args.quick, PROMPT + CONTINUATION).items())[: args.docs])
     settings = args.settings.split(",")
     result = {
         "measurement": "Q1",
         "model": "random tiny Llama" if args.quick else f"SmolLM2-135M-Instruct ({GGUF})",
         "quick": args.quick, "dtype": "float32", "threads": args.threads, "budgets": budgets,
+        "device": args.device if args.device == "cpu" else torch.cuda.get_device_name(),
         "prompt_tokens": PROMPT, "continuation_tokens": CONTINUATION, "evict_every": args.evict_every,
         "decode_recent_fraction": args.decode_recent, "sink_tokens": 4, "docs": list(docs),
         "torch": torch.__version__, "python": platform.python_version(),
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "tokens": docs,
     }
     out = Path(args.out)
+    if args.resume and out.exists():
+        earlier = json.loads(out.read_text())
+        if "decode" in earlier:
+            result["decode"] = {k: v for k, v in earlier["decode"].items() if k in docs}
 
     def save():
         out.write_text(json.dumps(result, indent=1))
@@ -523,7 +544,7 @@ def main(argv=None) -> int:
         result["passkey_table"] = passkey_table(result["passkey"])
         save()
     if "decode" in settings:
-        result["decode"] = {}
+        result.setdefault("decode", {})
         decode_setting(model, docs, budgets, args.decode_policies.split(","), args.evict_every,
                        args.decode_recent, log, result["decode"], save)
         result["decode_ppl_ratio"] = ppl_ratios(result["decode"])
@@ -535,6 +556,33 @@ def main(argv=None) -> int:
     result["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
     save()
     return 0
+
+
+def merge_runs(paths: list, kvpress_json: str | None) -> dict:
+    """One result of several runs of this script (settings run apart, in
+    parallel), its tables recomputed, kvpress's JSON merged where given."""
+    merged: dict = {}
+    for path in paths:
+        run = json.loads(Path(path).read_text())
+        for key, value in run.items():
+            if key in ("tokens", "docs") and key in merged:
+                continue
+            if key.endswith("_ppl_ratio") or key == "passkey_table":
+                continue
+            merged.setdefault("runs", []).append({"file": Path(path).name, "started": run.get("started"),
+                                                  "finished": run.get("finished")}) \
+                if key == "started" else None
+            if key in ("prefill", "decode", "passkey", "memory", "check") or key not in merged:
+                merged[key] = value
+    for setting in ("prefill", "decode"):
+        if setting in merged:
+            merged[f"{setting}_ppl_ratio"] = ppl_ratios(merged[setting])
+    if "passkey" in merged:
+        merged["passkey_table"] = passkey_table(merged["passkey"])
+    if kvpress_json and Path(kvpress_json).exists():
+        merged["kvpress"] = json.loads(Path(kvpress_json).read_text())
+        merged["kvpress_prefill_ppl_ratio"] = kvpress_ratios(merged["kvpress"], merged.get("prefill", {}))
+    return merged
 
 
 def kvpress_ratios(kv: dict, library_prefill: dict) -> dict:
