@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import inspect
 import math
 
 import pytest
@@ -44,6 +45,10 @@ from idempotent_moe.kv_policies import (  # noqa: E402
 )
 from idempotent_moe.paged import compact_paged_, paged_policy_scores  # noqa: E402
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+# transformers 5.24 renamed forward()'s past_key_values to cache
+CACHE_ARG = "cache" if "cache" in inspect.signature(LlamaForCausalLM.forward).parameters \
+    else "past_key_values"
 
 B, HKV, G, L, D, W = 2, 2, 2, 13, 8, 4
 HQ = HKV * G
@@ -194,11 +199,11 @@ def run(model, cache, tokens, steps, chunk=None):
     chunks of `chunk`); the logits of every fed token after the prompt."""
     out = []
     with torch.no_grad():
-        model(input_ids=tokens[:, :-steps], cache=cache)
+        model(input_ids=tokens[:, :-steps], **{CACHE_ARG: cache})
         pos, end = tokens.shape[1] - steps, tokens.shape[1]
         while pos < end:
             stop = min(end, pos + (chunk or 1))
-            out.append(model(input_ids=tokens[:, pos:stop], cache=cache).logits)
+            out.append(model(input_ids=tokens[:, pos:stop], **{CACHE_ARG: cache}).logits)
             pos = stop
     return torch.cat(out, dim=1)
 
@@ -221,9 +226,9 @@ def test_recorded_queries_and_totals_are_the_models_own():
     policy = as_policy(lambda obs: obs.keys[..., 0], needs=("queries", "attention"), window=window)
     cache = InplaceEvictionCache(64, score=policy, config=config).attach(model)
     with torch.no_grad():
-        model(input_ids=tokens[:, :14], cache=cache)
+        model(input_ids=tokens[:, :14], **{CACHE_ARG: cache})
         for t in range(14, 20):  # decode steps: the window rolls in place
-            model(input_ids=tokens[:, t:t + 1], cache=cache)
+            model(input_ids=tokens[:, t:t + 1], **{CACHE_ARG: cache})
         full = model(input_ids=tokens, output_attentions=True)
     for layer, attn in zip(cache.layers, full.attentions):  # attn [1, Hq, 20, 20]
         obs = layer.observation()
@@ -376,3 +381,45 @@ def test_q1_benchmark_quick(tmp_path):
     assert result["memory"]["peak_kv_bytes_layer"] < result["memory"]["peak_kv_bytes_whole"]
     assert len(result["passkey"]["trials"]) == 2 and "decode_ppl_ratio" in result
     assert "| library: tova |" in q1.markdown_tables(result)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_gpu_policies_match_the_cpu(name):
+    model, config = tiny_llama(layers=3)
+    tokens = ids(90)
+
+    def go(device):
+        m = model.to(device)
+        cache = InplaceEvictionCache(24, recent_window=4, evict_every=6, score=name, config=config).attach(m)
+        logits = run(m, cache, tokens.to(device), steps=30)
+        cache.detach()
+        return logits.float().cpu(), cache.layers[0].evictions
+
+    (cpu, n_cpu), (gpu, n_gpu) = go("cpu"), go("cuda")
+    assert n_cpu == n_gpu >= 5
+    torch.testing.assert_close(gpu, cpu, rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.gpu
+def test_gpu_layer_by_layer_prefill_peak():
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=1000, hidden_size=512, intermediate_size=1024, num_hidden_layers=8,
+                         num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=8192)
+    model = LlamaForCausalLM(config).to("cuda", torch.float16).eval()
+    prompt = torch.randint(0, 1000, (1, 4096), device="cuda")
+
+    def peak(mode):
+        cache = InplaceEvictionCache(256, score="keydiff", config=config, prefill_eviction=mode)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        with torch.no_grad():
+            model(input_ids=prompt, **{CACHE_ARG: cache}, logits_to_keep=1)
+        cache.evict()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated(), cache.peak_kv_bytes
+
+    (layer, layer_kv), (whole, whole_kv) = peak("layer"), peak("whole")
+    per_layer = 2 * 8 * 4096 * 64 * 2  # K and V of the prompt, one layer, fp16
+    assert whole_kv >= 8 * per_layer and layer_kv <= 2 * per_layer + 8 * 2 * 8 * 384 * 64 * 2 * 2
+    assert layer < whole - 4 * per_layer, (layer, whole)
