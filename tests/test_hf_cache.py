@@ -216,7 +216,7 @@ def test_generate_matches_gather_reference(policy, mode, order):
     model, config = tiny_llama()
     ours_kw, ref_kw = POLICIES[policy]
     ids = prompt()
-    cache = InplaceEvictionCache(config=config, mode=mode, order=order, **ours_kw)
+    cache = InplaceEvictionCache(config=config, mode=mode, order=order, **{"score": "key_norm", **ours_kw})
     seq, logits = run_generate(model, ids, cache)
     ref = GatherCache(order=order, **ref_kw)
     ref_seq, ref_logits = run_generate(model, ids, ref)

@@ -423,3 +423,18 @@ def test_gpu_layer_by_layer_prefill_peak():
     per_layer = 2 * 8 * 4096 * 64 * 2  # K and V of the prompt, one layer, fp16
     assert whole_kv >= 8 * per_layer and layer_kv <= 2 * per_layer + 8 * 2 * 8 * 384 * 64 * 2 * 2
     assert layer < whole - 4 * per_layer, (layer, whole)
+
+
+def test_auto_is_observed_attention_when_attached_else_the_window():
+    model, config = tiny_llama()
+    tokens = ids(50)
+    window = InplaceEvictionCache(16, sink_tokens=2, config=config)  # no attach: the newest tokens
+    run(model, window, tokens, steps=2)
+    held = window.layers[0].positions[0, 0].sort().values.tolist()
+    assert held[:16] == [0, 1] + list(range(34, 48))
+    auto = InplaceEvictionCache(16, sink_tokens=2, recent_window=0, config=config).attach(model)
+    ref = InplaceEvictionCache(16, sink_tokens=2, recent_window=4, score="observed_attention",
+                               config=config).attach(model)
+    a, b = run(model, auto, tokens, steps=6), run(model, ref, tokens, steps=6)
+    torch.testing.assert_close(a, b, rtol=0, atol=0)  # budget // 4 = 4 newest kept
+    assert auto.layers[0].evictions >= 1

@@ -59,7 +59,7 @@ from ..functional import compact_
 from ..kv import HEAD_REDUCTIONS, reduce_head_scores
 from ..kv_policies import POLICIES, Observation, ScoringPolicy, check_policy
 
-SCORES = ("key_norm", "attention", *POLICIES)
+SCORES = ("auto", "key_norm", "attention", *POLICIES)
 PREFILL_EVICTIONS = ("layer", "whole")
 _FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 
@@ -72,7 +72,7 @@ class EvictionPolicy:
     sink_tokens: int = 4
     recent_window: int = 0
     evict_every: int | None = None
-    score: Any = "key_norm"
+    score: Any = "auto"
     head_reduce: str = "mean"
     per_head: bool = True
     mode: str = "move"
@@ -96,7 +96,7 @@ class EvictionPolicy:
         scorer = self.scorer
         if scorer is not None:
             return tuple(scorer.needs)
-        return ("attention",) if self.score == "attention" else ()
+        return ("attention",) if self.score in ("attention", "auto") else ()
 
     @property
     def query_window(self) -> int:
@@ -197,6 +197,7 @@ class InplaceEvictionLayer(CacheLayerMixin):
         self._q_staged = None
         self._scaling = None
         self._pending_prefill = False  # the pending eviction follows a prefill
+        self._attached = False  # the cache's attach(model) hooks feed this layer
 
     def __repr__(self) -> str:
         return (f"InplaceEvictionLayer(layer_idx={self.layer_idx}, length={self.length}, "
@@ -232,7 +233,8 @@ class InplaceEvictionLayer(CacheLayerMixin):
         self.is_initialized = True
 
     def _wants_acc(self) -> bool:
-        return "attention" in self.policy.needs
+        # "auto" reads attention totals only where the cache is attached
+        return "attention" in self.policy.needs and (self.policy.score != "auto" or self._attached)
 
     def _new_buffers(self, like_k: torch.Tensor, like_v: torch.Tensor, slots: int) -> tuple:
         b, h = like_k.shape[:2]
@@ -422,7 +424,9 @@ class InplaceEvictionLayer(CacheLayerMixin):
         score = self.policy.score if score is None else score
         if isinstance(score, str) and score in POLICIES:
             score = _NAMED[score]
-        if score == "key_norm":
+        if score == "auto":
+            s = self._auto_scores(n)
+        elif score == "key_norm":
             # Keys of small norm draw attention (Devoto et al., 2024): keep them.
             s = torch.linalg.vector_norm(self._k[:, :, :n], dim=-1).float().neg()
         elif score == "attention":
@@ -453,6 +457,17 @@ class InplaceEvictionLayer(CacheLayerMixin):
             s = s.float().mean(1, keepdim=True) if self.policy.head_reduce == "mean" \
                 else s.float().amax(1, keepdim=True)
         return s
+
+    def _auto_scores(self, n: int) -> torch.Tensor:
+        """score="auto": with the attention weights (attach(model), eager
+        attention), ObservedAttention (the mean attention received) with the
+        newest quarter of the budget kept; without them, the window (the
+        newest tokens). Q1 in docs/kv.md measures both."""
+        pos = self._written_positions()[:, :, :n]
+        if self._acc is None or not self._attention_hooked:
+            return pos.float()
+        s = self._acc[:, :, :n] / (self.seen - pos).float().clamp(min=1)
+        return torch.where(pos >= self.seen - self.policy.budget // 4, math.inf, s)
 
     def evict(self, budget: int | None = None, score: Any = None) -> int:
         """Compact the valid slots down to `budget` (the policy's by default)
@@ -546,7 +561,11 @@ class InplaceEvictionCache(Cache):
     sink_tokens    the first logical positions, always kept.
     recent_window  the last logical positions, always kept.
     evict_every    decode steps between evictions (None: only after prefill).
-    score          a policy: a name of kv_policies.POLICIES ("streaming_llm",
+    score          "auto" (default): with attach(model) and eager attention,
+                   ObservedAttention (the mean attention each token received)
+                   with the newest budget // 4 tokens kept; otherwise the
+                   window (sinks + the newest tokens). Or a policy: a name of
+                   kv_policies.POLICIES ("streaming_llm",
                    "knorm", "keydiff", "tova", "observed_attention",
                    "snapkv", "expected_attention"), a kv_policies.ScoringPolicy
                    (a user's policy: it names the statistics it needs), the
@@ -586,7 +605,7 @@ class InplaceEvictionCache(Cache):
         sink_tokens: int = 4,
         recent_window: int = 0,
         evict_every: int | None = None,
-        score: str | Callable = "key_norm",
+        score: str | Callable = "auto",
         head_reduce: str = "mean",
         per_head: bool = True,
         mode: str = "move",
@@ -624,6 +643,7 @@ class InplaceEvictionCache(Cache):
                *args, **kwargs) -> tuple:
         while len(self.layers) <= layer_idx:
             self.layers.append(InplaceEvictionLayer(self.policy, len(self.layers)))
+            self.layers[-1]._attached = self._attached
         layer = self.layers[layer_idx]
         if layer_idx == 0 and not isinstance(layer, InplaceEvictionLayer):
             # A first layer of transformers' own (sliding window: GPT-OSS, Gemma) would
@@ -686,6 +706,8 @@ class InplaceEvictionCache(Cache):
         if not self._hooks:
             raise ValueError("found no attention module with layer_idx in the model")
         self._attached = True
+        for layer in self._evicting_layers():
+            layer._attached = True
         return self
 
     def detach(self) -> None:
@@ -694,6 +716,8 @@ class InplaceEvictionCache(Cache):
             handle.remove()
         self._hooks = []
         self._attached = False
+        for layer in self._evicting_layers():
+            layer._attached = False
 
     def _is_mine(self, kwargs: dict) -> bool:
         """Whether the attention's forward caches into this cache (hooks stay
@@ -712,6 +736,7 @@ class InplaceEvictionCache(Cache):
                 return
             while len(self.layers) <= idx:  # layers made on first use (no config)
                 self.layers.append(InplaceEvictionLayer(self.policy, len(self.layers)))
+                self.layers[-1]._attached = True
         hidden = kwargs.get("hidden_states", args[0] if args else None)
         w = self.policy.query_window
         h = hidden[:, -w:]
@@ -738,12 +763,15 @@ class InplaceEvictionCache(Cache):
         layer = self.layers[idx]
         if layer._acc is not None:
             weights = output[1] if isinstance(output, tuple) and len(output) > 1 else None
-            if weights is None:
+            if weights is None and self.policy.score == "auto":
+                pass  # no eager weights: "auto" keeps the window
+            elif weights is None:
                 raise RuntimeError(
                     "this policy needs attention weights, which only eager attention returns: "
                     "load the model with attn_implementation='eager'")
-            layer._attention_hooked = True
-            layer.accumulate_attention(weights)
+            else:
+                layer._attention_hooked = True
+                layer.accumulate_attention(weights)
         if layer._pending_prefill and self.policy.prefill_eviction == "layer":
             layer.evict()  # the layer's forward is done: compress its prompt now
             self._sample_peak()
