@@ -154,6 +154,8 @@ def library_policy(name: str):
 
     if name == "h2o_sum":
         return ObservedAttention(normalize=False)
+    if name == "auto":
+        return "auto"  # InplaceEvictionCache's default
     return get_policy(name)
 
 
@@ -462,6 +464,7 @@ def main(argv=None) -> int:
                    help="recent window of the scored policies while decoding, a fraction of the budget")
     p.add_argument("--decode-policies", default=",".join(DECODE_POLICIES))
     p.add_argument("--passkey-policies", default=",".join(PASSKEY_POLICIES))
+    p.add_argument("--prefill-policies", default=",".join(label for label, _ in PREFILL_POLICIES))
     p.add_argument("--docs", type=int, default=len(DOCS))
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--device", default="cpu", help="cpu, or cuda (a CUDA build of idempotent_moe)")
@@ -525,7 +528,8 @@ def main(argv=None) -> int:
         log(f"memory: {result['memory']}")
         save()
     if "prefill" in settings:
-        result["prefill"] = prefill_setting(model, docs, budgets, PREFILL_POLICIES, log)
+        chosen = [(p, p) for p in args.prefill_policies.split(",")]
+        result["prefill"] = prefill_setting(model, docs, budgets, chosen, log)
         result["prefill_ppl_ratio"] = ppl_ratios(result["prefill"])
         save()
     if "check" in settings and "prefill" in settings:

@@ -417,7 +417,7 @@ class InplaceEvictionLayer(CacheLayerMixin):
         return Observation(self._k[:, :, :n], self._v[:, :, :n], self._written_positions()[:, :, :n],
                            self.seen, queries, acc, self._scaling, self.layer_idx)
 
-    def _scores(self, n: int, score: Any = None) -> torch.Tensor:
+    def _scores(self, n: int, score: Any = None, budget: int | None = None) -> torch.Tensor:
         """Scores of the valid slots [B, H or 1, n], higher kept. Never a view
         of a buffer that the compaction moves."""
         heads = self._k.shape[1]
@@ -425,7 +425,7 @@ class InplaceEvictionLayer(CacheLayerMixin):
         if isinstance(score, str) and score in POLICIES:
             score = _NAMED[score]
         if score == "auto":
-            s = self._auto_scores(n)
+            s = self._auto_scores(n, self.policy.budget if budget is None else budget)
         elif score == "key_norm":
             # Keys of small norm draw attention (Devoto et al., 2024): keep them.
             s = torch.linalg.vector_norm(self._k[:, :, :n], dim=-1).float().neg()
@@ -458,7 +458,7 @@ class InplaceEvictionLayer(CacheLayerMixin):
                 else s.float().amax(1, keepdim=True)
         return s
 
-    def _auto_scores(self, n: int) -> torch.Tensor:
+    def _auto_scores(self, n: int, budget: int) -> torch.Tensor:
         """score="auto": with the attention weights (attach(model), eager
         attention), ObservedAttention (the mean attention received) with the
         newest quarter of the budget kept; without them, the window (the
@@ -467,7 +467,7 @@ class InplaceEvictionLayer(CacheLayerMixin):
         if self._acc is None or not self._attention_hooked:
             return pos.float()
         s = self._acc[:, :, :n] / (self.seen - pos).float().clamp(min=1)
-        return torch.where(pos >= self.seen - self.policy.budget // 4, math.inf, s)
+        return torch.where(pos >= self.seen - budget // 4, math.inf, s)
 
     def evict(self, budget: int | None = None, score: Any = None) -> int:
         """Compact the valid slots down to `budget` (the policy's by default)
@@ -488,7 +488,7 @@ class InplaceEvictionLayer(CacheLayerMixin):
         protect = pos < keep
         if self.policy.recent_window:
             protect = protect | (pos >= self.seen - self.policy.recent_window)
-        scores = self._scores(n, score).float().clamp(max=_FLOAT32_MAX)
+        scores = self._scores(n, score, budget).float().clamp(max=_FLOAT32_MAX)
         # A fresh [B, H, n] array: it aliases no buffer that moves.
         scores = torch.where(protect, math.inf, scores)
         buffers = [self._k[:, :, :n], self._v[:, :, :n], pos.unsqueeze(-1)]
