@@ -363,20 +363,24 @@ def kvpress_run(tokens: dict, budgets, presses, log) -> dict:
             prompt, cont = ids_t[:, :PROMPT], ids_t[:, PROMPT:]
             row = {}
             for press_name in presses:
-                for budget in budgets:
-                    press = getattr(kvpress, press_name)(compression_ratio=1 - budget / PROMPT)
+                for budget in (budgets if press_name != "full" else [None]):
                     t0 = time.time()
                     cache = DynamicCache()
-                    with press(model):
+                    if press_name == "full":  # kvpress's side's own full cache: the reference
                         model(input_ids=prompt, past_key_values=cache, use_cache=True, logits_to_keep=1)
+                    else:
+                        press = getattr(kvpress, press_name)(compression_ratio=1 - budget / PROMPT)
+                        with press(model):
+                            model(input_ids=prompt, past_key_values=cache, use_cache=True,
+                                  logits_to_keep=1)
                     # the compressed cache's length is not the prompt's: positions as kvpress's
                     # pipeline gives them, counting on from the prompt
                     pos = torch.arange(PROMPT, PROMPT + cont.shape[1])[None]
                     logits = model(input_ids=cont, past_key_values=cache, position_ids=pos,
                                    use_cache=True).logits
-                    row[f"{press_name}@{budget}"] = nll(logits[:, :-1], cont[:, 1:]).tolist()
-                    log(f"kvpress {name} {press_name}@{budget}: {time.time() - t0:.1f}s "
-                        f"ppl {math.exp(mean(row[f'{press_name}@{budget}'])):.3f}")
+                    key = "full" if press_name == "full" else f"{press_name}@{budget}"
+                    row[key] = nll(logits[:, :-1], cont[:, 1:]).tolist()
+                    log(f"kvpress {name} {key}: {time.time() - t0:.1f}s ppl {math.exp(mean(row[key])):.3f}")
                     out["prefill"][name] = row
                     yield out
     return out
@@ -471,7 +475,7 @@ def main(argv=None) -> int:
     p.add_argument("--kvpress-run", action="store_true", help="run kvpress (in its own environment)")
     p.add_argument("--kvpress-presses", default=",".join(KVPRESS_PRESSES))
     p.add_argument("--tokens", help="a JSON of this script whose token ids kvpress runs on")
-    p.add_argument("--kvpress-json", help="kvpress's JSON to merge into --out")
+    p.add_argument("--kvpress-json", nargs="+", help="kvpress's JSON (one or more) to merge into --out")
     p.add_argument("--merge", nargs="+", help="combine the settings of these runs' JSON into --out")
     p.add_argument("--resume", action="store_true", help="keep the decode runs already in --out")
     p.add_argument("--tables", action="store_true", help="print the markdown tables of --out and exit")
@@ -553,16 +557,15 @@ def main(argv=None) -> int:
                        args.decode_recent, log, result["decode"], save)
         result["decode_ppl_ratio"] = ppl_ratios(result["decode"])
         save()
-    if args.kvpress_json and Path(args.kvpress_json).exists():
-        kv = json.loads(Path(args.kvpress_json).read_text())
-        result["kvpress"] = kv
-        result["kvpress_prefill_ppl_ratio"] = kvpress_ratios(kv, result.get("prefill", {}))
+    if args.kvpress_json:
+        result["kvpress"] = merge_runs([], args.kvpress_json)["kvpress"]
+        result["kvpress_prefill_ppl_ratio"] = kvpress_ratios(result["kvpress"], result.get("prefill", {}))
     result["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
     save()
     return 0
 
 
-def merge_runs(paths: list, kvpress_json: str | None) -> dict:
+def merge_runs(paths: list, kvpress_json: list | None) -> dict:
     """One result of several runs of this script (settings run apart, in
     parallel), its tables recomputed, kvpress's JSON merged where given."""
     merged: dict = {}
@@ -576,24 +579,33 @@ def merge_runs(paths: list, kvpress_json: str | None) -> dict:
             merged.setdefault("runs", []).append({"file": Path(path).name, "started": run.get("started"),
                                                   "finished": run.get("finished")}) \
                 if key == "started" else None
-            if key in ("prefill", "decode", "passkey", "memory", "check") or key not in merged:
+            if key in ("prefill", "decode"):  # rows of each document, merged
+                for doc, row in value.items():
+                    merged.setdefault(key, {}).setdefault(doc, {}).update(row)
+            elif key in ("passkey", "memory", "check") or key not in merged:
                 merged[key] = value
     for setting in ("prefill", "decode"):
         if setting in merged:
             merged[f"{setting}_ppl_ratio"] = ppl_ratios(merged[setting])
     if "passkey" in merged:
         merged["passkey_table"] = passkey_table(merged["passkey"])
-    if kvpress_json and Path(kvpress_json).exists():
-        merged["kvpress"] = json.loads(Path(kvpress_json).read_text())
+    for path in kvpress_json or []:
+        kv = json.loads(Path(path).read_text())
+        merged.setdefault("kvpress", {"kvpress_version": kv.get("kvpress_version"), "prefill": {}})
+        for doc, row in kv.get("prefill", {}).items():
+            merged["kvpress"]["prefill"].setdefault(doc, {}).update(row)
+    if "kvpress" in merged:
         merged["kvpress_prefill_ppl_ratio"] = kvpress_ratios(merged["kvpress"], merged.get("prefill", {}))
     return merged
 
 
 def kvpress_ratios(kv: dict, library_prefill: dict) -> dict:
-    """kvpress's perplexity over the library's full cache on the same tokens."""
+    """kvpress's perplexity over its own full cache (else the library's) on the same tokens."""
     merged = {}
     for name, row in kv.get("prefill", {}).items():
-        if name in library_prefill:
+        if "full" in row:
+            merged[name] = row
+        elif name in library_prefill:
             merged[name] = {"full": library_prefill[name]["full"], **row}
     return ppl_ratios(merged)
 
