@@ -18,12 +18,17 @@ the forward that needed the tokens has used them):
     buffer then holds budget + N slots and never grows.
 Each eviction keeps, per KV head (or per sequence with per_head=False), the
 first `sink_tokens` and the last `recent_window` logical positions plus the
-best-scoring others, `budget` in all. Scores: "key_norm" (keys with the
-smallest L2 norm are kept), "attention" (attention received, accumulated
-from eager attention weights: `cache.attach(model)` hooks the attention
-modules; load the model with attn_implementation="eager"), or a callable
+best-scoring others, `budget` in all. Scores: "auto" (the default:
+ObservedAttention, the mean attention each token received, with the newest
+quarter of the budget kept, where `cache.attach(model)` hooks eager
+attention; the window otherwise), any policy of `kv_policies` by name or
+instance (a user's `ScoringPolicy` included: the cache keeps the running
+statistics it names, attention totals and the observation window's queries,
+in place), "key_norm", "attention" (H2O's unnormalised sum), or a callable
 `score(keys, values, positions, layer_idx) -> [B, H, L]` (also [B, Hq, L]
 per query head, reduced by `head_reduce`, or [B, L]); higher is kept.
+A prompt is compressed layer by layer as each layer's forward ends
+(`prefill_eviction="layer"`).
 
 Positions stay logical: keys were cached with RoPE already applied, and
 `get_seq_length()` reports every token seen, so position ids of new tokens
