@@ -216,7 +216,7 @@ def test_generate_matches_gather_reference(policy, mode, order):
     model, config = tiny_llama()
     ours_kw, ref_kw = POLICIES[policy]
     ids = prompt()
-    cache = InplaceEvictionCache(config=config, mode=mode, order=order, **ours_kw)
+    cache = InplaceEvictionCache(config=config, mode=mode, order=order, **{"score": "key_norm", **ours_kw})
     seq, logits = run_generate(model, ids, cache)
     ref = GatherCache(order=order, **ref_kw)
     ref_seq, ref_logits = run_generate(model, ids, ref)
@@ -330,8 +330,10 @@ def test_logits_equal_a_full_cache_masking_the_evicted_tokens(per_head):
         heads = torch.arange(positions.shape[1])[None, :, None]
         return torch.sin(positions.float() * 0.7 + heads * 1.3)
 
+    # "whole": every layer still holds after a forward what the forward saw (the
+    # layer-by-layer prefill eviction is checked against it in test_kv_policies.py).
     cache = InplaceEvictionCache(9, sink_tokens=2, recent_window=2, evict_every=3, score=score,
-                                 per_head=per_head, config=config)
+                                 per_head=per_head, config=config, prefill_eviction="whole")
     ours, ref = masked_reference_logits(model, config, prompt(batch=2, length=29), cache, steps=14)
     assert cache.layers[0].evictions >= 4
     torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5)

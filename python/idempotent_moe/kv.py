@@ -146,8 +146,19 @@ def compact_kv_cache_inplace(
     out_indices: Any = None,
     head_reduce: str = "mean",
     order: str = "inplace",
+    policy: Any = None,
+    observation: dict | None = None,
 ) -> Any:
     """Keep `capacity` tokens per (batch, KV head) in K and V [B, Hkv, S, D], in place.
+
+    Or `policy` scores them (torch tensors only): a name of
+    `kv_policies.POLICIES`, a `kv_policies.ScoringPolicy` or a callable
+    `fn(obs) -> scores`, given keys, values, positions (the slots, unless
+    `observation` names them) and what `observation` holds ("queries",
+    "attention_totals", "positions", "seen", "scaling"; see
+    kv_policies.score_kv). The scores it returns are used as
+    attention_scores below (allocated: [B, H, S] scores, and whatever the
+    policy computes on the way).
 
     attention_scores pick the top tokens: [B, Hkv, S] (float32/float16/
     bfloat16) one selection per KV head; [B, G x Hkv, S] per query head,
@@ -165,6 +176,15 @@ def compact_kv_cache_inplace(
     with return_indices=True. Allocates the indices (unless out_indices is
     given) and, for per-query-head scores, the reduced [B, Hkv, S] scores.
     """
+    if policy is not None:
+        if attention_scores is not None or active_indices is not None:
+            raise ValueError("give policy, attention_scores or active_indices: one of them")
+        _check_cache(key_cache, value_cache)
+        from .kv_policies import score_kv
+
+        attention_scores = score_kv(policy, key_cache, value_cache, **(observation or {}))
+    elif observation is not None:
+        raise ValueError("observation goes with policy")
     torch = _direct(key_cache, value_cache, attention_scores, capacity, active_indices, head_reduce, order)
     if torch is not None:
         # The common call: the core judges every value; a refusal is named

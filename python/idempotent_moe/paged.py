@@ -25,6 +25,7 @@ and is raised by `check_errors()`.
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -292,6 +293,61 @@ def paged_target_map(
             )
             target_map[s, ..., :length] = part
     return target_map
+
+
+def paged_policy_scores(policy: Any, caches: Any, block_tables: Any, seq_lens: Any, *,
+                        layout: str = "NHD", observation: dict | None = None) -> Any:
+    """Scores [S, Hkv, N] float32 (N = max(seq_lens)) of a kv_policies
+    policy over paged pools [K, V] (torch tensors), per sequence: its keys and
+    values are read through its block table into [1, Hkv, len_s, D] tensors
+    for the policy (a copy of one sequence at a time, for scoring: nothing of
+    the pool moves). `observation` may hold per-sequence "queries" [S, Hq, w,
+    D], "attention_totals" [S, Hkv, N] and "scaling"; positions are the
+    logical slots and `seen` the length. Entries past a length are -inf."""
+    import torch
+
+    from .kv_policies import get_policy, score_kv
+
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    pools = _as_list(caches)
+    if len(pools) != 2:
+        raise ValueError("a policy scores a K pool and a V pool: give [k_pool, v_pool]")
+    k_pool, v_pool = pools
+    if k_pool.dim() != 4:
+        raise ValueError(f"policies score pools with a head axis, [blocks, ..., D]: got {list(k_pool.shape)}")
+    policy = get_policy(policy)
+    obs = dict(observation or {})
+    lens = _host_ints(seq_lens, "seq_lens")
+    tables = torch.as_tensor(np.asarray(block_tables) if not isinstance(block_tables, torch.Tensor)
+                             else block_tables, device=k_pool.device).long()
+    block = k_pool.shape[1] if layout == "NHD" else k_pool.shape[2]
+    heads = k_pool.shape[2] if layout == "NHD" else k_pool.shape[1]
+    n_max = int(lens.max()) if len(lens) else 0
+    out = torch.full((len(lens), heads, n_max), -math.inf, dtype=torch.float32, device=k_pool.device)
+
+    def rows(pool, s, length):
+        blocks = tables[s, : -(-length // block)]
+        x = pool[blocks]  # [nblk, bs, H, D] or [nblk, H, bs, D]
+        if layout == "NHD":
+            x = x.permute(2, 0, 1, 3)
+        else:
+            x = x.permute(1, 0, 2, 3)
+        return x.reshape(heads, -1, x.shape[-1])[None, :, :length]
+
+    for s, length in enumerate(lens.tolist()):
+        if length == 0:
+            continue
+        fields = {}
+        if obs.get("queries") is not None:
+            fields["queries"] = obs["queries"][s:s + 1]
+        if obs.get("attention_totals") is not None:
+            fields["attention_totals"] = obs["attention_totals"][s:s + 1, :, :length]
+        if obs.get("scaling") is not None:
+            fields["scaling"] = obs["scaling"]
+        scores = score_kv(policy, rows(k_pool, s, length), rows(v_pool, s, length), **fields)
+        out[s, :, :length] = reduce_head_scores(scores, heads)[0].float()
+    return out
 
 
 def paged_workspace_elems(num_blocks: int, num_seqs: int, max_blocks: int) -> int:

