@@ -51,6 +51,7 @@ def main(argv=None) -> int:
     for family in families:
         try:
             _, built = t.build_family(family)
+            t.references(family)
         except t.Unbuildable as e:
             counts["skip"] += 1
             reason = _cell(f"skip: cannot be built generically: {e}")
