@@ -312,7 +312,8 @@ def _cuda_grads(dtype, capacity, device):
     hidden = torch.randn(64, 128, generator=g).to(device, dtype).requires_grad_()
     w_up = (torch.randn(8, 128, 96, generator=g) * 0.1).to(device, dtype).requires_grad_()
     w_down = (torch.randn(8, 48, 128, generator=g) * 0.1).to(device, dtype).requires_grad_()
-    w = w.to(dtype).requires_grad_()
+    # weights exact in bf16, so that every dtype ranks (and drops) the same assignments
+    w = w.to(torch.bfloat16).to(dtype).requires_grad_()
     out, dropped = ag.fused_experts(hidden, idx, w, w_up, w_down, "silu", 8, capacity)
     grads = torch.autograd.grad(out.square().sum(), (hidden, w, w_up, w_down))
     return [out, dropped] + list(grads)

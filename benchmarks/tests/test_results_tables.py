@@ -28,6 +28,17 @@ def _ep_docs(path: str, json_path: str) -> None:
         ep.replace_docs(path, json.load(f))
 
 
+def _q1_docs(path: str, json_path: str) -> None:
+    """benchmarks/q1_kv_quality.py's tables of docs/kv.md."""
+    spec = importlib.util.spec_from_file_location(
+        "q1_kv_quality", os.path.join(ROOT, "benchmarks", "q1_kv_quality.py"))
+    q1 = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(q1)
+    with open(json_path) as f:
+        text = q1.markdown_tables(json.load(f))
+    report.replace_section(path, "q1:tables", lambda: text.rstrip("\n"))
+
+
 # (document, result JSON, the renderer that rewrites the document's section)
 TABLES = [
     ("docs/results.md", "main-cpu.json", report.readme_from_json),
@@ -38,6 +49,7 @@ TABLES = [
     ("docs/kv.md", "kv-cuda.json", kv.doc_from_json),
     ("docs/moe.md", "w4-cuda.json", w4.doc_from_json),
     ("docs/distributed.md", "ep-cuda.json", _ep_docs),
+    ("docs/kv.md", "q1-kv-quality-cpu.json", _q1_docs),
 ]
 # The README headline (M1, M2 and W1-W3 beside them; imoe_bench/model_report.py) is
 # rendered from the model benchmark's GPU JSON once one is committed; until
