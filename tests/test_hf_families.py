@@ -401,11 +401,14 @@ def build_family(family: str):
 
 class _Counted:
     """The experts functions of ExpertsInterface wrapped for one run: each
-    call counted, with its (num_experts, k)."""
+    call counted, with its (num_experts, k) and, per experts module, the
+    tokens of its last call (Ergo's, for one, calls the interface with every
+    token repeated k times and top-1 routing)."""
 
     def __init__(self):
         self.calls: dict = {}
         self.shapes: set = set()
+        self.tokens: dict = {}
 
     @contextlib.contextmanager
     def installed(self):
@@ -422,6 +425,7 @@ class _Counted:
         def counted(experts, hidden_states, top_k_index, top_k_weights, *args, **kwargs):
             self.calls[name] = self.calls.get(name, 0) + 1
             self.shapes.add((experts.num_experts, top_k_index.shape[-1]))
+            self.tokens[experts] = top_k_index.numel() // top_k_index.shape[-1]
             return fn(experts, hidden_states, top_k_index, top_k_weights, *args, **kwargs)
 
         return counted
@@ -531,9 +535,9 @@ def check_family(family: str, mode: str) -> str:
         modules = experts_modules(model)
         assert len(stats) == len([m for m in modules if getattr(m, "idempotent_stats", None)]) > 0, \
             f"{description}: no capacity statistics: capacity mode did not run"
-        tokens = TOKENS[0] * TOKENS[1]
-        assert all(s.dropped == 0 and s.capacity == tokens for s in stats.values()), \
-            f"{description}: capacity E/k is not C = T = {tokens} with nothing dropped: {stats}"
+        tokens = {name: counter.tokens[model.get_submodule(name)] for name in stats}
+        assert all(s.dropped == 0 and s.capacity == tokens[name] for name, s in stats.items()), \
+            f"{description}: capacity E/k is not C = T (the call's tokens, {tokens}) with nothing dropped: {stats}"
     names = ("output (no grad)", "output (grad)", "d output / d embeddings")
     lines = []
     for i, name in enumerate(names):
