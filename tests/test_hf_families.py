@@ -537,7 +537,8 @@ def check_family(family: str, mode: str) -> str:
             f"{description}: no capacity statistics: capacity mode did not run"
         tokens = {name: counter.tokens[model.get_submodule(name)] for name in stats}
         assert all(s.dropped == 0 and s.capacity == tokens[name] for name, s in stats.items()), \
-            f"{description}: capacity E/k is not C = T (the call's tokens, {tokens}) with nothing dropped: {stats}"
+            f"{description}: capacity E/k is not C = T (the call's tokens, {tokens}) " \
+            f"with nothing dropped: {stats}"
     names = ("output (no grad)", "output (grad)", "d output / d embeddings")
     lines = []
     for i, name in enumerate(names):
