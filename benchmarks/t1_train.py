@@ -23,7 +23,9 @@ CPU in seconds (a check of the script, not a measurement).
 from __future__ import annotations
 
 import argparse
+import copy
 import json
+import math
 import statistics
 import sys
 import time
@@ -174,6 +176,77 @@ def time_step(fn, device, reps):
     return out
 
 
+def capacity_keep(idx: torch.Tensor, w: torch.Tensor, experts: int, factor) -> torch.Tensor:
+    """[T, k] bool: the assignments a capacity keeps, by the library's rule
+    (each expert its C = ceil(T k / E f) highest weights, ties by token)."""
+    if factor is None:
+        return torch.ones_like(idx, dtype=torch.bool)
+    tokens, k = idx.shape
+    cap = math.ceil(tokens * k / experts * factor)
+    flat_e, flat_w = idx.reshape(-1), w.float().reshape(-1)
+    order = torch.arange(flat_e.numel(), device=idx.device)          # token-major: ties by token
+    order = order[torch.sort(-flat_w[order], stable=True).indices]   # then by weight, descending
+    order = order[torch.sort(flat_e[order], stable=True).indices]    # then by expert
+    counts = torch.bincount(flat_e, minlength=experts)
+    starts = torch.cumsum(counts, 0) - counts
+    rank = torch.empty_like(order)
+    rank[order] = torch.arange(order.numel(), device=idx.device) - starts[flat_e[order]]
+    return (rank < cap).view(tokens, k)
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """||a - b|| / ||b|| in float64 (0 when both are zero)."""
+    a, b = a.double(), b.double()
+    den = b.norm().item()
+    return (a - b).norm().item() / den if den else float((a - b).norm().item())
+
+
+def layer_grads(experts, hidden, idx, w, grad):
+    """(out, d hidden, d weights, d gate_up_proj, d down_proj) of one step."""
+    experts.zero_grad(set_to_none=True)
+    h = hidden.detach().requires_grad_()
+    ww = w.detach().requires_grad_()
+    out = experts(h, idx, ww)
+    out.backward(grad)
+    return [out.detach(), h.grad, ww.grad, experts.gate_up_proj.grad, experts.down_proj.grad]
+
+
+def fp32_reference(experts, hidden, idx, w, grad, keep):
+    """layer_grads of an fp32 copy through transformers' eager loop, the
+    dropped assignments' weights zeroed (their gradient is then zero too)."""
+    ref = copy.deepcopy(experts).float()
+    ref.config = copy.copy(experts.config)
+    ref.config._experts_implementation = "eager"
+    setattr(ref.config, imoe_hf.CAPACITY_FACTOR_ATTR, None)
+    with _no_tf32():
+        got = layer_grads(ref, hidden.float(), idx, w.float() * keep, grad.float())
+    got[2] = got[2] * keep  # a dropped assignment's weight gets no gradient
+    del ref
+    return got
+
+
+class _no_tf32:
+    def __enter__(self):
+        self.old = torch.backends.cuda.matmul.allow_tf32
+        torch.backends.cuda.matmul.allow_tf32 = False
+
+    def __exit__(self, *exc):
+        torch.backends.cuda.matmul.allow_tf32 = self.old
+
+
+def check_model(model, loss, impl, ref) -> dict:
+    """The step's loss, and its gradients' relative error against
+    grouped_mm's (MODES runs grouped_mm first; it fills `ref`)."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    if impl == "grouped_mm" and not ref:
+        ref["loss"], ref["grads"] = loss.clone(), [g.clone() for g in grads]
+        return {"loss": float(loss)}
+    num = sum(float((g.double() - r.double()).square().sum()) for g, r in zip(grads, ref["grads"]))
+    den = sum(float(r.double().square().sum()) for r in ref["grads"])
+    return {"loss": float(loss), "loss_vs_grouped_mm": float(loss) - float(ref["loss"]),
+            "grads_rel_err_vs_grouped_mm": (num / den) ** 0.5 if den else num ** 0.5}
+
+
 def run_models(cfg, device, dtype, rounds, reps, rate):
     results = []
     tokens = cfg["batch"] * cfg["seq"]
@@ -184,8 +257,8 @@ def run_models(cfg, device, dtype, rounds, reps, rate):
         ids = torch.randint(1, cfg["vocab"], (cfg["batch"], cfg["seq"]), device=device,
                             generator=torch.Generator().manual_seed(1)) if device.type == "cpu" else \
             torch.randint(1, cfg["vocab"], (cfg["batch"], cfg["seq"]), device=device)
-        times = {}
-        info = {}
+        times, info, checks = {}, {}, {}
+        ref = {}  # grouped_mm's loss and gradients, the yardstick of the others
         for skew in (False,):  # the model's own router (the skewed router: the layer cases)
             for _ in range(rounds):  # interleaved: one step block per mode per round
                 for impl, cap in MODES:
@@ -198,7 +271,10 @@ def run_models(cfg, device, dtype, rounds, reps, rate):
                         with torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t):
                             loss = model(ids, labels=ids).loss
                         loss.backward()
-                    step()  # warm-up
+                        return loss.detach()
+                    loss = step()  # warm-up
+                    if key not in checks:
+                        checks[key] = check_model(model, loss, impl, ref)
                     _peak_reset(device)
                     times.setdefault(key, []).extend(time_step(step, device, reps))
                     info[key] = (_peak(device), counter.bytes)
@@ -208,9 +284,40 @@ def run_models(cfg, device, dtype, rounds, reps, rate):
             peak, saved = info[(impl, cap, skew)]
             results.append(dict(case="model", family=family, implementation=impl, capacity=cap, skewed=skew,
                                 tokens=tokens, step_s=med, tokens_per_s=tokens / med, peak_bytes=peak,
-                                moe_saved_bytes=saved, moe_floor_s=flops / rate, samples=len(ts)))
-        del model
+                                moe_saved_bytes=saved, moe_floor_s=flops / rate, samples=len(ts),
+                                check=checks[(impl, cap, skew)]))
+        del model, ref
     return results
+
+
+GRAD_NAMES = ("out", "d_hidden", "d_weights", "d_gate_up_proj", "d_down_proj")
+
+
+def check_layer(experts, hidden, idx, w, grad, skew) -> dict:
+    """{(impl, capacity, skew): check}: every mode's output and gradients
+    against an fp32 reference of the same routing and the same kept
+    assignments (relative Frobenius errors), and capacity's dropped count
+    against the rule's."""
+    checks = {}
+    for cap in sorted({c for _, c in MODES}, key=lambda c: -1 if c is None else c):
+        keep = capacity_keep(idx, w, experts.num_experts, cap)
+        ref = fp32_reference(experts, hidden, idx, w, grad, keep)
+        for impl, c in MODES:
+            if c != cap:
+                continue
+            set_mode(experts, experts.config, impl, c)
+            got = layer_grads(experts, hidden, idx, w, grad)
+            check = {n: rel_err(a, b) for n, a, b in zip(GRAD_NAMES, got, ref)}
+            if cap is not None:
+                stats = experts.idempotent_stats
+                check["dropped"] = int(stats[2]) if stats is not None else None
+                check["dropped_by_rule"] = int((~keep).sum())
+                check["dropped_ok"] = check["dropped"] == check["dropped_by_rule"]
+            checks[(impl, c, skew)] = check
+            del got
+        del ref
+    experts.zero_grad(set_to_none=True)
+    return checks
 
 
 def run_layers(cfg, device, dtype, rounds, reps, rate):
@@ -222,7 +329,7 @@ def run_layers(cfg, device, dtype, rounds, reps, rate):
         hidden = torch.randn(tokens, shape["hidden"], device=device, dtype=dtype, generator=g)
         logits = torch.randn(tokens, shape["experts"], device=device, generator=g)
         grad = torch.randn(tokens, shape["hidden"], device=device, dtype=dtype, generator=g)
-        times, info = {}, {}
+        times, info, checks = {}, {}, {}
         for skew in (False, True):
             lg = logits.clone()
             if skew:
@@ -249,6 +356,7 @@ def run_layers(cfg, device, dtype, rounds, reps, rate):
                     _peak_reset(device)
                     times.setdefault(key, []).extend(time_step(step, device, reps))
                     info[key] = (_peak(device), counter.bytes)
+            checks.update(check_layer(experts, hidden, idx, w, grad, skew))
         flops = 6 * tokens * shape["top_k"] * 3 * shape["hidden"] * shape["inter"]
         for (impl, cap, skew), ts in times.items():
             med = statistics.median(ts)
@@ -256,9 +364,14 @@ def run_layers(cfg, device, dtype, rounds, reps, rate):
             results.append(dict(case="layer", shape=name, implementation=impl, capacity=cap, skewed=skew,
                                 tokens=tokens, step_s=med, tokens_per_s=tokens / med, peak_bytes=peak,
                                 moe_saved_bytes=saved, floor_s=flops / rate,
-                                floor_fraction=flops / rate / med, samples=len(ts)))
+                                floor_fraction=flops / rate / med, samples=len(ts),
+                                check=checks[(impl, cap, skew)]))
         del experts
     return results
+
+
+def _brief(check: dict) -> str:
+    return " ".join(f"{k}={v:.2e}" if isinstance(v, float) else f"{k}={v}" for k, v in check.items())
 
 
 def main(argv=None) -> int:
@@ -292,7 +405,8 @@ def main(argv=None) -> int:
     for r in results:
         print(f"{r['case']:5} {r.get('family', r.get('shape')):16} {r['implementation']:10} "
               f"cap={r['capacity']!s:5} skew={r['skewed']!s:5} {r['step_s'] * 1e3:9.2f} ms "
-              f"saved={r['moe_saved_bytes'] / 2**20:9.2f} MiB peak={r['peak_bytes']}")
+              f"saved={r['moe_saved_bytes'] / 2**20:9.2f} MiB peak={r['peak_bytes']} "
+              f"check={_brief(r['check'])}")
     return 0
 
 
