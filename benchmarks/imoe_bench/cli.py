@@ -117,6 +117,14 @@ def _parser() -> argparse.ArgumentParser:
                     help="comma-separated capacity factors for capacity-mode rows ('' for none)")
     w4.add_argument("--quick", action="store_true", help="a reduced block on the CPU, for a smoke test")
     _doc_outputs(w4, "regenerate the W4 table of this file (docs/moe.md) from the new JSON")
+    train = sub.add_parser("train", help="T1: training steps (models and the experts layer alone), "
+                                          "grouped_mm and eager beside idempotent")
+    train.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    train.add_argument("--rounds", type=_count, default=0, help="interleaved rounds (default 3; quick 1)")
+    train.add_argument("--reps", type=_count, default=0, help="timed steps per mode and round (default 3)")
+    train.add_argument("--only", choices=("model", "layer"), default=None, help="one half of T1")
+    train.add_argument("--quick", action="store_true", help="tiny shapes on the CPU, for a smoke test")
+    _doc_outputs(train, "regenerate the T1 table of this file (docs/moe.md) from the new JSON")
     kv = sub.add_parser("kv", help="W2 through the KV hook, the paged hook and the HF cache")
     kv.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     kv.add_argument("--dtypes", default="",
@@ -328,6 +336,9 @@ def _check(args) -> None:
             raise SystemExit("w4: the full-size block at 4096 tokens is sized for a GPU and this run "
                              "would be on the CPU; add --quick (a reduced block) or name the sizes "
                              "with --tokens")
+    if args.command == "train" and not args.quick and _cpu_run(args.device):
+        raise SystemExit("train: T1's models and 16,384-token layers are sized for a GPU and this run "
+                         "would be on the CPU; add --quick (tiny shapes)")
     if args.command == "model":
         _ints(args.batches, "--batches")
         if not args.quick and not args.full_on_cpu and _cpu_run(args.device):
@@ -371,6 +382,23 @@ def main(argv: list | None = None) -> int:
                      tokens=_ints(args.tokens, "--tokens"),
                      capacity_factors=_floats(args.capacity_factors, "--capacity-factors"),
                      out=output_dir(args.out, args.doc), plot=not args.no_plot, doc=args.doc)
+    elif args.command == "train":
+        from . import train as t1
+
+        if args.from_json:
+            t1.doc_from_json(args.doc, args.from_json)
+            return 0
+        if args.doc:
+            from .report import require_section
+
+            require_section(args.doc, "bench:t1")
+        data = t1.run(device="cpu" if args.quick and args.device == "auto" else args.device,
+                      quick=args.quick, rounds=args.rounds, reps=args.reps, only=args.only)
+        print(t1.table(data))
+        for path in t1.write(data, output_dir(args.out, args.doc), plot=not args.no_plot):
+            print("wrote", path)
+        if args.doc:
+            t1.update_doc(args.doc, data)
     elif args.command == "kv":
         from .kv import KVOptions, doc_from_json, run_kv
 

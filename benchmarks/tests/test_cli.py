@@ -68,6 +68,10 @@ BAD = {
     "no command": [],
     "model on the CPU without --quick": ["model", "--device", "cpu"],
     "w4 on the CPU without --quick": ["w4", "--device", "cpu"],
+    "train on the CPU without --quick": ["train", "--device", "cpu"],
+    "train rounds -1": ["train", "--quick", "--rounds", "-1"],
+    "train unknown half": ["train", "--quick", "--only", "router"],
+    "train from-json missing": ["train", "--doc", "{doc}", "--from-json", "{root}/missing.json"],
 }
 
 

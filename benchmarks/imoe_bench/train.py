@@ -1,4 +1,4 @@
-"""Workload T1 (WORKLOADS.md): training with MoE layers.
+"""Workload T1: training with MoE layers.
 
 - model: the M1 families at 4 layers (Mixtral-like: hidden 2048, intermediate
   7168, 8 experts, top-2; Qwen3-MoE-like: hidden 1024, moe intermediate 768,
@@ -17,21 +17,23 @@ in the MoE layers (parameters excluded, saved-tensor hooks), and the FLOP
 floor 6 T k 3 H I at the measured bf16 GEMM rate. --quick: tiny shapes on the
 CPU in seconds (a check of the script, not a measurement).
 
-    python benchmarks/t1_train.py --out "$OUT/t1.json"
+    python -m imoe_bench train                       # the GPU: JSON, plot, table
+    python -m imoe_bench train --quick               # the CPU, tiny shapes, seconds
+    python -m imoe_bench train --doc docs/moe.md     # and the table of docs/moe.md
 """
 
 from __future__ import annotations
 
-import argparse
 import copy
 import json
 import math
 import statistics
-import sys
 import time
 
 import idempotent_moe.integrations as imoe_hf
 import torch
+
+from . import report
 
 FULL = {
     "model": {
@@ -150,7 +152,9 @@ class SavedBytes:
 
 
 def wrap_experts(model, counter: SavedBytes):
-    for _, m in imoe_hf.hf_experts._experts_modules(model):
+    for m in model.modules():
+        if not (hasattr(m, "gate_up_proj") and hasattr(m, "num_experts")):
+            continue
         if getattr(m, "_t1_wrapped", False):
             continue
         forward = m.forward
@@ -370,45 +374,129 @@ def run_layers(cfg, device, dtype, rounds, reps, rate):
     return results
 
 
-def _brief(check: dict) -> str:
-    return " ".join(f"{k}={v:.2e}" if isinstance(v, float) else f"{k}={v}" for k, v in check.items())
+def run(device: str = "auto", quick: bool = False, rounds: int = 0, reps: int = 0,
+        only: str | None = None) -> dict:
+    """T1 on `device` ("auto": the GPU when there is one); the JSON's data."""
+    from .w4 import _machine
 
-
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="tiny shapes on the CPU, in seconds")
-    parser.add_argument("--out", help="JSON file to write")
-    parser.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 3; quick 1)")
-    parser.add_argument("--reps", type=int, default=None, help="timed steps per mode and round (default 3)")
-    parser.add_argument("--only", choices=["model", "layer"], default=None)
-    args = parser.parse_args(argv)
-    device = torch.device("cpu" if args.quick or not torch.cuda.is_available() else "cuda")
-    cfg = QUICK if args.quick else FULL
-    dtype = torch.float32 if args.quick else torch.bfloat16
-    rounds = args.rounds or (1 if args.quick else 3)
-    reps = args.reps or (1 if args.quick else 3)
-    imoe_hf.hf_experts.register()
-    rate = bf16_rate(device, args.quick)
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() and not quick else "cpu"
+    dev = torch.device(device)
+    cfg = QUICK if quick else FULL
+    dtype = torch.float32 if quick else torch.bfloat16
+    rounds = rounds or (1 if quick else 3)
+    reps = reps or (1 if quick else 3)
+    imoe_hf.register()
+    rate = bf16_rate(dev, quick)
     results = []
-    if args.only in (None, "model"):
-        results += run_models(cfg, device, dtype, rounds, reps, rate)
-    if args.only in (None, "layer"):
-        results += run_layers(cfg, device, dtype, rounds, reps, rate)
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    report = dict(workload="T1", device=name,
-                  torch=torch.__version__, quick=args.quick, dtype=str(dtype), gemm_flops_per_s=rate,
-                  rounds=rounds, reps=reps, results=results)
-    text = json.dumps(report, indent=1)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text)
-    for r in results:
-        print(f"{r['case']:5} {r.get('family', r.get('shape')):16} {r['implementation']:10} "
-              f"cap={r['capacity']!s:5} skew={r['skewed']!s:5} {r['step_s'] * 1e3:9.2f} ms "
-              f"saved={r['moe_saved_bytes'] / 2**20:9.2f} MiB peak={r['peak_bytes']} "
-              f"check={_brief(r['check'])}")
-    return 0
+    if only in (None, "model"):
+        results += run_models(cfg, dev, dtype, rounds, reps, rate)
+    if only in (None, "layer"):
+        results += run_layers(cfg, dev, dtype, rounds, reps, rate)
+    return dict(workload="T1", machine=_machine(device), quick=quick, dtype=str(dtype).removeprefix("torch."),
+                gemm_flops_per_s=rate, rounds=rounds, reps=reps, config=cfg, results=results)
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+def _label(r: dict) -> str:
+    if r["implementation"] != "idempotent":
+        return r["implementation"]
+    mode = "dropless" if r["capacity"] is None else f"capacity {r['capacity']}"
+    return f"idempotent {mode}"
+
+
+def _case(r: dict) -> tuple:
+    return r["case"], r.get("family", r.get("shape")), r["skewed"]
+
+
+def _check_text(r: dict) -> str:
+    c = r["check"]
+    if r["case"] == "model":
+        if "grads_rel_err_vs_grouped_mm" not in c:
+            return "reference"
+        return f"loss {c['loss_vs_grouped_mm']:+.1e}, grads {c['grads_rel_err_vs_grouped_mm']:.1e} rel"
+    worst = max(c[n] for n in GRAD_NAMES)
+    text = f"vs fp32: max rel {worst:.1e}"
+    if "dropped_ok" in c:
+        rule = "= rule" if c["dropped_ok"] else f"RULE {c['dropped_by_rule']}"
+        text += f"; dropped {c['dropped']} ({rule})"
+    return text
+
+
+def table(data: dict) -> str:
+    """One markdown table: every row's time, its ratio to grouped_mm's step
+    (same case, same router), memory, saved bytes and check."""
+    rows = data["results"]
+    base = {_case(r): r["step_s"] for r in rows if r["implementation"] == "grouped_mm"}
+    head = ["case", "router", "implementation", "step ms", "x faster than grouped_mm", "tokens/s",
+            "of the FLOP floor", "peak MiB", "MoE saved MiB", "check"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        name = r.get("family", r.get("shape"))
+        ratio = base[_case(r)] / r["step_s"]
+        floor = r.get("floor_fraction")
+        if floor is None:
+            floor = r["moe_floor_s"] / r["step_s"]
+        cells = [f"{r['case']} {name}", "skewed" if r["skewed"] else "balanced", _label(r),
+                 f"{r['step_s'] * 1e3:.2f}", f"{ratio:.2f}x", f"{r['tokens_per_s']:,.0f}",
+                 f"{floor:.0%}" + ("" if r["case"] == "layer" else " (MoE)"),
+                 "" if r["peak_bytes"] is None else f"{r['peak_bytes'] / 2**20:,.0f}",
+                 f"{r['moe_saved_bytes'] / 2**20:,.1f}", _check_text(r)]
+        lines.append("| " + " | ".join(cells) + " |")
+    m = data["machine"]
+    lines.append("")
+    lines.append(f"{m.get('gpu') or m.get('cpu')}; torch {m['torch']}; transformers {m['transformers']}; "
+                 f"{data['dtype']}; GEMM rate {data['gemm_flops_per_s'] / 1e12:.3g} TFLOP/s; "
+                 f"{data['rounds']} rounds x {data['reps']} steps; {m['date']}"
+                 + (" (quick sizes)" if data["quick"] else ""))
+    return "\n".join(lines)
+
+
+def update_doc(path: str, data: dict) -> None:
+    """Replace the table between <!-- bench:t1 --> and <!-- /bench:t1 --> (docs/moe.md)."""
+    report.replace_section(path, "bench:t1", lambda: table(data))
+
+
+def doc_from_json(path: str, json_path: str) -> None:
+    with open(json_path) as f:
+        update_doc(path, json.load(f))
+
+
+def write(data: dict, out_dir: str, plot: bool = True) -> list:
+    stem = f"t1-{data['machine']['device']}" + ("-quick" if data.get("quick") else "")
+    return report.write_results(data, out_dir, stem, _plot if plot else None)
+
+
+def _plot(data: dict, path: str) -> str:
+    """Per case: step time relative to grouped_mm, and MoE saved bytes."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = data["results"]
+    cases = list(dict.fromkeys(_case(r) for r in rows))
+    labels = list(dict.fromkeys(_label(r) for r in rows))
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
+    width = 0.8 / len(labels)
+    for i, label in enumerate(labels):
+        for ax, key, scale in ((axes[0], "step_s", 1e3), (axes[1], "moe_saved_bytes", 2.0 ** -20)):
+            xs, ys = [], []
+            for c, case in enumerate(cases):
+                for r in rows:
+                    if _case(r) == case and _label(r) == label:
+                        xs.append(c + i * width)
+                        ys.append(r[key] * scale)
+            ax.bar(xs, ys, width, label=label)
+    names = [f"{case} {name}" + (" skewed" if skew else "") for case, name, skew in cases]
+    for ax, title in ((axes[0], "step time, ms (log)"), (axes[1], "MoE saved activations, MiB (log)")):
+        ax.set_xticks([c + 0.4 - width / 2 for c in range(len(cases))])
+        ax.set_xticklabels(names, rotation=30, ha="right", fontsize=7)
+        ax.set_yscale("log")
+        ax.set_title(title, fontsize=9)
+    report.legend_outside(axes[1], handles=axes[0].get_legend_handles_labels()[0], fontsize=7)
+    m = data["machine"]
+    where = m.get("gpu") or m.get("cpu")
+    fig.suptitle(f"T1: training steps, {where}" + (" (quick)" if data["quick"] else ""), fontsize=10)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return path

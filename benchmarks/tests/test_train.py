@@ -1,0 +1,63 @@
+"""`python -m imoe_bench train` (workload T1) in its CPU quick mode: the JSON,
+the plot and the table, every row checked (the layer's output and gradients
+against an fp32 reference of the same kept assignments, capacity's dropped
+count against its rule), and the fused layer saving fewer bytes."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers.integrations.moe", reason="needs transformers' experts interface")
+pytest.importorskip("matplotlib")
+
+from imoe_bench import cli, train  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def layer_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("t1")
+    assert cli.main(["train", "--quick", "--only", "layer", "--out", str(out)]) == 0
+    return out, json.loads((out / "t1-cpu-quick.json").read_text())
+
+
+def test_quick_layer_run_writes_json_and_plot_and_checks_every_row(layer_run):
+    out, report = layer_run
+    assert (out / "t1-cpu-quick.png").stat().st_size > 0
+    rows = report["results"]
+    assert {r["implementation"] for r in rows} == {"grouped_mm", "eager", "idempotent"}
+    assert {r["skewed"] for r in rows} == {False, True}
+    for r in rows:
+        check = r["check"]
+        assert max(check[n] for n in train.GRAD_NAMES) < 1e-4, r
+        if r["capacity"] is not None:
+            assert check["dropped_ok"], r
+    for shape in ("mixtral_8x7b", "qwen3_30b_a3b"):
+        saved = {(r["implementation"], r["capacity"]): r["moe_saved_bytes"] for r in rows
+                 if r["shape"] == shape and not r["skewed"]}
+        assert 0 < saved[("idempotent", None)] < saved[("grouped_mm", None)]
+        assert saved[("idempotent", 1.0)] <= saved[("idempotent", None)]
+
+
+def test_the_table_renders_from_the_json(layer_run, tmp_path):
+    out, report = layer_run
+    doc = tmp_path / "doc.md"
+    doc.write_text("# T1\n<!-- bench:t1 -->\nold\n<!-- /bench:t1 -->\n")
+    assert cli.main(["train", "--doc", str(doc), "--from-json", str(out / "t1-cpu-quick.json")]) == 0
+    text = doc.read_text()
+    assert "old" not in text and text.count("| layer ") == len(report["results"])
+    assert "idempotent capacity 1.0" in text and "dropped" in text
+
+
+def test_capacity_keep_is_the_rule_ties_by_token():
+    import torch
+
+    idx = torch.tensor([[0, 1], [0, 1], [0, 2], [1, 0]])
+    w = torch.tensor([[0.5, 0.5], [0.5, 0.5], [0.7, 0.3], [0.6, 0.4]])
+    # T k / E = 8 / 3, factor 0.5: C = ceil(1.33) = 2 per expert
+    keep = train.capacity_keep(idx, w, 3, 0.5)
+    # expert 0: weights 0.5 (t0), 0.5 (t1), 0.7 (t2), 0.4 (t3) -> t2, then t0 (tie with t1, lower token)
+    # expert 1: 0.5 (t0), 0.5 (t1), 0.6 (t3) -> t3, t0; expert 2: t2 alone
+    assert keep.tolist() == [[True, True], [False, False], [True, True], [True, False]]
