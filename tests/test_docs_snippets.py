@@ -37,7 +37,8 @@ API_MODULES = ("idempotent_moe", "idempotent_moe.integrations", "idempotent_moe.
 
 
 def _documents() -> list:
-    return ["README.md"] + sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "docs", "*.md")))
+    pages = glob.glob(os.path.join(ROOT, "docs", "*.md"))
+    return ["README.md"] + sorted(os.path.relpath(p, ROOT) for p in pages)
 
 
 def _blocks(doc: str) -> list:
