@@ -61,7 +61,7 @@ def _blocks(doc: str) -> list:
 
 CASES = [pytest.param(doc, line, code, marker, id=f"{doc}:{line}")
          for doc in _documents() for line, code, marker in _blocks(doc)]
-NAMESPACES: dict = {}
+NAMESPACES: dict = {}  # document -> (its namespace, the lines of the blocks run in it)
 
 
 def _strip_comment(line: str) -> str:
@@ -168,6 +168,19 @@ def _check_signature(statement: str, names: dict, instances: dict) -> None:
         instances[target.strip()] = obj
 
 
+def _run(doc: str, line: int) -> None:
+    """Run the document's block at `line` in the document's namespace, after
+    every earlier block that has not run yet (so that one block selected
+    alone, with -k, finds what the blocks before it made)."""
+    namespace, done = NAMESPACES.setdefault(doc, ({"__name__": f"snippets of {doc}"}, set()))
+    for at, code, marker in _blocks(doc):
+        if at > line:
+            break
+        if marker is None and at not in done:
+            done.add(at)
+            exec(compile(code, f"{doc}:{at}", "exec"), namespace)
+
+
 @pytest.mark.parametrize("doc, line, code, marker", CASES)
 def test_snippet(doc, line, code, marker):
     if marker and marker.startswith("needs"):
@@ -178,5 +191,4 @@ def test_snippet(doc, line, code, marker):
             _check_signature(statement, names, instances)
         return
     assert marker is None, f"{doc}:{line}: unknown snippet marker {marker!r}"
-    namespace = NAMESPACES.setdefault(doc, {"__name__": f"snippets of {doc}"})
-    exec(compile(code, f"{doc}:{line}", "exec"), namespace)
+    _run(doc, line)
