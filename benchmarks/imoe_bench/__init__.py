@@ -1,5 +1,5 @@
 """The benchmarks of idempotent_moe beside their baselines: the workloads of
-WORKLOADS.md, their timers, JSON, plots and the tables of README.md and docs/
+docs/results.md#workloads, their timers, JSON, plots and the tables of README.md and docs/
 (needs torch; matplotlib for the plots, tqdm for the progress bar,
 transformers for W4 and the models). Entry point: `python -m imoe_bench`."""
 

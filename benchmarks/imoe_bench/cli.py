@@ -116,7 +116,7 @@ def _parser() -> argparse.ArgumentParser:
     w4.add_argument("--capacity-factors", default="1.0,1.25",
                     help="comma-separated capacity factors for capacity-mode rows ('' for none)")
     w4.add_argument("--quick", action="store_true", help="a reduced block on the CPU, for a smoke test")
-    _doc_outputs(w4, "regenerate the W4 table of this file (docs/moe.md) from the new JSON")
+    _doc_outputs(w4, "regenerate the W4 table of this file (docs/results.md) from the new JSON")
     train = sub.add_parser("train", help="T1: training steps (models and the experts layer alone), "
                                           "grouped_mm and eager beside idempotent")
     train.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")

@@ -1,4 +1,4 @@
-"""H1 of WORKLOADS.md: host time per call, back to back with no synchronisation.
+"""H1 (docs/results.md#workloads): host time per call, back to back with no synchronisation.
 
 Each call is issued `calls` times in a row and timed on the host, with one
 synchronisation before and one after the loop (on a GPU the queue absorbs

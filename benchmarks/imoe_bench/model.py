@@ -1,4 +1,4 @@
-"""`python -m imoe_bench model`: M1, M2 and H1 of WORKLOADS.md.
+"""`python -m imoe_bench model`: M1, M2 and H1 (docs/results.md#workloads).
 
 - M1 (bench/model_m1.py): whole MoE models in generate(), a Mixtral-like and
   a Qwen3-MoE-like family with random weights; prefill time and peak memory,
@@ -164,7 +164,7 @@ def _measure(opts: ModelOptions, device: str) -> dict:
     m1 = _m1_options(opts, device)
     dynamo = raise_recompile_limit() if device == "cuda" and "static" in m1.caches else {}
     data = {"machine": _machine(device), "quick": opts.quick,
-            "description": "M1, M2 and H1 of WORKLOADS.md (python -m imoe_bench model)",
+            "description": "M1, M2 and H1 of docs/results.md#workloads (python -m imoe_bench model)",
             "options": {"batches": list(m1.batches), "caches": list(m1.caches), "impls": list(m1.impls),
                         "rounds": m1.rounds, "new_tokens": m1.new_tokens,
                         "prefill_tokens": m1.prefill_tokens, "decode_prompt": m1.decode_prompt,

@@ -1,4 +1,4 @@
-"""The token-agreement check of WORKLOADS.md for M1.
+"""The token-agreement check of M1 (docs/results.md#workloads).
 
 Every generated token is judged by the baseline (transformers' grouped_mm
 experts, same weights) on the same prefix: one forward of the baseline over

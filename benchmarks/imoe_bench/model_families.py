@@ -1,5 +1,5 @@
 """The models of M1 and M2: transformers configs with random weights, at the
-sizes of WORKLOADS.md and at a tiny size for the CPU smoke test (--quick)."""
+sizes of docs/results.md#workloads and at a tiny size for the CPU smoke test (--quick)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""M1 of WORKLOADS.md: a whole MoE model in generate(), one family at a time.
+"""M1 (docs/results.md#workloads): a whole MoE model in generate(), one family at a time.
 
 On ONE model (the same weights), the experts implementations are switched
 between calls: transformers' "eager" and "grouped_mm", ours dropless and in

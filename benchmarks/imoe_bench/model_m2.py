@@ -1,4 +1,4 @@
-"""M2 of WORKLOADS.md: long context with eviction.
+"""M2 (docs/results.md#workloads): long context with eviction.
 
 A Llama-like model with random weights generates `new_tokens` greedy tokens
 after a long prompt, prefilled in chunks (generate()'s prefill_chunk_size),

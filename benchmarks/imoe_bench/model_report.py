@@ -276,7 +276,7 @@ def update_doc(path: str, data: dict, name: str = "model") -> None:
 
 def doc_from_json(path: str, json_path: str) -> None:
     """The section named by the JSON's file: model-cuda.json fills
-    <!-- model:cuda -->, model-static-cuda.json <!-- model-static:cuda -->."""
+    <!-- model:cuda -->, model-NAME-cuda.json <!-- model-NAME:cuda -->."""
     with open(json_path) as f:
         data = json.load(f)
     stem = os.path.basename(json_path).removesuffix(".json").removesuffix(f"-{data['machine']['device']}")

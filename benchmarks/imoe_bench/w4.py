@@ -285,7 +285,7 @@ def table(data: dict) -> str:
 
 
 def update_doc(path: str, data: dict) -> None:
-    """Replace the table between <!-- bench:w4 --> and <!-- /bench:w4 --> (docs/moe.md)."""
+    """Replace the table between <!-- bench:w4 --> and <!-- /bench:w4 --> (docs/results.md)."""
     report.replace_section(path, "bench:w4", lambda: table(data))
 
 

@@ -2,8 +2,7 @@
 dim 0, kept here as `outer_axis`) against a transposed one-hot ([K, S],
 cumsum over the last dim), the library's `counting_sort` (that layout, in
 int32) and a stable torch.sort, at the sizes of the expert-parallel
-benchmark; check that they give equal perms. Log:
-benchmarks/results/counting-sort-cuda.log (the first three columns)."""
+benchmark; check that they give equal perms."""
 import statistics
 
 import torch

@@ -1,4 +1,4 @@
-"""CPU calls under contention: W1 and W2 of WORKLOADS.md with one core busy.
+"""CPU calls under contention: W1 and W2 (docs/results.md#workloads) with one core busy.
 
 A busy core is another process spinning (`while True: pass`), started for the
 loaded half of every round and stopped after it, optionally pinned to one CPU.
@@ -16,7 +16,7 @@ with every half round, because other people use the machine too.
 
     python benchmarks/scripts/cpu_contention.py [--rounds 7] [--reps 5] [--pin CPU]
         [--workloads W1,W2] [--resets numpy,torch] [--build LABEL=PYTHONPATH ...]
-        [--out benchmarks/results/cpu-contention.json]
+        [--out imoe-results/cpu-contention.json]
 """
 
 import argparse

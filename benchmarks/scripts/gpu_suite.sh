@@ -54,12 +54,12 @@ if [ "$sweep" = 1 ]; then
 fi
 if [ "$models" = 1 ]; then
   step "W4: a Mixtral block"
-  run python -m imoe_bench w4 --out "$out" --doc docs/moe.md
+  run python -m imoe_bench w4 --out "$out" --doc docs/results.md
   step "W2 through the KV hooks and the cache"
   run python -m imoe_bench kv --device cuda --out "$out" --doc docs/kv.md
   step "M1, M2 and H1: whole models in generate(), host cost per call"
   run python -m imoe_bench model --device cuda --out "$out" --doc docs/results.md --readme README.md
-  # Runs of M1 beside it, each JSON named for its section of docs/results.md.
+  # Runs of M1 beside it (JSON only: docs/results.md summarises them in prose).
   for run_name in static options; do
     if [ "$run_name" = static ]; then
       step "M1 compiled (static cache)"
@@ -70,8 +70,7 @@ if [ "$models" = 1 ]; then
     fi
     run python -m imoe_bench model --device cuda "${args[@]}" --skip-m2 --skip-h1 --no-plot \
       --out "$out/$run_name"
-    cp "$out/$run_name/model-cuda.json" "$out/model-$run_name-cuda.json" &&
-      run python -m imoe_bench model --from-json "$out/model-$run_name-cuda.json" --doc docs/results.md
+    cp "$out/$run_name/model-cuda.json" "$out/model-$run_name-cuda.json"
   done
   step "the MoE layer's host time, kernels and decode ceiling"
   run python benchmarks/scripts/moe_host_cost.py --out "$out/moe-host-cost-cuda.json"

@@ -19,7 +19,7 @@ fused by "+router" take their fused forward on the CPU too (on CUDA they do
 anyway), so that the CPU holds the guards a GPU step has.
 
     python benchmarks/scripts/guard_check.py --family qwen3moe --impls grouped_mm,idempotent+gemm+router \\
-        --out benchmarks/results/guard-check-qwen3moe-cuda.json
+        --out imoe-results/guard-check-qwen3moe-cuda.json
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""H1 of WORKLOADS.md alone: host time per call, back to back with no
+"""H1 (docs/results.md#workloads) alone: host time per call, back to back with no
 synchronisation, printed as one JSON object. The measurement lives in the
 package (benchmarks/imoe_bench/hostcost.py) and runs as part of
 `python -m imoe_bench model` (`--skip-m1 --skip-m2` for H1 alone, with

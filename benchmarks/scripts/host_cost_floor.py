@@ -9,7 +9,7 @@ call.
 The floor of a call that returns torch views is the core's call plus one
 torch narrow per view; everything above it is the Python between them.
 
-    python benchmarks/scripts/host_cost_floor.py --out benchmarks/results/host-cost-floor-cuda.json
+    python benchmarks/scripts/host_cost_floor.py --out imoe-results/host-cost-floor-cuda.json
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ interleaved round by round, medians), the host's time per call back to back,
 the HBM floor of the combine (rows read once, out written once, at
 --bandwidth TB/s), and whether ours equals the CPU core bit for bit.
 
-    python benchmarks/scripts/moe_combine_cuda.py --out benchmarks/results/moe-combine-cuda.json
+    python benchmarks/scripts/moe_combine_cuda.py --out imoe-results/moe-combine-cuda.json
 """
 
 from __future__ import annotations

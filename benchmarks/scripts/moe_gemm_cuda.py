@@ -9,7 +9,7 @@ host's time per call back to back, the HBM floor (bytes of the active
 experts' weights, a and out at --bandwidth TB/s; active experts counted from
 the offsets) and the error of each against an fp64 reference.
 
-    python benchmarks/scripts/moe_gemm_cuda.py --out benchmarks/results/moe-gemm-cuda.json
+    python benchmarks/scripts/moe_gemm_cuda.py --out imoe-results/moe-gemm-cuda.json
 """
 
 from __future__ import annotations

@@ -48,7 +48,7 @@ def test_gpu_w4_benchmark(tmp_path):
     """W4 at full size on the GPU: every row passes its output check, dropless
     is bit-identical to grouped_mm at 16 tokens and needs at most half of its
     peak memory at 4096. For the recorded figures run
-    `python -m idempotent_moe w4 --doc docs/moe.md` (100 runs per row)."""
+    `python -m imoe_bench w4 --doc docs/results.md` (100 runs per row)."""
     pytest.importorskip("matplotlib")
     from imoe_bench import w4
 

@@ -23,7 +23,7 @@
 // (2) Random cases checked bit for bit: every view lives inside a poisoned
 //     "arena", and the whole arena is compared after each call, so writes
 //     outside a view are caught too. Error paths, streams, graph capture.
-// (3) --bench: W1, W2, W3 of shared/WORKLOADS.md with CUDA events, and a
+// (3) --bench: W1, W2, W3 of docs/results.md#workloads with CUDA events, and a
 //     device-to-device copy for the floor.
 #include <cuda_runtime.h>
 #include <math.h>

@@ -1,4 +1,4 @@
-"""Baselines for the CUDA harness's W1/W2/W3 (shared/WORKLOADS.md), timed the
+"""Baselines for the CUDA harness's W1/W2/W3 (docs/results.md#workloads), timed the
 same way as tests/cuda/harness.cu: CUDA events around one call, an L2 flush
 (a 256 MiB read) outside the timed region, warm-up, median (and min) of 200 runs."""
 import torch
