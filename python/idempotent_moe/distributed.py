@@ -65,7 +65,8 @@ from ._moe import (
 from ._sorting import counting_sort
 from .functional import cuda_available, group_by_expert_, ungroup_
 
-__all__ = ["DispatchStats", "ExpertParallelDispatcher", "capacity_order", "expert_capacity"]
+__all__ = ["DispatchStats", "ExpertParallelDispatcher", "capacity_order", "expert_capacity",
+           "keep_within_capacity"]
 
 
 class DispatchStats(NamedTuple):
