@@ -94,6 +94,96 @@ def _reference(s: dict) -> tuple[torch.Tensor, int]:
     return acc.to(x.dtype), int((~keep).sum())
 
 
+TRAIN = {  # name: (scenario, expert kind)
+    "train_dropless_fn": ("dropless", "fn"),
+    "train_capacity_fn": ("capacity_1.0", "fn"),
+    "train_dropless_grouped": ("dropless", "grouped"),
+    "train_capacity_grouped": ("capacity_0.5_ties", "grouped"),
+    "train_dropless_grouped_shard": ("dropless_idle_expert", "grouped_shard"),
+}
+INTER = 12  # the grouped experts' intermediate size
+
+
+def _trainable(num_experts: int, hidden: int, kind: str) -> dict:
+    """Leaf parameters of the experts: W, b for the per-expert function, or
+    the gated MLP's w_up [E, D, 2I] and w_down [E, I, D] (silu)."""
+    g = torch.Generator().manual_seed(7)
+    if kind == "fn":
+        return {"w": (torch.randn(num_experts, hidden, hidden, generator=g) / math.sqrt(hidden)),
+                "b": torch.randn(num_experts, hidden, generator=g) * 0.1}
+    return {"w_up": torch.randn(num_experts, hidden, 2 * INTER, generator=g) / math.sqrt(hidden),
+            "w_down": torch.randn(num_experts, INTER, hidden, generator=g) / math.sqrt(INTER)}
+
+
+def _expert_out(params: dict, e: int, x: torch.Tensor) -> torch.Tensor:
+    """One expert on its rows, differentiable, in fp32."""
+    if "w" in params:
+        return torch.tanh(x @ params["w"][e] + params["b"][e])
+    gate_up = x @ params["w_up"][e]
+    return (torch.nn.functional.silu(gate_up[:, :INTER]) * gate_up[:, INTER:]) @ params["w_down"][e]
+
+
+def _train_reference(s: dict, kind: str) -> dict:
+    """Single process, autograd: the output and the gradients of
+    sum(out * G) w.r.t. hidden, the routing weights and the experts."""
+    x = s["x"].float().clone().requires_grad_()
+    weights = s["weights"].clone().requires_grad_()
+    params = {k: v.requires_grad_() for k, v in _trainable(s["num_experts"], x.shape[1], kind).items()}
+    ids = s["ids"].long()
+    total, top_k = ids.shape
+    keep = torch.ones(total, top_k, dtype=torch.bool)
+    if s["cf"] is not None:
+        cap = min(total, math.ceil(total * top_k / s["num_experts"] * s["cf"]))
+        keep.zero_()
+        for e in range(s["num_experts"]):
+            cand = [(t, j) for t in range(total) for j in range(top_k) if ids[t, j] == e]
+            cand.sort(key=lambda tj: (-float(s["weights"][tj]), tj[0]))
+            for t, j in cand[:cap]:
+                keep[t, j] = True
+    out = torch.zeros(total, x.shape[1])
+    for t in range(total):
+        for j in range(top_k):
+            if keep[t, j]:
+                out = out + torch.zeros_like(out).index_add(
+                    0, torch.tensor([t]), weights[t, j] * _expert_out(params, int(ids[t, j]), x[t:t + 1]))
+    g = torch.Generator().manual_seed(11)
+    grad = torch.randn(out.shape, generator=g)
+    (out * grad).sum().backward()
+    return {"out": out.detach(), "hidden": x.grad, "weights": weights.grad,
+            **{k: v.grad for k, v in params.items()}, "grad": grad}
+
+
+def _train_rank(dispatcher, s: dict, kind: str, sl: slice, device) -> dict:
+    """This rank's share: its tokens' output and gradients, and its
+    experts' parameter gradients (the ranks' sum is the reference's)."""
+    x = s["x"][sl].float().to(device).requires_grad_()
+    weights = s["weights"][sl].to(device).requires_grad_()
+    full = _trainable(s["num_experts"], x.shape[1], kind)
+    local = dispatcher.num_local_experts
+    first = dispatcher.first_expert
+    if kind == "grouped_shard":  # this rank holds only its own experts' weights
+        params = {k: v[first:first + local].to(device).requires_grad_() for k, v in full.items()}
+    else:
+        params = {k: v.to(device).requires_grad_() for k, v in full.items()}
+    if kind == "fn":
+        out = dispatcher(x, s["ids"][sl].to(device), weights, lambda e, rows: _expert_out(params, e, rows))
+    else:
+        experts = (params["w_up"], params["w_down"], "silu")
+        out = dispatcher(x, s["ids"][sl].to(device), weights, experts=experts)
+    g = torch.Generator().manual_seed(11)
+    grad = torch.randn(sum(s["tokens"]), x.shape[1], generator=g)[sl].to(device)
+    (out * grad).sum().backward()
+    grads = {}
+    for k, v in params.items():
+        got = v.grad.cpu()
+        if kind == "grouped_shard":  # place the shard's gradient among all experts
+            whole = torch.zeros_like(full[k])
+            whole[first:first + local] = got
+            got = whole
+        grads[k] = got
+    return {"out": out.detach().cpu(), "hidden": x.grad.cpu(), "weights": weights.grad.cpu(), **grads}
+
+
 # ----------------------------------------------------------------------------- the worker
 
 
@@ -122,6 +212,12 @@ def _worker(rank: int, port: int, out_path: str, device_kind: str) -> None:
             out = disp(s["x"][sl].to(device), ids.to(device), s["weights"][sl].to(device),
                        _experts(s["num_experts"], s["x"].shape[1]))
             results[name] = (out.cpu(), disp.last_stats)
+        for name, (scenario, kind) in TRAIN.items():
+            s = _scenarios()[scenario]
+            start = sum(s["tokens"][:rank])
+            sl = slice(start, start + s["tokens"][rank])
+            disp = ExpertParallelDispatcher(s["num_experts"], s["top_k"], capacity_factor=s["cf"])
+            results[name] = (_train_rank(disp, s, kind, sl, device), disp.last_stats)
         for name, args in {"odd_experts": (3, 1), "bad_top_k": (4, 5)}.items():
             try:
                 ExpertParallelDispatcher(*args)
@@ -168,7 +264,10 @@ def gloo_results(tmp_path_factory):
     return _launch(tmp_path_factory.mktemp("ep"), "cpu")
 
 
-def _check(results, name):
+def _check(results, name, exact=True):
+    """The ranks' outputs against the single-process reference: fp32 bit for
+    bit on the CPU (each row's expert output does not depend on which rows
+    travel with it there), bf16 within its rounding."""
     s = _scenarios()[name]
     ref, ref_dropped = _reference(s)
     out = torch.cat([results[r][name][0] for r in range(WORLD)])
@@ -176,13 +275,18 @@ def _check(results, name):
     if out.dtype == torch.bfloat16:
         torch.testing.assert_close(out, ref, atol=1e-2, rtol=1e-2)
     else:
-        torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-6)
+        tol = 0 if exact else 1e-6
+        torch.testing.assert_close(out, ref, atol=tol, rtol=tol)
     stats = [results[r][name][1] for r in range(WORLD)]
     assert sum(st.dropped for st in stats) == ref_dropped
     assert all(st.total_tokens == sum(s["tokens"]) for st in stats)
+    # Only kept assignments travel: what the ranks received is the total less the dropped.
     total_assignments = sum(s["tokens"]) * s["top_k"]
-    assert sum(sum(st.received) for st in stats) == total_assignments
+    assert sum(sum(st.received) for st in stats) == total_assignments - ref_dropped
     assert [stats[0].sent[1], stats[1].sent[0]] == [stats[1].received[0], stats[0].received[1]]
+    row = s["x"].shape[1] * s["x"].element_size()
+    for r, st in enumerate(stats):
+        assert st.row_bytes == st.sent[1 - r] * row  # no dropped row crosses to the other rank
     return stats, ref_dropped
 
 
@@ -207,6 +311,29 @@ def test_capacity_drops_lowest_weight_overflow(gloo_results, name):
         assert dropped == 0
     else:
         assert dropped > 0  # the scenarios are sized to overflow
+
+
+@pytest.mark.parametrize("name", list(TRAIN))
+def test_gradients_match_single_process(gloo_results, name):
+    """Forward and backward through two ranks: each rank's tokens get the
+    output and the gradients (hidden, routing weights) of the single-process
+    experts, and the experts' parameter gradients summed over the ranks
+    (each rank's experts saw the tokens of both) are the reference's; a
+    dropped assignment's routing weight gets exactly zero gradient."""
+    scenario, kind = TRAIN[name]
+    s = _scenarios()[scenario]
+    ref = _train_reference(s, "fn" if kind == "fn" else "grouped")
+    ranks = [gloo_results[r][name][0] for r in range(WORLD)]
+    for key in ("out", "hidden", "weights"):
+        got = torch.cat([rk[key] for rk in ranks])
+        torch.testing.assert_close(got, ref[key], atol=1e-5, rtol=1e-5, msg=f"{name}: {key}")
+    for key in [k for k in ref if k.startswith(("w", "b")) and k != "weights"]:
+        got = sum(rk[key] for rk in ranks)
+        torch.testing.assert_close(got, ref[key], atol=1e-5, rtol=1e-5, msg=f"{name}: d {key}")
+    if s["cf"] is not None:
+        assert (ref["weights"] == 0).sum() > 0  # some assignments dropped: their gradient is exactly 0
+        got = torch.cat([rk["weights"] for rk in ranks])
+        assert torch.equal(got == 0, ref["weights"] == 0)
 
 
 def test_bad_arguments(gloo_results):
@@ -380,7 +507,7 @@ def test_nccl_two_gpus(tmp_path):
     results = _launch(tmp_path, "cuda")
     for name in DROPLESS + CAPACITY:
         if name in results[0]:
-            _check(results, name)
+            _check(results, name, exact=False)
 
 
 if __name__ == "__main__":

@@ -113,6 +113,10 @@ def register(name: str = EXPERTS_IMPLEMENTATION) -> None:
     fallback = getattr(getattr(torch.ops, "transformers", None), "grouped_mm_fallback", None)
     if fallback is not None:
         _dispatch.COMPILED_FALLBACK = fallback
+    # The expert-parallel implementation of the same name, where transformers has the interface.
+    from . import hf_expert_parallel
+
+    hf_expert_parallel.register(name)
 
 
 def _experts_modules(model) -> list:
