@@ -14,7 +14,9 @@ table gives the median and the minimum over the runs.
 
 The expert function is a per-expert scale (expert e multiplies its rows by
 1 + (e + 1) / 64), cheap and identical in both dispatchers, so the dispatch
-dominates. The routing weights are distinct fp32 numbers (a permutation of
+dominates; `--experts mlp` gives both gated MLP experts (the dispatcher's one
+grouped call against the reference's grouped GEMMs, or its batched GEMM over
+the padded capacity buffer), and `--passes train` times forward and backward. The routing weights are distinct fp32 numbers (a permutation of
 the global assignments, scaled by a power of two), so capacity mode keeps the
 same assignments whichever way a dispatcher breaks ties, and every output of
 the dispatcher is compared bit for bit with the reference's on every rank.
@@ -34,6 +36,7 @@ The reference (one call, per rank):
 Usage:
   python benchmarks/scripts/ep_bench.py                     # NCCL, two GPUs (starts two processes)
   python benchmarks/scripts/ep_bench.py --quick --no-plot   # gloo on the CPU, small sizes (a smoke test)
+  python benchmarks/scripts/ep_bench.py --experts scale mlp --passes forward train   # everything
   torchrun --nproc-per-node 2 benchmarks/scripts/ep_bench.py
   python benchmarks/scripts/ep_bench.py --table-from benchmarks/results/ep-cuda.json \
       --docs docs/distributed.md
@@ -55,12 +58,12 @@ import sys
 import time
 
 MODELS = {
-    "mixtral-like": dict(hidden=4096, experts=8, top_k=2),
-    "deepseek-like": dict(hidden=7168, experts=256, top_k=8),
+    "mixtral-like": dict(hidden=4096, experts=8, top_k=2, inter=14336),
+    "deepseek-like": dict(hidden=7168, experts=256, top_k=8, inter=2048),
 }
 QUICK_MODELS = {
-    "mixtral-like": dict(hidden=64, experts=8, top_k=2),
-    "deepseek-like": dict(hidden=96, experts=32, top_k=8),
+    "mixtral-like": dict(hidden=64, experts=8, top_k=2, inter=48),
+    "deepseek-like": dict(hidden=96, experts=32, top_k=8, inter=32),
 }
 TOKENS = (4096, 16384)
 QUICK_TOKENS = (48,)
@@ -97,16 +100,86 @@ def make_expert_fn(num_experts: int):
     return expert_fn
 
 
+def make_mlp(model: dict, rank: int, world: int, device, train: bool):
+    """This rank's experts as a gated MLP (silu): w_up [L, D, 2I] (gate, then
+    up) and w_down [L, I, D] in bf16, each expert's weights seeded by its
+    global index (the same on whichever rank holds it)."""
+    import torch
+
+    local = model["experts"] // world
+    hidden, inter = model["hidden"], model["inter"]
+    ups, downs = [], []
+    for e in range(rank * local, (rank + 1) * local):
+        gen = torch.Generator().manual_seed(10_000 + e)
+        ups.append(torch.randn(hidden, 2 * inter, generator=gen) / hidden ** 0.5)
+        downs.append(torch.randn(inter, hidden, generator=gen) / inter ** 0.5)
+    w_up = torch.stack(ups).to(device, torch.bfloat16).requires_grad_(train)
+    w_down = torch.stack(downs).to(device, torch.bfloat16).requires_grad_(train)
+    return w_up, w_down
+
+
+def _mlp(x, w_up, w_down):
+    """silu(gate) * up, then down, for rows of one expert (2-d) or a padded
+    batch of experts (3-d, bmm)."""
+    import torch
+
+    gate_up = torch.bmm(x, w_up) if x.dim() == 3 else x @ w_up
+    inter = w_down.shape[-2]
+    act = torch.nn.functional.silu(gate_up[..., :inter]) * gate_up[..., inter:]
+    return torch.bmm(act, w_down) if act.dim() == 3 else act @ w_down
+
+
+def reference_grouped_mlp(grouped, per_expert: list, w_up, w_down):
+    """The reference's experts on rows grouped by local expert: torch's
+    grouped GEMM over the group offsets where it takes the operands (CUDA,
+    bf16; the GEMMs transformers and Megatron's GroupedMLP use), else one
+    matmul per expert."""
+    import torch
+
+    mm = getattr(torch.nn.functional, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+    if mm is not None and grouped.is_cuda and grouped.shape[0]:
+        offsets = torch.tensor(per_expert, device=grouped.device).cumsum(0).to(torch.int32)
+        gate_up = mm(grouped, w_up, offs=offsets)
+        inter = w_down.shape[-2]
+        act = torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+        return mm(act, w_down, offs=offsets)
+    outs, start = [], 0
+    for e, n in enumerate(per_expert):
+        if n:
+            outs.append(_mlp(grouped[start:start + n], w_up[e], w_down[e]))
+        start += n
+    return torch.cat(outs) if outs else grouped.new_empty(grouped.shape)
+
+
 # ----------------------------------------------------------------------------- the reference
 
 
+def _a2a(out, x, out_splits, in_splits, group, grad: bool):
+    """all_to_all_single; torch.distributed.nn's differentiable one under autograd."""
+    import torch.distributed as dist
+
+    if grad:
+        from torch.distributed.nn.functional import all_to_all_single
+
+        return all_to_all_single(out, x, out_splits, in_splits, group=group)
+    dist.all_to_all_single(out, x, out_splits, in_splits, group=group)
+    return out
+
+
 def reference_dispatch(hidden, topk_ids, topk_weights, expert_fn, num_experts: int,
-                       capacity_factor: float | None, group=None):
-    """The out-of-place dispatcher (module docstring). Returns (out [T, D], dropped)."""
+                       capacity_factor: float | None, group=None, mlp=None, stats=None):
+    """The out-of-place dispatcher (module docstring). Returns (out [T, D],
+    dropped). With `mlp` (w_up, w_down of the local experts) instead of
+    expert_fn, the experts are a gated MLP: grouped GEMMs when dropless, a
+    batched GEMM over the padded [L, C, D] buffer in capacity mode (drop and
+    pad). Differentiable where a gradient is recorded. `stats`, a dict,
+    receives the bytes sent to other ranks."""
     import torch
     import torch.distributed as dist
     from idempotent_moe.distributed import expert_capacity
 
+    grad = torch.is_grad_enabled() and (hidden.requires_grad or topk_weights.requires_grad
+                                        or (mlp is not None and mlp[0].requires_grad))
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     local = num_experts // world
     num_tokens, top_k = topk_ids.shape
@@ -125,14 +198,20 @@ def reference_dispatch(hidden, topk_ids, topk_weights, expert_fn, num_experts: i
     per_source = host_counts[:, :local]
     recv_splits = per_source.sum(1).tolist()
     received = int(sum(recv_splits))
-    recv = hidden.new_empty(received, hidden.shape[1])
-    dist.all_to_all_single(recv, send, recv_splits, send_splits, group=group)
+    recv = _a2a(hidden.new_empty(received, hidden.shape[1]), send, recv_splits, send_splits, group, grad)
     del send
+    row = hidden.shape[1] * hidden.element_size()
+    to_others = sum(n for r, n in enumerate(send_splits) if r != rank)
+    from_others = sum(n for r, n in enumerate(recv_splits) if r != rank)
+    sent_bytes = (to_others + from_others) * row + (world - 1) * (local + 1) * 8
     if capacity_factor is not None:
-        send_w = topk_weights.reshape(-1).float().index_select(0, order)
+        send_w = topk_weights.detach().reshape(-1).float().index_select(0, order)
         recv_w = torch.empty(received, dtype=torch.float32, device=device)
         dist.all_to_all_single(recv_w, send_w, recv_splits, send_splits, group=group)
+        sent_bytes += to_others * 4
         del send_w
+    if stats is not None:
+        stats["bytes_sent"] = sent_bytes
 
     # Second permute: (source rank, expert, token) -> (expert, source rank, token).
     local_ids = torch.repeat_interleave(torch.arange(local, device=device).repeat(world),
@@ -143,7 +222,9 @@ def reference_dispatch(hidden, topk_ids, topk_weights, expert_fn, num_experts: i
     per_expert = per_source.sum(0).tolist()
     first = rank * local
     dropped = 0
-    if capacity_factor is None:
+    if capacity_factor is None and mlp is not None:
+        y_grouped = reference_grouped_mlp(grouped, per_expert, *mlp).to(grouped.dtype)
+    elif capacity_factor is None:
         y_grouped = torch.empty_like(grouped)
         start = 0
         for e, n in enumerate(per_expert):
@@ -168,12 +249,16 @@ def reference_dispatch(hidden, topk_ids, topk_weights, expert_fn, num_experts: i
             top = padded.topk(kept_per_expert, dim=1).indices  # [L, C], highest weight first
             src = (seg_start[:, None] + top).clamp_(max=max(received - 1, 0))
             buf = grouped.index_select(0, src.reshape(-1)).view(local, kept_per_expert, -1)  # [L, C, D]
-            y_buf = torch.empty_like(buf)
-            for e, n in enumerate(per_expert):
-                c = min(cap, n)
-                dropped += n - c
-                if c:
-                    y_buf[e, :c] = expert_fn(first + e, buf[e, :c])
+            if mlp is not None:
+                y_buf = _mlp(buf, *mlp).to(buf.dtype)  # the padding rows are computed too
+                dropped = sum(n - min(cap, n) for n in per_expert)
+            else:
+                y_buf = torch.empty_like(buf)
+                for e, n in enumerate(per_expert):
+                    c = min(cap, n)
+                    dropped += n - c
+                    if c:
+                        y_buf[e, :c] = expert_fn(first + e, buf[e, :c])
             del buf
             valid = torch.arange(kept_per_expert, device=device)[None, :] < n_e.clamp(max=cap)[:, None]
             y_grouped.index_copy_(0, src[valid], y_buf[valid])
@@ -182,8 +267,8 @@ def reference_dispatch(hidden, topk_ids, topk_weights, expert_fn, num_experts: i
     y_recv = torch.empty_like(y_grouped)
     y_recv.index_copy_(0, regroup, y_grouped)
     del y_grouped
-    back = hidden.new_empty(num_tokens * top_k, hidden.shape[1])
-    dist.all_to_all_single(back, y_recv, send_splits, recv_splits, group=group)
+    back = _a2a(hidden.new_empty(num_tokens * top_k, hidden.shape[1]), y_recv, send_splits, recv_splits,
+                group, grad)
     del y_recv
     y = torch.empty_like(back)
     y.index_copy_(0, order, back)
@@ -285,32 +370,84 @@ def _machine(cuda: bool, world: int, backend: str) -> dict:
 
 
 def run_config(name: str, model: dict, tokens: int, rank: int, world: int, device, cuda: bool,
-               runs: int, warmup: int):
+               runs: int, warmup: int, experts: str = "scale", train: bool = False):
     """Yields, per mode (dropless, then each capacity factor), the rows of the
-    reference and of the dispatcher on one model and token count."""
+    reference and of the dispatcher on one model and token count. `experts`:
+    "scale" (a per-expert function, the dispatch dominates) or "mlp" (gated
+    MLP experts: the dispatcher's one grouped call, the reference's grouped
+    GEMMs or padded batched GEMM); `train`: forward and backward."""
     import torch
     from idempotent_moe.distributed import ExpertParallelDispatcher
 
     expert_fn = make_expert_fn(model["experts"])
     hidden, ids, weights = make_inputs(model, tokens, rank, world, device)
+    hidden.requires_grad_(train)
+    weights.requires_grad_(train)
+    mlp = make_mlp(model, rank, world, device, train) if experts == "mlp" else None
+    leaves = [hidden, weights, *(mlp or ())]
+    grad_out = torch.randn(hidden.shape, generator=torch.Generator().manual_seed(rank)).to(device)
     num_experts = model["experts"]
     for factor in (None, *FACTORS):
         base = {"model": name, **model, "tokens_per_rank": tokens, "dtype": "bfloat16",
                 "mode": "dropless" if factor is None else f"capacity {factor:.2f}",
-                "capacity_factor": factor}
+                "capacity_factor": factor, "expert_kind": experts,
+                "pass": "forward+backward" if train else "forward"}
         disp = ExpertParallelDispatcher(model["experts"], model["top_k"], capacity_factor=factor)
-        (ref_out, ref_dropped), ref_row = measure(
-            lambda f=factor: reference_dispatch(hidden, ids, weights, expert_fn, num_experts, f),
-            cuda, runs, warmup)
-        out, our_row = measure(lambda disp=disp: disp(hidden, ids, weights, expert_fn), cuda, runs, warmup)
+        ref_stats = {}
+
+        def ref_call(f=factor, ref_stats=ref_stats):
+            return reference_dispatch(hidden, ids, weights, expert_fn, num_experts, f, mlp=mlp,
+                                      stats=ref_stats)
+
+        def our_call(disp=disp):
+            if mlp is None:
+                return disp(hidden, ids, weights, expert_fn), None
+            return disp(hidden, ids, weights, experts=(*mlp, "silu")), None
+
+        (ref_out, ref_dropped, ref_grads), ref_row = measure(_step(ref_call, leaves, grad_out, train), cuda,
+                                                             runs, warmup)
+        (out, _, grads), our_row = measure(_step(our_call, leaves, grad_out, train), cuda, runs, warmup)
         same = float(torch.equal(out, ref_out))
-        del out, ref_out
-        exact_ranks, dropped, ref_dropped = _all_sum([same, disp.last_stats.dropped, ref_dropped], cuda)
-        capacity = disp.last_stats.capacity
+        diff = _rel_diff(out, ref_out)
+        grad_diff = max((_rel_diff(a, b) for a, b in zip(grads, ref_grads)), default=0.0)
+        del out, ref_out, grads, ref_grads
+        st = disp.last_stats
+        ours_bytes = st.row_bytes + st.meta_bytes + (sum(st.received) - st.received[rank]) * hidden.shape[1] \
+            * hidden.element_size()
+        exact_ranks, dropped, ref_dropped, our_sent, ref_sent = _all_sum(
+            [same, st.dropped, ref_dropped, ours_bytes, ref_stats["bytes_sent"]], cuda)
+        diff, grad_diff = _all_max([diff, grad_diff], cuda)
+        check = {} if experts == "scale" and not train else {
+            "max_rel_diff_vs_ref": diff, **({"grad_max_rel_diff_vs_ref": grad_diff} if train else {})}
+        capacity = st.capacity
         yield [{**base, "impl": REFERENCE, **ref_row, "bit_exact": None, "dropped": int(ref_dropped),
-                "capacity": capacity},
+                "capacity": capacity, "bytes_sent": int(ref_sent)},
                {**base, "impl": OURS, **our_row, "bit_exact": exact_ranks == world, "dropped": int(dropped),
-                "capacity": capacity}]
+                "capacity": capacity, "bytes_sent": int(our_sent), **check}]
+
+
+def _step(call, leaves: list, grad_out, train: bool):
+    """One timed call: the forward, and with `train` the backward of
+    sum(out * grad_out); returns (out, dropped, the leaves' gradients)."""
+    def step():
+        if not train:
+            out, dropped = call()
+            return out, dropped, []
+        for t in leaves:
+            t.grad = None
+        out, dropped = call()
+        (out.float() * grad_out).sum().backward()
+        return out.detach(), dropped, [t.grad for t in leaves]
+    return step
+
+
+def _rel_diff(a, b) -> float:
+    """max |a - b| / max |b| (0 for two empty or zero tensors)."""
+    if a.numel() == 0:
+        return 0.0
+    worst = float((a.float() - b.float()).abs().max())
+    scale = float(b.float().abs().max())
+    return worst / scale if scale else worst
 
 
 def worker(args) -> None:
@@ -339,12 +476,15 @@ def worker(args) -> None:
             model = models[name]
             if model["experts"] % world:
                 raise SystemExit(f"{name}: {model['experts']} experts do not split over {world} ranks")
-            for tokens in tokens_list:
-                for rows in run_config(name, model, tokens, rank, world, device, cuda, runs, warmup):
+            for tokens, experts, train in [(t, e, p == "train") for t in tokens_list for e in args.experts
+                                           for p in args.passes]:
+                for rows in run_config(name, model, tokens, rank, world, device, cuda, runs, warmup, experts,
+                                       train):
                     data["results"] += rows
                     if rank == 0:
                         for r in rows:
-                            print(f"{name} T={tokens} {r['mode']} {r['impl']}: median "
+                            print(f"{name} T={tokens} {r['expert_kind']} {r['pass']} {r['mode']} "
+                                  f"{r['impl']}: median "
                                   f"{r['median_ms']:.3f} ms, min {r['min_ms']:.3f} ms, peak "
                                   f"{_mib(r.get('peak_transient_bytes'))} MiB, bit-exact "
                                   f"{r['bit_exact']}, dropped {r['dropped']}", flush=True)
@@ -379,34 +519,60 @@ def with_ratios(rows: list) -> list:
     """Each row with the reference's median over its own (times faster than
     the torch reference; above 1, faster) and its peak over the reference's,
     same model, tokens and mode."""
-    ref = {(r["model"], r["tokens_per_rank"], r["mode"]): r for r in rows if r["impl"] == REFERENCE}
+    ref = {_group(r): r for r in rows if r["impl"] == REFERENCE}
     out = []
     for r in rows:
-        base = ref[(r["model"], r["tokens_per_rank"], r["mode"])]
+        base = ref[_group(r)]
         out.append({**r, "speedup_vs_reference": base["median_ms"] / r["median_ms"],
                     "peak_vs_reference": (r["peak_transient_bytes"] / base["peak_transient_bytes"]
                                           if base.get("peak_transient_bytes") else None)})
     return out
 
 
+def _group(r: dict) -> tuple:
+    """The rows measured on the same inputs: one reference row each."""
+    kind, which = r.get("expert_kind", "scale"), r.get("pass", "forward")
+    return (r["model"], r["tokens_per_rank"], r["mode"], kind, which)
+
+
+def _check(r: dict) -> str:
+    """Bit for bit against the reference (a per-expert scale, forward), or the
+    largest difference relative to the reference's largest value."""
+    if r["bit_exact"] is None:
+        return ""
+    if "max_rel_diff_vs_ref" not in r:
+        return "bit-exact" if r["bit_exact"] else "NOT bit-exact"
+    text = "bit-exact" if r["bit_exact"] else f"out {r['max_rel_diff_vs_ref']:.1e} rel"
+    if "grad_max_rel_diff_vs_ref" in r:
+        text += f", grads {r['grad_max_rel_diff_vs_ref']:.1e} rel"
+    return text
+
+
 def table(data: dict) -> str:
     rows = with_ratios(data["results"])
     has_mem = any("peak_transient_bytes" in r for r in rows)
-    head = ["model", "tokens / GPU", "mode", "implementation", "median ms", "min ms",
-            "x faster than torch ref"]
+    has_kinds = any("expert_kind" in r for r in rows)
+    head = ["model", "tokens / GPU"] + (["experts", "pass"] if has_kinds else []) + [
+        "mode", "implementation", "median ms", "min ms", "x faster than torch ref"]
     if has_mem:
         head += ["peak transient MiB", "peak / ref", "reserved MiB before -> after"]
-    head += ["bit-exact vs ref", "dropped"]
+    if has_kinds:
+        head += ["KiB sent per layer"]
+    head += ["check vs ref", "dropped"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
-        cells = [r["model"], str(r["tokens_per_rank"]), r["mode"], r["impl"], f"{r['median_ms']:.3f}",
-                 f"{r['min_ms']:.3f}", f"{r['speedup_vs_reference']:.2f}x"]
+        cells = [r["model"], str(r["tokens_per_rank"])]
+        if has_kinds:
+            cells += [r.get("expert_kind", "scale"), r.get("pass", "forward")]
+        cells += [r["mode"], r["impl"], f"{r['median_ms']:.3f}", f"{r['min_ms']:.3f}",
+                  f"{r['speedup_vs_reference']:.2f}x"]
         if has_mem:
             cells += [_mib(r.get("peak_transient_bytes")),
                       f"{r['peak_vs_reference']:.2f}" if r["peak_vs_reference"] is not None else "",
                       f"{_mib(r.get('reserved_before_bytes'))} -> {_mib(r.get('reserved_after_bytes'))}"]
-        exact = "" if r["bit_exact"] is None else ("yes" if r["bit_exact"] else "NO")
-        cells += [exact, str(r["dropped"])]
+        if has_kinds:
+            cells += [f"{r['bytes_sent'] / 1024:,.1f}" if r.get("bytes_sent") is not None else ""]
+        cells += [_check(r), str(r["dropped"])]
         lines.append("| " + " | ".join(cells) + " |")
     m = data["machine"]
     where = m.get("gpu") or m.get("cpu")
@@ -428,7 +594,7 @@ def plot(data: dict, path: str) -> str:
     import matplotlib.pyplot as plt
 
     rows = data["results"]
-    groups = list(dict.fromkeys((r["model"], r["tokens_per_rank"], r["mode"]) for r in rows))
+    groups = list(dict.fromkeys(_group(r) for r in rows))
     impls = [REFERENCE, OURS]
     has_mem = any("peak_transient_bytes" in r for r in rows)
     fig, axes = plt.subplots(2 if has_mem else 1, 1, figsize=(2.0 + 1.0 * len(groups), 7 if has_mem else 4),
@@ -442,14 +608,15 @@ def plot(data: dict, path: str) -> str:
             xs, ys = [], []
             for g, grp in enumerate(groups):
                 for r in rows:
-                    if (r["model"], r["tokens_per_rank"], r["mode"]) == grp and r["impl"] == impl:
+                    if _group(r) == grp and r["impl"] == impl:
                         xs.append(g + i * width)
                         ys.append(max(r[key] * scale, 1e-3))
             ax.bar(xs, ys, width, label=impl)
         ax.set_yscale("log")
         ax.set_ylabel(label, fontsize=8)
         ax.set_xticks([g + width / 2 for g in range(len(groups))])
-        ax.set_xticklabels([f"{m}\nT={t}\n{mode}" for m, t, mode in groups], fontsize=6)
+        ax.set_xticklabels([f"{m}\nT={t}\n{mode}" + ("" if (e, p) == ("scale", "forward") else f"\n{e} {p}")
+                            for m, t, mode, e, p in groups], fontsize=6)
         ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
     m = data["machine"]
     axes[0, 0].set_title(f"expert-parallel dispatch + expert fn + combine, {m['world_size']} x "
@@ -521,6 +688,11 @@ def parse(argv: list):
     p.add_argument("--world-size", type=int, default=2)
     p.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
     p.add_argument("--tokens", nargs="+", type=int, default=list(TOKENS), help="tokens per rank")
+    p.add_argument("--experts", nargs="+", choices=["scale", "mlp"], default=["scale"],
+                   help="scale: a per-expert scale (the dispatch dominates); mlp: gated MLP experts "
+                        "(the dispatcher's grouped call against the reference's grouped GEMMs)")
+    p.add_argument("--passes", nargs="+", choices=["forward", "train"], default=["forward"],
+                   help="forward, and/or train (forward and backward)")
     p.add_argument("--runs", type=int, default=0, help="timed runs (default 50, 5 with --quick)")
     p.add_argument("--out", default="imoe-results",
                    help="folder for JSON and plot (default imoe-results/, ignored by git; "
