@@ -16,10 +16,13 @@ The expert function is a per-expert scale (expert e multiplies its rows by
 1 + (e + 1) / 64), cheap and identical in both dispatchers, so the dispatch
 dominates; `--experts mlp` gives both gated MLP experts (the dispatcher's one
 grouped call against the reference's grouped GEMMs, or its batched GEMM over
-the padded capacity buffer), and `--passes train` times forward and backward. The routing weights are distinct fp32 numbers (a permutation of
-the global assignments, scaled by a power of two), so capacity mode keeps the
-same assignments whichever way a dispatcher breaks ties, and every output of
-the dispatcher is compared bit for bit with the reference's on every rank.
+the padded capacity buffer), and `--passes train` times forward and backward.
+The routing weights are distinct fp32 numbers (a permutation of the global
+assignments, scaled by a power of two), so capacity mode keeps the same
+assignments whichever way a dispatcher breaks ties, and every output of the
+dispatcher is compared with the reference's on every rank: bit for bit, or
+with MLP experts or a backward, the largest difference relative to the
+reference's largest value (their GEMMs group the rows differently).
 
 The reference (one call, per rank):
   argsort of the T x k expert ids (stable; experts of a rank are contiguous,
