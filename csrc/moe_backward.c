@@ -122,13 +122,13 @@ imoe_status imoe_gated_act_backward(const imoe_view *gate_up, const imoe_view *g
   imoe_status st = imoe_gated_act_backward_shape(gate_up, grad_act, act, limit, NULL, err);
   if (st != IMOE_OK) return st;
   const int64_t r_n = gate_up->lead_shape[0];
-  st = imoe_check_matrix(grad_gate_up, "grad_gate_up", IMOE_DTYPE_BIT(gate_up->dtype), r_n, gate_up->n,
-                         1, 1, err);
+  /* Named as the Python API names it (the one output). */
+  st = imoe_check_matrix(grad_gate_up, "out", IMOE_DTYPE_BIT(gate_up->dtype), r_n, gate_up->n, 1, 1, err);
   if (st == IMOE_OK) st = imoe_check_exec(exec, err);
   if (st != IMOE_OK) return st;
   int empty;
   const imoe_call_args call = {NULL, 0, NULL, {gate_up, grad_act, limit}, {"gate_up", "grad_act", "limit"},
-                               {grad_gate_up}, {"grad_gate_up"}, NULL, 0};
+                               {grad_gate_up}, {"out"}, NULL, 0};
   st = imoe_check_call(&call, &empty, err);
   if (st != IMOE_OK || empty) return st;
   if (imoe_on_cuda(exec))

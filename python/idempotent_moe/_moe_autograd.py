@@ -254,8 +254,10 @@ def experts_forward_direct(hidden, top_k_index, top_k_weights, w_up, w_down, act
     with _op_depth.inside_op():
         select = None if capacity is None else (
             top_k_weights if top_k_weights.dtype in CORE_DTYPES else top_k_weights.float())
+        # The experts layer's routing: each token's local experts distinct
+        # (checked on the CPU), as on every path of the experts implementation.
         d = moe_ops.moe_dispatch(hidden, top_k_index, num_experts, top_k_weights=select,
-                                 capacity=capacity, skip_foreign=skip_foreign, _apart=True)
+                                 capacity=capacity, skip_foreign=skip_foreign, distinct=True, _apart=True)
         x, offsets, dest, dropped = d.rows, d.offsets, d.dest, d.dropped
         del d
         gate_up = grouped_mm(x if x.dtype == w_up.dtype else x.to(w_up.dtype), w_up, offsets)

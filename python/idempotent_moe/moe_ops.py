@@ -34,6 +34,7 @@ CUDA tensors with the CUDA kernels.
 
 from __future__ import annotations
 
+import re
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -73,7 +74,7 @@ def _ops(x: Any, *more: Any) -> Any:
         # Attribute reads first: the no-grad path pays the least.
         if not x.requires_grad:
             for m in more:
-                if m is not None and m.requires_grad:
+                if getattr(m, "requires_grad", False):  # None, or not a tensor: the binding names it
                     break
             else:
                 return None
@@ -82,6 +83,24 @@ def _ops(x: Any, *more: Any) -> Any:
     from . import _moe_torch_ops
 
     return torch.ops.idempotent_moe if _moe_torch_ops.AVAILABLE else None
+
+
+# torch's refusal of an argument of another type than an op's schema says
+# (before the op runs): a TypeError naming the argument, as on the direct path.
+_SCHEMA_TYPE = re.compile(r"Expected a value of type '([^']*)' for argument '(\w+)' but instead found "
+                          r"type '([^']*)'")
+
+
+def _op(fn: Any, *args: Any) -> Any:
+    """fn(*args), an op of `_moe_torch_ops`, with torch's schema errors as
+    TypeErrors naming the argument."""
+    try:
+        return fn(*args)
+    except RuntimeError as e:
+        found = _SCHEMA_TYPE.search(str(e))
+        if found is None:
+            raise
+        raise TypeError(f"{found[2]} must be {found[1]}, got {found[3]}") from e
 
 
 def dispatch_rows(assignments: int, num_experts: int, capacity: int | None, layout: str) -> int:
@@ -190,8 +209,8 @@ def moe_dispatch(hidden: Any, top_k_index: Any, num_experts: int, *, top_k_weigh
     """
     ops = _ops(hidden, top_k_weights) if out is None else None
     if ops is not None:
-        return MoEDispatch(*ops.moe_dispatch(hidden, top_k_index, top_k_weights, num_experts, capacity,
-                                             layout, skip_foreign, distinct))
+        return MoEDispatch(*_op(ops.moe_dispatch, hidden, top_k_index, top_k_weights, num_experts, capacity,
+                                layout, skip_foreign, distinct))
     if out is None:
         new_outputs = torch_outputs if _arrays.is_torch(hidden) and not _apart else _separate_outputs
         return native().moe_dispatch(
@@ -219,7 +238,7 @@ def moe_combine(rows: Any, dest: Any, weights: Any, *, out: Any = None, out_dtyp
     `out` (or a new array of `out_dtype`, default rows' dtype) is returned."""
     ops = _ops(rows, weights) if out is None else None
     if ops is not None:
-        return ops.moe_combine(rows, dest, weights, _torch_dtype(out_dtype, rows.dtype))
+        return _op(ops.moe_combine, rows, dest, weights, _torch_dtype(out_dtype, rows.dtype))
     return native().moe_combine(rows=rows, dest=dest, weights=weights, out=out,
                                 out_dtype=_dtype_name(out_dtype), new=_empty,
                                 num_threads=resolve_num_threads(num_threads),
@@ -235,7 +254,7 @@ def gated_act(gate_up: Any, act: str = "silu", *, limit: Any = None, out: Any = 
     were (uninitialised in a new `out`)."""
     ops = _ops(gate_up) if out is None else None
     if ops is not None:
-        return ops.gated_act(gate_up, act, limit)
+        return _op(ops.gated_act, gate_up, act, limit)
     return native().gated_act(gate_up=gate_up, out=out, act=act, limit=limit, new=_empty,
                               num_threads=resolve_num_threads(num_threads),
                               stream=_arrays.dlpack_stream(gate_up))
@@ -252,7 +271,7 @@ def grouped_gemm(a: Any, w: Any, offsets: Any, *, out: Any = None, num_threads: 
     recorded error on CUDA (check_errors), with nothing written."""
     ops = _ops(a, w) if out is None else None
     if ops is not None:
-        return ops.grouped_gemm(a, w, offsets)
+        return _op(ops.grouped_gemm, a, w, offsets)
     return native().grouped_gemm(a=a, w=w, offsets=offsets, out=out, new=_empty,
                                  num_threads=resolve_num_threads(num_threads),
                                  stream=_arrays.dlpack_stream(a))
@@ -266,7 +285,7 @@ def gated_act_backward(gate_up: Any, grad_act: Any, act: str = "silu", *, limit:
     at or past limit[-1] get zeros."""
     ops = _ops(gate_up, grad_act) if out is None else None
     if ops is not None:
-        return ops.gated_act_backward(gate_up, grad_act, act, limit)
+        return _op(ops.gated_act_backward, gate_up, grad_act, act, limit)
     return native().gated_act_backward(gate_up=gate_up, grad_act=grad_act, out=out, act=act, limit=limit,
                                        new=_empty, num_threads=resolve_num_threads(num_threads),
                                        stream=_arrays.dlpack_stream(gate_up))
@@ -281,7 +300,7 @@ def moe_gather_rows(src: Any, dest: Any, num_rows: int, *, weights: Any = None, 
     A given `out` must be [num_rows, H]."""
     ops = _ops(src, weights) if out is None else None
     if ops is not None:
-        return ops.moe_gather_rows(src, dest, weights, num_rows, _torch_dtype(out_dtype, src.dtype))
+        return _op(ops.moe_gather_rows, src, dest, weights, num_rows, _torch_dtype(out_dtype, src.dtype))
     return native().moe_gather_rows(src=src, dest=dest, weights=weights, out=out, num_rows=num_rows,
                                     out_dtype=_dtype_name(out_dtype), new=_empty,
                                     num_threads=resolve_num_threads(num_threads),
@@ -296,7 +315,7 @@ def moe_weight_grad(a: Any, b: Any, dest: Any, *, a_by_row: bool = False, out: A
     a its output's gradient [T, H], b its rows [R, H]."""
     ops = _ops(a, b) if out is None else None
     if ops is not None:
-        return ops.moe_weight_grad(a, b, dest, a_by_row, _torch_dtype(out_dtype, a.dtype))
+        return _op(ops.moe_weight_grad, a, b, dest, a_by_row, _torch_dtype(out_dtype, a.dtype))
     return native().moe_weight_grad(a=a, b=b, dest=dest, out=out, a_by_row=a_by_row,
                                     out_dtype=_dtype_name(out_dtype), new=_empty,
                                     num_threads=resolve_num_threads(num_threads),
@@ -311,7 +330,7 @@ def topk_softmax(logits: Any, k: int, *, renormalize: bool = True, out_dtype: An
     then its bitonic network; see `imoe_topk_softmax` in idempotent_moe.h),
     divided by their sum when `renormalize`.
     Returns (weights [T, k] of `out_dtype`, default float32; indices [T, k]
-    of `index_dtype`, "int64" or "int32"). k <= min(E, 32).
+    of `index_dtype`, "int64" or "int32", or their dtypes). k <= min(E, 32).
 
     The arithmetic is torch's CUDA routing (`softmax(logits.float())`,
     `topk`, `w / w.sum(-1, keepdim=True)`, `.to(out_dtype)`), so on CUDA the
@@ -325,11 +344,12 @@ def topk_softmax(logits: Any, k: int, *, renormalize: bool = True, out_dtype: An
     ops = _ops(logits) if _arrays.is_torch(logits) and _arrays._torch().compiler.is_compiling() else None
     if ops is not None:
         torch = _arrays._torch()
+        index_dtype = _dtype_name(index_dtype)
         if index_dtype not in native().INDEX_DTYPES:
             raise ValueError(f"index_dtype must be one of {native().INDEX_DTYPES}, got {index_dtype!r}")
-        return tuple(ops.topk_softmax(logits, k, renormalize, _torch_dtype(out_dtype, torch.float32),
-                                      index_dtype))
+        return tuple(_op(ops.topk_softmax, logits, k, renormalize, _torch_dtype(out_dtype, torch.float32),
+                         index_dtype))
     return native().topk_softmax(logits=logits, k=k, renormalize=renormalize,
-                                 out_dtype=_dtype_name(out_dtype), index_dtype=index_dtype, new=_empty,
-                                 num_threads=resolve_num_threads(num_threads),
+                                 out_dtype=_dtype_name(out_dtype), index_dtype=_dtype_name(index_dtype),
+                                 new=_empty, num_threads=resolve_num_threads(num_threads),
                                  stream=_arrays.dlpack_stream(logits))
