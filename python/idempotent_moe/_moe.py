@@ -174,6 +174,12 @@ def combine_slots(expert_outputs: torch.Tensor, indices: torch.Tensor, weights: 
     for name, t in (("expert_outputs", expert_outputs), ("indices", indices), ("weights", weights)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    num_tokens = _arrays.check_int(num_tokens, "num_tokens", minimum=0)
+    for name, t in (("expert_outputs", expert_outputs), ("weights", weights)):
+        if not t.is_floating_point():
+            raise TypeError(f"{name} must be floating point, got {t.dtype}")
+    if indices.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"indices must be int32 or int64, got {indices.dtype}")
     if expert_outputs.dim() != 3:
         raise ValueError(f"expert_outputs must be [E, C, D], got {list(expert_outputs.shape)}")
     num_experts, kept, dim = expert_outputs.shape
@@ -181,7 +187,13 @@ def combine_slots(expert_outputs: torch.Tensor, indices: torch.Tensor, weights: 
         if tuple(t.shape) != (num_experts, kept):
             raise ValueError(f"{name} must be [E, C] = {[num_experts, kept]} like expert_outputs, "
                              f"got {list(t.shape)}")
-    num_tokens = _arrays.check_int(num_tokens, "num_tokens", minimum=0)
+        if t.device != expert_outputs.device:
+            raise ValueError(f"{name} is on {t.device}, expert_outputs on {expert_outputs.device}")
+    # The tokens named: read on CPU tensors only (on a GPU a host synchronisation).
+    if indices.device.type == "cpu" and indices.numel():
+        lo, hi = int(indices.min()), int(indices.max())
+        if lo < 0 or hi >= num_tokens:
+            raise ValueError(f"indices must lie in [0, num_tokens = {num_tokens}), got [{lo}, {hi}]")
     acc = accumulation_dtype(expert_outputs.dtype, weights.dtype)
     out = torch.zeros(num_tokens, dim, dtype=acc, device=expert_outputs.device)
     terms = (expert_outputs.to(acc) * weights.to(acc).unsqueeze(-1)).reshape(num_experts * kept, dim)

@@ -278,6 +278,8 @@ PyMODINIT_FUNC PyInit__C(void) {
       add_names(module, "FLOAT_DTYPES", IMOE_OPTION_FLOAT) < 0 ||
       add_names(module, "INDEX_DTYPES", IMOE_OPTION_INDEX) < 0 ||
       PyModule_AddIntConstant(module, "MOE_MAX_EXPERTS", IMOE_MOE_MAX_EXPERTS) < 0 ||
+      /* The most slots (N) a view may hold: the core's IMOE_MAX_SLOTS. */
+      PyModule_AddIntConstant(module, "MAX_SLOTS", INT32_MAX) < 0 ||
       PyModule_AddIntConstant(module, "ROUTER_MAX_K", IMOE_ROUTER_MAX_K) < 0) {
     Py_DECREF(module);
     return NULL;
