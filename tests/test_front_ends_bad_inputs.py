@@ -382,6 +382,15 @@ case("cache-evict-score-fails-on-layer-1", ValueError, ["layer 1"],
      lambda: on_cache("evict", 4, lambda k, v, pos, i: torch.rand(1, 2, k.shape[2] + i)))
 case("cache-layer-evict-budget-float", TypeError, ["budget"],
      lambda: (lambda c: (lambda: c.layers[0].evict(2.5), [], lambda: cache_state(c)))(filled_cache()))
+case("cache-reorder-float-index", TypeError, ["beam_idx"], lambda: on_cache("reorder_cache", torch.zeros(1)))
+case("cache-reorder-2d-index", ValueError, ["beam_idx"],
+     lambda: on_cache("reorder_cache", torch.zeros(1, 1, dtype=torch.long)))
+case("cache-reorder-out-of-range", ValueError, ["beam_idx", "batch = 1"],
+     lambda: on_cache("reorder_cache", torch.tensor([0, 1])))
+case("cache-select-out-of-range", ValueError, ["indices"],
+     lambda: on_cache("batch_select_indices", torch.tensor([-1])))
+case("cache-repeat-zero", ValueError, ["repeats"], lambda: on_cache("batch_repeat_interleave", 0))
+case("cache-repeat-float", TypeError, ["repeats"], lambda: on_cache("batch_repeat_interleave", 2.0))
 case("cache-attach-not-a-module", TypeError, ["model"], lambda: on_cache("attach", "model"))
 case("cache-attach-no-attention", ValueError, ["attention"],
      lambda: on_cache("attach", torch.nn.Linear(2, 2)))
@@ -496,6 +505,9 @@ def test_good_calls_of_the_front_ends_still_work(one_rank, monkeypatch):
     cache = filled_cache()
     # layer 0's prompt went down to the budget (8) when layer 1 cached its own
     assert cache.evict(4) == 4 + 16 and cache.layers[1].length == 4
+    cache.batch_repeat_interleave(2)
+    cache.reorder_cache(torch.tensor([1, 0]))
+    assert cache.layers[0].keys.shape == (2, 2, 4, 4)
     module = experts_module()
     assert tuple(hf.idempotent_experts_forward(module, rand(T, D), ids.int(), weights.half()).shape) == (T, D)
     assert len(CASES) + len(DISPATCHER) >= 150

@@ -222,6 +222,8 @@ for value, exc in (("float17", ValueError), ("int32", ValueError), ("float64", V
     case(f"combine-out-dtype-{value}", exc, ["out_dtype"], lambda d, v=value: combine(d, out_dtype=v), BOTH)
 case("combine-out-dtype-torch-int", ValueError, ["out_dtype", "int64"],
      lambda d: combine(d, out_dtype=torch.int64))
+case("combine-out-dtype-not-out-s", ValueError, ["out_dtype", "float16", "float32"],
+     lambda d: combine(d, out=d.full((T, H), 7.0), out_dtype="float16"), BOTH)
 case("combine-out-shape", ValueError, [r"\bout\b"], lambda d: combine(d, out=d.full((T, H + 1), 7.0)), BOTH)
 case("combine-out-int", TypeError, [r"\bout\b", "int32"],
      lambda d: combine(d, out=d.full((T, H), 7, "int32")), BOTH)
@@ -371,6 +373,8 @@ case("gather-weights-shape", ValueError, ["weights"], lambda d: gather(d, weight
 case("gather-out-dtype-unknown", ValueError, ["out_dtype"], lambda d: gather(d, out_dtype="half-ish"), BOTH)
 case("gather-out-other-rows", ValueError, [r"\bout\b", "num_rows"],
      lambda d: gather(d, out=d.full((T * K + 1, H), 7.0)), BOTH)
+case("gather-out-dtype-not-out-s", ValueError, ["out_dtype", "bfloat16"],
+     lambda d: gather(d, out=d.full((T * K, H), 7.0), out_dtype=torch.bfloat16))
 case("gather-src-list", TypeError, ["src", "list"],
      lambda d: ((lambda: moe_ops.moe_gather_rows(d.src.tolist(), d.dest, T * K)), [d.dest]))
 

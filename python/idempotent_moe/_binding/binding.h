@@ -207,6 +207,11 @@ PyObject *imoe_py_given(PyObject *out);
  * with its exception set (status taken from c->err). */
 int imoe_py_judged(imoe_py_call *c, imoe_status status);
 
+/* ValueError when an output given has another dtype than `dtype` (the name
+ * imoe_py_as_dtype gave for argument `arg`; NULL: none asked). */
+int imoe_py_check_out_dtype(const imoe_view *out, const char *out_name, imoe_option option,
+                            const char *dtype, const char *arg);
+
 /* result (the None of IMOE_PY_CALL_C, or NULL) replaced by *out, which it
  * takes over: the output a function returns. */
 PyObject *imoe_py_returning(PyObject *result, PyObject **out);

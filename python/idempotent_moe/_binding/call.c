@@ -7,6 +7,8 @@
  */
 #include "binding.h"
 
+#include <string.h>
+
 imoe_py_call *imoe_py_call_new(PyObject *stream, PyObject *threads) {
   int64_t num_threads = 0; /* None: the default */
   if (threads != Py_None && imoe_py_as_int64(threads, "num_threads", &num_threads) < 0)
@@ -226,4 +228,15 @@ PyObject *imoe_py_returning(PyObject *result, PyObject **out) {
   result = *out;
   *out = NULL;
   return result;
+}
+
+int imoe_py_check_out_dtype(const imoe_view *out, const char *out_name, imoe_option option,
+                            const char *dtype, const char *arg) {
+  if (dtype == NULL) return 0;
+  const imoe_dtype base = option == IMOE_OPTION_FLOAT ? IMOE_DTYPE_F32 : IMOE_DTYPE_I32;
+  const char *have = imoe_option_name(option, (int)out->dtype - (int)base);
+  if (have != NULL && strcmp(have, dtype) == 0) return 0;
+  PyErr_Format(PyExc_ValueError, "%s = '%s' differs from the dtype of the %s given (%s)", arg, dtype,
+               out_name, have != NULL ? have : "another");
+  return -1;
 }

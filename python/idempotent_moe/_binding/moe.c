@@ -186,6 +186,7 @@ IMOE_PY_FASTCALL(imoe_py_moe_combine) {
       goto done;
   }
   if (import_typed(c, out, "out", 1, FLOAT_DTYPES, FLOAT_NAMES, &outv) < 0 ||
+      imoe_py_check_out_dtype(&outv, "out", IMOE_OPTION_FLOAT, dtype, "out_dtype") < 0 ||
       imoe_py_call_finish(c) < 0)
     goto done;
   IMOE_PY_CALL_C(c, result, imoe_moe_combine(&rows, &dest, &weights, &outv, &c->exec, &c->err));

@@ -90,7 +90,10 @@ IMOE_PY_FASTCALL(imoe_py_moe_gather_rows) {
       goto done;
   }
   if (out == NULL && (out = imoe_py_call_new_array(c, a[NEW], a[SRC], shape, 2, dtype)) == NULL) goto done;
-  if (import_float(c, out, "out", 1, &outv) < 0 || imoe_py_call_finish(c) < 0) goto done;
+  if (import_float(c, out, "out", 1, &outv) < 0 ||
+      imoe_py_check_out_dtype(&outv, "out", IMOE_OPTION_FLOAT, dtype, "out_dtype") < 0 ||
+      imoe_py_call_finish(c) < 0)
+    goto done;
   if (a[ROWS] != Py_None && outv.lead_ndim == 1 && outv.lead_shape[0] != num_rows) {
     PyErr_Format(PyExc_ValueError, "out must be [num_rows = %lld, H = %lld], got [%lld, %lld]",
                  (long long)num_rows, (long long)shape[1], (long long)outv.lead_shape[0],
@@ -135,7 +138,10 @@ IMOE_PY_FASTCALL(imoe_py_moe_weight_grad) {
         (out = imoe_py_call_new_array(c, a[NEW], a[A], shape, 2, dtype)) == NULL)
       goto done;
   }
-  if (import_float(c, out, "out", 1, &outv) < 0 || imoe_py_call_finish(c) < 0) goto done;
+  if (import_float(c, out, "out", 1, &outv) < 0 ||
+      imoe_py_check_out_dtype(&outv, "out", IMOE_OPTION_FLOAT, dtype, "out_dtype") < 0 ||
+      imoe_py_call_finish(c) < 0)
+    goto done;
   IMOE_PY_CALL_C(c, result, imoe_moe_weight_grad(&x, by_row, &y, &dest, &outv, &c->exec, &c->err));
   result = imoe_py_returning(result, &out);
 done:

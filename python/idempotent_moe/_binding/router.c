@@ -48,6 +48,8 @@ IMOE_PY_FASTCALL(imoe_py_topk_softmax) {
   }
   if (imoe_py_call_import_typed(c, weights, "out_weights", 1, FLOAT_DTYPES, FLOAT_NAMES, &wv) < 0 ||
       imoe_py_call_import_typed(c, indices, "out_indices", 1, INDEX_DTYPES, INDEX_NAMES, &iv) < 0 ||
+      imoe_py_check_out_dtype(&wv, "out_weights", IMOE_OPTION_FLOAT, dtype, "out_dtype") < 0 ||
+      imoe_py_check_out_dtype(&iv, "out_indices", IMOE_OPTION_INDEX, index_dtype, "index_dtype") < 0 ||
       imoe_py_call_finish(c) < 0)
     goto done;
   IMOE_PY_CALL_C(c, result, imoe_topk_softmax(&logits, k, renormalize, &wv, &iv, &c->exec, &c->err));

@@ -768,6 +768,42 @@ class InplaceEvictionCache(Cache):
             self._sample_peak()
         return out
 
+    def _batch(self) -> int | None:
+        """The batch size the evicting layers hold (None before any holds one)."""
+        for layer in self._evicting_layers():
+            if layer._k is not None:
+                return layer._k.shape[0]
+        return None
+
+    def _check_batch_index(self, indices: Any, name: str) -> None:
+        """A batch index every layer takes: a 1-d int32/int64 tensor (TypeError,
+        ValueError), each in [0, B) (ValueError; read on CPU tensors only: on a
+        GPU it would synchronise). Judged once, before any layer is changed."""
+        if not isinstance(indices, torch.Tensor) or indices.dtype not in (torch.int32, torch.int64):
+            kind = indices.dtype if isinstance(indices, torch.Tensor) else type(indices).__name__
+            raise TypeError(f"{name} must be an int32 or int64 torch.Tensor, got {kind}")
+        if indices.dim() != 1:
+            raise ValueError(f"{name} must be 1-d, got {list(indices.shape)}")
+        batch = self._batch()
+        if batch is not None and indices.numel() and indices.device.type == "cpu":
+            lo, hi = int(indices.min()), int(indices.max())
+            if lo < 0 or hi >= batch:
+                raise ValueError(f"{name} must lie in [0, batch = {batch}), got [{lo}, {hi}]")
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Every layer's rows in the order of `beam_idx` (beam search); judged
+        first (_check_batch_index): a call that raises changes no layer."""
+        self._check_batch_index(beam_idx, "beam_idx")
+        super().reorder_cache(beam_idx)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._check_batch_index(indices, "indices")
+        super().batch_select_indices(indices)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        _count(repeats, "repeats", 1)
+        super().batch_repeat_interleave(repeats)
+
     def _sample_peak(self) -> None:
         self.peak_kv_bytes = max(self.peak_kv_bytes, self.buffer_bytes())
 
