@@ -157,8 +157,9 @@ def _renamed(error: Exception, names: dict) -> Exception:
     return type(error)(text)
 
 
-# compact_'s names of what the hook's __call__ passes it.
-_CALL_NAMES = {"scores": "gating_weights", "buffers[0]": "expert_inputs", "x": "expert_inputs"}
+# The core's names of what the hook's __call__ passes compact_ (expert_inputs
+# is judged by the hook before, as an array of three axes).
+_CALL_NAMES = {"scores": "gating_weights", "buffers[0]": "expert_inputs"}
 
 
 def _compact_experts(tokens: Any, scores: Any, capacity: int, mode: str, out_indices: Any) -> tuple:
