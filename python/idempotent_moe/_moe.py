@@ -189,8 +189,12 @@ def combine_slots(expert_outputs: torch.Tensor, indices: torch.Tensor, weights: 
                              f"got {list(t.shape)}")
         if t.device != expert_outputs.device:
             raise ValueError(f"{name} is on {t.device}, expert_outputs on {expert_outputs.device}")
-    # The tokens named: read on CPU tensors only (on a GPU a host synchronisation).
-    if indices.device.type == "cpu" and indices.numel():
+    # The tokens named: read on CPU tensors only (on a GPU a host
+    # synchronisation), and not while torch.compile traces (a data-dependent
+    # branch there).
+    from ._sorting import compiling
+
+    if indices.device.type == "cpu" and indices.numel() and not compiling():
         lo, hi = int(indices.min()), int(indices.max())
         if lo < 0 or hi >= num_tokens:
             raise ValueError(f"indices must lie in [0, num_tokens = {num_tokens}), got [{lo}, {hi}]")
