@@ -413,7 +413,9 @@ imoe_status imoe_group_by_expert(const imoe_view *buffers, int32_t num_buffers,
  *                  are. A token may name an expert twice (two assignments),
  *                  unless `distinct` is set: then a token naming a local
  *                  expert twice is IMOE_ERR_INDEX_DUPLICATE on the CPU (not
- *                  checked on CUDA), and nothing is written.
+ *                  checked on CUDA), and nothing is written; where
+ *                  top_k_weights are given, an assignment of weight 0 (it
+ *                  adds nothing) may repeat an expert.
  *   top_k_weights  [T, k] F32/F16/BF16, or NULL when dropless; judged
  *                  whenever given, read only with a capacity: each
  *                  expert keeps its C assignments of highest weight, ties
@@ -484,7 +486,7 @@ typedef struct imoe_moe_routing {
   int64_t capacity; /* -1: dropless */
   imoe_moe_layout layout;
   int32_t skip_foreign;
-  int32_t distinct; /* 1: each token's local experts must be distinct (CPU) */
+  int32_t distinct; /* 1: each token's local experts of nonzero weight distinct (CPU) */
 } imoe_moe_routing;
 
 /* The int32 workspace imoe_moe_dispatch takes on CUDA with a capacity, for

@@ -136,10 +136,11 @@ static int64_t index_at(const imoe_view *v, int64_t t, int64_t j) {
 
 /* The counts per expert, after every id is checked (nothing written).
  * `seen` [E], zeroed: with r->distinct, 1 + the last token that named each
- * expert, so a token naming a local expert twice is found in one pass. */
+ * expert (by an assignment of nonzero weight, where weights are given), so a
+ * token naming a local expert twice is found in one pass. */
 static imoe_status count_experts(const imoe_moe_routing *r, int64_t *count, int64_t *seen,
                                  imoe_error *err) {
-  const imoe_view *ids = r->top_k_index;
+  const imoe_view *ids = r->top_k_index, *w = r->top_k_weights;
   const int64_t t_n = ids->lead_shape[0], k = ids->n, e_n = r->num_experts;
   for (int64_t t = 0; t < t_n; t++) {
     for (int64_t j = 0; j < k; j++) {
@@ -151,7 +152,10 @@ static imoe_status count_experts(const imoe_moe_routing *r, int64_t *count, int6
                          t, j, e, e_n, e >= e_n ? " (skip_foreign=True drops such ids)" : "");
       }
       if (e >= e_n) continue;
-      if (r->distinct) {
+      /* An assignment of weight 0 adds nothing: it may repeat an expert
+       * (LongCat-Flash's zero experts are such assignments to real ones). */
+      if (r->distinct &&
+          (w == NULL || imoe_load_float(imoe_row_base(w, t) + j * w->n_stride, w->dtype) != 0.0f)) {
         if (seen[e] == t + 1) {
           return imoe_fail(err, IMOE_ERR_INDEX_DUPLICATE,
                            "top_k_index[%" PRId64 ", %" PRId64 "] = %" PRId64

@@ -489,6 +489,33 @@ def test_dispatcher_bad_input(build, exc, pattern, one_rank, monkeypatch):
     run_case(build, exc, pattern)
 
 
+@pytest.mark.parametrize("grad", [False, True])
+@pytest.mark.parametrize("torch_path", [False, True])
+def test_experts_take_a_repeat_of_weight_zero(grad, torch_path, monkeypatch):
+    """LongCat-Flash maps its zero experts onto real ones with weight 0: a
+    token may then name an expert twice. Such an assignment adds nothing on
+    every dropless path (fused, the fused training op, torch's): the same
+    output as with the zero-weight id moved to another expert."""
+    from idempotent_moe.integrations import _fused
+
+    if torch_path:
+        monkeypatch.setattr(_fused, "applies", lambda experts, hidden: False)
+    module = experts_module()
+    hidden = rand(T, D, seed=4).requires_grad_(grad)
+    weights = torch.rand(T, K, generator=torch.Generator().manual_seed(2))
+    weights[2, 1] = 0.0
+    index = torch.tensor([[0, 1], [1, 2], [2, 2], [3, 0], [0, 2], [1, 3]])
+    moved = index.clone()
+    moved[2, 1] = 3
+    with torch.set_grad_enabled(grad):
+        out = hf.idempotent_experts_forward(module, hidden, index, weights)
+        want = hf.idempotent_experts_forward(module, hidden, moved, weights)
+    torch.testing.assert_close(out, want, rtol=1e-6, atol=1e-6)  # GEMMs of other row counts
+    weights[2, 1] = 0.5
+    with pytest.raises(ValueError, match="distinct"), torch.set_grad_enabled(grad):
+        hf.idempotent_experts_forward(module, hidden, index, weights)
+
+
 def test_good_calls_of_the_front_ends_still_work(one_rank, monkeypatch):
     """The checks take what the front ends always took."""
     import torch.distributed as dist

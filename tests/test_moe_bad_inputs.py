@@ -480,3 +480,16 @@ def test_a_repeated_expert_is_two_assignments_without_distinct():
     ids[2, 1] = ids[2, 0]
     out = moe_ops.moe_dispatch(d.hidden, ids, E)
     assert out.dest[2, 0] != out.dest[2, 1] and int(out.offsets[-1]) == T * K
+
+
+@pytest.mark.parametrize("fw", BOTH)
+def test_distinct_takes_a_repeat_of_weight_zero(fw):
+    """A repeat whose weight is 0 adds nothing (LongCat-Flash routes its zero
+    experts so): `distinct` takes it, as two assignments; of nonzero weight,
+    refuses it."""
+    d = Data(fw)
+    ids, w = _with(d, "ids", 2), _with(d, "w", 0.0)
+    out = moe_ops.moe_dispatch(d.hidden, ids, E, top_k_weights=w, distinct=True)
+    assert int(out.offsets[2]) - int(out.offsets[1]) == 4  # expert 2: tokens 1, 2 (twice), 4
+    with pytest.raises(ValueError, match="distinct"):
+        moe_ops.moe_dispatch(d.hidden, ids, E, top_k_weights=_with(d, "w", 0.5), distinct=True)

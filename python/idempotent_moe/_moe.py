@@ -59,11 +59,13 @@ def check_capacity_device(device: torch.device) -> None:
 
 
 def check_top_k_index(top_k_index: torch.Tensor, num_experts: int, name: str, *,
-                      sentinels: bool = False) -> None:
+                      sentinels: bool = False, weights: torch.Tensor | None = None) -> None:
     """ValueError when top_k_index [T, k] names an expert outside [0, E) or
     repeats an expert within a token. With `sentinels` (expert parallelism:
     ids >= E name other ranks' experts), any id >= E is accepted and may
-    repeat; only negative ids and repeated local experts are errors.
+    repeat; only negative ids and repeated local experts are errors. With
+    the routing `weights`, an assignment of weight 0 (it adds nothing) may
+    repeat an expert.
 
     Checked on CPU tensors only, and not while torch.compile traces (reading
     the result is a data-dependent branch there, and on a GPU a host
@@ -75,7 +77,8 @@ def check_top_k_index(top_k_index: torch.Tensor, num_experts: int, name: str, *,
     lo, hi = int(top_k_index.min()), int(top_k_index.max())
     if lo < 0 or (hi >= num_experts and not sentinels):
         raise ValueError(f"{name} must lie in [0, {num_experts}), got [{lo}, {hi}]")
-    check_distinct_per_row(top_k_index, name, below=num_experts if sentinels else None)
+    check_distinct_per_row(top_k_index, name, below=num_experts if sentinels else None,
+                           weights=None if weights is None else weights.detach())
 
 
 def check_expert_buffer(x: Any, name: str, num_experts: int | None = None,

@@ -252,10 +252,10 @@ def experts_forward_direct(hidden, top_k_index, top_k_weights, w_up, w_down, act
     hidden, top_k_index, top_k_weights, w_up, w_down = _plain(hidden, top_k_index, top_k_weights, w_up,
                                                               w_down)
     with _op_depth.inside_op():
-        select = None if capacity is None else (
-            top_k_weights if top_k_weights.dtype in CORE_DTYPES else top_k_weights.float())
-        # The experts layer's routing: each token's local experts distinct
-        # (checked on the CPU), as on every path of the experts implementation.
+        # Read for the capacity's selection; and for the check that each
+        # token's local experts of nonzero weight are distinct (on the CPU),
+        # as on every path of the experts implementation.
+        select = top_k_weights if top_k_weights.dtype in CORE_DTYPES else top_k_weights.float()
         d = moe_ops.moe_dispatch(hidden, top_k_index, num_experts, top_k_weights=select,
                                  capacity=capacity, skip_foreign=skip_foreign, distinct=True, _apart=True)
         x, offsets, dest, dropped = d.rows, d.offsets, d.dest, d.dropped

@@ -160,7 +160,7 @@ class ExpertParallelDispatcher:
         for name, t in (("topk_ids", topk_ids), ("topk_weights", topk_weights)):
             if t.device != hidden.device:
                 raise ValueError(f"{name} is on {t.device}, hidden on {hidden.device}")
-        check_top_k_index(topk_ids, self.num_experts, "topk_ids")
+        check_top_k_index(topk_ids, self.num_experts, "topk_ids", weights=topk_weights)
         if self.capacity_factor is not None:
             check_capacity_device(hidden.device)
 

@@ -197,8 +197,9 @@ def moe_dispatch(hidden: Any, top_k_index: Any, num_experts: int, *, top_k_weigh
                    ...) or "padded" (expert e owns rows [e*C, e*C + C):
                    static shapes for batched GEMMs; needs a capacity).
     distinct       refuse a token that names one of this call's experts
-                   twice (ValueError; checked on the CPU, not on CUDA);
-                   otherwise such a token is two assignments.
+                   twice (ValueError; checked on the CPU, not on CUDA),
+                   unless one of the two has weight 0 in top_k_weights (it
+                   adds nothing); otherwise such a token is two assignments.
     out            a MoEDispatch of arrays to write (every field, with the
                    shapes and dtypes above; `torch_outputs` makes one for
                    torch tensors), returned; nothing is allocated but a capacity's

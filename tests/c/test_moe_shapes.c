@@ -65,6 +65,17 @@ static void test_dispatch_distinct(void) {
             memcmp(src, sentinel, sizeof src) == 0 && memcmp(offsets, sentinel, sizeof offsets) == 0 &&
             dropped == -7,
         "distinct: a refused call wrote");
+  /* With weights, a repeat of weight 0 (it adds nothing) is accepted; of
+   * nonzero weight, refused. */
+  for (int i = 0; i < T * K; i++) weights[i] = 0.5f;
+  weights[5] = 0.0f;
+  r.top_k_weights = &vw;
+  st = imoe_moe_dispatch(&r, &vh, &vr, &vo, &vd, &vs, &vdr, NULL, 0, &exec, &err);
+  CHECK(st == IMOE_OK && offsets[1] == 5, "a zero-weight repeat: %d (%s)", (int)st, err.message);
+  weights[5] = 0.5f;
+  st = imoe_moe_dispatch(&r, &vh, &vr, &vo, &vd, &vs, &vdr, NULL, 0, &exec, &err);
+  CHECK(st == IMOE_ERR_INDEX_DUPLICATE, "a weighted repeat: %d", (int)st);
+  r.top_k_weights = NULL;
   r.distinct = 0; /* two assignments */
   st = imoe_moe_dispatch(&r, &vh, &vr, &vo, &vd, &vs, &vdr, NULL, 0, &exec, &err);
   CHECK(st == IMOE_OK && offsets[1] == 5 && dest[4] != dest[5], "repeat as two assignments: %d", (int)st);
@@ -83,7 +94,6 @@ static void test_dispatch_distinct(void) {
   st = imoe_moe_dispatch_rows(&rw, &vh, NULL, &err);
   CHECK(st == IMOE_ERR_ARGUMENT && strstr(err.message, "top_k_weights") != NULL, "short weights: %d",
         (int)st);
-  (void)vw;
 }
 
 static void test_dispatch_rows(void) {
