@@ -324,7 +324,7 @@ def dispatch_backward(ctx, g_rows, *_):
     if g_rows is not None:
         ones = torch.ones(dest.shape, dtype=g_rows.dtype, device=g_rows.device)
         d_hidden = torch.ops.idempotent_moe.moe_combine(g_rows.contiguous(), dest, ones, ctx.hidden_dtype)
-    return d_hidden, None, None, None, None, None, None
+    return d_hidden, None, None, None, None, None, None, None  # one per input of the op
 
 
 def combine_setup(ctx, inputs, output):
