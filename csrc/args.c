@@ -179,7 +179,8 @@ imoe_status imoe_check_matrix(const imoe_view *v, const char *name, unsigned dty
                      "%s must be [%s, %s], got [%" PRId64 ", %" PRId64 "]", name, r_text, c_text,
                      got_rows, v->n);
   }
-  if (dense && v->n > 1 && v->n_stride != v->row_bytes) {
+  /* An empty matrix has no layout to refuse (NumPy gives it zero strides). */
+  if (dense && v->n > 1 && v->lead_shape[0] > 0 && v->n_stride != v->row_bytes) {
     return imoe_fail(err, IMOE_ERR_ARGUMENT, "%s: the last axis must be contiguous", name);
   }
   return IMOE_OK;

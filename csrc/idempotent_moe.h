@@ -203,6 +203,10 @@ int imoe_cuda_device_count(void);
  *   IMOE_OPTION_PLAN   imoe_plan_kind    "permute", "ordered", "group"
  *   IMOE_OPTION_ACT    imoe_act          "silu", "gelu", "gelu_tanh", "relu"
  *   IMOE_OPTION_LAYOUT imoe_moe_layout   "grouped", "padded"
+ *   IMOE_OPTION_FLOAT  imoe_dtype         "float32", "float16", "bfloat16"
+ *                      (value i: IMOE_DTYPE_F32 + i; an output's dtype)
+ *   IMOE_OPTION_INDEX  imoe_dtype         "int32", "int64" (value i:
+ *                      IMOE_DTYPE_I32 + i; an output's index dtype)
  * imoe_option_name: the name of a value, NULL outside the enum (also for a
  * value past the last: iterate from 0 until NULL).
  * imoe_option_from_name: the value of a name, or IMOE_ERR_ARGUMENT with a
@@ -214,7 +218,9 @@ typedef enum imoe_option {
   IMOE_OPTION_NAN = 2,
   IMOE_OPTION_PLAN = 3,
   IMOE_OPTION_ACT = 4,
-  IMOE_OPTION_LAYOUT = 5
+  IMOE_OPTION_LAYOUT = 5,
+  IMOE_OPTION_FLOAT = 6,
+  IMOE_OPTION_INDEX = 7
 } imoe_option;
 
 const char *imoe_option_name(imoe_option option, int value);
@@ -404,8 +410,14 @@ imoe_status imoe_group_by_expert(const imoe_view *buffers, int32_t num_buffers,
  *                  passes them) are assignments of no local expert: they
  *                  are neither computed nor counted as dropped. Otherwise
  *                  they are IMOE_ERR_INDEX_RANGE, as negative values always
- *                  are. A token may name an expert twice (two assignments).
- *   top_k_weights  [T, k] F32/F16/BF16, read only with a capacity: each
+ *                  are. A token may name an expert twice (two assignments),
+ *                  unless `distinct` is set: then a token naming a local
+ *                  expert twice is IMOE_ERR_INDEX_DUPLICATE on the CPU (not
+ *                  checked on CUDA), and nothing is written; where
+ *                  top_k_weights are given, an assignment of weight 0 (it
+ *                  adds nothing) may repeat an expert.
+ *   top_k_weights  [T, k] F32/F16/BF16, or NULL when dropless; judged
+ *                  whenever given, read only with a capacity: each
  *                  expert keeps its C assignments of highest weight, ties
  *                  to the lower i, NaN lowest; the others are dropped.
  *   num_experts    E in [1, IMOE_MOE_MAX_EXPERTS].
@@ -474,11 +486,37 @@ typedef struct imoe_moe_routing {
   int64_t capacity; /* -1: dropless */
   imoe_moe_layout layout;
   int32_t skip_foreign;
+  int32_t distinct; /* 1: each token's local experts of nonzero weight distinct (CPU) */
 } imoe_moe_routing;
 
 /* The int32 workspace imoe_moe_dispatch takes on CUDA with a capacity, for
  * S assignments; 0 elsewhere; -1 for S < 0 or beyond the limits. */
 int64_t imoe_moe_workspace_elems(imoe_device_type device, int64_t assignments, int64_t capacity);
+
+/*
+ * Output shapes. Each *_shape (and imoe_moe_dispatch_rows) makes every check
+ * its operation makes of the arguments it reads (views and scalars; no
+ * element is read, no device is touched) and gives the shape of what the
+ * operation writes: a caller that allocates the outputs judges the call
+ * first and allocates only for a call the operation will take. The
+ * operations run the same checks, so the two never disagree.
+ *   imoe_moe_dispatch_rows        R, the rows of out_rows and out_src.
+ *   imoe_moe_combine_shape        out [T, H].
+ *   imoe_gated_act_shape          out [R, I].
+ *   imoe_gated_act_backward_shape grad_gate_up [R, 2I].
+ *   imoe_moe_gather_rows_shape    out [num_rows, H]; num_rows in
+ *                                 [0, 2^31 - 1].
+ *   imoe_moe_weight_grad_shape    out [T, k].
+ *   imoe_grouped_gemm_shape       out [R, N].
+ *   imoe_topk_softmax_shape       out_weights and out_indices [T, k].
+ * `rows` / `out_shape` may be NULL (the checks alone).
+ */
+imoe_status imoe_moe_dispatch_rows(const imoe_moe_routing *routing, const imoe_view *hidden,
+                                   int64_t *rows, imoe_error *err);
+imoe_status imoe_moe_combine_shape(const imoe_view *rows, const imoe_view *dest,
+                                   const imoe_view *weights, int64_t out_shape[2], imoe_error *err);
+imoe_status imoe_gated_act_shape(const imoe_view *gate_up, imoe_act act, const imoe_view *limit,
+                                 int64_t out_shape[2], imoe_error *err);
 
 imoe_status imoe_moe_dispatch(const imoe_moe_routing *routing, const imoe_view *hidden,
                               const imoe_view *out_rows, const imoe_view *out_offsets,
@@ -536,6 +574,14 @@ imoe_status imoe_gated_act(const imoe_view *gate_up, const imoe_view *out, imoe_
  * then their kernel (the gather: zeros, then rows). dest out of range is a
  * recorded data error (imoe_take_device_status) and nothing is written.
  */
+imoe_status imoe_gated_act_backward_shape(const imoe_view *gate_up, const imoe_view *grad_act,
+                                          imoe_act act, const imoe_view *limit, int64_t out_shape[2],
+                                          imoe_error *err);
+imoe_status imoe_moe_gather_rows_shape(const imoe_view *src, const imoe_view *dest,
+                                       const imoe_view *weights, int64_t num_rows, int64_t out_shape[2],
+                                       imoe_error *err);
+imoe_status imoe_moe_weight_grad_shape(const imoe_view *a, int32_t a_by_row, const imoe_view *b,
+                                       const imoe_view *dest, int64_t out_shape[2], imoe_error *err);
 imoe_status imoe_gated_act_backward(const imoe_view *gate_up, const imoe_view *grad_act, imoe_act act,
                                     const imoe_view *limit, const imoe_view *grad_gate_up,
                                     const imoe_exec *exec, imoe_error *err);
@@ -570,6 +616,8 @@ imoe_status imoe_moe_weight_grad(const imoe_view *a, int32_t a_by_row, const imo
  * offsets that break the rule above are a recorded data error
  * (imoe_take_device_status) and nothing is written.
  */
+imoe_status imoe_grouped_gemm_shape(const imoe_view *a, const imoe_view *w, const imoe_view *offsets,
+                                    int64_t out_shape[2], imoe_error *err);
 imoe_status imoe_grouped_gemm(const imoe_view *a, const imoe_view *w, const imoe_view *offsets,
                               const imoe_view *out, const imoe_exec *exec, imoe_error *err);
 
@@ -645,6 +693,8 @@ imoe_status imoe_grouped_gemm(const imoe_view *a, const imoe_view *w, const imoe
  */
 #define IMOE_ROUTER_MAX_K 32
 
+imoe_status imoe_topk_softmax_shape(const imoe_view *logits, int64_t k, int64_t out_shape[2],
+                                    imoe_error *err);
 imoe_status imoe_topk_softmax(const imoe_view *logits, int64_t k, int32_t renormalize,
                               const imoe_view *out_weights, const imoe_view *out_indices,
                               const imoe_exec *exec, imoe_error *err);

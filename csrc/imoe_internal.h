@@ -157,6 +157,9 @@ typedef struct imoe_call_args {
  * *empty = 1 when no argument but the workspace has an element: such a call
  * reads and writes nothing and returns at once, whatever its lead shape. */
 imoe_status imoe_check_call(const imoe_call_args *call, int *empty, imoe_error *err);
+/* The `limit` of imoe_gated_act and imoe_gated_act_backward: NULL, or the
+ * [E] I32/I64 offsets of imoe_moe_dispatch (moe_combine.c). */
+imoe_status imoe_check_moe_limit(const imoe_view *limit, imoe_error *err);
 /* A view with no element (some axis of extent 0). */
 int imoe_view_is_empty(const imoe_view *v);
 

@@ -102,35 +102,33 @@ static imoe_status act_bwd_row(const void *vctx, int64_t r, unsigned char *mem, 
   return IMOE_OK;
 }
 
+imoe_status imoe_gated_act_backward_shape(const imoe_view *gate_up, const imoe_view *grad_act,
+                                          imoe_act act, const imoe_view *limit, int64_t out_shape[2],
+                                          imoe_error *err) {
+  imoe_status st = imoe_gated_act_shape(gate_up, act, limit, NULL, err);
+  if (st != IMOE_OK) return st;
+  st = imoe_check_matrix(grad_act, "grad_act", IMOE_SCORE_DTYPES, gate_up->lead_shape[0], gate_up->n / 2,
+                         0, 1, err);
+  if (st == IMOE_OK && out_shape != NULL) {
+    out_shape[0] = gate_up->lead_shape[0];
+    out_shape[1] = gate_up->n;
+  }
+  return st;
+}
+
 imoe_status imoe_gated_act_backward(const imoe_view *gate_up, const imoe_view *grad_act, imoe_act act,
                                     const imoe_view *limit, const imoe_view *grad_gate_up,
                                     const imoe_exec *exec, imoe_error *err) {
-  imoe_status st = imoe_check_matrix(gate_up, "gate_up", IMOE_SCORE_DTYPES, -1, -1, 0, 1, err);
+  imoe_status st = imoe_gated_act_backward_shape(gate_up, grad_act, act, limit, NULL, err);
   if (st != IMOE_OK) return st;
   const int64_t r_n = gate_up->lead_shape[0];
-  if (gate_up->n % 2 != 0) {
-    return imoe_fail(err, IMOE_ERR_ARGUMENT,
-                     "gate_up: %" PRId64 " features; gate and up need an even count", gate_up->n);
-  }
-  st = imoe_check_matrix(grad_act, "grad_act", IMOE_SCORE_DTYPES, r_n, gate_up->n / 2, 0, 1, err);
-  if (st == IMOE_OK)
-    st = imoe_check_matrix(grad_gate_up, "grad_gate_up", IMOE_DTYPE_BIT(gate_up->dtype), r_n, gate_up->n,
-                           1, 1, err);
-  if (st == IMOE_OK && imoe_option_name(IMOE_OPTION_ACT, (int)act) == NULL) {
-    st = imoe_fail(err, IMOE_ERR_ARGUMENT, "act: %d is not an imoe_act", (int)act);
-  }
-  if (st == IMOE_OK && limit != NULL) {
-    st = imoe_check_view(limit, "limit", err);
-    if (st == IMOE_OK) st = imoe_check_typed(limit, "limit", IMOE_INDEX_DTYPES, err);
-    if (st == IMOE_OK && (limit->lead_ndim != 0 || limit->n < 1)) {
-      st = imoe_fail(err, IMOE_ERR_ARGUMENT, "limit must be the [E] offsets of moe_dispatch");
-    }
-  }
+  /* Named as the Python API names it (the one output). */
+  st = imoe_check_matrix(grad_gate_up, "out", IMOE_DTYPE_BIT(gate_up->dtype), r_n, gate_up->n, 1, 1, err);
   if (st == IMOE_OK) st = imoe_check_exec(exec, err);
   if (st != IMOE_OK) return st;
   int empty;
   const imoe_call_args call = {NULL, 0, NULL, {gate_up, grad_act, limit}, {"gate_up", "grad_act", "limit"},
-                               {grad_gate_up}, {"grad_gate_up"}, NULL, 0};
+                               {grad_gate_up}, {"out"}, NULL, 0};
   st = imoe_check_call(&call, &empty, err);
   if (st != IMOE_OK || empty) return st;
   if (imoe_on_cuda(exec))
@@ -169,15 +167,32 @@ static imoe_status gather_token(const void *vctx, int64_t t, unsigned char *mem,
   return IMOE_OK;
 }
 
-imoe_status imoe_moe_gather_rows(const imoe_view *src, const imoe_view *dest, const imoe_view *weights,
-                                 const imoe_view *out, const imoe_exec *exec, imoe_error *err) {
+imoe_status imoe_moe_gather_rows_shape(const imoe_view *src, const imoe_view *dest,
+                                       const imoe_view *weights, int64_t num_rows, int64_t out_shape[2],
+                                       imoe_error *err) {
   imoe_status st = imoe_check_matrix(dest, "dest", IMOE_INDEX_DTYPES, -1, -1, 0, 0, err);
   if (st != IMOE_OK) return st;
   const int64_t t_n = dest->lead_shape[0], k = dest->n;
   st = imoe_check_matrix(src, "src", IMOE_SCORE_DTYPES, t_n, -1, 0, 1, err);
   if (st == IMOE_OK && weights != NULL)
     st = imoe_check_matrix(weights, "weights", IMOE_SCORE_DTYPES, t_n, k, 0, 0, err);
-  if (st == IMOE_OK) st = imoe_check_matrix(out, "out", IMOE_SCORE_DTYPES, -1, src->n, 1, 1, err);
+  if (st == IMOE_OK && (num_rows < 0 || num_rows > IMOE_MAX_SLOTS)) {
+    st = imoe_fail(err, IMOE_ERR_ARGUMENT, "num_rows = %" PRId64 " is outside [0, %" PRId64 "]", num_rows,
+                   (int64_t)IMOE_MAX_SLOTS);
+  }
+  if (st == IMOE_OK && out_shape != NULL) {
+    out_shape[0] = num_rows;
+    out_shape[1] = src->n;
+  }
+  return st;
+}
+
+imoe_status imoe_moe_gather_rows(const imoe_view *src, const imoe_view *dest, const imoe_view *weights,
+                                 const imoe_view *out, const imoe_exec *exec, imoe_error *err) {
+  imoe_status st = imoe_moe_gather_rows_shape(src, dest, weights, 0, NULL, err);
+  if (st != IMOE_OK) return st;
+  const int64_t t_n = dest->lead_shape[0], k = dest->n;
+  st = imoe_check_matrix(out, "out", IMOE_SCORE_DTYPES, -1, src->n, 1, 1, err);
   if (st == IMOE_OK) st = imoe_check_exec(exec, err);
   if (st != IMOE_OK) return st;
   const int64_t r_n = out->lead_shape[0], h_n = out->n;
@@ -260,19 +275,29 @@ static imoe_status wgrad_token(const void *vctx, int64_t t, unsigned char *mem, 
   return IMOE_OK;
 }
 
+imoe_status imoe_moe_weight_grad_shape(const imoe_view *a, int32_t a_by_row, const imoe_view *b,
+                                       const imoe_view *dest, int64_t out_shape[2], imoe_error *err) {
+  imoe_status st = imoe_check_matrix(dest, "dest", IMOE_INDEX_DTYPES, -1, -1, 0, 0, err);
+  if (st == IMOE_OK) st = imoe_check_matrix(b, "b", IMOE_SCORE_DTYPES, -1, -1, 0, 1, err);
+  if (st != IMOE_OK) return st;
+  if (a_by_row != 0 && a_by_row != 1)
+    return imoe_fail(err, IMOE_ERR_ARGUMENT, "a_by_row must be 0 or 1, got %d", (int)a_by_row);
+  st = imoe_check_matrix(a, "a", IMOE_SCORE_DTYPES, a_by_row ? b->lead_shape[0] : dest->lead_shape[0],
+                         b->n, 0, 1, err);
+  if (st == IMOE_OK && out_shape != NULL) {
+    out_shape[0] = dest->lead_shape[0];
+    out_shape[1] = dest->n;
+  }
+  return st;
+}
+
 imoe_status imoe_moe_weight_grad(const imoe_view *a, int32_t a_by_row, const imoe_view *b,
                                  const imoe_view *dest, const imoe_view *out, const imoe_exec *exec,
                                  imoe_error *err) {
-  imoe_status st = imoe_check_matrix(dest, "dest", IMOE_INDEX_DTYPES, -1, -1, 0, 0, err);
+  imoe_status st = imoe_moe_weight_grad_shape(a, a_by_row, b, dest, NULL, err);
   if (st != IMOE_OK) return st;
-  const int64_t t_n = dest->lead_shape[0], k = dest->n;
-  st = imoe_check_matrix(b, "b", IMOE_SCORE_DTYPES, -1, -1, 0, 1, err);
-  if (st != IMOE_OK) return st;
-  const int64_t r_n = b->lead_shape[0];
-  if (a_by_row != 0 && a_by_row != 1)
-    return imoe_fail(err, IMOE_ERR_ARGUMENT, "a_by_row must be 0 or 1, got %d", (int)a_by_row);
-  st = imoe_check_matrix(a, "a", IMOE_SCORE_DTYPES, a_by_row ? r_n : t_n, b->n, 0, 1, err);
-  if (st == IMOE_OK) st = imoe_check_matrix(out, "out", IMOE_SCORE_DTYPES, t_n, k, 1, 0, err);
+  const int64_t t_n = dest->lead_shape[0], k = dest->n, r_n = b->lead_shape[0];
+  st = imoe_check_matrix(out, "out", IMOE_SCORE_DTYPES, t_n, k, 1, 0, err);
   if (st == IMOE_OK) st = imoe_check_exec(exec, err);
   if (st != IMOE_OK) return st;
   int empty;

@@ -72,16 +72,26 @@ static imoe_status combine_token(const void *vctx, int64_t t, unsigned char *mem
   return IMOE_OK;
 }
 
+imoe_status imoe_moe_combine_shape(const imoe_view *rows, const imoe_view *dest,
+                                   const imoe_view *weights, int64_t out_shape[2], imoe_error *err) {
+  imoe_status st = imoe_check_matrix(rows, "rows", IMOE_SCORE_DTYPES, -1, -1, 0, 1, err);
+  if (st == IMOE_OK) st = imoe_check_matrix(dest, "dest", IMOE_INDEX_DTYPES, -1, -1, 0, 0, err);
+  if (st != IMOE_OK) return st;
+  st = imoe_check_matrix(weights, "weights", IMOE_SCORE_DTYPES, dest->lead_shape[0], dest->n, 0, 0, err);
+  if (st == IMOE_OK && out_shape != NULL) {
+    out_shape[0] = dest->lead_shape[0];
+    out_shape[1] = rows->n;
+  }
+  return st;
+}
+
 imoe_status imoe_moe_combine(const imoe_view *rows, const imoe_view *dest,
                              const imoe_view *weights, const imoe_view *out,
                              const imoe_exec *exec, imoe_error *err) {
-  imoe_status st = imoe_check_matrix(rows, "rows", IMOE_SCORE_DTYPES, -1, -1, 0, 1, err);
-  if (st != IMOE_OK) return st;
-  st = imoe_check_matrix(dest, "dest", IMOE_INDEX_DTYPES, -1, -1, 0, 0, err);
+  imoe_status st = imoe_moe_combine_shape(rows, dest, weights, NULL, err);
   if (st != IMOE_OK) return st;
   const int64_t r_n = rows->lead_shape[0], h_n = rows->n, t_n = dest->lead_shape[0], k = dest->n;
-  st = imoe_check_matrix(weights, "weights", IMOE_SCORE_DTYPES, t_n, k, 0, 0, err);
-  if (st == IMOE_OK) st = imoe_check_matrix(out, "out", IMOE_SCORE_DTYPES, t_n, h_n, 1, 1, err);
+  st = imoe_check_matrix(out, "out", IMOE_SCORE_DTYPES, t_n, h_n, 1, 1, err);
   if (st == IMOE_OK) st = imoe_check_exec(exec, err);
   if (st != IMOE_OK) return st;
   int empty;
@@ -109,6 +119,16 @@ imoe_status imoe_moe_combine(const imoe_view *rows, const imoe_view *dest,
 }
 
 /* ---- gated activation ---- */
+
+imoe_status imoe_check_moe_limit(const imoe_view *limit, imoe_error *err) {
+  if (limit == NULL) return IMOE_OK;
+  imoe_status st = imoe_check_view(limit, "limit", err);
+  if (st == IMOE_OK) st = imoe_check_typed(limit, "limit", IMOE_INDEX_DTYPES, err);
+  if (st == IMOE_OK && (limit->lead_ndim != 0 || limit->n < 1)) {
+    st = imoe_fail(err, IMOE_ERR_ARGUMENT, "limit must be the [E] offsets of moe_dispatch");
+  }
+  return st;
+}
 
 static float activate(float x, imoe_act act) {
   switch (act) {
@@ -144,26 +164,31 @@ static imoe_status act_row(const void *vctx, int64_t r, unsigned char *mem, imoe
   return IMOE_OK;
 }
 
-imoe_status imoe_gated_act(const imoe_view *gate_up, const imoe_view *out, imoe_act act,
-                           const imoe_view *limit, const imoe_exec *exec, imoe_error *err) {
+imoe_status imoe_gated_act_shape(const imoe_view *gate_up, imoe_act act, const imoe_view *limit,
+                                 int64_t out_shape[2], imoe_error *err) {
   imoe_status st = imoe_check_matrix(gate_up, "gate_up", IMOE_SCORE_DTYPES, -1, -1, 0, 1, err);
   if (st != IMOE_OK) return st;
-  const int64_t r_n = gate_up->lead_shape[0];
   if (gate_up->n % 2 != 0) {
     return imoe_fail(err, IMOE_ERR_ARGUMENT,
                      "gate_up: %" PRId64 " features; gate and up need an even count", gate_up->n);
   }
+  if (imoe_option_name(IMOE_OPTION_ACT, (int)act) == NULL) {
+    return imoe_fail(err, IMOE_ERR_ARGUMENT, "act: %d is not an imoe_act", (int)act);
+  }
+  st = imoe_check_moe_limit(limit, err);
+  if (st == IMOE_OK && out_shape != NULL) {
+    out_shape[0] = gate_up->lead_shape[0];
+    out_shape[1] = gate_up->n / 2;
+  }
+  return st;
+}
+
+imoe_status imoe_gated_act(const imoe_view *gate_up, const imoe_view *out, imoe_act act,
+                           const imoe_view *limit, const imoe_exec *exec, imoe_error *err) {
+  imoe_status st = imoe_gated_act_shape(gate_up, act, limit, NULL, err);
+  if (st != IMOE_OK) return st;
+  const int64_t r_n = gate_up->lead_shape[0];
   st = imoe_check_matrix(out, "out", IMOE_DTYPE_BIT(gate_up->dtype), r_n, gate_up->n / 2, 1, 1, err);
-  if (st == IMOE_OK && imoe_option_name(IMOE_OPTION_ACT, (int)act) == NULL) {
-    st = imoe_fail(err, IMOE_ERR_ARGUMENT, "act: %d is not an imoe_act", (int)act);
-  }
-  if (st == IMOE_OK && limit != NULL) {
-    st = imoe_check_view(limit, "limit", err);
-    if (st == IMOE_OK) st = imoe_check_typed(limit, "limit", IMOE_INDEX_DTYPES, err);
-    if (st == IMOE_OK && (limit->lead_ndim != 0 || limit->n < 1)) {
-      st = imoe_fail(err, IMOE_ERR_ARGUMENT, "limit must be the [E] offsets of moe_dispatch");
-    }
-  }
   if (st == IMOE_OK) st = imoe_check_exec(exec, err);
   if (st != IMOE_OK) return st;
   int empty;

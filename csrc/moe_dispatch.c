@@ -72,11 +72,14 @@ static imoe_status check_routing(const imoe_moe_routing *r, int64_t *rows_out, i
   if (r->layout == IMOE_MOE_PADDED && r->capacity < 0) {
     return imoe_fail(err, IMOE_ERR_ARGUMENT, "layout='padded' needs a capacity");
   }
-  if (r->capacity >= 0) {
-    if (r->top_k_weights == NULL) {
-      return imoe_fail(err, IMOE_ERR_ARGUMENT,
-                       "top_k_weights is required with a capacity: they choose what is kept");
-    }
+  if (r->distinct != 0 && r->distinct != 1) {
+    return imoe_fail(err, IMOE_ERR_ARGUMENT, "distinct must be 0 or 1, got %d", (int)r->distinct);
+  }
+  if (r->capacity >= 0 && r->top_k_weights == NULL) {
+    return imoe_fail(err, IMOE_ERR_ARGUMENT,
+                     "top_k_weights is required with a capacity: they choose what is kept");
+  }
+  if (r->top_k_weights != NULL) { /* judged whenever given; read with a capacity only */
     st = imoe_check_matrix(r->top_k_weights, "top_k_weights", IMOE_SCORE_DTYPES, t, k, 0, 0, err);
     if (st != IMOE_OK) return st;
   }
@@ -131,9 +134,13 @@ static int64_t index_at(const imoe_view *v, int64_t t, int64_t j) {
   return imoe_load_index(imoe_row_base(v, t) + j * v->n_stride, v->dtype);
 }
 
-/* The counts per expert, after every id is checked (nothing written). */
-static imoe_status count_experts(const imoe_moe_routing *r, int64_t *count, imoe_error *err) {
-  const imoe_view *ids = r->top_k_index;
+/* The counts per expert, after every id is checked (nothing written).
+ * `seen` [E], zeroed: with r->distinct, 1 + the last token that named each
+ * expert (by an assignment of nonzero weight, where weights are given), so a
+ * token naming a local expert twice is found in one pass. */
+static imoe_status count_experts(const imoe_moe_routing *r, int64_t *count, int64_t *seen,
+                                 imoe_error *err) {
+  const imoe_view *ids = r->top_k_index, *w = r->top_k_weights;
   const int64_t t_n = ids->lead_shape[0], k = ids->n, e_n = r->num_experts;
   for (int64_t t = 0; t < t_n; t++) {
     for (int64_t j = 0; j < k; j++) {
@@ -144,7 +151,21 @@ static imoe_status count_experts(const imoe_moe_routing *r, int64_t *count, imoe
                          " is outside [0, num_experts = %" PRId64 ")%s",
                          t, j, e, e_n, e >= e_n ? " (skip_foreign=True drops such ids)" : "");
       }
-      if (e < e_n) count[e]++;
+      if (e >= e_n) continue;
+      /* An assignment of weight 0 adds nothing: it may repeat an expert
+       * (LongCat-Flash's zero experts are such assignments to real ones). */
+      if (r->distinct &&
+          (w == NULL || imoe_load_float(imoe_row_base(w, t) + j * w->n_stride, w->dtype) != 0.0f)) {
+        if (seen[e] == t + 1) {
+          return imoe_fail(err, IMOE_ERR_INDEX_DUPLICATE,
+                           "top_k_index[%" PRId64 ", %" PRId64 "] = %" PRId64
+                           " repeats an expert of token %" PRId64
+                           ": each token's experts must be distinct (as torch.topk gives them)",
+                           t, j, e, t);
+        }
+        seen[e] = t + 1;
+      }
+      count[e]++;
     }
   }
   return IMOE_OK;
@@ -214,7 +235,8 @@ static imoe_status dispatch_cpu(const imoe_moe_routing *r, const imoe_view *hidd
     return imoe_fail(err, IMOE_ERR_NO_MEMORY, "moe_dispatch: no memory for the plan of %" PRId64
                      " assignments", s);
   }
-  imoe_status st = count_experts(r, p.count, err);
+  /* p.start is zero until the layout below fills it: count_experts' marks. */
+  imoe_status st = count_experts(r, p.count, p.start, err);
   if (st != IMOE_OK) {
     free_plan(&p);
     return st;
@@ -251,17 +273,25 @@ static imoe_status dispatch_cpu(const imoe_moe_routing *r, const imoe_view *hidd
                          err);
 }
 
+imoe_status imoe_moe_dispatch_rows(const imoe_moe_routing *routing, const imoe_view *hidden,
+                                   int64_t *rows, imoe_error *err) {
+  int64_t r = 0;
+  imoe_status st = check_routing(routing, &r, err);
+  if (st == IMOE_OK) st = check_rows(hidden, "hidden", routing->top_k_index->lead_shape[0], -1, 0, err);
+  if (st == IMOE_OK && rows != NULL) *rows = r;
+  return st;
+}
+
 imoe_status imoe_moe_dispatch(const imoe_moe_routing *routing, const imoe_view *hidden,
                               const imoe_view *out_rows, const imoe_view *out_offsets,
                               const imoe_view *out_dest, const imoe_view *out_src,
                               const imoe_view *out_dropped, int32_t *workspace,
                               int64_t workspace_elems, const imoe_exec *exec, imoe_error *err) {
   int64_t rows = 0;
-  imoe_status st = check_routing(routing, &rows, err);
+  imoe_status st = imoe_moe_dispatch_rows(routing, hidden, &rows, err);
   if (st != IMOE_OK) return st;
   const int64_t t = routing->top_k_index->lead_shape[0], k = routing->top_k_index->n;
-  st = check_rows(hidden, "hidden", t, -1, 0, err);
-  if (st == IMOE_OK) st = check_rows(out_rows, "out_rows", rows, hidden->row_bytes, 1, err);
+  st = check_rows(out_rows, "out_rows", rows, hidden->row_bytes, 1, err);
   if (st == IMOE_OK)
     st = check_vector(out_offsets, "out_offsets", IMOE_INDEX_DTYPES, routing->num_experts, err);
   if (st == IMOE_OK) st = imoe_check_matrix(out_dest, "out_dest", IMOE_INDEX_DTYPES, t, k, 1, 0, err);

@@ -129,19 +129,29 @@ static imoe_status check_offsets(const imoe_view *offsets, int64_t r_n, imoe_err
   return IMOE_OK;
 }
 
-imoe_status imoe_grouped_gemm(const imoe_view *a, const imoe_view *w, const imoe_view *offsets,
-                              const imoe_view *out, const imoe_exec *exec, imoe_error *err) {
+imoe_status imoe_grouped_gemm_shape(const imoe_view *a, const imoe_view *w, const imoe_view *offsets,
+                                    int64_t out_shape[2], imoe_error *err) {
   imoe_status st = imoe_check_matrix(a, "a", IMOE_SCORE_DTYPES, -1, -1, 0, 0, err);
   if (st != IMOE_OK) return st;
-  const int64_t r_n = a->lead_shape[0], k_n = a->n;
   st = imoe_check_view(offsets, "offsets", err);
   if (st == IMOE_OK) st = imoe_check_typed(offsets, "offsets", IMOE_DTYPE_BIT(IMOE_DTYPE_I32), err);
   if (st == IMOE_OK && (offsets->lead_ndim != 0 || offsets->n < 1)) {
     st = imoe_fail(err, IMOE_ERR_ARGUMENT, "offsets must be [E] with E >= 1 (the offsets of moe_dispatch)");
   }
+  if (st == IMOE_OK) st = check_weights(w, a, offsets->n, a->n, err);
+  if (st == IMOE_OK && out_shape != NULL) {
+    out_shape[0] = a->lead_shape[0];
+    out_shape[1] = w->n;
+  }
+  return st;
+}
+
+imoe_status imoe_grouped_gemm(const imoe_view *a, const imoe_view *w, const imoe_view *offsets,
+                              const imoe_view *out, const imoe_exec *exec, imoe_error *err) {
+  imoe_status st = imoe_grouped_gemm_shape(a, w, offsets, NULL, err);
   if (st != IMOE_OK) return st;
-  st = check_weights(w, a, offsets->n, k_n, err);
-  if (st == IMOE_OK) st = imoe_check_matrix(out, "out", IMOE_DTYPE_BIT(a->dtype), r_n, w->n, 1, 0, err);
+  const int64_t r_n = a->lead_shape[0], k_n = a->n;
+  st = imoe_check_matrix(out, "out", IMOE_DTYPE_BIT(a->dtype), r_n, w->n, 1, 0, err);
   if (st == IMOE_OK) st = imoe_check_exec(exec, err);
   if (st != IMOE_OK) return st;
   int empty;

@@ -178,12 +178,11 @@ static imoe_status route_row(const void *vctx, int64_t t, unsigned char *mem, im
   return IMOE_OK;
 }
 
-imoe_status imoe_topk_softmax(const imoe_view *logits, int64_t k, int32_t renormalize,
-                              const imoe_view *out_weights, const imoe_view *out_indices,
-                              const imoe_exec *exec, imoe_error *err) {
+imoe_status imoe_topk_softmax_shape(const imoe_view *logits, int64_t k, int64_t out_shape[2],
+                                    imoe_error *err) {
   imoe_status st = imoe_check_matrix(logits, "logits", IMOE_SCORE_DTYPES, -1, -1, 0, 0, err);
   if (st != IMOE_OK) return st;
-  const int64_t t_n = logits->lead_shape[0], e_n = logits->n;
+  const int64_t e_n = logits->n;
   if (e_n < 1 || e_n > IMOE_MOE_MAX_EXPERTS) {
     return imoe_fail(err, IMOE_ERR_ARGUMENT, "logits: %" PRId64 " experts; 1 to %d are supported",
                      e_n, IMOE_MOE_MAX_EXPERTS);
@@ -194,6 +193,19 @@ imoe_status imoe_topk_softmax(const imoe_view *logits, int64_t k, int32_t renorm
                      "k = %" PRId64 " is outside [1, min(experts = %" PRId64 ", %d)]", k, e_n,
                      IMOE_ROUTER_MAX_K);
   }
+  if (out_shape != NULL) {
+    out_shape[0] = logits->lead_shape[0];
+    out_shape[1] = k;
+  }
+  return IMOE_OK;
+}
+
+imoe_status imoe_topk_softmax(const imoe_view *logits, int64_t k, int32_t renormalize,
+                              const imoe_view *out_weights, const imoe_view *out_indices,
+                              const imoe_exec *exec, imoe_error *err) {
+  imoe_status st = imoe_topk_softmax_shape(logits, k, NULL, err);
+  if (st != IMOE_OK) return st;
+  const int64_t t_n = logits->lead_shape[0], e_n = logits->n;
   st = imoe_check_matrix(out_weights, "out_weights", IMOE_SCORE_DTYPES, t_n, k, 1, 0, err);
   if (st == IMOE_OK)
     st = imoe_check_matrix(out_indices, "out_indices", IMOE_INDEX_DTYPES, t_n, k, 1, 0, err);

@@ -20,6 +20,8 @@ static const option_table kTables[] = {
     {"kind", {"permute", "ordered", "group"}, 3},
     {"act", {"silu", "gelu", "gelu_tanh", "relu"}, 4},
     {"layout", {"grouped", "padded"}, 2},
+    {"out_dtype", {"float32", "float16", "bfloat16"}, 3},
+    {"index_dtype", {"int32", "int64"}, 2},
 };
 
 static const option_table *table_of(imoe_option option) {

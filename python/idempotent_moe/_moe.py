@@ -59,11 +59,13 @@ def check_capacity_device(device: torch.device) -> None:
 
 
 def check_top_k_index(top_k_index: torch.Tensor, num_experts: int, name: str, *,
-                      sentinels: bool = False) -> None:
+                      sentinels: bool = False, weights: torch.Tensor | None = None) -> None:
     """ValueError when top_k_index [T, k] names an expert outside [0, E) or
     repeats an expert within a token. With `sentinels` (expert parallelism:
     ids >= E name other ranks' experts), any id >= E is accepted and may
-    repeat; only negative ids and repeated local experts are errors.
+    repeat; only negative ids and repeated local experts are errors. With
+    the routing `weights`, an assignment of weight 0 (it adds nothing) may
+    repeat an expert.
 
     Checked on CPU tensors only, and not while torch.compile traces (reading
     the result is a data-dependent branch there, and on a GPU a host
@@ -75,7 +77,8 @@ def check_top_k_index(top_k_index: torch.Tensor, num_experts: int, name: str, *,
     lo, hi = int(top_k_index.min()), int(top_k_index.max())
     if lo < 0 or (hi >= num_experts and not sentinels):
         raise ValueError(f"{name} must lie in [0, {num_experts}), got [{lo}, {hi}]")
-    check_distinct_per_row(top_k_index, name, below=num_experts if sentinels else None)
+    check_distinct_per_row(top_k_index, name, below=num_experts if sentinels else None,
+                           weights=None if weights is None else weights.detach())
 
 
 def check_expert_buffer(x: Any, name: str, num_experts: int | None = None,
@@ -174,6 +177,12 @@ def combine_slots(expert_outputs: torch.Tensor, indices: torch.Tensor, weights: 
     for name, t in (("expert_outputs", expert_outputs), ("indices", indices), ("weights", weights)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    num_tokens = _arrays.check_int(num_tokens, "num_tokens", minimum=0)
+    for name, t in (("expert_outputs", expert_outputs), ("weights", weights)):
+        if not t.is_floating_point():
+            raise TypeError(f"{name} must be floating point, got {t.dtype}")
+    if indices.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"indices must be int32 or int64, got {indices.dtype}")
     if expert_outputs.dim() != 3:
         raise ValueError(f"expert_outputs must be [E, C, D], got {list(expert_outputs.shape)}")
     num_experts, kept, dim = expert_outputs.shape
@@ -181,7 +190,17 @@ def combine_slots(expert_outputs: torch.Tensor, indices: torch.Tensor, weights: 
         if tuple(t.shape) != (num_experts, kept):
             raise ValueError(f"{name} must be [E, C] = {[num_experts, kept]} like expert_outputs, "
                              f"got {list(t.shape)}")
-    num_tokens = _arrays.check_int(num_tokens, "num_tokens", minimum=0)
+        if t.device != expert_outputs.device:
+            raise ValueError(f"{name} is on {t.device}, expert_outputs on {expert_outputs.device}")
+    # The tokens named: read on CPU tensors only (on a GPU a host
+    # synchronisation), and not while torch.compile traces (a data-dependent
+    # branch there).
+    from ._sorting import compiling
+
+    if indices.device.type == "cpu" and indices.numel() and not compiling():
+        lo, hi = int(indices.min()), int(indices.max())
+        if lo < 0 or hi >= num_tokens:
+            raise ValueError(f"indices must lie in [0, num_tokens = {num_tokens}), got [{lo}, {hi}]")
     acc = accumulation_dtype(expert_outputs.dtype, weights.dtype)
     out = torch.zeros(num_tokens, dim, dtype=acc, device=expert_outputs.device)
     terms = (expert_outputs.to(acc) * weights.to(acc).unsqueeze(-1)).reshape(num_experts * kept, dim)

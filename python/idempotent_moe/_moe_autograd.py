@@ -252,10 +252,12 @@ def experts_forward_direct(hidden, top_k_index, top_k_weights, w_up, w_down, act
     hidden, top_k_index, top_k_weights, w_up, w_down = _plain(hidden, top_k_index, top_k_weights, w_up,
                                                               w_down)
     with _op_depth.inside_op():
-        select = None if capacity is None else (
-            top_k_weights if top_k_weights.dtype in CORE_DTYPES else top_k_weights.float())
+        # Read for the capacity's selection; and for the check that each
+        # token's local experts of nonzero weight are distinct (on the CPU),
+        # as on every path of the experts implementation.
+        select = top_k_weights if top_k_weights.dtype in CORE_DTYPES else top_k_weights.float()
         d = moe_ops.moe_dispatch(hidden, top_k_index, num_experts, top_k_weights=select,
-                                 capacity=capacity, skip_foreign=skip_foreign, _apart=True)
+                                 capacity=capacity, skip_foreign=skip_foreign, distinct=True, _apart=True)
         x, offsets, dest, dropped = d.rows, d.offsets, d.dest, d.dropped
         del d
         gate_up = grouped_mm(x if x.dtype == w_up.dtype else x.to(w_up.dtype), w_up, offsets)
@@ -322,7 +324,7 @@ def dispatch_backward(ctx, g_rows, *_):
     if g_rows is not None:
         ones = torch.ones(dest.shape, dtype=g_rows.dtype, device=g_rows.device)
         d_hidden = torch.ops.idempotent_moe.moe_combine(g_rows.contiguous(), dest, ones, ctx.hidden_dtype)
-    return d_hidden, None, None, None, None, None, None
+    return d_hidden, None, None, None, None, None, None, None  # one per input of the op
 
 
 def combine_setup(ctx, inputs, output):

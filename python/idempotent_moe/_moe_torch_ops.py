@@ -27,17 +27,18 @@ T = torch.Tensor
 if AVAILABLE:
     @torch.library.custom_op("idempotent_moe::moe_dispatch", mutates_args=())
     def _dispatch_op(hidden: T, top_k_index: T, top_k_weights: Optional[T], num_experts: int,
-                     capacity: Optional[int], layout: str, skip_foreign: bool) -> tuple[T, T, T, T, T]:
+                     capacity: Optional[int], layout: str, skip_foreign: bool,
+                     distinct: bool = False) -> tuple[T, T, T, T, T]:
         hidden, top_k_index, top_k_weights = ag._plain(hidden, top_k_index, top_k_weights)
         if top_k_weights is not None and not ag.on_core(top_k_weights):  # float64: selection only
             top_k_weights = top_k_weights.float()
         with _op_depth.inside_op():
             return tuple(moe_ops.moe_dispatch(hidden, top_k_index, num_experts, top_k_weights=top_k_weights,
                                               capacity=capacity, layout=layout, skip_foreign=skip_foreign,
-                                              _apart=True))  # outputs may not alias
+                                              distinct=distinct, _apart=True))  # outputs may not alias
 
     @_dispatch_op.register_fake
-    def _(hidden, top_k_index, top_k_weights, num_experts, capacity, layout, skip_foreign):
+    def _(hidden, top_k_index, top_k_weights, num_experts, capacity, layout, skip_foreign, distinct=False):
         rows = moe_ops.dispatch_rows(top_k_index.numel(), num_experts, capacity, layout)
         ints = dict(dtype=torch.int32, device=hidden.device)
         return (hidden.new_empty((rows,) + tuple(hidden.shape[1:])), torch.empty(num_experts, **ints),

@@ -39,13 +39,19 @@ def compiling() -> bool:
     return bool(is_compiling()) if is_compiling is not None else False
 
 
-def check_distinct_per_row(index: torch.Tensor, name: str, *, below: int | None = None) -> None:
+def check_distinct_per_row(index: torch.Tensor, name: str, *, below: int | None = None,
+                           weights: torch.Tensor | None = None) -> None:
     """ValueError when a row of index [T, k] repeats a value (a token routed
     twice to one expert); with `below`, only values < below count (the
-    others, expert-parallel sentinels, may repeat). Reads the result on the
-    host: call it only where that costs no device synchronisation (CPU
-    tensors)."""
+    others, expert-parallel sentinels, may repeat); with `weights` [T, k],
+    only entries of nonzero weight count (an assignment of weight 0 adds
+    nothing: LongCat-Flash's zero experts, mapped onto real ones). Reads the
+    result on the host: call it only where that costs no device
+    synchronisation (CPU tensors)."""
     if index.shape[0] and index.shape[1] > 1:
+        if weights is not None:  # each weight-0 entry a value of its own, below every id
+            own = -1 - torch.arange(index.shape[1], device=index.device, dtype=index.dtype)
+            index = torch.where(weights == 0, own, index)
         ordered = index.sort(dim=1).values
         repeated = ordered[:, 1:] == ordered[:, :-1]
         if below is not None:

@@ -54,6 +54,7 @@ from typing import Callable, NamedTuple
 import torch
 import torch.distributed as dist
 
+from ._arrays import check_int
 from ._moe import (
     check_capacity_device,
     check_capacity_factor,
@@ -132,46 +133,54 @@ class ExpertParallelDispatcher:
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("ExpertParallelDispatcher needs an initialised torch.distributed "
                                "process group")
+        num_experts = check_int(num_experts, "num_experts", minimum=1)
+        top_k = check_int(top_k, "top_k", minimum=1)
+        if top_k > num_experts:
+            raise ValueError(f"top_k must be in [1, num_experts = {num_experts}], got {top_k}")
+        capacity_factor = check_capacity_factor(capacity_factor, "capacity_factor")
         self.world_size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
-        if isinstance(num_experts, bool) or not isinstance(num_experts, int):
-            raise TypeError(f"num_experts must be an int, got {type(num_experts).__name__}")
-        if num_experts < 1:
-            raise ValueError(f"num_experts must be >= 1, got {num_experts}")
         if num_experts % self.world_size:
             raise ValueError(f"num_experts ({num_experts}) must be a multiple of the world size "
                              f"({self.world_size}): experts are partitioned contiguously")
-        if isinstance(top_k, bool) or not isinstance(top_k, int):
-            raise TypeError(f"top_k must be an int, got {type(top_k).__name__}")
-        if not 1 <= top_k <= num_experts:
-            raise ValueError(f"top_k must be an int in [1, {num_experts}], got {top_k!r}")
         self.num_experts = num_experts
         self.top_k = top_k
         self.group = group
-        self.capacity_factor = check_capacity_factor(capacity_factor, "capacity_factor")
+        self.capacity_factor = capacity_factor
         self.num_local_experts = num_experts // self.world_size
         self.first_expert = self.rank * self.num_local_experts
         self.last_stats: DispatchStats | None = None
 
     def _check(self, hidden, topk_ids, topk_weights, expert_fn, experts):
-        if not all(isinstance(t, torch.Tensor) for t in (hidden, topk_ids, topk_weights)):
-            raise TypeError("hidden, topk_ids and topk_weights must be torch tensors")
+        """Every argument judged on this rank before any collective: TypeError
+        for kinds (not a tensor, a dtype the call cannot take; not exactly one
+        of expert_fn and experts, expert_fn not callable), ValueError for
+        values (shapes, devices, ids out of range or repeated within a token
+        on CPU tensors). Tensors may require grad: the call is differentiable."""
+        for name, t in (("hidden", hidden), ("topk_ids", topk_ids), ("topk_weights", topk_weights)):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if (expert_fn is None) == (experts is None):
+            raise TypeError("pass exactly one of expert_fn (one call per local expert) and experts= "
+                            "(the local experts, one grouped call)")
+        if expert_fn is not None and not callable(expert_fn):
+            raise TypeError(f"expert_fn must be callable, got {type(expert_fn).__name__}")
         if hidden.dim() != 2:
             raise ValueError(f"hidden must be [T, D], got shape {tuple(hidden.shape)}")
         shape = (hidden.shape[0], self.top_k)
         if tuple(topk_ids.shape) != shape or tuple(topk_weights.shape) != shape:
             raise ValueError(f"topk_ids and topk_weights must be [T, k] = {list(shape)}, got "
                              f"{list(topk_ids.shape)} and {list(topk_weights.shape)}")
+        if not hidden.is_floating_point():
+            raise TypeError(f"hidden must be floating point, got {hidden.dtype}")
         if topk_ids.dtype not in (torch.int32, torch.int64):
             raise TypeError(f"topk_ids must be int32 or int64, got {topk_ids.dtype}")
         if not topk_weights.is_floating_point():
             raise TypeError(f"topk_weights must be floating point, got {topk_weights.dtype}")
-        if (expert_fn is None) == (experts is None):
-            raise TypeError("pass exactly one of expert_fn (one call per local expert) and experts= "
-                            "(the experts' weights, one grouped call)")
-        if expert_fn is not None and not callable(expert_fn):
-            raise TypeError(f"expert_fn must be callable, got {type(expert_fn).__name__}")
-        check_top_k_index(topk_ids, self.num_experts, "topk_ids")
+        for name, t in (("topk_ids", topk_ids), ("topk_weights", topk_weights)):
+            if t.device != hidden.device:
+                raise ValueError(f"{name} is on {t.device}, hidden on {hidden.device}")
+        check_top_k_index(topk_ids, self.num_experts, "topk_ids", weights=topk_weights)
         if self.capacity_factor is not None:
             check_capacity_device(hidden.device)
         return None if experts is None else _LocalExperts(experts, self.num_experts, self.num_local_experts,

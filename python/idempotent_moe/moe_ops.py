@@ -34,6 +34,7 @@ CUDA tensors with the CUDA kernels.
 
 from __future__ import annotations
 
+import re
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -73,7 +74,7 @@ def _ops(x: Any, *more: Any) -> Any:
         # Attribute reads first: the no-grad path pays the least.
         if not x.requires_grad:
             for m in more:
-                if m is not None and m.requires_grad:
+                if getattr(m, "requires_grad", False):  # None, or not a tensor: the binding names it
                     break
             else:
                 return None
@@ -82,6 +83,24 @@ def _ops(x: Any, *more: Any) -> Any:
     from . import _moe_torch_ops
 
     return torch.ops.idempotent_moe if _moe_torch_ops.AVAILABLE else None
+
+
+# torch's refusal of an argument of another type than an op's schema says
+# (before the op runs): a TypeError naming the argument, as on the direct path.
+_SCHEMA_TYPE = re.compile(r"Expected a value of type '([^']*)' for argument '(\w+)' but instead found "
+                          r"type '([^']*)'")
+
+
+def _op(fn: Any, *args: Any) -> Any:
+    """fn(*args), an op of `_moe_torch_ops`, with torch's schema errors as
+    TypeErrors naming the argument."""
+    try:
+        return fn(*args)
+    except RuntimeError as e:
+        found = _SCHEMA_TYPE.search(str(e))
+        if found is None:
+            raise
+        raise TypeError(f"{found[2]} must be {found[1]}, got {found[3]}") from e
 
 
 def dispatch_rows(assignments: int, num_experts: int, capacity: int | None, layout: str) -> int:
@@ -100,6 +119,14 @@ def torch_outputs(hidden: Any, num_experts: int, num_tokens: int, top_k: int, ro
                        ints[num_experts + assignments:], torch.empty(1, dtype=torch.int64, device=device))
 
 
+def _separate_outputs(hidden: Any, num_experts: int, num_tokens: int, top_k: int, rows: int) -> MoEDispatch:
+    """Uninitialised outputs of a dispatch, each its own array (NumPy, or torch
+    outputs that may not alias: a custom op's)."""
+    return MoEDispatch(_empty(hidden, (rows,) + _arrays.shape_of(hidden)[1:]),
+                       _empty(hidden, (num_experts,), "int32"), _empty(hidden, (num_tokens, top_k), "int32"),
+                       _empty(hidden, (rows,), "int32"), _empty(hidden, (1,), "int64"))
+
+
 def dispatch_workspace(hidden: Any, assignments: int, capacity: int | None, cuda: bool) -> Any:
     """moe_dispatch's int32 workspace beside `hidden` (a capacity on CUDA), or None."""
     elems = native().moe_workspace_elems(assignments, capacity, cuda) if cuda and capacity is not None else 0
@@ -108,7 +135,8 @@ def dispatch_workspace(hidden: Any, assignments: int, capacity: int | None, cuda
 
 def _empty(like: Any, shape: tuple, dtype: Any = None) -> Any:
     """An uninitialised array beside `like` (torch or NumPy), of `dtype`
-    (a name, or None for like's dtype)."""
+    (a name, or None for like's dtype). The binding calls it (`new`) for the
+    outputs it makes, once it has judged the call."""
     if _arrays.is_torch(like):
         torch = _arrays._torch()
         return torch.empty(shape, dtype=like.dtype if dtype is None else getattr(torch, dtype),
@@ -116,9 +144,45 @@ def _empty(like: Any, shape: tuple, dtype: Any = None) -> Any:
     return np.empty(shape, dtype=like.dtype if dtype is None else dtype)
 
 
+def _dtype_name(dtype: Any) -> Any:
+    """'float32' for torch.float32, np.float32 and np.dtype('float32'); None
+    and str as they are, for the binding to judge (ValueError for a name it
+    does not take); any other object as it is (its TypeError)."""
+    if dtype is None or isinstance(dtype, str):
+        return dtype
+    torch = _arrays._torch()
+    if torch is not None and isinstance(dtype, torch.dtype):
+        return str(dtype).rsplit(".", 1)[-1]
+    if isinstance(dtype, np.dtype) or (isinstance(dtype, type) and issubclass(dtype, np.generic)):
+        return np.dtype(dtype).name
+    return dtype
+
+
+def _torch_dtype(dtype: Any, default: Any, name: str = "out_dtype") -> Any:
+    """The torch dtype an op of `_moe_torch_ops` takes for `dtype` (its
+    float64 runs the torch references): `default` for None; TypeError for
+    what is neither a dtype nor a name, ValueError for a name of no
+    floating-point torch dtype."""
+    if dtype is None:
+        return default
+    torch = _arrays._torch()
+    if isinstance(dtype, torch.dtype):
+        found = dtype
+    else:
+        spelled = _dtype_name(dtype)
+        if not isinstance(spelled, str):
+            raise TypeError(f"{name} must be a dtype or a dtype's name, got {type(dtype).__name__}")
+        found = getattr(torch, spelled, None)
+        if not isinstance(found, torch.dtype):
+            raise ValueError(f"{name}: {spelled!r} is not the name of a dtype")
+    if not found.is_floating_point:
+        raise ValueError(f"{name} must be a floating-point dtype, got {found}")
+    return found
+
+
 def moe_dispatch(hidden: Any, top_k_index: Any, num_experts: int, *, top_k_weights: Any = None,
                  capacity: int | None = None, layout: str = "grouped", skip_foreign: bool = False,
-                 out: MoEDispatch | None = None, num_threads: int | None = None,
+                 distinct: bool = False, out: MoEDispatch | None = None, num_threads: int | None = None,
                  _apart: bool = False) -> MoEDispatch:
     """The assignments sorted by expert, stable in token order, and their
     tokens' rows of `hidden` [T, H] gathered (see MoEDispatch). For torch
@@ -132,41 +196,37 @@ def moe_dispatch(hidden: Any, top_k_index: Any, num_experts: int, *, top_k_weigh
     layout         "grouped" (the kept rows of expert 0, then expert 1,
                    ...) or "padded" (expert e owns rows [e*C, e*C + C):
                    static shapes for batched GEMMs; needs a capacity).
+    distinct       refuse a token that names one of this call's experts
+                   twice (ValueError; checked on the CPU, not on CUDA),
+                   unless one of the two has weight 0 in top_k_weights (it
+                   adds nothing); otherwise such a token is two assignments.
     out            a MoEDispatch of arrays to write (every field, with the
                    shapes and dtypes above; `torch_outputs` makes one for
                    torch tensors), returned; nothing is allocated but a capacity's
                    workspace on CUDA.
+
+    Every argument is judged before anything is allocated or written: a call
+    that raises leaves `out` as it was.
     """
-    ops = _ops(hidden) if out is None else None
+    ops = _ops(hidden, top_k_weights) if out is None else None
     if ops is not None:
-        return MoEDispatch(*ops.moe_dispatch(hidden, top_k_index, top_k_weights, num_experts, capacity,
-                                             layout, skip_foreign))
-    shape = top_k_index.shape
-    # Another shape is the core's to name.
-    num_tokens, top_k = (int(shape[0]), int(shape[1])) if len(shape) == 2 else (0, 0)
-    assignments = num_tokens * top_k
-    torch_hidden = _arrays.is_torch(hidden)
-    if out is not None:
-        if not isinstance(out, MoEDispatch):
-            raise TypeError(f"out must be a MoEDispatch (rows, offsets, dest, src, dropped), not "
-                            f"{type(out).__name__}")
-    elif torch_hidden and not _apart:
-        out = torch_outputs(hidden, num_experts, num_tokens, top_k,
-                            dispatch_rows(assignments, num_experts, capacity, layout))
-    else:
-        rows = dispatch_rows(assignments, num_experts, capacity, layout)
-        hshape = _arrays.shape_of(hidden)
-        out = MoEDispatch(_empty(hidden, (rows,) + hshape[1:]), _empty(hidden, (num_experts,), "int32"),
-                          _empty(hidden, (num_tokens, top_k), "int32"), _empty(hidden, (rows,), "int32"),
-                          _empty(hidden, (1,), "int64"))
-    cuda = hidden.is_cuda if torch_hidden else _arrays.cuda_device_of(hidden) is not None
-    stream = _arrays.dlpack_stream(hidden)
+        return MoEDispatch(*_op(ops.moe_dispatch, hidden, top_k_index, top_k_weights, num_experts, capacity,
+                                layout, skip_foreign, distinct))
+    if out is None:
+        new_outputs = torch_outputs if _arrays.is_torch(hidden) and not _apart else _separate_outputs
+        return native().moe_dispatch(
+            hidden=hidden, top_k_index=top_k_index, top_k_weights=top_k_weights, num_experts=num_experts,
+            capacity=capacity, layout=layout, skip_foreign=skip_foreign, distinct=distinct,
+            new_outputs=new_outputs, new=_empty, num_threads=resolve_num_threads(num_threads),
+            stream=_arrays.dlpack_stream(hidden))
+    if not isinstance(out, MoEDispatch):
+        raise TypeError(f"out must be a MoEDispatch (rows, offsets, dest, src, dropped), not "
+                        f"{type(out).__name__}")
     native().moe_dispatch(
-        hidden=hidden, top_k_index=top_k_index, top_k_weights=top_k_weights,
-        num_experts=num_experts, capacity=capacity, layout=layout, skip_foreign=skip_foreign,
-        out_rows=out.rows, out_offsets=out.offsets, out_dest=out.dest, out_src=out.src,
-        out_dropped=out.dropped, workspace=dispatch_workspace(hidden, assignments, capacity, cuda),
-        num_threads=resolve_num_threads(num_threads), stream=stream)
+        hidden=hidden, top_k_index=top_k_index, top_k_weights=top_k_weights, num_experts=num_experts,
+        capacity=capacity, layout=layout, skip_foreign=skip_foreign, distinct=distinct, out_rows=out.rows,
+        out_offsets=out.offsets, out_dest=out.dest, out_src=out.src, out_dropped=out.dropped, new=_empty,
+        num_threads=resolve_num_threads(num_threads), stream=_arrays.dlpack_stream(hidden))
     return out
 
 
@@ -179,14 +239,11 @@ def moe_combine(rows: Any, dest: Any, weights: Any, *, out: Any = None, out_dtyp
     `out` (or a new array of `out_dtype`, default rows' dtype) is returned."""
     ops = _ops(rows, weights) if out is None else None
     if ops is not None:
-        return ops.moe_combine(rows, dest, weights, rows.dtype if out_dtype is None else out_dtype)
-    if out is None:
-        shape = (_arrays.shape_of(dest)[0], _arrays.shape_of(rows)[-1])
-        out = _empty(rows, shape, _dtype_name(out_dtype))
-    native().moe_combine(rows=rows, dest=dest, weights=weights, out=out,
-                         num_threads=resolve_num_threads(num_threads),
-                         stream=_arrays.dlpack_stream(rows))
-    return out
+        return _op(ops.moe_combine, rows, dest, weights, _torch_dtype(out_dtype, rows.dtype))
+    return native().moe_combine(rows=rows, dest=dest, weights=weights, out=out,
+                                out_dtype=_dtype_name(out_dtype), new=_empty,
+                                num_threads=resolve_num_threads(num_threads),
+                                stream=_arrays.dlpack_stream(rows))
 
 
 def gated_act(gate_up: Any, act: str = "silu", *, limit: Any = None, out: Any = None,
@@ -198,14 +255,10 @@ def gated_act(gate_up: Any, act: str = "silu", *, limit: Any = None, out: Any = 
     were (uninitialised in a new `out`)."""
     ops = _ops(gate_up) if out is None else None
     if ops is not None:
-        return ops.gated_act(gate_up, act, limit)
-    if out is None:
-        shape = _arrays.shape_of(gate_up)
-        out = _empty(gate_up, shape[:-1] + (shape[-1] // 2,))
-    native().gated_act(gate_up=gate_up, out=out, act=act, limit=limit,
-                       num_threads=resolve_num_threads(num_threads),
-                       stream=_arrays.dlpack_stream(gate_up))
-    return out
+        return _op(ops.gated_act, gate_up, act, limit)
+    return native().gated_act(gate_up=gate_up, out=out, act=act, limit=limit, new=_empty,
+                              num_threads=resolve_num_threads(num_threads),
+                              stream=_arrays.dlpack_stream(gate_up))
 
 
 def grouped_gemm(a: Any, w: Any, offsets: Any, *, out: Any = None, num_threads: int | None = None) -> Any:
@@ -219,12 +272,10 @@ def grouped_gemm(a: Any, w: Any, offsets: Any, *, out: Any = None, num_threads: 
     recorded error on CUDA (check_errors), with nothing written."""
     ops = _ops(a, w) if out is None else None
     if ops is not None:
-        return ops.grouped_gemm(a, w, offsets)
-    if out is None:
-        out = _empty(a, (_arrays.shape_of(a)[0], _arrays.shape_of(w)[-1]))
-    native().grouped_gemm(a=a, w=w, offsets=offsets, out=out, num_threads=resolve_num_threads(num_threads),
-                          stream=_arrays.dlpack_stream(a))
-    return out
+        return _op(ops.grouped_gemm, a, w, offsets)
+    return native().grouped_gemm(a=a, w=w, offsets=offsets, out=out, new=_empty,
+                                 num_threads=resolve_num_threads(num_threads),
+                                 stream=_arrays.dlpack_stream(a))
 
 
 def gated_act_backward(gate_up: Any, grad_act: Any, act: str = "silu", *, limit: Any = None,
@@ -235,13 +286,10 @@ def gated_act_backward(gate_up: Any, grad_act: Any, act: str = "silu", *, limit:
     at or past limit[-1] get zeros."""
     ops = _ops(gate_up, grad_act) if out is None else None
     if ops is not None:
-        return ops.gated_act_backward(gate_up, grad_act, act, limit)
-    if out is None:
-        out = _empty(gate_up, _arrays.shape_of(gate_up))
-    native().gated_act_backward(gate_up=gate_up, grad_act=grad_act, out=out, act=act, limit=limit,
-                                num_threads=resolve_num_threads(num_threads),
-                                stream=_arrays.dlpack_stream(gate_up))
-    return out
+        return _op(ops.gated_act_backward, gate_up, grad_act, act, limit)
+    return native().gated_act_backward(gate_up=gate_up, grad_act=grad_act, out=out, act=act, limit=limit,
+                                       new=_empty, num_threads=resolve_num_threads(num_threads),
+                                       stream=_arrays.dlpack_stream(gate_up))
 
 
 def moe_gather_rows(src: Any, dest: Any, num_rows: int, *, weights: Any = None, out: Any = None,
@@ -249,17 +297,15 @@ def moe_gather_rows(src: Any, dest: Any, num_rows: int, *, weights: Any = None, 
     """[num_rows, H]: row dest[t, j] = weights[t, j] * src[t] (weights None:
     src[t]) for each kept assignment, zeros in every other row; fp32 products
     rounded once. The combine's d(rows) from its output's gradient `src`
-    [T, H], and the re-gather of a dispatch's rows from hidden (weights None)."""
+    [T, H], and the re-gather of a dispatch's rows from hidden (weights None).
+    A given `out` must be [num_rows, H]."""
     ops = _ops(src, weights) if out is None else None
     if ops is not None:
-        torch = _arrays._torch()
-        dtype = src.dtype if out_dtype is None else getattr(torch, _dtype_name(out_dtype))
-        return ops.moe_gather_rows(src, dest, weights, num_rows, dtype)
-    if out is None:
-        out = _empty(src, (num_rows, _arrays.shape_of(src)[-1]), _dtype_name(out_dtype))
-    native().moe_gather_rows(src=src, dest=dest, weights=weights, out=out,
-                             num_threads=resolve_num_threads(num_threads), stream=_arrays.dlpack_stream(src))
-    return out
+        return _op(ops.moe_gather_rows, src, dest, weights, num_rows, _torch_dtype(out_dtype, src.dtype))
+    return native().moe_gather_rows(src=src, dest=dest, weights=weights, out=out, num_rows=num_rows,
+                                    out_dtype=_dtype_name(out_dtype), new=_empty,
+                                    num_threads=resolve_num_threads(num_threads),
+                                    stream=_arrays.dlpack_stream(src))
 
 
 def moe_weight_grad(a: Any, b: Any, dest: Any, *, a_by_row: bool = False, out: Any = None,
@@ -270,21 +316,11 @@ def moe_weight_grad(a: Any, b: Any, dest: Any, *, a_by_row: bool = False, out: A
     a its output's gradient [T, H], b its rows [R, H]."""
     ops = _ops(a, b) if out is None else None
     if ops is not None:
-        torch = _arrays._torch()
-        dtype = a.dtype if out_dtype is None else getattr(torch, _dtype_name(out_dtype))
-        return ops.moe_weight_grad(a, b, dest, a_by_row, dtype)
-    if out is None:
-        out = _empty(a, tuple(_arrays.shape_of(dest)), _dtype_name(out_dtype))
-    native().moe_weight_grad(a=a, b=b, dest=dest, out=out, a_by_row=a_by_row,
-                             num_threads=resolve_num_threads(num_threads), stream=_arrays.dlpack_stream(a))
-    return out
-
-
-def _dtype_name(dtype: Any) -> str | None:
-    """'float32' for torch.float32, np.float32, 'float32'; None for None."""
-    if dtype is None:
-        return None
-    return str(np.dtype(dtype) if isinstance(dtype, type) else dtype).rsplit(".", 1)[-1]
+        return _op(ops.moe_weight_grad, a, b, dest, a_by_row, _torch_dtype(out_dtype, a.dtype))
+    return native().moe_weight_grad(a=a, b=b, dest=dest, out=out, a_by_row=a_by_row,
+                                    out_dtype=_dtype_name(out_dtype), new=_empty,
+                                    num_threads=resolve_num_threads(num_threads),
+                                    stream=_arrays.dlpack_stream(a))
 
 
 def topk_softmax(logits: Any, k: int, *, renormalize: bool = True, out_dtype: Any = None,
@@ -295,7 +331,7 @@ def topk_softmax(logits: Any, k: int, *, renormalize: bool = True, out_dtype: An
     then its bitonic network; see `imoe_topk_softmax` in idempotent_moe.h),
     divided by their sum when `renormalize`.
     Returns (weights [T, k] of `out_dtype`, default float32; indices [T, k]
-    of `index_dtype`, "int64" or "int32"). k <= min(E, 32).
+    of `index_dtype`, "int64" or "int32", or their dtypes). k <= min(E, 32).
 
     The arithmetic is torch's CUDA routing (`softmax(logits.float())`,
     `topk`, `w / w.sum(-1, keepdim=True)`, `.to(out_dtype)`), so on CUDA the
@@ -304,18 +340,17 @@ def topk_softmax(logits: Any, k: int, *, renormalize: bool = True, out_dtype: An
     the hardware's approximation (a few ulp apart at most). A row with a
     NaN or +inf logit, or only -inf logits, gets NaN weights (as torch's
     softmax gives) and experts 0 .. k-1 in torch's order for equal values
-    (1, 0 for k = 2)."""
+    (1, 0 for k = 2). Not differentiable: logits that require grad are a
+    TypeError."""
     ops = _ops(logits) if _arrays.is_torch(logits) and _arrays._torch().compiler.is_compiling() else None
     if ops is not None:
         torch = _arrays._torch()
-        dtype = torch.float32 if out_dtype is None else getattr(torch, _dtype_name(out_dtype))
-        return tuple(ops.topk_softmax(logits, k, renormalize, dtype, index_dtype))
-    shape = _arrays.shape_of(logits)
-    tokens = int(shape[0]) if len(shape) == 2 else 0  # another shape is the core's to name
-    cols = max(int(k), 0)
-    weights = _empty(logits, (tokens, cols), _dtype_name(out_dtype) or "float32")
-    indices = _empty(logits, (tokens, cols), index_dtype)
-    native().topk_softmax(logits=logits, k=k, renormalize=renormalize, out_weights=weights,
-                          out_indices=indices, num_threads=resolve_num_threads(num_threads),
-                          stream=_arrays.dlpack_stream(logits))
-    return weights, indices
+        index_dtype = _dtype_name(index_dtype)
+        if index_dtype not in native().INDEX_DTYPES:
+            raise ValueError(f"index_dtype must be one of {native().INDEX_DTYPES}, got {index_dtype!r}")
+        return tuple(_op(ops.topk_softmax, logits, k, renormalize, _torch_dtype(out_dtype, torch.float32),
+                         index_dtype))
+    return native().topk_softmax(logits=logits, k=k, renormalize=renormalize,
+                                 out_dtype=_dtype_name(out_dtype), index_dtype=_dtype_name(index_dtype),
+                                 new=_empty, num_threads=resolve_num_threads(num_threads),
+                                 stream=_arrays.dlpack_stream(logits))

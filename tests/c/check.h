@@ -36,5 +36,6 @@ void test_status_paths(void);
 void test_permute_all(void);
 void test_moe_gemm_all(void);
 void test_router_all(void);
+void test_moe_shapes_all(void);
 
 #endif

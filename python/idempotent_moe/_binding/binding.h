@@ -187,6 +187,40 @@ int imoe_py_call_import_workspace(imoe_py_call *c, PyObject *obj);
  * they share into c->exec. */
 int imoe_py_call_finish(imoe_py_call *c);
 
+/* Outputs a call allocates. An operation whose outputs are not given takes
+ * `new`, a callable new(like, shape, dtype) -> array (dtype a str, or None
+ * for like's dtype; moe_ops._empty): the binding calls it only once the
+ * arguments it reads are judged (the C core's *_shape functions), so a call
+ * that raises has allocated nothing. */
+
+/* TypeError unless new is callable. */
+int imoe_py_check_new(PyObject *new_fn);
+
+/* For an output not given: TypeError unless new is callable ("fname() needs
+ * out, or new to make it" for None). */
+int imoe_py_check_new_output(PyObject *new_fn, const char *fname, const char *out);
+
+/* The output given (a new reference), or NULL (None: to be made). */
+PyObject *imoe_py_given(PyObject *out);
+
+/* The C core's verdict on what a call reads (a *_shape function): 0, or -1
+ * with its exception set (status taken from c->err). */
+int imoe_py_judged(imoe_py_call *c, imoe_status status);
+
+/* ValueError when an output given has another dtype than `dtype` (the name
+ * imoe_py_as_dtype gave for argument `arg`; NULL: none asked). */
+int imoe_py_check_out_dtype(const imoe_view *out, const char *out_name, imoe_option option,
+                            const char *dtype, const char *arg);
+
+/* result (the None of IMOE_PY_CALL_C, or NULL) replaced by *out, which it
+ * takes over: the output a function returns. */
+PyObject *imoe_py_returning(PyObject *result, PyObject **out);
+
+/* The call's judgement so far (the device of every import) and new(like,
+ * shape, dtype): a new reference, or NULL with an exception set. */
+PyObject *imoe_py_call_new_array(imoe_py_call *c, PyObject *new_fn, PyObject *like,
+                                 const int64_t *shape, int ndim, const char *dtype);
+
 /* ---- parse.c ---- */
 
 /* The names a function takes, in positional order; interned on first use. */
@@ -210,6 +244,11 @@ int imoe_py_as_int64(PyObject *obj, const char *name, int64_t *out);
 /* A str naming a value of `option` (TypeError for other types; the C core's
  * ValueError for a name it does not know). */
 int imoe_py_as_option(PyObject *obj, imoe_option option, const char *name, int *out);
+
+/* An output dtype named by obj: NULL for None, else the name (a value of
+ * IMOE_OPTION_FLOAT or IMOE_OPTION_INDEX: TypeError for a non-str, the C
+ * core's ValueError for another name). The name lives as long as obj. */
+int imoe_py_as_dtype(PyObject *obj, imoe_option option, const char *name, const char **out);
 
 /* The names of an option's values, as a tuple of str. */
 PyObject *imoe_py_option_names(imoe_option option);

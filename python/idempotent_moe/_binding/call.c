@@ -7,6 +7,8 @@
  */
 #include "binding.h"
 
+#include <string.h>
+
 imoe_py_call *imoe_py_call_new(PyObject *stream, PyObject *threads) {
   int64_t num_threads = 0; /* None: the default */
   if (threads != Py_None && imoe_py_as_int64(threads, "num_threads", &num_threads) < 0)
@@ -170,4 +172,71 @@ int imoe_py_call_import_workspace(imoe_py_call *c, PyObject *obj) {
 
 int imoe_py_call_finish(imoe_py_call *c) {
   return imoe_py_exec_for(&c->imports, c->threads, &c->exec);
+}
+
+int imoe_py_check_new(PyObject *new_fn) {
+  if (PyCallable_Check(new_fn)) return 0;
+  PyErr_Format(PyExc_TypeError, "new must be callable (new(like, shape, dtype) -> array), got %.200s",
+               Py_TYPE(new_fn)->tp_name);
+  return -1;
+}
+
+PyObject *imoe_py_call_new_array(imoe_py_call *c, PyObject *new_fn, PyObject *like,
+                                 const int64_t *shape, int ndim, const char *dtype) {
+  /* The imports so far must share a device before anything is made beside them. */
+  if (imoe_py_call_finish(c) < 0) return NULL;
+  PyObject *dims = PyTuple_New(ndim);
+  if (dims == NULL) return NULL;
+  for (int i = 0; i < ndim; ++i) {
+    PyObject *d = PyLong_FromLongLong((long long)shape[i]);
+    if (d == NULL) {
+      Py_DECREF(dims);
+      return NULL;
+    }
+    PyTuple_SET_ITEM(dims, i, d);
+  }
+  PyObject *name = dtype == NULL ? (Py_INCREF(Py_None), Py_None) : PyUnicode_FromString(dtype);
+  PyObject *made = name == NULL ? NULL : PyObject_CallFunctionObjArgs(new_fn, like, dims, name, NULL);
+  Py_DECREF(dims);
+  Py_XDECREF(name);
+  return made;
+}
+
+int imoe_py_check_new_output(PyObject *new_fn, const char *fname, const char *out) {
+  if (new_fn == Py_None) {
+    PyErr_Format(PyExc_TypeError, "%s() needs %s, or new to make it", fname, out);
+    return -1;
+  }
+  return imoe_py_check_new(new_fn);
+}
+
+PyObject *imoe_py_given(PyObject *out) {
+  if (out == Py_None) return NULL;
+  Py_INCREF(out);
+  return out;
+}
+
+int imoe_py_judged(imoe_py_call *c, imoe_status status) {
+  if (status == IMOE_OK) return 0;
+  imoe_py_done(status, &c->err); /* sets the exception */
+  return -1;
+}
+
+PyObject *imoe_py_returning(PyObject *result, PyObject **out) {
+  if (result == NULL) return NULL;
+  Py_DECREF(result);
+  result = *out;
+  *out = NULL;
+  return result;
+}
+
+int imoe_py_check_out_dtype(const imoe_view *out, const char *out_name, imoe_option option,
+                            const char *dtype, const char *arg) {
+  if (dtype == NULL) return 0;
+  const imoe_dtype base = option == IMOE_OPTION_FLOAT ? IMOE_DTYPE_F32 : IMOE_DTYPE_I32;
+  const char *have = imoe_option_name(option, (int)out->dtype - (int)base);
+  if (have != NULL && strcmp(have, dtype) == 0) return 0;
+  PyErr_Format(PyExc_ValueError, "%s = '%s' differs from the dtype of the %s given (%s)", arg, dtype,
+               out_name, have != NULL ? have : "another");
+  return -1;
 }

@@ -243,8 +243,9 @@ static PyObject *call_dlpack(PyObject *method, PyObject *kwargs) {
  * obj.__dlpack__(stream=S, max_version=(1, 1), copy=False); on TypeError
  * (an older producer) obj.__dlpack__(stream=S), then obj.__dlpack__(). S is
  * the stream the call runs on: the producer orders its pending work before it.
- * A refusal to export (RuntimeError, BufferError: torch for a tensor that
- * requires grad) becomes a BufferError naming the argument.
+ * A refusal to export (RuntimeError, BufferError: torch for a meta tensor)
+ * becomes a BufferError naming the argument; a tensor that requires grad was
+ * refused before (refuse_grad: TypeError).
  */
 static PyObject *export_capsule(const imoe_import *im, PyObject *method, PyObject *stream) {
   PyObject *full = Py_BuildValue("{s:O,s:(ii),s:O}", "stream", stream, "max_version",
@@ -365,24 +366,10 @@ static void name_current(imoe_imports *set, void *handle) {
  * order its work through __dlpack__(stream=...)).
  */
 static int import_exchanged(imoe_import *im, PyObject *obj, imoe_imports *set) {
-  static PyObject *requires_grad;
   const DLPackExchangeAPI *api = exchange_api(Py_TYPE(obj));
   if (api == NULL) return 0;
-  if (requires_grad == NULL && (requires_grad = PyUnicode_InternFromString("requires_grad")) == NULL)
-    return -1;
   /* The table exports what __dlpack__ refuses (a torch tensor that requires
-   * grad): such objects take case 4, which raises as before. */
-  PyObject *grad = PyObject_GetAttr(obj, requires_grad);
-  if (grad == NULL) {
-    PyErr_Clear();
-  } else {
-    const int truth = PyObject_IsTrue(grad);
-    Py_DECREF(grad);
-    if (truth != 0) {
-      PyErr_Clear();
-      return 0;
-    }
-  }
+   * grad): refuse_grad has refused such objects before. */
   DLTensor t;
   memset(&t, 0, sizeof t);
   if (api->dltensor_from_py_object_no_sync(obj, &t) != 0) {
@@ -419,7 +406,7 @@ static PyObject *new_ref(PyObject *obj) {
  * The DLPack stream value that "current" names for obj, an array that takes
  * case 4: the stream an earlier CUDA array of the call named, else the
  * current stream of obj's framework on obj's CUDA device, through its type's
- * exchange table (a torch tensor that requires grad); None for host memory.
+ * exchange table; None for host memory.
  * A CUDA array of a framework without the table cannot say it: ValueError.
  */
 static PyObject *current_stream_value(imoe_imports *set, PyObject *obj, const char *name) {
@@ -448,6 +435,34 @@ static PyObject *current_stream_value(imoe_imports *set, PyObject *obj, const ch
   return PyLong_FromVoidPtr(set->current_handle);
 }
 
+/* TypeError for an object whose `requires_grad` is true (a torch tensor that
+ * autograd records): no call of the library records a gradient through its
+ * arguments, and torch's exports refuse such tensors. Returns 1 when
+ * refused, 0 when not, -1 on another error. */
+static int refuse_grad(PyObject *obj, const char *name) {
+  static PyObject *requires_grad;
+  if (requires_grad == NULL && (requires_grad = PyUnicode_InternFromString("requires_grad")) == NULL)
+    return -1;
+  PyObject *grad = NULL;
+#if PY_VERSION_HEX >= 0x030D0000
+  if (PyObject_GetOptionalAttr(obj, requires_grad, &grad) < 0) PyErr_Clear();
+#else
+  if (_PyObject_LookupAttr(obj, requires_grad, &grad) < 0) PyErr_Clear();
+#endif
+  if (grad == NULL) return 0;
+  const int truth = PyObject_IsTrue(grad);
+  Py_DECREF(grad);
+  if (truth <= 0) {
+    PyErr_Clear();
+    return 0;
+  }
+  PyErr_Format(PyExc_TypeError,
+               "%s requires grad, and this call records no gradient (an in-place or out= call, "
+               "torch.no_grad(), or an operation without a backward): pass %s.detach()",
+               name, name);
+  return 1;
+}
+
 imoe_import *imoe_py_import_array(imoe_imports *set, PyObject *obj, const char *name, int written) {
   if (set->count >= IMOE_MAX_IMPORTS) {
     PyErr_SetString(PyExc_RuntimeError, "idempotent_moe: too many arrays in one call");
@@ -464,6 +479,8 @@ imoe_import *imoe_py_import_array(imoe_imports *set, PyObject *obj, const char *
     rc = import_ndarray(im, (PyArrayObject *)obj, written);
   } else if (PyCapsule_CheckExact(obj)) {
     rc = consume_capsule(im, obj, written);
+  } else if (refuse_grad(obj, name) != 0) {
+    rc = -1;
   } else if ((rc = import_exchanged(im, obj, set)) != 0) {
     rc = rc > 0 ? 0 : -1;
   } else if ((method = PyObject_GetAttrString(obj, "__dlpack__")) != NULL) {

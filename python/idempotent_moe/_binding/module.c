@@ -175,34 +175,42 @@ static PyMethodDef methods[] = {
      "imoe_paged_apply_target_map: per-sequence involutions through block tables."},
     {"moe_dispatch", FASTCALL(imoe_py_moe_dispatch),
      "moe_dispatch(*, hidden, top_k_index, top_k_weights=None, num_experts, capacity=None, "
-     "layout='grouped', skip_foreign=False, out_rows, out_offsets, out_dest, out_src, "
-     "out_dropped=None, workspace=None, num_threads, stream=None) -> None\n\n"
+     "layout='grouped', skip_foreign=False, distinct=False, out_rows=None, out_offsets=None, "
+     "out_dest=None, out_src=None, out_dropped=None, workspace=None, new_outputs=None, new=None, "
+     "num_threads, stream=None) -> outputs or None\n\n"
      "imoe_moe_dispatch: the assignments sorted by expert (capacity: each expert's "
-     "lowest-weight overflow dropped) and their tokens' rows gathered."},
+     "lowest-weight overflow dropped) and their tokens' rows gathered. Without out_*, "
+     "new_outputs(hidden, num_experts, T, k, R) makes them once the reads are judged, and is "
+     "returned; new(hidden, shape, dtype) makes a CUDA capacity's workspace when none is given."},
     {"moe_combine", FASTCALL(imoe_py_moe_combine),
-     "moe_combine(*, rows, dest, weights, out, num_threads, stream=None) -> None\n\n"
-     "imoe_moe_combine: out[t] = sum_j weights[t, j] * rows[dest[t, j]] (dest -1: nothing)."},
+     "moe_combine(*, rows, dest, weights, out=None, out_dtype=None, new=None, num_threads, "
+     "stream=None) -> out\n\n"
+     "imoe_moe_combine: out[t] = sum_j weights[t, j] * rows[dest[t, j]] (dest -1: nothing). "
+     "Without out, new(rows, (T, H), out_dtype) makes it once the reads are judged."},
     {"gated_act", FASTCALL(imoe_py_gated_act),
-     "gated_act(*, gate_up, out, act='silu', limit=None, num_threads, stream=None) -> None\n\n"
-     "imoe_gated_act: out = act(gate_up[:, :I]) * gate_up[:, I:]."},
+     "gated_act(*, gate_up, out=None, act='silu', limit=None, new=None, num_threads, stream=None) "
+     "-> out\n\nimoe_gated_act: out = act(gate_up[:, :I]) * gate_up[:, I:]."},
     {"grouped_gemm", FASTCALL(imoe_py_grouped_gemm),
-     "grouped_gemm(*, a, w, offsets, out, num_threads, stream=None) -> None\n\n"
+     "grouped_gemm(*, a, w, offsets, out=None, new=None, num_threads, stream=None) -> out\n\n"
      "imoe_grouped_gemm: out[r] = a[r] @ w[e(r)] for r < offsets[-1] (e(r): the first e with "
      "offsets[e] > r)."},
     {"topk_softmax", FASTCALL(imoe_py_topk_softmax),
-     "topk_softmax(*, logits, k, renormalize=True, out_weights, out_indices, num_threads, "
-     "stream=None) -> None\n\n"
+     "topk_softmax(*, logits, k, renormalize=True, out_weights=None, out_indices=None, "
+     "out_dtype=None, index_dtype=None, new=None, num_threads, stream=None) -> (weights, indices)\n\n"
      "imoe_topk_softmax: per row of logits [T, E], softmax in fp32, the k largest (equal values "
      "in torch's CUDA topk order), divided by their sum when renormalize; torch's CUDA "
      "arithmetic."},
     {"gated_act_backward", FASTCALL(imoe_py_gated_act_backward),
-     "gated_act_backward(*, gate_up, grad_act, out, act='silu', limit=None, num_threads, stream=None) "
-     "-> None\n\nimoe_gated_act_backward: d(gate_up) of out = act(gate) * up."},
+     "gated_act_backward(*, gate_up, grad_act, out=None, act='silu', limit=None, new=None, "
+     "num_threads, stream=None) -> out\n\nimoe_gated_act_backward: d(gate_up) of out = "
+     "act(gate) * up."},
     {"moe_gather_rows", FASTCALL(imoe_py_moe_gather_rows),
-     "moe_gather_rows(*, src, dest, weights=None, out, num_threads, stream=None) -> None\n\n"
+     "moe_gather_rows(*, src, dest, weights=None, out=None, num_rows=None, out_dtype=None, "
+     "new=None, num_threads, stream=None) -> out\n\n"
      "imoe_moe_gather_rows: out[dest[t, j]] = weights[t, j] * src[t], other rows zero."},
     {"moe_weight_grad", FASTCALL(imoe_py_moe_weight_grad),
-     "moe_weight_grad(*, a, b, dest, out, a_by_row=False, num_threads, stream=None) -> None\n\n"
+     "moe_weight_grad(*, a, b, dest, out=None, a_by_row=False, out_dtype=None, new=None, "
+     "num_threads, stream=None) -> out\n\n"
      "imoe_moe_weight_grad: out[t, j] = <a[t or dest[t, j]], b[dest[t, j]]>, 0 where dropped."},
     {"moe_workspace_elems", FASTCALL(py_moe_workspace_elems),
      "moe_workspace_elems(assignments, capacity, cuda) -> int\n\n"
@@ -267,7 +275,11 @@ PyMODINIT_FUNC PyInit__C(void) {
       add_names(module, "PLAN_KINDS", IMOE_OPTION_PLAN) < 0 ||
       add_names(module, "ACTS", IMOE_OPTION_ACT) < 0 ||
       add_names(module, "MOE_LAYOUTS", IMOE_OPTION_LAYOUT) < 0 ||
+      add_names(module, "FLOAT_DTYPES", IMOE_OPTION_FLOAT) < 0 ||
+      add_names(module, "INDEX_DTYPES", IMOE_OPTION_INDEX) < 0 ||
       PyModule_AddIntConstant(module, "MOE_MAX_EXPERTS", IMOE_MOE_MAX_EXPERTS) < 0 ||
+      /* The most slots (N) a view may hold: the core's IMOE_MAX_SLOTS. */
+      PyModule_AddIntConstant(module, "MAX_SLOTS", INT32_MAX) < 0 ||
       PyModule_AddIntConstant(module, "ROUTER_MAX_K", IMOE_ROUTER_MAX_K) < 0) {
     Py_DECREF(module);
     return NULL;

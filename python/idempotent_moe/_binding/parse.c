@@ -104,6 +104,20 @@ int imoe_py_as_option(PyObject *obj, imoe_option option, const char *name, int *
   return -1;
 }
 
+int imoe_py_as_dtype(PyObject *obj, imoe_option option, const char *name, const char **out) {
+  *out = NULL;
+  if (obj == Py_None) return 0;
+  if (!PyUnicode_Check(obj)) {
+    PyErr_Format(PyExc_TypeError, "%s must be a dtype or a dtype's name, got %.200s", name,
+                 Py_TYPE(obj)->tp_name);
+    return -1;
+  }
+  int value;
+  if (imoe_py_as_option(obj, option, name, &value) < 0) return -1;
+  *out = imoe_option_name(option, value);
+  return 0;
+}
+
 PyObject *imoe_py_option_names(imoe_option option) {
   int count = 0;
   while (imoe_option_name(option, count) != NULL) ++count;

@@ -55,7 +55,8 @@ def expert_parallel(experts) -> bool:
     return bool(getattr(experts, "_is_expert_parallel", False))
 
 
-def sort_by_expert(top_k_index: torch.Tensor, num_experts: int, *, sentinels: bool = False) -> SortedDispatch:
+def sort_by_expert(top_k_index: torch.Tensor, num_experts: int, *, sentinels: bool = False,
+                   weights: torch.Tensor | None = None) -> SortedDispatch:
     """Counting sort of the S assignments by expert, stable in token order.
 
     No argsort and no host synchronisation (idempotent_moe._sorting): an
@@ -64,10 +65,11 @@ def sort_by_expert(top_k_index: torch.Tensor, num_experts: int, *, sentinels: bo
     O(E x S) int32. Bad routing (an expert out of range or repeated within a
     token) is a ValueError on CPU tensors; on a GPU it is not checked. With
     `sentinels`, ids >= E are other ranks' experts (SortedDispatch says where
-    they go).
+    they go). With the routing `weights`, a repeat of weight 0 (it adds
+    nothing) is accepted.
     """
     index = top_k_index.long()
-    check_top_k_index(index, num_experts, "top_k_index", sentinels=sentinels)
+    check_top_k_index(index, num_experts, "top_k_index", sentinels=sentinels, weights=weights)
     if not sentinels:
         order = order_by_expert(index, num_experts)
         expert_of = index.reshape(-1)[order.perm]
@@ -385,7 +387,8 @@ def dropless_forward(experts, hidden_states: torch.Tensor, top_k_index: torch.Te
     are zeroed on both sides of the GEMMs: after them, or a NaN in the output
     would reach the routing weights' gradient through the combine (0 * NaN);
     before them, or one in the input's gradient would reach hidden_states'."""
-    dispatch = sort_by_expert(top_k_index, experts.num_experts, sentinels=expert_parallel(experts))
+    dispatch = sort_by_expert(top_k_index, experts.num_experts, sentinels=expert_parallel(experts),
+                              weights=top_k_weights)
     x = hidden_states.index_select(0, dispatch.src_token)  # the one gathered buffer
     if dispatch.local is None:
         y = expert_mlp_sorted(experts, x, dispatch)
@@ -422,6 +425,8 @@ def capacity_forward(experts, hidden_states: torch.Tensor, top_k_index: torch.Te
     device = hidden_states.device
     check_capacity_device(device)
     sentinels = expert_parallel(experts)
+    # Every repeat refused, weight 0 or not: the [E, T] selection below holds
+    # one assignment per (expert, token).
     check_top_k_index(top_k_index, num_experts, "top_k_index", sentinels=sentinels)
     capacity = expert_capacity(num_tokens, top_k, num_experts, capacity_factor)
     # [k, T]: the expert of assignment (t, j) at [j, t]; other ranks' experts as row E

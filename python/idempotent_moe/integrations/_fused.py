@@ -290,7 +290,7 @@ def forward(experts, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
     grouped = capacity is None or plan.grouped_mm
     d = moe_dispatch(hidden_states, top_k_index, num_experts, top_k_weights=top_k_weights,
                      capacity=capacity, layout="grouped" if grouped else "padded",
-                     skip_foreign=getattr(experts, "_is_expert_parallel", False))
+                     skip_foreign=getattr(experts, "_is_expert_parallel", False), distinct=True)
     # The gathered rows are dropped before the down projection (a prefill's
     # peak): nothing below holds `d`, only its other outputs.
     x, offsets, dest, dropped = d.rows, d.offsets, d.dest, d.dropped

@@ -109,40 +109,67 @@ class EvictionPolicy:
         return scorer.window if scorer is not None and "queries" in scorer.needs else 0
 
     def check(self) -> None:
-        for name in ("budget", "sink_tokens", "recent_window"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"{name} must be an int >= 0, got {value!r}")
-        if self.budget < 1:
-            raise ValueError(f"budget must be >= 1, got {self.budget}")
+        """TypeError for a kind (a non-int count, a bool or float among them;
+        an option that is not a str; a score that is neither a name, a
+        policy nor a callable; per_head not a bool), ValueError for a value."""
+        _count(self.budget, "budget", 1)
+        _count(self.sink_tokens, "sink_tokens", 0)
+        _count(self.recent_window, "recent_window", 0)
         if self.sink_tokens + self.recent_window > self.budget:
             raise ValueError(
                 f"sink_tokens ({self.sink_tokens}) + recent_window ({self.recent_window}) must "
                 f"not exceed budget ({self.budget})"
             )
-        if self.evict_every is not None and (
-            isinstance(self.evict_every, bool) or not isinstance(self.evict_every, int)
-            or self.evict_every < 1
-        ):
-            raise ValueError(f"evict_every must be None or an int >= 1, got {self.evict_every!r}")
-        if isinstance(self.score, ScoringPolicy):
-            check_policy(self.score)
-        elif not callable(self.score) and self.score not in SCORES:
-            raise ValueError(
-                f"score must be one of {SCORES}, a kv_policies.ScoringPolicy or a callable, "
-                f"got {self.score!r}")
-        if self.prefill_eviction not in PREFILL_EVICTIONS:
-            raise ValueError(
-                f"prefill_eviction must be one of {PREFILL_EVICTIONS}, got {self.prefill_eviction!r}")
-        if self.head_reduce not in HEAD_REDUCTIONS:
-            raise ValueError(f"head_reduce must be one of {HEAD_REDUCTIONS}, got {self.head_reduce!r}")
-        # Checked here, when the cache is made, against the C API's names.
-        if self.mode not in native().MODES:
-            raise ValueError(f"mode must be one of {native().MODES}, got {self.mode!r}")
-        if self.order not in native().ORDERS:
-            raise ValueError(f"order must be one of {native().ORDERS}, got {self.order!r}")
+        if self.evict_every is not None:
+            _count(self.evict_every, "evict_every", 1)
+        _count(self.slots, "max_cache_len", 0)
         if self.slots < self.budget + 1:
             raise ValueError(f"max_cache_len ({self.slots}) must exceed budget ({self.budget})")
+        if self.slots > native().MAX_SLOTS:
+            raise ValueError(f"max_cache_len ({self.slots}) exceeds the {native().MAX_SLOTS} slots a "
+                             "compaction takes")
+        check_score(self.score)
+        _option(self.prefill_eviction, "prefill_eviction", PREFILL_EVICTIONS)
+        _option(self.head_reduce, "head_reduce", HEAD_REDUCTIONS)
+        # Checked here, when the cache is made, against the C API's names.
+        _option(self.mode, "mode", native().MODES)
+        _option(self.order, "order", native().ORDERS)
+        if type(self.per_head) is not bool:
+            raise TypeError(f"per_head must be True or False, got {self.per_head!r}")
+
+
+def _count(value: Any, name: str, minimum: int) -> int:
+    """An int >= minimum: TypeError for another kind (bool and float
+    included), ValueError below the minimum."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
+def _option(value: Any, name: str, accepted: tuple) -> str:
+    """One of `accepted`: TypeError for a non-str, ValueError for another name."""
+    if not isinstance(value, str):
+        raise TypeError(f"{name} must be a str, one of {tuple(accepted)}, got {type(value).__name__}")
+    if value not in accepted:
+        raise ValueError(f"{name} must be one of {tuple(accepted)}, got {value!r}")
+    return value
+
+
+def check_score(score: Any) -> None:
+    """A score the cache takes: a name of SCORES, a kv_policies.ScoringPolicy
+    (checked) or a callable; TypeError for another kind, ValueError for
+    another name."""
+    if isinstance(score, ScoringPolicy):
+        check_policy(score)
+    elif isinstance(score, str):
+        if score not in SCORES:
+            raise ValueError(f"score must be one of {SCORES}, a kv_policies.ScoringPolicy or a callable, "
+                             f"got {score!r}")
+    elif not callable(score):
+        raise TypeError(f"score must be a name of {SCORES}, a kv_policies.ScoringPolicy or a callable, "
+                        f"got {type(score).__name__}")
 
 
 # One instance per named policy, with its defaults (policies hold no state).
@@ -324,12 +351,49 @@ class InplaceEvictionLayer(CacheLayerMixin):
                 "cannot follow the tokens an eviction moves. Generate one sequence at a time, or "
                 "prompts of equal length without padding.")
 
+    def _check_states(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """What the buffers take, judged before anything is written: torch
+        tensors (TypeError), K and V [B, H, q, D] of one B, H and q on one
+        device (ValueError); once the layer holds buffers, their B, H, head
+        sizes and device (ValueError) and dtypes (TypeError): a copy into
+        them would broadcast or cast silently."""
+        if not (isinstance(key_states, torch.Tensor) and isinstance(value_states, torch.Tensor)):
+            bad, name = (key_states, "key_states") if not isinstance(key_states, torch.Tensor) \
+                else (value_states, "value_states")
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(bad).__name__}")
+        ks, vs = key_states.shape, value_states.shape
+        if len(ks) != 4 or len(vs) != 4 or ks[:3] != vs[:3] or key_states.device != value_states.device:
+            raise ValueError(f"key_states and value_states must be [B, H, q, D] of one B, H and q on one "
+                             f"device, got {list(ks)} on {key_states.device} and {list(vs)} on "
+                             f"{value_states.device}")
+        k = self._k
+        if k is None:
+            return
+        if ks[:2] != k.shape[:2] or ks[3] != k.shape[3] or vs[3] != self._v.shape[3] \
+                or key_states.device != k.device:
+            raise ValueError(f"layer {self.layer_idx} holds keys {list(k.shape[:2])} x D = {k.shape[3]} "
+                             f"and values of D = {self._v.shape[3]} on {k.device}; got key_states {list(ks)} "
+                             f"and value_states {list(vs)} on {key_states.device}")
+        if key_states.dtype != k.dtype or value_states.dtype != self._v.dtype:
+            raise TypeError(f"layer {self.layer_idx} holds {k.dtype} keys and {self._v.dtype} values; got "
+                            f"{key_states.dtype} and {value_states.dtype}")
+
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs) -> tuple:
         """Evict if an eviction is due, write the new tokens into the next free
         slots, and return views of the valid slots [B, H, length, D]. Refuses
         (ValueError, nothing written) tokens whose position ids, where
-        transformers passes them, do not follow the tokens seen: a padded batch."""
+        transformers passes them, do not follow the tokens seen: a padded batch;
+        and states the buffers cannot take (_check_states)."""
+        self._judge(key_states, value_states, args, kwargs)
+        return self._update(key_states, value_states)
+
+    def _judge(self, key_states: torch.Tensor, value_states: torch.Tensor, args: tuple, kwargs: dict) -> None:
+        """update's checks, before anything is written or evicted."""
+        self._check_states(key_states, value_states)
         self._check_positions(_position_ids(args, kwargs), key_states.shape[-2])
+
+    def _update(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple:
+        """update of states _judge has taken."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         if self._pending:
@@ -478,24 +542,46 @@ class InplaceEvictionLayer(CacheLayerMixin):
         """Compact the valid slots down to `budget` (the policy's by default)
         in place, scored by `score` (the policy's by default; another name,
         ScoringPolicy or callable scores this eviction only, from the
-        statistics the layer keeps); returns the number of tokens evicted."""
-        self._pending = self._pending_prefill = False
-        budget = self.policy.budget if budget is None else budget
+        statistics the layer keeps); returns the number of tokens evicted.
+        A call that raises (a bad budget or score, scores of the wrong
+        shape) changes nothing."""
+        return self._compact(self._eviction(budget, score))
+
+    def _eviction(self, budget: int | None, score: Any) -> tuple:
+        """Everything an eviction needs, judged and scored, nothing changed:
+        (budget, n, scores [B, H or 1, n] with the protected slots +inf), or
+        (budget, n, None) when nothing is evicted."""
+        budget = self.policy.budget if budget is None else _count(budget, "budget", 0)
+        if score is not None:
+            check_score(score)
         if budget < self.policy.sink_tokens + self.policy.recent_window:
             raise ValueError(
                 f"budget {budget} is below sink_tokens + recent_window "
                 f"({self.policy.sink_tokens + self.policy.recent_window})")
         n = self.length
         if n <= budget:
-            return 0
+            return budget, n, None
         pos = self._written_positions()[:, :, :n]
         keep = self.policy.sink_tokens
         protect = pos < keep
         if self.policy.recent_window:
             protect = protect | (pos >= self.seen - self.policy.recent_window)
-        scores = self._scores(n, score, budget).float().clamp(max=_FLOAT32_MAX)
+        scores = self._scores(n, score, budget)
+        if scores.dim() != 3 or scores.shape[0] != pos.shape[0] or scores.shape[-1] != n:
+            raise ValueError(f"score gave scores {list(scores.shape)} for layer {self.layer_idx}; "
+                             f"expected [{pos.shape[0]}, heads, {n}]")
         # A fresh [B, H, n] array: it aliases no buffer that moves.
-        scores = torch.where(protect, math.inf, scores)
+        scores = torch.where(protect, math.inf, scores.float().clamp(max=_FLOAT32_MAX))
+        return budget, n, scores
+
+    def _compact(self, eviction: tuple) -> int:
+        """The eviction `_eviction` judged: the compaction and the layer's
+        state after it."""
+        budget, n, scores = eviction
+        self._pending = self._pending_prefill = False
+        if scores is None:
+            return 0
+        pos = self._written_positions()[:, :, :n]
         buffers = [self._k[:, :, :n], self._v[:, :, :n], pos.unsqueeze(-1)]
         if self._acc is not None:
             buffers.append(self._acc[:, :, :n].unsqueeze(-1))
@@ -619,12 +705,18 @@ class InplaceEvictionCache(Cache):
         config: Any = None,
         prefill_eviction: str = "layer",
     ):
-        if max_cache_len is None and isinstance(budget, int):
-            max_cache_len = budget + (evict_every if isinstance(evict_every, int) else 128)
+        if max_cache_len is None:
+            # The default's terms judged first: its sum must not hide them.
+            _count(budget, "budget", 1)
+            if evict_every is not None:
+                _count(evict_every, "evict_every", 1)
+            max_cache_len = budget + (128 if evict_every is None else evict_every)
         self.policy = EvictionPolicy(budget, sink_tokens, recent_window, evict_every, score,
                                      head_reduce, per_head, mode, order, max_cache_len,
                                      prefill_eviction)
         self.policy.check()
+        if config is not None and not callable(getattr(config, "get_text_config", None)):
+            raise TypeError(f"config must be a transformers PretrainedConfig, got {type(config).__name__}")
         self._hooks: list = []
         self._attached = False
         self._last_updated: InplaceEvictionLayer | None = None
@@ -646,17 +738,23 @@ class InplaceEvictionCache(Cache):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
                *args, **kwargs) -> tuple:
-        while len(self.layers) <= layer_idx:
-            self.layers.append(InplaceEvictionLayer(self.policy, len(self.layers)))
-            self.layers[-1]._attached = self._attached
-        layer = self.layers[layer_idx]
-        if layer_idx == 0 and not isinstance(layer, InplaceEvictionLayer):
+        _count(layer_idx, "layer_idx", 0)
+        fresh = []  # the layers made on first use: kept once the call is judged
+        while len(self.layers) + len(fresh) <= layer_idx:
+            fresh.append(InplaceEvictionLayer(self.policy, len(self.layers) + len(fresh)))
+            fresh[-1]._attached = self._attached
+        layer = self.layers[layer_idx] if layer_idx < len(self.layers) else fresh[-1]
+        if isinstance(layer, InplaceEvictionLayer):
+            # Judged before any layer is made, written or evicted.
+            layer._judge(key_states, value_states, args, kwargs)
+        elif layer_idx == 0:
             # A first layer of transformers' own (sliding window: GPT-OSS, Gemma) would
             # cache a padded batch before an evicting layer refuses it: check here, against
             # an evicting layer that has not seen this forward's tokens yet.
             evicting = self._evicting_layers()
             if evicting:
                 evicting[0]._check_positions(_position_ids(args, kwargs), key_states.shape[-2])
+        self.layers.extend(fresh)
         if not isinstance(layer, InplaceEvictionLayer):
             return layer.update(key_states, value_states, *args, **kwargs)
         prev = self._last_updated
@@ -664,11 +762,47 @@ class InplaceEvictionCache(Cache):
                 and self.policy.prefill_eviction == "layer" and not self._attached):
             # The previous layer's attention has run: its prompt can go now.
             prev.evict()
-        out = layer.update(key_states, value_states, *args, **kwargs)
+        out = layer._update(key_states, value_states)
         self._last_updated = layer
         if key_states.shape[-2] > 1:
             self._sample_peak()
         return out
+
+    def _batch(self) -> int | None:
+        """The batch size the evicting layers hold (None before any holds one)."""
+        for layer in self._evicting_layers():
+            if layer._k is not None:
+                return layer._k.shape[0]
+        return None
+
+    def _check_batch_index(self, indices: Any, name: str) -> None:
+        """A batch index every layer takes: a 1-d int32/int64 tensor (TypeError,
+        ValueError), each in [0, B) (ValueError; read on CPU tensors only: on a
+        GPU it would synchronise). Judged once, before any layer is changed."""
+        if not isinstance(indices, torch.Tensor) or indices.dtype not in (torch.int32, torch.int64):
+            kind = indices.dtype if isinstance(indices, torch.Tensor) else type(indices).__name__
+            raise TypeError(f"{name} must be an int32 or int64 torch.Tensor, got {kind}")
+        if indices.dim() != 1:
+            raise ValueError(f"{name} must be 1-d, got {list(indices.shape)}")
+        batch = self._batch()
+        if batch is not None and indices.numel() and indices.device.type == "cpu":
+            lo, hi = int(indices.min()), int(indices.max())
+            if lo < 0 or hi >= batch:
+                raise ValueError(f"{name} must lie in [0, batch = {batch}), got [{lo}, {hi}]")
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Every layer's rows in the order of `beam_idx` (beam search); judged
+        first (_check_batch_index): a call that raises changes no layer."""
+        self._check_batch_index(beam_idx, "beam_idx")
+        super().reorder_cache(beam_idx)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._check_batch_index(indices, "indices")
+        super().batch_select_indices(indices)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        _count(repeats, "repeats", 1)
+        super().batch_repeat_interleave(repeats)
 
     def _sample_peak(self) -> None:
         self.peak_kv_bytes = max(self.peak_kv_bytes, self.buffer_bytes())
@@ -681,7 +815,11 @@ class InplaceEvictionCache(Cache):
         scored by `score` (the policy's by default, or any policy the kept
         statistics serve: see InplaceEvictionLayer.evict); returns the tokens
         evicted in all."""
-        evicted = sum(layer.evict(budget, score) for layer in self._evicting_layers())
+        layers = self._evicting_layers()
+        # Every layer judged and scored before any is compacted: a call that
+        # raises changes no layer.
+        evictions = [layer._eviction(budget, score) for layer in layers]
+        evicted = sum(layer._compact(e) for layer, e in zip(layers, evictions))
         self._sample_peak()
         return evicted
 
@@ -697,19 +835,24 @@ class InplaceEvictionCache(Cache):
         module's q_proj, q_norm where it has one, and the rotary embedding
         for the window's tokens only), and a prompt is compressed at the end
         of each layer's forward. Returns self."""
-        self.detach()
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         wants_queries = "queries" in self.policy.needs
-        for module in model.modules():
-            idx = getattr(module, "layer_idx", None)
-            if isinstance(idx, int) and hasattr(module, "num_key_value_groups"):
-                if wants_queries:
-                    if not hasattr(module, "q_proj"):
-                        raise ValueError(f"policy needs queries, but {type(module).__name__} has no q_proj")
-                    self._hooks.append(module.register_forward_pre_hook(self._query_hook,
-                                                                        with_kwargs=True))
-                self._hooks.append(module.register_forward_hook(self._attention_hook, with_kwargs=True))
-        if not self._hooks:
+        # Every module judged before any hook is changed: a call that raises
+        # leaves the cache attached as it was.
+        modules = [m for m in model.modules()
+                   if isinstance(getattr(m, "layer_idx", None), int) and hasattr(m, "num_key_value_groups")]
+        if not modules:
             raise ValueError("found no attention module with layer_idx in the model")
+        if wants_queries:
+            for module in modules:
+                if not hasattr(module, "q_proj"):
+                    raise ValueError(f"policy needs queries, but {type(module).__name__} has no q_proj")
+        self.detach()
+        for module in modules:
+            if wants_queries:
+                self._hooks.append(module.register_forward_pre_hook(self._query_hook, with_kwargs=True))
+            self._hooks.append(module.register_forward_hook(self._attention_hook, with_kwargs=True))
         self._attached = True
         for layer in self._evicting_layers():
             layer._attached = True

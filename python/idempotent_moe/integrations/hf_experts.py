@@ -43,6 +43,8 @@ except ImportError:  # the hook works on NumPy arrays without torch; the experts
 if torch is not None:  # outside the try: their own ImportError (no native part) is not "no torch"
     from . import _dispatch, _fused
 
+    _INDEX_DTYPES = (torch.int32, torch.int64)
+
 
 class CapacityStats(NamedTuple):
     """One experts module's last forward in capacity mode: `assignments`
@@ -77,7 +79,13 @@ def experts_forward(self, hidden_states, top_k_index, top_k_weights, capacity_fa
 
     Expert parallelism (transformers' EP): ids >= num_experts name another
     rank's experts and come with weight 0; they add nothing, in both modes.
+
+    TypeError / ValueError (check_inputs), before anything is allocated, for
+    arguments no path takes; the routing's values (ids out of range, a
+    token naming one expert twice) are judged by the path that reads them,
+    also before anything is allocated: on CPU tensors a ValueError.
     """
+    check_inputs(hidden_states, top_k_index, top_k_weights)
     if top_k_index.shape[0] == 0:
         self.idempotent_stats = None
         return torch.zeros_like(hidden_states)
@@ -90,6 +98,31 @@ def experts_forward(self, hidden_states, top_k_index, top_k_weights, capacity_fa
     # Kept on the device: reading the count (capacity_stats) is what synchronises.
     self.idempotent_stats = (result.assignments, result.capacity, result.dropped)
     return result.output
+
+
+def check_inputs(hidden_states, top_k_index, top_k_weights) -> None:
+    """What every path of the implementation needs of its arguments: torch
+    tensors (TypeError), hidden_states [T, H] and top_k_index, top_k_weights
+    [T, k] (ValueError), hidden_states and top_k_weights floating point,
+    top_k_index int32 or int64 (TypeError)."""
+    tensor = torch.Tensor
+    if not (isinstance(hidden_states, tensor) and isinstance(top_k_index, tensor)
+            and isinstance(top_k_weights, tensor)):
+        for name, t in (("hidden_states", hidden_states), ("top_k_index", top_k_index),
+                        ("top_k_weights", top_k_weights)):
+            if not isinstance(t, tensor):
+                raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    shape = top_k_index.shape
+    if hidden_states.dim() != 2 or len(shape) != 2 or shape[0] != hidden_states.shape[0] \
+            or top_k_weights.shape != shape:
+        raise ValueError(f"hidden_states must be [T, H] and top_k_index, top_k_weights [T, k], got "
+                         f"hidden_states {list(hidden_states.shape)}, top_k_index {list(shape)}, "
+                         f"top_k_weights {list(top_k_weights.shape)}")
+    if top_k_index.dtype not in _INDEX_DTYPES:
+        raise TypeError(f"top_k_index must be int32 or int64, got {top_k_index.dtype}")
+    if not (hidden_states.is_floating_point() and top_k_weights.is_floating_point()):
+        raise TypeError(f"hidden_states and top_k_weights must be floating point, got "
+                        f"{hidden_states.dtype} and {top_k_weights.dtype}")
 
 
 def register(name: str = EXPERTS_IMPLEMENTATION) -> None:
@@ -137,7 +170,10 @@ def set_capacity_factor(model, capacity_factor: float | None) -> None:
 
 
 def _required_experts(model) -> list:
-    """_experts_modules(model), ValueError when there is none."""
+    """_experts_modules(model): TypeError unless model is a torch module,
+    ValueError when it has no experts module."""
+    if torch is None or not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module (a transformers model), got {type(model).__name__}")
     modules = _experts_modules(model)
     if not modules:
         raise ValueError(f"{type(model).__name__} has no experts module that uses transformers' "
@@ -166,6 +202,8 @@ def use_idempotent_experts(model, capacity_factor: float | None = None, *, fuse_
                   rounding is not grouped_mm's); None leaves it as it is."""
     if small_m_gemm is not None and type(small_m_gemm) is not bool:
         raise TypeError(f"small_m_gemm must be True, False or None, not {small_m_gemm!r}")
+    if type(fuse_routers) is not bool:
+        raise TypeError(f"fuse_routers must be True or False, not {fuse_routers!r}")
     factor = check_capacity_factor(capacity_factor, CAPACITY_FACTOR_ATTR)
     modules = _required_experts(model)
     register()

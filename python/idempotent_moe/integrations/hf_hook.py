@@ -20,6 +20,7 @@ mode (not a permutation) has no such backward: both are refused.
 
 from __future__ import annotations
 
+import re
 from typing import Any, NamedTuple
 
 from .. import _arrays
@@ -147,6 +148,20 @@ def _check_dispatch_buffer(buffer: Any, shape: tuple, tokens: Any, reads: dict) 
             raise ValueError(f"dispatch_buffer shares memory with {name}, which forward reads")
 
 
+def _renamed(error: Exception, names: dict) -> Exception:
+    """`error` (raised by a call of the core API, before it wrote anything)
+    with the core API's argument names in its message replaced by the hook's
+    (the message names the argument the caller passed)."""
+    pattern = "|".join(re.escape(k) for k in names)
+    text = re.sub(rf"(?<![\w\[])({pattern})(?![\w\[])", lambda m: names[m.group(1)], str(error))
+    return type(error)(text)
+
+
+# The core's names of what the hook's __call__ passes compact_ (expert_inputs
+# is judged by the hook before, as an array of three axes).
+_CALL_NAMES = {"scores": "gating_weights", "buffers[0]": "expert_inputs"}
+
+
 def _compact_experts(tokens: Any, scores: Any, capacity: int, mode: str, out_indices: Any) -> tuple:
     """compact_ on [E, T, D] along T, through autograd when tokens require grad."""
     if _arrays.is_torch(scores):
@@ -196,10 +211,14 @@ class HuggingFaceMoEInplaceHook:
         if self.top_k is not None and self.num_experts is not None and self.top_k > self.num_experts:
             raise ValueError(f"top_k ({self.top_k}) must be <= num_experts ({self.num_experts})")
         self.capacity = optional(capacity, "capacity", 0)
+        if not isinstance(mode, str):
+            raise TypeError(f"mode must be a str ('swap' or 'move'), got {type(mode).__name__}")
         if mode not in ("swap", "move"):
             raise ValueError(f"mode must be 'swap' or 'move', got {mode!r}")
         self.mode = mode
-        self.normalize_top_k = bool(normalize_top_k)
+        if type(normalize_top_k) is not bool:
+            raise TypeError(f"normalize_top_k must be True or False, got {normalize_top_k!r}")
+        self.normalize_top_k = normalize_top_k
         if _arrays._torch() is not None:
             _compact_function()  # built here, outside any compiled region that calls the hook
 
@@ -223,8 +242,11 @@ class HuggingFaceMoEInplaceHook:
         if not _arrays.is_torch(expert_inputs):  # torch tensors that require grad are handled below
             _arrays.check_array(expert_inputs, "expert_inputs")
         check_expert_buffer(expert_inputs, "expert_inputs", self.num_experts, self.hidden_dim)
-        kept, indices = _compact_experts(expert_inputs, gating_weights, self._capacity(capacity),
-                                         self.mode, out_indices)
+        capacity = self._capacity(capacity)
+        try:
+            kept, indices = _compact_experts(expert_inputs, gating_weights, capacity, self.mode, out_indices)
+        except (TypeError, ValueError, BufferError) as e:  # raised before anything was written
+            raise _renamed(e, _CALL_NAMES) from e
         return (kept, indices) if return_indices else kept
 
     def forward(self, hidden_states: Any, router_logits: Any, capacity: int | None = None, *,
@@ -240,7 +262,14 @@ class HuggingFaceMoEInplaceHook:
         if self.num_experts is None or self.top_k is None:
             raise TypeError("forward needs the hook built with num_experts and top_k: "
                             "HuggingFaceMoEInplaceHook(hidden_dim, num_experts, top_k)")
+        for name, t in (("hidden_states", hidden_states), ("router_logits", router_logits)):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+            if not t.is_floating_point():
+                raise TypeError(f"{name} must be floating point, got {t.dtype}")
         capacity = self._capacity(capacity)
+        if hidden_states.dim() < 1:
+            raise ValueError("hidden_states must be [..., D], got a 0-dimensional tensor")
         dim = hidden_states.shape[-1]
         if self.hidden_dim is not None and dim != self.hidden_dim:
             raise ValueError(f"hidden_states has hidden size {dim}, the hook {self.hidden_dim}")
@@ -249,6 +278,9 @@ class HuggingFaceMoEInplaceHook:
         if tuple(router_logits.shape) != (num_tokens, self.num_experts):
             raise ValueError(f"router_logits must be [T={num_tokens}, num_experts={self.num_experts}], "
                              f"got {list(router_logits.shape)}")
+        if router_logits.device != hidden_states.device:
+            raise ValueError(f"router_logits is on {router_logits.device}, hidden_states on "
+                             f"{hidden_states.device}")
         probs = torch.softmax(router_logits.float(), dim=-1)
         top_w, top_i = torch.topk(probs, self.top_k, dim=-1)
         if self.normalize_top_k:
@@ -260,7 +292,10 @@ class HuggingFaceMoEInplaceHook:
                                    {"hidden_states": hidden_states, "router_logits": router_logits})
         # The kept set before any write: scores the core refuses (NaN logits)
         # leave a caller's buffer as it was.
-        indices = idempotent_map(scores.detach(), capacity)
+        try:
+            indices = idempotent_map(scores.detach(), capacity)
+        except ValueError as e:  # NaN logits: NaN routing weights
+            raise ValueError(f"router_logits give routing weights [E, T] the selection refuses: {e}") from e
         if dispatch_buffer is None:
             buffer = tokens.unsqueeze(0).expand(shape).clone()
         else:
