@@ -68,9 +68,10 @@ def check_top_k_index(top_k_index: torch.Tensor, num_experts: int, name: str, *,
     Checked on CPU tensors only, and not while torch.compile traces (reading
     the result is a data-dependent branch there, and on a GPU a host
     synchronisation)."""
-    from ._sorting import check_distinct_per_row, compiling
+    from . import _tracing
+    from ._sorting import check_distinct_per_row
 
-    if top_k_index.device.type != "cpu" or not top_k_index.numel() or compiling():
+    if top_k_index.device.type != "cpu" or not top_k_index.numel() or _tracing.compiling():
         return
     lo, hi = int(top_k_index.min()), int(top_k_index.max())
     if lo < 0 or (hi >= num_experts and not sentinels):

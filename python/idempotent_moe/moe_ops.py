@@ -38,7 +38,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from . import _arrays, _op_depth
+from . import _arrays, _tracing
 from ._native import native
 from .functional import resolve_num_threads
 
@@ -66,10 +66,10 @@ def _ops(x: Any, *more: Any) -> Any:
     """The torch ops (`_moe_torch_ops`, differentiable) when torch.compile is
     tracing a call on torch tensors, or when autograd records one (x or one
     of `more` requires grad), else None."""
-    if _op_depth.depth or not _arrays.is_torch(x):
+    if _tracing.depth or not _arrays.is_torch(x):
         return None
-    torch = _arrays._torch()
-    if not torch.compiler.is_compiling():
+    torch = _arrays.torch_module()
+    if not _tracing.compiling():
         # Attribute reads first: the no-grad path pays the least.
         if not x.requires_grad:
             for m in more:
@@ -92,7 +92,7 @@ def dispatch_rows(assignments: int, num_experts: int, capacity: int | None, layo
 def torch_outputs(hidden: Any, num_experts: int, num_tokens: int, top_k: int, rows: int) -> MoEDispatch:
     """Uninitialised outputs of a dispatch of torch `hidden` [T, H]:
     offsets, dest and src are views of one int32 allocation."""
-    torch = _arrays._torch()
+    torch = _arrays.torch_module()
     assignments, device = num_tokens * top_k, hidden.device
     ints = torch.empty(num_experts + assignments + rows, dtype=torch.int32, device=device)
     return MoEDispatch(hidden.new_empty((rows,) + tuple(hidden.shape[1:])), ints[:num_experts],
@@ -110,7 +110,7 @@ def _empty(like: Any, shape: tuple, dtype: Any = None) -> Any:
     """An uninitialised array beside `like` (torch or NumPy), of `dtype`
     (a name, or None for like's dtype)."""
     if _arrays.is_torch(like):
-        torch = _arrays._torch()
+        torch = _arrays.torch_module()
         return torch.empty(shape, dtype=like.dtype if dtype is None else getattr(torch, dtype),
                            device=like.device)
     return np.empty(shape, dtype=like.dtype if dtype is None else dtype)
@@ -252,7 +252,7 @@ def moe_gather_rows(src: Any, dest: Any, num_rows: int, *, weights: Any = None, 
     [T, H], and the re-gather of a dispatch's rows from hidden (weights None)."""
     ops = _ops(src, weights) if out is None else None
     if ops is not None:
-        torch = _arrays._torch()
+        torch = _arrays.torch_module()
         dtype = src.dtype if out_dtype is None else getattr(torch, _dtype_name(out_dtype))
         return ops.moe_gather_rows(src, dest, weights, num_rows, dtype)
     if out is None:
@@ -270,7 +270,7 @@ def moe_weight_grad(a: Any, b: Any, dest: Any, *, a_by_row: bool = False, out: A
     a its output's gradient [T, H], b its rows [R, H]."""
     ops = _ops(a, b) if out is None else None
     if ops is not None:
-        torch = _arrays._torch()
+        torch = _arrays.torch_module()
         dtype = a.dtype if out_dtype is None else getattr(torch, _dtype_name(out_dtype))
         return ops.moe_weight_grad(a, b, dest, a_by_row, dtype)
     if out is None:
@@ -305,9 +305,9 @@ def topk_softmax(logits: Any, k: int, *, renormalize: bool = True, out_dtype: An
     NaN or +inf logit, or only -inf logits, gets NaN weights (as torch's
     softmax gives) and experts 0 .. k-1 in torch's order for equal values
     (1, 0 for k = 2)."""
-    ops = _ops(logits) if _arrays.is_torch(logits) and _arrays._torch().compiler.is_compiling() else None
+    ops = _ops(logits) if _arrays.is_torch(logits) and _tracing.compiling() else None
     if ops is not None:
-        torch = _arrays._torch()
+        torch = _arrays.torch_module()
         dtype = torch.float32 if out_dtype is None else getattr(torch, _dtype_name(out_dtype))
         return tuple(ops.topk_softmax(logits, k, renormalize, dtype, index_dtype))
     shape = _arrays.shape_of(logits)

@@ -200,7 +200,7 @@ class HuggingFaceMoEInplaceHook:
             raise ValueError(f"mode must be 'swap' or 'move', got {mode!r}")
         self.mode = mode
         self.normalize_top_k = bool(normalize_top_k)
-        if _arrays._torch() is not None:
+        if _arrays.torch_module() is not None:
             _compact_function()  # built here, outside any compiled region that calls the hook
 
     def __repr__(self) -> str:
