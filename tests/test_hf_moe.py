@@ -319,7 +319,7 @@ def test_per_expert_loop_matches_grouped_mm(monkeypatch):
     index, weights = skewed_routing(33, 8, 2, seed=1)
     with torch.no_grad():
         grouped = run_experts(experts, hidden, index, weights, "idempotent")
-        monkeypatch.setattr(_dispatch, "_grouped_mm_usable", lambda x, w: False)
+        monkeypatch.setattr(_dispatch, "grouped_mm_usable", lambda x, w: False)
         looped = run_experts(experts, hidden, index, weights, "idempotent")
     torch.testing.assert_close(looped, grouped, rtol=1e-6, atol=1e-6)
 
@@ -574,9 +574,9 @@ def test_the_default_gate_is_known_while_tracing_with_or_without_an_eager_forwar
         torch._dynamo.reset()
         experts = standalone_experts()
         if eager_first:
-            assert _dispatch._default_gate(experts) is True
+            assert _dispatch.default_gate(experts) is True
             assert experts.__dict__[_dispatch._DEFAULT_GATE] is True
-        traced = torch.compile(lambda x, e=experts: x + 1 if _dispatch._default_gate(e) else x - 1,
+        traced = torch.compile(lambda x, e=experts: x + 1 if _dispatch.default_gate(e) else x - 1,
                                backend="eager", fullgraph=True)
         assert traced(torch.zeros(2)).tolist() == [1.0, 1.0]
         assert (_dispatch._DEFAULT_GATE in experts.__dict__) is eager_first  # not written while tracing
@@ -716,19 +716,19 @@ def test_compiled_dropless_is_differentiable_for_fp32():
 
 def test_grouped_mm_while_compiling_follows_transformers_rules():
     w = torch.zeros(2, 4, 4)
-    assert not _dispatch._grouped_mm_compiles(w)
-    assert not _dispatch._grouped_mm_compiles(w.half())
+    assert not _dispatch.grouped_mm_compiles(w)
+    assert not _dispatch.grouped_mm_compiles(w.half())
     expected = _dispatch._torch_version() >= (2, 11) and hasattr(torch.nn.functional, "grouped_mm")
-    assert _dispatch._grouped_mm_compiles(w.bfloat16()) == expected
+    assert _dispatch.grouped_mm_compiles(w.bfloat16()) == expected
 
 
 def test_routing_checks_are_skipped_only_while_compiling(monkeypatch):
-    from idempotent_moe import _sorting
+    from idempotent_moe import _tracing
 
     bad = torch.tensor([[0, 1], [2, 2]])
     with pytest.raises(ValueError, match="distinct"):
         _dispatch.sort_by_expert(bad, 4)
-    monkeypatch.setattr(_sorting, "compiling", lambda: True)
+    monkeypatch.setattr(_tracing, "compiling", lambda: True)
     _dispatch.sort_by_expert(bad, 4)  # not checked: a data-dependent branch while tracing
 
 
@@ -804,7 +804,7 @@ def test_cpu_runs_poison_uninitialized_memory():
     x, w = torch.ones(4, 16), torch.ones(2, 16, 16)
     out = _dispatch.grouped_linear(x, w, torch.tensor([1, 2], dtype=torch.int32), True)
     assert (out[:2] == 16).all()
-    if _dispatch._grouped_mm_usable(x, w):  # else a loop that writes zeros there
+    if _dispatch.grouped_mm_usable(x, w):  # else a loop that writes zeros there
         assert out[2:].isnan().all()
 
 

@@ -13,12 +13,12 @@ import numpy as np
 INDEX_DTYPES = ("int32", "int64")
 
 
-def _torch():
+def torch_module():
     return sys.modules.get("torch")
 
 
 def is_torch(x: Any) -> bool:
-    torch = _torch()
+    torch = torch_module()
     return torch is not None and isinstance(x, torch.Tensor)
 
 
@@ -85,7 +85,7 @@ def empty_index(like: Any, shape: Sequence[int], dtype: str) -> Any:
         raise ValueError(f"index_dtype must be one of {INDEX_DTYPES}, got {dtype!r}")
     shape = tuple(int(s) for s in shape)
     if is_torch(like):
-        torch = _torch()
+        torch = torch_module()
         return torch.empty(shape, dtype=getattr(torch, dtype), device=like.device)
     if isinstance(like, np.ndarray) or like is None:
         return np.empty(shape, dtype=dtype)
@@ -105,7 +105,7 @@ def as_index_array(values: Any, like: Any, name: str) -> Any:
             raise TypeError(f"{name} must hold ints, got {arr.dtype} values")
         arr = arr.astype(np.int64)
         if is_torch(like):
-            return _torch().from_numpy(arr).to(like.device)
+            return torch_module().from_numpy(arr).to(like.device)
         return arr
     check_array(values, name)
     return values
@@ -154,7 +154,7 @@ def dlpack_stream(x: Any) -> int | str | None:
     if type(x) is _exchanged:  # the hot case: one comparison
         return CURRENT_STREAM
     if _exchanged is None:
-        torch = _torch()
+        torch = torch_module()
         if torch is not None and type(x) is torch.Tensor:
             from ._native import native
 
@@ -167,7 +167,7 @@ def dlpack_stream(x: Any) -> int | str | None:
 def stream_value(x: Any) -> int | None:
     """The DLPack stream value of the caller's current stream on x's device:
     None for host memory. The default stream is 1 (DLPack's legacy default)."""
-    torch = _torch()
+    torch = torch_module()
     if torch is not None and type(x) is torch.Tensor:
         return _torch_stream(torch, x.get_device()) if x.is_cuda else None
     device = cuda_device_of(x)

@@ -22,9 +22,9 @@ EXPERTS_MODULE = "transformers.integrations.moe"
 
 def _register() -> None:
     try:
-        from .integrations import hf_experts
+        from . import integrations
 
-        hf_experts.register()
+        integrations.register()
     except ImportError as e:  # an older transformers, or no native part: say so, do not fail its import
         warnings.warn(f"idempotent_moe: the 'idempotent' experts implementation was not registered: {e}",
                       stacklevel=3)

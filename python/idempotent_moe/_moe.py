@@ -70,9 +70,10 @@ def check_top_k_index(top_k_index: torch.Tensor, num_experts: int, name: str, *,
     Checked on CPU tensors only, and not while torch.compile traces (reading
     the result is a data-dependent branch there, and on a GPU a host
     synchronisation)."""
-    from ._sorting import check_distinct_per_row, compiling
+    from . import _tracing
+    from ._sorting import check_distinct_per_row
 
-    if top_k_index.device.type != "cpu" or not top_k_index.numel() or compiling():
+    if top_k_index.device.type != "cpu" or not top_k_index.numel() or _tracing.compiling():
         return
     lo, hi = int(top_k_index.min()), int(top_k_index.max())
     if lo < 0 or (hi >= num_experts and not sentinels):
@@ -195,9 +196,9 @@ def combine_slots(expert_outputs: torch.Tensor, indices: torch.Tensor, weights: 
     # The tokens named: read on CPU tensors only (on a GPU a host
     # synchronisation), and not while torch.compile traces (a data-dependent
     # branch there).
-    from ._sorting import compiling
+    from . import _tracing
 
-    if indices.device.type == "cpu" and indices.numel() and not compiling():
+    if indices.device.type == "cpu" and indices.numel() and not _tracing.compiling():
         lo, hi = int(indices.min()), int(indices.max())
         if lo < 0 or hi >= num_tokens:
             raise ValueError(f"indices must lie in [0, num_tokens = {num_tokens}), got [{lo}, {hi}]")

@@ -34,7 +34,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from . import _op_depth, moe_ops
+from . import _tracing, moe_ops
 from ._moe import combine as _torch_combine
 
 CORE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -182,37 +182,37 @@ def zero_tail(x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
 # An op's real implementation sees its inputs as autograd recorded them
 # (requires_grad set, which DLPack refuses): each is detached first.
 
-def _plain(*xs):
+def detached(*xs):
     return tuple(None if x is None else x.detach() for x in xs)
 
 
 def gated_act_direct(gate_up, act, limit):
-    gate_up, limit = _plain(gate_up, limit)
-    with _op_depth.inside_op():
+    gate_up, limit = detached(gate_up, limit)
+    with _tracing.inside_op():
         if on_core(gate_up):
             return moe_ops.gated_act(gate_up, act, limit=limit)
         return ref_gated_act(gate_up, act, limit)
 
 
 def gated_act_backward_direct(gate_up, grad, act, limit):
-    gate_up, grad, limit = _plain(gate_up, grad, limit)
-    with _op_depth.inside_op():
+    gate_up, grad, limit = detached(gate_up, grad, limit)
+    with _tracing.inside_op():
         if on_core(gate_up, grad):
             return moe_ops.gated_act_backward(gate_up, grad.contiguous(), act, limit=limit)
         return ref_gated_act_backward(gate_up, grad, act, limit)
 
 
 def combine_direct(rows, dest, weights, out_dtype):
-    rows, dest, weights = _plain(rows, dest, weights)
-    with _op_depth.inside_op():
+    rows, dest, weights = detached(rows, dest, weights)
+    with _tracing.inside_op():
         if on_core(rows, weights) and out_dtype in CORE_DTYPES:
             return moe_ops.moe_combine(rows.contiguous(), dest, weights, out_dtype=out_dtype)
         return ref_combine(rows, dest, weights, out_dtype)
 
 
 def gather_rows_direct(src, dest, weights, num_rows, out_dtype):
-    src, dest, weights = _plain(src, dest, weights)
-    with _op_depth.inside_op():
+    src, dest, weights = detached(src, dest, weights)
+    with _tracing.inside_op():
         if on_core(src) and out_dtype in CORE_DTYPES and (weights is None or on_core(weights)):
             return moe_ops.moe_gather_rows(src.contiguous(), dest, num_rows, weights=weights,
                                            out_dtype=out_dtype)
@@ -220,8 +220,8 @@ def gather_rows_direct(src, dest, weights, num_rows, out_dtype):
 
 
 def weight_grad_direct(a, b, dest, a_by_row, out_dtype):
-    a, b, dest = _plain(a, b, dest)
-    with _op_depth.inside_op():
+    a, b, dest = detached(a, b, dest)
+    with _tracing.inside_op():
         if on_core(a, b) and out_dtype in CORE_DTYPES:
             return moe_ops.moe_weight_grad(a.contiguous(), b.contiguous(), dest, a_by_row=a_by_row,
                                            out_dtype=out_dtype)
@@ -229,8 +229,8 @@ def weight_grad_direct(a, b, dest, a_by_row, out_dtype):
 
 
 def grouped_gemm_direct(a, w, offsets):
-    a, w, offsets = _plain(a, w, offsets)
-    with _op_depth.inside_op():
+    a, w, offsets = detached(a, w, offsets)
+    with _tracing.inside_op():
         if on_core(a, w):
             return moe_ops.grouped_gemm(a, w, offsets)
         return grouped_mm(a, w, offsets)
@@ -249,9 +249,9 @@ def row_weights(dest: torch.Tensor, weights: torch.Tensor, num_rows: int, dtype)
 def experts_forward_direct(hidden, top_k_index, top_k_weights, w_up, w_down, act, num_experts,
                            capacity, skip_foreign):
     """(out [T, H], gate_up [R, 2I], offsets, dest, dropped); see the module."""
-    hidden, top_k_index, top_k_weights, w_up, w_down = _plain(hidden, top_k_index, top_k_weights, w_up,
+    hidden, top_k_index, top_k_weights, w_up, w_down = detached(hidden, top_k_index, top_k_weights, w_up,
                                                               w_down)
-    with _op_depth.inside_op():
+    with _tracing.inside_op():
         # Read for the capacity's selection; and for the check that each
         # token's local experts of nonzero weight are distinct (on the CPU),
         # as on every path of the experts implementation.
@@ -272,9 +272,9 @@ def experts_forward_direct(hidden, top_k_index, top_k_weights, w_up, w_down, act
 def experts_backward_direct(grad_out, hidden, top_k_weights, w_up, w_down, gate_up, offsets, dest, act,
                             need_hidden, need_weights, need_up, need_down):
     """(d_hidden, d_weights, d_w_up, d_w_down), each an empty tensor where not needed."""
-    grad_out, hidden, top_k_weights, w_up, w_down, gate_up, offsets, dest = _plain(
+    grad_out, hidden, top_k_weights, w_up, w_down, gate_up, offsets, dest = detached(
         grad_out, hidden, top_k_weights, w_up, w_down, gate_up, offsets, dest)
-    with _op_depth.inside_op():
+    with _tracing.inside_op():
         rows, num_experts = gate_up.shape[0], w_up.shape[0]
         dt = gate_up.dtype
         def none():  # a fresh empty per output (custom op outputs may not alias)

@@ -18,7 +18,7 @@ from typing import Optional
 import torch
 
 from . import _moe_autograd as ag
-from . import _op_depth, moe_ops
+from . import _tracing, moe_ops
 
 AVAILABLE = hasattr(torch.library, "custom_op")  # torch 2.4 on
 T = torch.Tensor
@@ -29,10 +29,10 @@ if AVAILABLE:
     def _dispatch_op(hidden: T, top_k_index: T, top_k_weights: Optional[T], num_experts: int,
                      capacity: Optional[int], layout: str, skip_foreign: bool,
                      distinct: bool = False) -> tuple[T, T, T, T, T]:
-        hidden, top_k_index, top_k_weights = ag._plain(hidden, top_k_index, top_k_weights)
+        hidden, top_k_index, top_k_weights = ag.detached(hidden, top_k_index, top_k_weights)
         if top_k_weights is not None and not ag.on_core(top_k_weights):  # float64: selection only
             top_k_weights = top_k_weights.float()
-        with _op_depth.inside_op():
+        with _tracing.inside_op():
             return tuple(moe_ops.moe_dispatch(hidden, top_k_index, num_experts, top_k_weights=top_k_weights,
                                               capacity=capacity, layout=layout, skip_foreign=skip_foreign,
                                               distinct=distinct, _apart=True))  # outputs may not alias
@@ -72,7 +72,7 @@ if AVAILABLE:
     @torch.library.custom_op("idempotent_moe::topk_softmax", mutates_args=())
     def _router_op(logits: T, k: int, renormalize: bool, out_dtype: torch.dtype,
                    index_dtype: str) -> tuple[T, T]:
-        with _op_depth.inside_op():
+        with _tracing.inside_op():
             return moe_ops.topk_softmax(logits, k, renormalize=renormalize, out_dtype=out_dtype,
                                         index_dtype=index_dtype)
 

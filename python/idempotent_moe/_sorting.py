@@ -31,14 +31,6 @@ def counting_sort(keys: torch.Tensor, num_keys: int) -> tuple[torch.Tensor, torc
     return perm, dest, counts
 
 
-def compiling() -> bool:
-    """Whether torch.compile (dynamo) is tracing the caller: host-side checks
-    that read tensor values are skipped then (a data-dependent branch breaks
-    the graph, and `fullgraph=True` refuses it)."""
-    is_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", None)
-    return bool(is_compiling()) if is_compiling is not None else False
-
-
 def check_distinct_per_row(index: torch.Tensor, name: str, *, below: int | None = None,
                            weights: torch.Tensor | None = None) -> None:
     """ValueError when a row of index [T, k] repeats a value (a token routed

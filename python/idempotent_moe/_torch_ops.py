@@ -3,7 +3,7 @@
 opaque op instead of breaking the graph at the native call.
 
 Imported only when the public functions see torch.compile tracing a call
-(`functional._traced_ops`), so `import idempotent_moe` never imports torch.
+(`functional.traced_ops`), so `import idempotent_moe` never imports torch.
 
 Each op declares the arguments it writes (`mutates_args`: the buffers, the
 index outputs, the workspace) and returns nothing: a custom op may not return
@@ -12,7 +12,7 @@ outputs the caller did not give (with torch.empty, which traces), call the op,
 and make the views (narrow) themselves. The fake implementations therefore
 have no output to shape. The real implementation of an op calls the public
 function, whose direct path (the binding) does every check and the work; the
-public function knows it runs inside an op (`_op_depth`) and does not route
+public function knows it runs inside an op (`_tracing`) and does not route
 again.
 
 Options become op arguments of schema types str / int / bool (`mode` is
@@ -23,7 +23,7 @@ from typing import Any, Optional
 
 import torch
 
-from . import _arrays, _op_depth, functional, paged
+from . import _arrays, _shapes, _tracing, functional, paged
 
 AVAILABLE = hasattr(torch.library, "custom_op")  # torch 2.4 on
 
@@ -38,7 +38,7 @@ def takes(*arrays: Any) -> bool:
     sequence of ints, at least one is a tensor, and no op's real
     implementation is running. NumPy arrays and other DLPack producers keep
     the direct path."""
-    if not AVAILABLE or _op_depth.depth:
+    if not AVAILABLE or _tracing.depth:
         return False
     found = False
     for a in arrays:
@@ -83,7 +83,7 @@ def _index_tensor(values: Any, like: Any, name: str) -> Any:
 
 
 def _bufs(x: Any) -> tuple[list, bool]:
-    return functional._buffers(x)
+    return _shapes.buffers(x)
 
 
 def _narrowed(bufs: list, dims: list, kept: Any, many: bool) -> Any:
@@ -118,7 +118,7 @@ if AVAILABLE:
                     apply_mode: str, order: str, protected_prefix: int, recent_window: int, nan: str,
                     out_indices: T, out_target_map: OptT, workspace: OptT,
                     num_threads: Optional[int]) -> None:
-        with _op_depth.inside_op():
+        with _tracing.inside_op():
             functional.compact_(
                 x, scores, capacity, active_indices=active_indices, dim=dim, mode=apply_mode,
                 order=order, protected_prefix=protected_prefix, recent_window=recent_window, nan=nan,
@@ -131,7 +131,7 @@ if AVAILABLE:
                 out_target_map: OptT, workspace: OptT, num_threads: Optional[int]) -> None:
         form = "both" if out_indices is not None and out_target_map is not None else (
             "indices" if out_indices is not None else "target_map")
-        with _op_depth.inside_op():
+        with _tracing.inside_op():
             functional.idempotent_map(
                 scores, capacity, active_indices=active_indices, num_slots=num_slots,
                 lead_shape=lead_shape, form=form, order=order, protected_prefix=protected_prefix,
@@ -141,41 +141,41 @@ if AVAILABLE:
     @_op("apply_map_", ("x", "workspace"))
     def _apply_op(x: list[T], indices: OptT, target_map: OptT, dim: Optional[int], apply_mode: str,
                   order: str, workspace: OptT, num_threads: Optional[int]) -> None:
-        with _op_depth.inside_op():
+        with _tracing.inside_op():
             functional.apply_map_(x, indices, target_map=target_map, dim=dim, mode=apply_mode,
                                   order=order, workspace=workspace, num_threads=num_threads)
 
     @_op("restore_", ("x", "workspace"))
     def _restore_op(x: list[T], indices: T, dim: Optional[int], order: str, workspace: OptT,
                     num_threads: Optional[int]) -> None:
-        with _op_depth.inside_op():
+        with _tracing.inside_op():
             functional.restore_(x, indices, dim=dim, order=order, workspace=workspace,
                                 num_threads=num_threads)
 
     @_op("permute_", ("x", "workspace"))
     def _permute_op(x: list[T], perm: T, dim: Optional[int], inverse: bool, workspace: OptT,
                     num_threads: Optional[int]) -> None:
-        with _op_depth.inside_op():
+        with _tracing.inside_op():
             functional.permute_(x, perm, dim=dim, inverse=inverse, workspace=workspace,
                                 num_threads=num_threads)
 
     @_op("ungroup_", ("x", "workspace"))
     def _ungroup_op(x: list[T], perm: T, dim: Optional[int], workspace: OptT,
                     num_threads: Optional[int]) -> None:
-        with _op_depth.inside_op():
+        with _tracing.inside_op():
             functional.ungroup_(x, perm, dim=dim, workspace=workspace, num_threads=num_threads)
 
     @_op("group_by_expert_", ("x", "out_offsets", "out_perm", "workspace"))
     def _group_op(x: list[T], expert_ids: T, num_experts: int, dim: Optional[int], out_offsets: T,
                   out_perm: T, workspace: OptT, num_threads: Optional[int]) -> None:
-        with _op_depth.inside_op():
+        with _tracing.inside_op():
             functional.group_by_expert_(x, expert_ids, num_experts, dim=dim, out_offsets=out_offsets,
                                         out_perm=out_perm, workspace=workspace, num_threads=num_threads)
 
     @_op("apply_paged_map_", ("caches", "workspace"))
     def _apply_paged_op(caches: list[T], block_tables: T, target_map: T, layout: str, apply_mode: str,
                         num_threads: Optional[int], workspace: OptT) -> None:
-        with _op_depth.inside_op():
+        with _tracing.inside_op():
             paged.apply_paged_map_(caches, block_tables, target_map, layout=layout, mode=apply_mode,
                                    num_threads=num_threads, workspace=workspace)
 
@@ -185,7 +185,7 @@ if AVAILABLE:
                           active_given: bool, target_map: OptT, layout: str, per_head: Optional[bool],
                           head_reduce: str, protected_prefix: int, recent_window: int, apply_mode: str,
                           nan: str, num_threads: Optional[int], out_target_map: OptT) -> None:
-        with _op_depth.inside_op():
+        with _tracing.inside_op():
             result = paged.compact_paged_(
                 caches, block_tables, seq_lens, capacity, scores,
                 active_indices=active_indices if active_given else None,
@@ -209,10 +209,10 @@ def compact_(x, scores, capacity, *, active_indices, dim, mode, order, protected
         _arrays.check_array(scores, "scores")
     active = _index_tensor(active_indices, bufs[0], "active_indices")
     shared_active = active is not None and active.dim() == 1
-    dims = functional._dims(bufs, dim, scores if scores is not None else active, shared_active)
+    dims = _shapes.slot_dims(bufs, dim, scores if scores is not None else active, shared_active)
     n = bufs[0].shape[dims[0]]
     lead = tuple(bufs[0].shape[: dims[0]])
-    capacity = functional._capacity(capacity, active)
+    capacity = _shapes.capacity_of(capacity, active)
     kept = max(0, min(capacity, n))
     if out_indices is None:
         out_indices = _arrays.empty_index(bufs[0], lead + (kept,), index_dtype)
@@ -231,8 +231,8 @@ def idempotent_map(scores, capacity, *, active_indices, num_slots, lead_shape, f
     if scores is not None:
         _arrays.check_array(scores, "scores")
     active = _index_tensor(active_indices, scores, "active_indices")
-    selector, lead, n = functional._map_geometry(scores, active, num_slots, lead_shape)
-    capacity = functional._capacity(capacity, active)
+    selector, lead, n = _shapes.map_geometry(scores, active, num_slots, lead_shape)
+    capacity = _shapes.capacity_of(capacity, active)
     kept = max(0, min(capacity, n))
     if form in ("indices", "both") and out_indices is None:
         out_indices = _arrays.empty_index(selector, lead + (kept,), index_dtype)
@@ -256,7 +256,7 @@ def apply_map_(x, indices, *, target_map, dim, mode, order, workspace, num_threa
     _arrays.check_array(the_map, "indices" if indices is not None else "target_map")
     out = x
     if indices is not None:
-        out = _narrowed(bufs, functional._dims(bufs, dim, indices, False), indices.shape[-1], many)
+        out = _narrowed(bufs, _shapes.slot_dims(bufs, dim, indices, False), indices.shape[-1], many)
     torch.ops.idempotent_moe.apply_map_(bufs, indices, target_map, dim, _str(mode, "mode"),
                                         _str(order, "order"), workspace,
                                         _opt_int(num_threads, "num_threads"))
@@ -306,7 +306,7 @@ def group_by_expert_(x, expert_ids, num_experts, *, dim, out_offsets, out_perm, 
 
 
 def apply_paged_map_(caches, block_tables, target_map, *, layout, mode, num_threads, workspace) -> None:
-    pools = paged._as_list(caches)
+    pools = _shapes.as_list(caches)
     torch.ops.idempotent_moe.apply_paged_map_(pools, block_tables, target_map, _str(layout, "layout"),
                                               _str(mode, "mode"), _opt_int(num_threads, "num_threads"),
                                               workspace)
@@ -331,10 +331,10 @@ def compact_paged_(caches, block_tables, seq_lens, capacity, scores, *, active_i
     freed blocks come from the host ints seq_lens and capacity. The freed
     blocks are 1-d tensors (copies of block_tables' entries): a compiled graph
     cannot give host lists without waiting for the data."""
-    pools = paged._as_list(caches)
+    pools = _shapes.as_list(caches)
     for i, p in enumerate(pools):
         _arrays.check_array(p, f"caches[{i}]")
-    geo = paged._pool_geometry(pools, layout)
+    geo = _shapes.pool_geometry(pools, layout)
     _arrays.check_array(block_tables, "block_tables")
     if block_tables.dim() != 2:
         raise ValueError(f"block_tables must be [S, max_blocks], got {list(block_tables.shape)}")
@@ -358,7 +358,7 @@ def compact_paged_(caches, block_tables, seq_lens, capacity, scores, *, active_i
     if target_map is None:
         if scores is not None:
             _arrays.check_array(scores, "scores")
-            heads = paged._score_heads(tuple(scores.shape), geo.heads,
+            heads = _shapes.score_heads(tuple(scores.shape), geo.heads,
                                        per_head if geo.heads is not None else False)
             device = scores.device
         else:

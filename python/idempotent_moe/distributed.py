@@ -22,9 +22,10 @@ One forward, per rank:
    crosses the network, and the receive buffer holds at most L * C rows;
 4. all_to_all_single of the (kept) token rows into one receive buffer,
    ordered by (source rank, local expert, source token);
-5. the experts run on the received rows. With `experts=` (the weights of a
-   transformers experts module, or gate/up and down tensors), one grouped
-   call over all local experts on the library's fused experts path. With
+5. the experts run on the received rows. With `experts=` (a transformers
+   experts module, gate/up and down tensors run on the library's fused
+   experts path, or a grouped callable of yours), one call over all local
+   experts. With
    `expert_fn(expert, rows)`, one call per local expert on its rows, grouped
    in place in the receive buffer (`group_by_expert_`, a stable counting
    sort) and ungrouped after (out of place when a gradient is recorded);
@@ -117,13 +118,14 @@ class ExpertParallelDispatcher:
                 local expert that received rows, with its global index and
                 its rows (n >= 1, in an unspecified order: rows must be
                 treated independently); the output is cast to hidden's dtype.
-    experts     the local experts' weights, run in one grouped call on the
-                library's fused experts path: a transformers experts module
-                (run through the "idempotent" implementation, dropless) or a
-                tuple (w_up [n, D, 2I], w_down [n, I, D], act) of gate/up and
-                down weights in GEMM layout with act one of "silu", "gelu",
-                "gelu_tanh", "relu". n is E (all experts, sliced here) or L
-                (this rank's shard).
+    experts     the local experts in one grouped call: a transformers experts
+                module (its own forward, with top-1 routing and unit weights:
+                set it dropless), a tuple (w_up [n, D, 2I], w_down [n, I, D],
+                act) of gate/up and down weights in GEMM layout, run on the
+                library's fused experts path, with act one of "silu", "gelu",
+                "gelu_tanh", "relu" (n is E, all experts, sliced here, or L,
+                this rank's shard), or a callable (rows [n, D], local_ids
+                [n]) -> [n, D].
 
     Every rank of the group must call it (T may differ between ranks, and
     may be 0). `last_stats` holds a DispatchStats of the last call.
@@ -384,6 +386,10 @@ class _LocalExperts:
 
     def __init__(self, experts, num_experts: int, local: int, first: int):
         self.local, self.first, self.num_experts = local, first, num_experts
+        self.module = self.call = None
+        if callable(experts) and not isinstance(experts, torch.nn.Module):
+            self.call, self.requires_grad = experts, False  # the caller's own grouped call
+            return
         if isinstance(experts, torch.nn.Module):
             n = getattr(experts, "num_experts", None)
             if n not in (num_experts, local):
@@ -393,8 +399,8 @@ class _LocalExperts:
             self.requires_grad = any(p.requires_grad for p in experts.parameters())
             return
         if not (isinstance(experts, tuple) and len(experts) == 3):
-            raise TypeError("experts must be a transformers experts module or a tuple (w_up, w_down, act), "
-                            f"got {type(experts).__name__}")
+            raise TypeError("experts must be a transformers experts module, a tuple (w_up, w_down, act) or a "
+                            f"callable (rows, local_ids) -> outputs, got {type(experts).__name__}")
         w_up, w_down, act = experts
         if not (isinstance(w_up, torch.Tensor) and isinstance(w_down, torch.Tensor)):
             raise TypeError("experts=(w_up, w_down, act): w_up and w_down must be torch tensors")
@@ -409,16 +415,21 @@ class _LocalExperts:
             w_up, w_down = w_up[first:first + local], w_down[first:first + local]
         if act not in ("silu", "gelu", "gelu_tanh", "relu"):
             raise ValueError(f"experts' act must be 'silu', 'gelu', 'gelu_tanh' or 'relu', got {act!r}")
-        self.module, self.weights, self.act = None, (w_up, w_down), act
+        self.weights, self.act = (w_up, w_down), act
         self.requires_grad = w_up.requires_grad or w_down.requires_grad
 
     def __call__(self, rows: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
+        if self.call is not None:
+            out = self.call(rows, local_ids)
+            if not isinstance(out, torch.Tensor) or tuple(out.shape) != tuple(rows.shape):
+                got = list(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+                raise ValueError(f"experts(rows {list(rows.shape)}, local_ids) must return a tensor of the "
+                                 f"rows' shape, got {got}")
+            return out
         ids = local_ids.view(-1, 1)
-        if self.module is not None:
-            from .integrations.hf_experts import experts_forward
-
+        if self.module is not None:  # its own forward: top-1, unit weights
             ones = torch.ones(ids.shape, dtype=rows.dtype, device=rows.device)
-            return experts_forward(self.module, rows, ids + self.offset, ones, None)
+            return self.module(rows, ids + self.offset, ones)
         from ._moe_autograd import fused_experts
 
         w_up, w_down = self.weights

@@ -35,31 +35,17 @@ import weakref
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
-from . import _arrays
+from . import _arrays, _shapes, _tracing
 from ._native import native
 
 _num_threads = 0
 
 
-def _torch_not_seen() -> bool:
-    """`_compiling` until torch is imported: then it becomes torch's own
-    is_compiling, which torch.compile folds to True while it traces."""
-    global _compiling
-    torch = _arrays._torch()
-    if torch is None:
-        return False
-    _compiling = torch.compiler.is_compiling
-    return _compiling()
-
-
-_compiling = _torch_not_seen
-
-
-def _traced_ops(*arrays: Any) -> Any:
+def traced_ops(*arrays: Any) -> Any:
     """The module of torch ops (`_torch_ops`) when torch.compile is tracing a
     call on torch tensors, else None: then the call takes its direct path.
-    Costs an eager call about 0.2 us (torch's is_compiling, kept here)."""
-    if not _compiling():
+    Costs an eager call about 0.2 us (torch's is_compiling)."""
+    if not _tracing.compiling():
         return None
     from . import _torch_ops
 
@@ -137,7 +123,7 @@ def check_errors(x: Any = None) -> None:
     this function returns at once.
     """
     if x is None:
-        torch = _arrays._torch()
+        torch = _arrays.torch_module()
         if torch is None or not torch.cuda.is_available() or not cuda_available():
             return
         x = torch.empty(0, device="cuda")
@@ -194,39 +180,6 @@ def _workspace(workspace: Any, like: Any, kind: str, rows: int, n: int) -> Any:
     return _arrays.empty_index(like, (plan_workspace_elems(kind, rows, n, cuda=True),), "int32")
 
 
-def _buffers(x: Any) -> tuple[list, bool]:
-    """The buffers as a list, and whether the caller passed a sequence."""
-    if isinstance(x, (list, tuple)):
-        if not x:
-            raise ValueError("x is an empty sequence: give at least one buffer")
-        for i, b in enumerate(x):
-            _arrays.check_array(b, f"x[{i}]")
-        return list(x), True
-    _arrays.check_array(x, "x")
-    return [x], False
-
-
-def _default_dim(bufs: list, selector: Any, shared_active: bool) -> int:
-    if selector is not None and not shared_active:
-        return len(_arrays.shape_of(selector)) - 1
-    ndim = len(_arrays.shape_of(bufs[0]))
-    if ndim < 2:
-        raise ValueError("dim is needed for a 1-d buffer (it would hold no row axis)")
-    return ndim - 2
-
-
-def _dims(bufs: list, dim: int | None, selector: Any, shared_active: bool) -> list[int]:
-    if dim is None:
-        dim = _default_dim(bufs, selector, shared_active)
-    return [
-        _arrays.normalize_dim(dim, len(_arrays.shape_of(b)), f"x[{i}]") for i, b in enumerate(bufs)
-    ]
-
-
-def _row_ndims(bufs: list, dims: list[int]) -> list[int]:
-    return [len(_arrays.shape_of(b)) - d - 1 for b, d in zip(bufs, dims)]
-
-
 def _selector(scores: Any, active_indices: Any, like: Any) -> tuple[Any, Any]:
     """scores, or active indices as an index array (a list becomes one)."""
     if scores is not None:
@@ -234,15 +187,6 @@ def _selector(scores: Any, active_indices: Any, like: Any) -> tuple[Any, Any]:
     if active_indices is not None:
         active_indices = _arrays.as_index_array(active_indices, like, "active_indices")
     return scores, active_indices
-
-
-def _capacity(capacity: Any, active: Any) -> int:
-    """C as an int: with active indices it defaults to their count K."""
-    if capacity is None and active is not None:
-        return _arrays.shape_of(active)[-1]
-    if capacity is None:
-        raise TypeError("capacity is required with scores")
-    return _arrays.check_int(capacity, "capacity", minimum=None)
 
 
 # The index arrays a move-mode compact_ wrote last, by id, while they live
@@ -334,7 +278,7 @@ def compact_(
     raises leaves every buffer and output exactly as it was. The indices of
     a move-mode call are remembered (weakly): `restore_` refuses them.
     """
-    ops = _traced_ops(x, scores, active_indices, out_indices, out_target_map, workspace)
+    ops = traced_ops(x, scores, active_indices, out_indices, out_target_map, workspace)
     if ops is not None:
         return ops.compact_(
             x, scores, capacity, active_indices=active_indices, dim=dim, mode=mode, order=order,
@@ -343,25 +287,25 @@ def compact_(
             workspace=workspace, num_threads=num_threads)
     if (active_indices is None and workspace is None and num_threads is None
             and index_dtype in _arrays.INDEX_DTYPES):
-        torch = _arrays._torch()
-        d = _direct_axis(torch, x, scores, capacity, dim, order)
+        torch = _arrays.torch_module()
+        d = direct_axis(torch, x, scores, capacity, dim, order)
         if d is not None:
-            return _compact_tensors(torch, x, scores, capacity, d, mode, protected_prefix, recent_window,
+            return compact_tensors(torch, x, scores, capacity, d, mode, protected_prefix, recent_window,
                                     nan, out_indices, out_target_map, index_dtype)
-    bufs, many = _buffers(x)
+    bufs, many = _shapes.buffers(x)
     scores, active = _selector(scores, active_indices, bufs[0])
     shared_active = active is not None and len(_arrays.shape_of(active)) == 1
-    dims = _dims(bufs, dim, scores if scores is not None else active, shared_active)
+    dims = _shapes.slot_dims(bufs, dim, scores if scores is not None else active, shared_active)
     n = _arrays.shape_of(bufs[0])[dims[0]]
     lead = _arrays.shape_of(bufs[0])[: dims[0]]
-    capacity = _capacity(capacity, active)
+    capacity = _shapes.capacity_of(capacity, active)
     kept = max(0, min(capacity, n))
     if out_indices is None:
         out_indices = _arrays.empty_index(bufs[0], lead + (kept,), index_dtype)
     # Everything that can raise happens before the call writes: the views too.
     views = tuple(_arrays.narrow(b, d, kept) for b, d in zip(bufs, dims))
     native().compact(
-        bufs, dims, _row_ndims(bufs, dims), scores=scores, active_indices=active,
+        bufs, dims, _shapes.row_ndims(bufs, dims), scores=scores, active_indices=active,
         capacity=capacity, protected_prefix=protected_prefix, recent_window=recent_window,
         nan=nan, order=order, out_indices=out_indices, out_target_map=out_target_map, mode=mode,
         workspace=_workspace(workspace, bufs[0], order, _prod(lead), n),
@@ -371,24 +315,9 @@ def compact_(
     return Compacted(views if many else views[0], out_indices)
 
 
-def _map_geometry(scores: Any, active: Any, num_slots: Any, lead_shape: Any) -> tuple:
-    """(selector, lead, N) of idempotent_map: from scores [lead..., N], or from
-    active indices with num_slots (N) and, when they are shared 1-d, lead_shape."""
-    selector = scores if scores is not None else active
-    sel_shape = _arrays.shape_of(selector)
-    if scores is not None:
-        return selector, sel_shape[:-1], sel_shape[-1]
-    if num_slots is None:
-        raise TypeError("num_slots (N) is required with active_indices")
-    n = _arrays.check_int(num_slots, "num_slots")
-    if len(sel_shape) == 1:
-        return selector, tuple(_arrays.check_int(s, "lead_shape") for s in (lead_shape or ())), n
-    return selector, sel_shape[:-1], n
-
-
-def _direct_axis(torch: Any, x: Any, scores: Any, capacity: Any, dim: Any, order: str) -> int | None:
+def direct_axis(torch: Any, x: Any, scores: Any, capacity: Any, dim: Any, order: str) -> int | None:
     """The slot axis when a compaction by scores may call the core directly
-    (_compact_tensors): torch scores and buffers (_tensor_buffers) with no
+    (compact_tensors): torch scores and buffers (tensor_buffers) with no
     gradient recorded, an int capacity >= 0, order "inplace", `dim` (else
     the scores' last axis) an int >= 0; else None. Callers add what their
     path also needs (compact_: no active indices, workspace or thread count)."""
@@ -396,10 +325,10 @@ def _direct_axis(torch: Any, x: Any, scores: Any, capacity: Any, dim: Any, order
             or type(capacity) is not int or capacity < 0 or scores.requires_grad):
         return None
     d = scores.dim() - 1 if dim is None else dim
-    return d if type(d) is int and d >= 0 and _tensor_buffers(torch, x, d) else None
+    return d if type(d) is int and d >= 0 and tensor_buffers(torch, x, d) else None
 
 
-def _tensor_buffers(torch: Any, x: Any, dim: int) -> bool:
+def tensor_buffers(torch: Any, x: Any, dim: int) -> bool:
     """Whether x is torch tensors with a slot axis `dim` none of which records
     a gradient: one tensor, or a non-empty list or tuple of them."""
     if type(x) is torch.Tensor:
@@ -412,12 +341,12 @@ def _tensor_buffers(torch: Any, x: Any, dim: int) -> bool:
     return True
 
 
-def _compact_tensors(torch: Any, x: Any, scores: Any, capacity: int, dim: int, mode: str,
+def compact_tensors(torch: Any, x: Any, scores: Any, capacity: int, dim: int, mode: str,
                      protected_prefix: int, recent_window: int, nan: str, out_indices: Any,
                      out_target_map: Any, index_dtype: str) -> Compacted:
     """compact_ for its most common calls, torch tensors (one, or K and V)
     with scores, the slot axis given or the scores' last (the hot path of a
-    model's layer and of a KV cache; _tensor_buffers says which): the same
+    model's layer and of a KV cache; tensor_buffers says which): the same
     call into the core, which judges every value, with what the general path
     works out here in a few lines."""
     many = type(x) is not torch.Tensor
@@ -476,7 +405,7 @@ def idempotent_map(
     """
     if form not in ("indices", "target_map", "both"):
         raise ValueError(f"form must be 'indices', 'target_map' or 'both', got {form!r}")
-    ops = _traced_ops(scores, active_indices, out_indices, out_target_map, workspace)
+    ops = traced_ops(scores, active_indices, out_indices, out_target_map, workspace)
     if ops is not None:
         return ops.idempotent_map(
             scores, capacity, active_indices=active_indices, num_slots=num_slots,
@@ -484,8 +413,8 @@ def idempotent_map(
             recent_window=recent_window, nan=nan, index_dtype=index_dtype, out_indices=out_indices,
             out_target_map=out_target_map, workspace=workspace, num_threads=num_threads)
     scores, active = _selector(scores, active_indices, None)
-    selector, lead, n = _map_geometry(scores, active, num_slots, lead_shape)
-    capacity = _capacity(capacity, active)
+    selector, lead, n = _shapes.map_geometry(scores, active, num_slots, lead_shape)
+    capacity = _shapes.capacity_of(capacity, active)
     kept = max(0, min(capacity, n))
     if form in ("indices", "both") and out_indices is None:
         out_indices = _arrays.empty_index(selector, lead + (kept,), index_dtype)
@@ -536,11 +465,11 @@ def apply_map_(
     """
     if (indices is None) == (target_map is None):
         raise ValueError("give exactly one of indices and target_map")
-    ops = _traced_ops(x, indices, target_map, workspace)
+    ops = traced_ops(x, indices, target_map, workspace)
     if ops is not None:
         return ops.apply_map_(x, indices, target_map=target_map, dim=dim, mode=mode, order=order,
                               workspace=workspace, num_threads=num_threads)
-    torch = _arrays._torch()
+    torch = _arrays.torch_module()
     if (torch is not None and type(x) is torch.Tensor and type(indices) is torch.Tensor
             and dim is None and workspace is None and num_threads is None and order == "inplace"
             and not x.requires_grad and x.dim() > indices.dim() - 1 >= 0):
@@ -551,11 +480,11 @@ def apply_map_(
         native().apply_indices((x,), (d,), (x.dim() - d - 1,), indices=indices, order=order, mode=mode,
                                workspace=None, num_threads=_num_threads, stream=_arrays.dlpack_stream(x))
         return view
-    bufs, many = _buffers(x)
+    bufs, many = _shapes.buffers(x)
     the_map = indices if indices is not None else target_map
     _arrays.check_array(the_map, "indices" if indices is not None else "target_map")
-    dims = _dims(bufs, dim, the_map, False)
-    rows = _row_ndims(bufs, dims)
+    dims = _shapes.slot_dims(bufs, dim, the_map, False)
+    rows = _shapes.row_ndims(bufs, dims)
     stream = _arrays.dlpack_stream(bufs[0])
     if target_map is not None:
         native().apply_target_map(bufs, dims, rows, target_map=target_map, order=order, mode=mode,
@@ -583,7 +512,7 @@ def restore_(x: Any, indices: Any, *, dim: int | None = None, order: str = "inpl
     A move-mode compaction cannot be undone (its dropped tokens are gone):
     ValueError for the indices array such a compaction wrote, unless a swap
     compaction has written it since. Returns x."""
-    ops = _traced_ops(x, indices, workspace)
+    ops = traced_ops(x, indices, workspace)
     if ops is not None:
         return ops.restore_(x, indices, dim=dim, order=order, workspace=workspace,
                             num_threads=num_threads)
@@ -592,12 +521,12 @@ def restore_(x: Any, indices: Any, *, dim: int | None = None, order: str = "inpl
             "restore_ undoes swap compactions only: these indices were written by "
             "compact_(..., mode='move'), which overwrote the dropped tokens (to restore another "
             "buffer compacted in swap mode with them, pass a copy)")
-    bufs, _ = _buffers(x)
+    bufs, _ = _shapes.buffers(x)
     _arrays.check_array(indices, "indices")
-    dims = _dims(bufs, dim, indices, False)
+    dims = _shapes.slot_dims(bufs, dim, indices, False)
     n = _arrays.shape_of(bufs[0])[dims[0]]
     ws = _workspace(workspace, bufs[0], order, _prod(_arrays.shape_of(indices)[:-1]), n)
-    native().restore(bufs, dims, _row_ndims(bufs, dims), indices=indices, order=order,
+    native().restore(bufs, dims, _shapes.row_ndims(bufs, dims), indices=indices, order=order,
                      workspace=ws, num_threads=resolve_num_threads(num_threads),
                      stream=_arrays.dlpack_stream(bufs[0]))
     return x
@@ -654,17 +583,17 @@ def permute_(
                changes nothing and is raised by `check_errors()`.
     Returns x.
     """
-    ops = _traced_ops(x, perm, workspace)
+    ops = traced_ops(x, perm, workspace)
     if ops is not None:
         return ops.permute_(x, perm, dim=dim, inverse=inverse, workspace=workspace,
                             num_threads=num_threads)
-    bufs, _ = _buffers(x)
+    bufs, _ = _shapes.buffers(x)
     perm = _arrays.as_index_array(perm, bufs[0], "perm")
     dims = _perm_dims(bufs, dim, perm)
     pshape = _arrays.shape_of(perm)
     n = _arrays.shape_of(bufs[0])[dims[0]]
     ws = _workspace(workspace, bufs[0], "permute", _prod(pshape[:-1]), n)
-    native().permute(bufs, dims, _row_ndims(bufs, dims), perm=perm, inverse=bool(inverse),
+    native().permute(bufs, dims, _shapes.row_ndims(bufs, dims), perm=perm, inverse=bool(inverse),
                      workspace=ws, num_threads=resolve_num_threads(num_threads),
                      stream=_arrays.dlpack_stream(bufs[0]))
     return x
@@ -705,12 +634,12 @@ def group_by_expert_(
     1024 experts), and ids out of range change nothing and are raised by
     `check_errors()`.
     """
-    ops = _traced_ops(x, expert_ids, out_offsets, out_perm, workspace)
+    ops = traced_ops(x, expert_ids, out_offsets, out_perm, workspace)
     if ops is not None:
         return ops.group_by_expert_(x, expert_ids, num_experts, dim=dim, out_offsets=out_offsets,
                                     out_perm=out_perm, index_dtype=index_dtype, workspace=workspace,
                                     num_threads=num_threads)
-    bufs, _ = _buffers(x)
+    bufs, _ = _shapes.buffers(x)
     expert_ids = _arrays.as_index_array(expert_ids, bufs[0], "expert_ids")
     num_experts = _arrays.check_int(num_experts, "num_experts")
     # The core's bound (IMOE_MAX_SLOTS, csrc/group.c), checked here too because
@@ -732,7 +661,7 @@ def group_by_expert_(
     else:
         _arrays.check_array(out_perm, "out_perm")
     ws = _workspace(workspace, bufs[0], "group", _prod(lead), t)
-    native().group_by_expert(bufs, dims, _row_ndims(bufs, dims), expert_ids=expert_ids,
+    native().group_by_expert(bufs, dims, _shapes.row_ndims(bufs, dims), expert_ids=expert_ids,
                              num_experts=num_experts, out_offsets=out_offsets, out_perm=out_perm,
                              workspace=ws, num_threads=resolve_num_threads(num_threads),
                              stream=_arrays.dlpack_stream(bufs[0]))
@@ -743,7 +672,7 @@ def ungroup_(x: Any, perm: Any, *, dim: int | None = None, workspace: Any = None
              num_threads: int | None = None) -> Any:
     """Undo `group_by_expert_` in place: every token goes back to its original
     slot (`permute_(x, perm, inverse=True)`). Returns x."""
-    ops = _traced_ops(x, perm, workspace)
+    ops = traced_ops(x, perm, workspace)
     if ops is not None:
         return ops.ungroup_(x, perm, dim=dim, workspace=workspace, num_threads=num_threads)
     return permute_(x, perm, dim=dim, inverse=True, workspace=workspace, num_threads=num_threads)

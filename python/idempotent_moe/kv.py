@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import _arrays, functional
+from . import _arrays, _tracing, functional
 from .functional import apply_map_, compact_, idempotent_map
 
 SEQ_DIM = 2
@@ -41,7 +41,7 @@ def reduce_head_scores(scores: Any, kv_heads: int, head_reduce: str = "mean") ->
     by `head_reduce`: "mean" or "max", computed in float32), or once per
     sequence [B, S] / [B, 1, S] (broadcast to every head: a view, no copy).
     Allocates only the reduced [B, kv_heads, S] float32 array when it reduces."""
-    torch = _arrays._torch()
+    torch = _arrays.torch_module()
     if (torch is not None and type(scores) is torch.Tensor and type(kv_heads) is int and kv_heads >= 1
             and scores.dim() == 3 and scores.shape[1] == kv_heads and head_reduce in HEAD_REDUCTIONS):
         return scores  # one row per KV head already: the common call, checked in a few lines
@@ -100,7 +100,7 @@ def _broadcast_heads(scores: Any, shape: tuple) -> Any:
 
 
 def _check_cache(key_cache: Any, value_cache: Any) -> None:
-    torch = _arrays._torch()
+    torch = _arrays.torch_module()
     if torch is not None and type(key_cache) is torch.Tensor and type(value_cache) is torch.Tensor:
         k_shape, v_shape = key_cache.shape, value_cache.shape  # torch.Size: a tuple
     else:
@@ -118,13 +118,13 @@ def _check_cache(key_cache: Any, value_cache: Any) -> None:
 def _direct(key_cache: Any, value_cache: Any, scores: Any, capacity: Any, active_indices: Any,
             head_reduce: str, order: str) -> Any:
     """torch when compact_kv_cache_inplace may call the core as compact_ does
-    on its direct path (functional._direct_axis), with nothing to work out
+    on its direct path (functional.direct_axis), with nothing to work out
     here: K and V 4-d, scores [B, H, S] one per KV head (as many heads as K),
     no active indices, not traced by torch.compile; else None. The core
     judges the rest: K and V [B, H, S, D] with the scores' B, H and S."""
-    torch = _arrays._torch()
-    direct = (active_indices is None and head_reduce in HEAD_REDUCTIONS and not functional._compiling()
-              and functional._direct_axis(torch, (key_cache, value_cache), scores, capacity, SEQ_DIM,
+    torch = _arrays.torch_module()
+    direct = (active_indices is None and head_reduce in HEAD_REDUCTIONS and not _tracing.compiling()
+              and functional.direct_axis(torch, (key_cache, value_cache), scores, capacity, SEQ_DIM,
                                           order) == SEQ_DIM
               and key_cache.ndim == 4 and value_cache.ndim == 4 and scores.ndim == 3
               and scores.shape[1] == key_cache.shape[1])
@@ -190,7 +190,7 @@ def compact_kv_cache_inplace(
         # The common call: the core judges every value; a refusal is named
         # by the caches' own check where it is theirs (nothing has moved).
         try:
-            result = functional._compact_tensors(
+            result = functional.compact_tensors(
                 torch, (key_cache, value_cache), attention_scores, capacity, SEQ_DIM, mode,
                 protected_prefix_len, recent_window, nan, out_indices, None, "int64")
         except ValueError:

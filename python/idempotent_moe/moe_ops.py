@@ -39,7 +39,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from . import _arrays, _op_depth
+from . import _arrays, _tracing
 from ._native import native
 from .functional import resolve_num_threads
 
@@ -67,10 +67,10 @@ def _ops(x: Any, *more: Any) -> Any:
     """The torch ops (`_moe_torch_ops`, differentiable) when torch.compile is
     tracing a call on torch tensors, or when autograd records one (x or one
     of `more` requires grad), else None."""
-    if _op_depth.depth or not _arrays.is_torch(x):
+    if _tracing.depth or not _arrays.is_torch(x):
         return None
-    torch = _arrays._torch()
-    if not torch.compiler.is_compiling():
+    torch = _arrays.torch_module()
+    if not _tracing.compiling():
         # Attribute reads first: the no-grad path pays the least.
         if not x.requires_grad:
             for m in more:
@@ -111,7 +111,7 @@ def dispatch_rows(assignments: int, num_experts: int, capacity: int | None, layo
 def torch_outputs(hidden: Any, num_experts: int, num_tokens: int, top_k: int, rows: int) -> MoEDispatch:
     """Uninitialised outputs of a dispatch of torch `hidden` [T, H]:
     offsets, dest and src are views of one int32 allocation."""
-    torch = _arrays._torch()
+    torch = _arrays.torch_module()
     assignments, device = num_tokens * top_k, hidden.device
     ints = torch.empty(num_experts + assignments + rows, dtype=torch.int32, device=device)
     return MoEDispatch(hidden.new_empty((rows,) + tuple(hidden.shape[1:])), ints[:num_experts],
@@ -138,7 +138,7 @@ def _empty(like: Any, shape: tuple, dtype: Any = None) -> Any:
     (a name, or None for like's dtype). The binding calls it (`new`) for the
     outputs it makes, once it has judged the call."""
     if _arrays.is_torch(like):
-        torch = _arrays._torch()
+        torch = _arrays.torch_module()
         return torch.empty(shape, dtype=like.dtype if dtype is None else getattr(torch, dtype),
                            device=like.device)
     return np.empty(shape, dtype=like.dtype if dtype is None else dtype)
@@ -150,7 +150,7 @@ def _dtype_name(dtype: Any) -> Any:
     does not take); any other object as it is (its TypeError)."""
     if dtype is None or isinstance(dtype, str):
         return dtype
-    torch = _arrays._torch()
+    torch = _arrays.torch_module()
     if torch is not None and isinstance(dtype, torch.dtype):
         return str(dtype).rsplit(".", 1)[-1]
     if isinstance(dtype, np.dtype) or (isinstance(dtype, type) and issubclass(dtype, np.generic)):
@@ -165,7 +165,7 @@ def _torch_dtype(dtype: Any, default: Any, name: str = "out_dtype") -> Any:
     floating-point torch dtype."""
     if dtype is None:
         return default
-    torch = _arrays._torch()
+    torch = _arrays.torch_module()
     if isinstance(dtype, torch.dtype):
         found = dtype
     else:
@@ -342,9 +342,9 @@ def topk_softmax(logits: Any, k: int, *, renormalize: bool = True, out_dtype: An
     softmax gives) and experts 0 .. k-1 in torch's order for equal values
     (1, 0 for k = 2). Not differentiable: logits that require grad are a
     TypeError."""
-    ops = _ops(logits) if _arrays.is_torch(logits) and _arrays._torch().compiler.is_compiling() else None
+    ops = _ops(logits) if _arrays.is_torch(logits) and _tracing.compiling() else None
     if ops is not None:
-        torch = _arrays._torch()
+        torch = _arrays.torch_module()
         index_dtype = _dtype_name(index_dtype)
         if index_dtype not in native().INDEX_DTYPES:
             raise ValueError(f"index_dtype must be one of {native().INDEX_DTYPES}, got {index_dtype!r}")

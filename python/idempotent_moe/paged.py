@@ -33,12 +33,12 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from . import _arrays
+from . import _arrays, _shapes
 from ._native import native
-from .functional import _traced_ops, idempotent_map, resolve_num_threads
+from .functional import idempotent_map, resolve_num_threads, traced_ops
 from .kv import reduce_head_scores
 
-LAYOUTS = ("NHD", "HND")
+LAYOUTS = _shapes.LAYOUTS
 
 
 class PagedCompaction(NamedTuple):
@@ -61,46 +61,6 @@ class PagedCompaction(NamedTuple):
     target_map: Any
 
 
-class _Pool(NamedTuple):
-    num_blocks: int
-    block_size: int
-    heads: int | None  # None: no head axis
-    slot_dim: int
-    layout: str
-
-
-def _pool_geometry(pools: list, layout: str) -> _Pool:
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
-    shapes = [_arrays.shape_of(p) for p in pools]
-    first = shapes[0]
-    if len(first) not in (3, 4):
-        raise ValueError(
-            "a paged cache must be [num_blocks, block_size, kv_heads, head_dim] (NHD), "
-            f"[num_blocks, kv_heads, block_size, head_dim] (HND) or [num_blocks, block_size, row]; "
-            f"got {list(first)}"
-        )
-    for i, shape in enumerate(shapes):
-        if len(shape) != len(first) or shape[:-1] != first[:-1]:
-            raise ValueError(
-                f"caches[{i}] {list(shape)} must match caches[0] {list(first)} on every axis "
-                "but the last"
-            )
-    if len(first) == 3:
-        return _Pool(first[0], first[1], None, 1, layout)
-    if layout == "NHD":
-        return _Pool(first[0], first[1], first[2], 1, layout)
-    return _Pool(first[0], first[2], first[1], 2, layout)
-
-
-def _as_list(x: Any) -> list:
-    if isinstance(x, (list, tuple)):
-        if not x:
-            raise ValueError("caches is an empty sequence: give at least one pool")
-        return list(x)
-    return [x]
-
-
 def _host_ints(values: Any, name: str) -> np.ndarray:
     """A host int64 copy of a list, NumPy array or tensor of ints."""
     if _arrays.is_torch(values):
@@ -117,7 +77,7 @@ def _identity_map(like: Any, shape: tuple) -> Any:
     """An int32 [lead..., N] array holding arange(N) in every row, beside `like`."""
     n = shape[-1]
     if _arrays.is_torch(like):
-        torch = _arrays._torch()
+        torch = _arrays.torch_module()
         return torch.arange(n, dtype=torch.int32, device=like.device).expand(*shape).contiguous()
     out = np.empty(shape, dtype=np.int32)
     out[...] = np.arange(n, dtype=np.int32)
@@ -126,21 +86,9 @@ def _identity_map(like: Any, shape: tuple) -> Any:
 
 def _index_rows(x: Any, rows: np.ndarray) -> Any:
     if _arrays.is_torch(x):
-        torch = _arrays._torch()
+        torch = _arrays.torch_module()
         return torch.from_numpy(rows).to(x.device)
     return rows
-
-
-def _score_heads(shape: tuple, kv_heads: int | None, per_head: bool | None) -> int | None:
-    """The KV heads of one map per head selected by scores of `shape` ([S, N]
-    or [S, heads, N]), or None for one map per sequence (see paged_target_map)."""
-    if per_head is None:
-        per_head = len(shape) == 3 and (kv_heads is None or shape[1] != 1)
-    if not per_head:
-        return None
-    if kv_heads is None:
-        kv_heads = shape[1] if len(shape) == 3 else 1
-    return kv_heads
 
 
 _NAN_ROW = re.compile(r"scores: row (\d+), (slot \d+ is NaN.*)", re.S)
@@ -218,7 +166,7 @@ def paged_target_map(
         if len(shape) not in (2, 3) or shape[0] != s_count:
             raise ValueError(
                 f"scores must be [S, N] or [S, heads, N] with S = {s_count}, got {list(shape)}")
-        kv_heads = _score_heads(shape, kv_heads, per_head)
+        kv_heads = _shapes.score_heads(shape, kv_heads, per_head)
         per_head = kv_heads is not None
         if per_head:
             scores = reduce_head_scores(scores, kv_heads, head_reduce)
@@ -310,7 +258,7 @@ def paged_policy_scores(policy: Any, caches: Any, block_tables: Any, seq_lens: A
 
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
-    pools = _as_list(caches)
+    pools = _shapes.as_list(caches)
     if len(pools) != 2:
         raise ValueError("a policy scores a K pool and a V pool: give [k_pool, v_pool]")
     k_pool, v_pool = pools
@@ -366,7 +314,7 @@ def _paged_workspace(pool: Any, tables: Any, num_blocks: int, workspace: Any) ->
     if not _arrays.is_torch(pool):
         raise TypeError("CUDA pools that are not torch tensors need workspace= (int32, "
                         "paged_workspace_elems(num_blocks, S, max_blocks) elements)")
-    torch = _arrays._torch()
+    torch = _arrays.torch_module()
     s_count, max_blocks = _arrays.shape_of(tables)
     return torch.empty(paged_workspace_elems(num_blocks, s_count, max_blocks), dtype=torch.int32,
                        device=pool.device)
@@ -398,16 +346,16 @@ def apply_paged_map_(
     the call does not synchronise: bad data changes nothing and is raised by
     `check_errors()`.
     """
-    ops = _traced_ops(caches, block_tables, target_map, workspace)
+    ops = traced_ops(caches, block_tables, target_map, workspace)
     if ops is not None:
         return ops.apply_paged_map_(caches, block_tables, target_map, layout=layout, mode=mode,
                                     num_threads=num_threads, workspace=workspace)
-    pools = _as_list(caches)
+    pools = _shapes.as_list(caches)
     for i, p in enumerate(pools):
         _arrays.check_array(p, f"caches[{i}]")
     _arrays.check_array(block_tables, "block_tables")
     _arrays.check_array(target_map, "target_map")
-    geo = _pool_geometry(pools, layout)
+    geo = _shapes.pool_geometry(pools, layout)
     map_shape = _arrays.shape_of(target_map)
     if len(map_shape) not in (2, 3):
         raise ValueError(f"target_map must be [S, N] or [S, kv_heads, N], got {list(map_shape)}")
@@ -527,17 +475,17 @@ def compact_paged_(
     entries share a block. Bad data in the map or tables changes nothing and
     is raised by `check_errors()`.
     """
-    ops = _traced_ops(caches, block_tables, scores, target_map, active_indices)
+    ops = traced_ops(caches, block_tables, scores, target_map, active_indices)
     if ops is not None and ops.host_ints(seq_lens, capacity):
         return ops.compact_paged_(
             caches, block_tables, seq_lens, capacity, scores, active_indices=active_indices,
             target_map=target_map, layout=layout, per_head=per_head, head_reduce=head_reduce,
             protected_prefix=protected_prefix, recent_window=recent_window, mode=mode, nan=nan,
             num_threads=num_threads)
-    pools = _as_list(caches)
+    pools = _shapes.as_list(caches)
     for i, p in enumerate(pools):
         _arrays.check_array(p, f"caches[{i}]")
-    geo = _pool_geometry(pools, layout)
+    geo = _shapes.pool_geometry(pools, layout)
     _arrays.check_array(block_tables, "block_tables")
     tables = _host_ints(block_tables, "block_tables")
     if tables.ndim != 2:
@@ -589,7 +537,7 @@ def _tables_beside(block_tables: Any, pool: Any) -> Any:
         return block_tables
     if not _arrays.is_torch(pool):
         return block_tables  # the binding names the device mismatch
-    torch = _arrays._torch()
+    torch = _arrays.torch_module()
     if not _arrays.is_torch(block_tables):
         block_tables = torch.from_numpy(np.ascontiguousarray(np.asarray(block_tables)))
     return block_tables.to(pool.device, non_blocking=not block_tables.is_pinned())

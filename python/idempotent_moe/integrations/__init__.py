@@ -31,7 +31,6 @@ from .hf_experts import (
     CapacityStats,
     capacity_stats,
     idempotent_experts_forward,
-    register,
     set_capacity_factor,
     use_idempotent_experts,
 )
@@ -78,6 +77,19 @@ __all__ = [
     "unfuse_routers",
     "use_idempotent_experts",
 ]
+
+
+def register(name: str = EXPERTS_IMPLEMENTATION) -> None:
+    """Register "idempotent" with transformers: the experts implementation
+    (its ExpertsInterface), so that `model.set_experts_implementation(name)`
+    and `from_pretrained(..., experts_implementation=name)` accept it, and,
+    where transformers has expert parallelism, the EP implementation of the
+    same name (`DistributedConfig(ep_implementation=name)`). Idempotent
+    itself; `import idempotent_moe` calls it once transformers is imported."""
+    from . import hf_expert_parallel, hf_experts
+
+    hf_experts.register(name)
+    hf_expert_parallel.register(name)
 
 
 def _installed(name: str) -> bool:

@@ -19,6 +19,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .. import _tracing
 from .._moe import (
     check_capacity_device,
     check_top_k_index,
@@ -27,7 +28,6 @@ from .._moe import (
     expert_scores,
     order_by_expert,
 )
-from .._sorting import compiling
 from ..functional import compact_
 from ..moe_ops import grouped_gemm
 
@@ -89,7 +89,7 @@ def _torch_version() -> tuple:
     return tuple(int(p) for p in re.findall(r"\d+", torch.__version__)[:2])
 
 
-def _grouped_mm_usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
+def grouped_mm_usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether torch's grouped_mm takes these operands (probed once per device
     kind and dtype on tiny tensors, outside any hot path)."""
     fn = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
@@ -116,7 +116,7 @@ def _grouped_mm_usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
 COMPILED_FALLBACK = None
 
 
-def _grouped_mm_compiles(weight: torch.Tensor) -> bool:
+def grouped_mm_compiles(weight: torch.Tensor) -> bool:
     """Whether grouped_mm may be used while torch.compile traces: transformers'
     `_can_use_grouped_mm` rules. Its fake (tracing) implementation takes bf16
     only; on CUDA it needs sm80 or later (torch < 2.9: sm90 only); on the CPU,
@@ -184,8 +184,8 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor,
     loop as one custom op, so the graph does not break)."""
     w = weight if transposed else weight.transpose(-2, -1)
     x = x.to(w.dtype)  # grouped_mm is not autocast-aware
-    tracing = compiling()
-    if _grouped_mm_compiles(w) if tracing else _grouped_mm_usable(x, w):
+    tracing = _tracing.compiling()
+    if grouped_mm_compiles(w) if tracing else grouped_mm_usable(x, w):
         fn = getattr(F, "grouped_mm", None) or torch._grouped_mm
         return fn(x, w, offs=offsets)
     if tracing and _graph_safe_gemm(x, w, offsets):
@@ -210,10 +210,10 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor,
 GATE_UP_CHUNK_BYTES = 128 << 20
 
 
-_DEFAULT_GATE = "_idempotent_default_gate"  # _default_gate's answer, kept on the module
+_DEFAULT_GATE = "_idempotent_default_gate"  # default_gate's answer, kept on the module
 
 
-def _default_gate(experts) -> bool:
+def default_gate(experts) -> bool:
     """Whether the module gates the transformers way: gate = the first I
     output features of gate_up_proj, up = the last I, act(gate) * up. Worked
     out from the module's class once, in an eager forward, and kept on the
@@ -229,7 +229,7 @@ def _default_gate(experts) -> bool:
     except ImportError:
         return False
     known = getattr(type(experts), "_apply_gate", None) is _default_apply_gate
-    if not compiling():
+    if not _tracing.compiling():
         experts.__dict__[_DEFAULT_GATE] = known
     return known
 
@@ -274,7 +274,7 @@ def _gated_chunks(experts, x: torch.Tensor, dtype: torch.dtype) -> int:
     unless the gate/up output would exceed GATE_UP_CHUNK_BYTES, the module
     uses the default gate, and no gradient is being recorded (the chunks
     write into one buffer in place)."""
-    if not experts.has_gate or not _default_gate(experts):
+    if not experts.has_gate or not default_gate(experts):
         return 1
     if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in experts.parameters())):
         return 1

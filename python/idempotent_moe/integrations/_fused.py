@@ -33,10 +33,10 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from .. import _tracing
 from .._moe import expert_capacity
 from .._moe_autograd import fused_experts
 from .._native import native
-from .._sorting import compiling
 from ..functional import cuda_available
 from ..moe_ops import (
     MoEDispatch,
@@ -48,7 +48,6 @@ from ..moe_ops import (
     torch_outputs,
 )
 from . import _dispatch
-from .hf_experts import SMALL_M_GEMM_ATTR
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 _GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
@@ -56,6 +55,10 @@ _MAX_EXPERTS = native().MOE_MAX_EXPERTS
 _OPS = hasattr(torch.library, "custom_op")
 _RAW_MM = getattr(torch, "_grouped_mm", None)  # F.grouped_mm's op, less one Python frame
 _RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+# True: the fused path's two GEMMs run the library's grouped_gemm instead of
+# torch's grouped_mm at decode sizes (at most SMALL_M_ROWS_PER_EXPERT rows per
+# expert; eager and compiled). Off by default: its rounding differs (docs/moe.md).
+SMALL_M_GEMM_ATTR = "idempotent_small_m_gemm"
 SCRATCH_BYTES = 8 << 20  # per module: decode sizes only (prefill allocates per forward)
 
 
@@ -78,7 +81,7 @@ def _plan(experts, hidden_states: torch.Tensor) -> _Plan:
     while torch.compile traces: there the graph holds the decisions)."""
     up = experts.gate_up_proj if experts.has_gate else experts.up_proj
     down = experts.down_proj
-    tracing = compiling()
+    tracing = _tracing.compiling()
     key = None
     if not tracing:
         # Addresses too: module.to() swaps a parameter's storage, not the parameter.
@@ -91,10 +94,10 @@ def _plan(experts, hidden_states: torch.Tensor) -> _Plan:
     w_up = (up if experts.is_transposed else up.transpose(-2, -1)).detach()
     w_down = (down if experts.is_transposed else down.transpose(-2, -1)).detach()
     act = None
-    if hidden_states.device.type == "cuda" and experts.has_gate and _dispatch._default_gate(experts):
+    if hidden_states.device.type == "cuda" and experts.has_gate and _dispatch.default_gate(experts):
         act = _dispatch.activation_name(experts.act_fn)
-    usable = (_dispatch._grouped_mm_compiles(w_up) if tracing
-              else _dispatch._grouped_mm_usable(hidden_states, w_up))
+    usable = (_dispatch.grouped_mm_compiles(w_up) if tracing
+              else _dispatch.grouped_mm_usable(hidden_states, w_up))
     lean = (act is not None and usable and not tracing and _RAW_MM is not None and _RAW_STREAM is not None
             and not experts.has_bias and not getattr(experts, "has_post_expert_norm", False)
             and not _dispatch.expert_parallel(experts))
@@ -158,7 +161,7 @@ def applies(experts, hidden_states: torch.Tensor) -> bool:
     if (hidden_states.dtype not in _FLOATS or (device != "cpu" and device != "cuda")
             or experts.num_experts > _MAX_EXPERTS):
         return False
-    if compiling() and not _OPS:
+    if _tracing.compiling() and not _OPS:
         return False
     if device == "cuda" and not _cuda_runs():
         return False
@@ -174,7 +177,7 @@ def trains(experts) -> bool:
     gate with an activation the kernels compute, no biases, no post-expert
     norm."""
     return (experts.has_gate and not experts.has_bias and not getattr(experts, "has_post_expert_norm", False)
-            and _dispatch._default_gate(experts) and _dispatch.activation_name(experts.act_fn) is not None)
+            and _dispatch.default_gate(experts) and _dispatch.activation_name(experts.act_fn) is not None)
 
 
 def train_forward(experts, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
@@ -332,7 +335,7 @@ def forward(experts, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
     # Large and eager, the fused gate runs in row chunks (gated_row_chunks);
     # traced, or with a bias, torch's gate in column chunks.
     row_chunks = (not whole and grouped and plan.act is not None and not experts.has_bias
-                  and not compiling())
+                  and not _tracing.compiling())
     if plan.act is None or not (whole or row_chunks):
         # torch's gate (column chunks when large) over the module's weights
         def module_linear(a, weight):

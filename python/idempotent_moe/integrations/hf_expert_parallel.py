@@ -25,9 +25,9 @@ transformers' own implementations ("all_to_all", "all_reduce") run the
 "idempotent" experts implementation on each rank's shard too: it leaves the
 ids of other ranks' experts (the sentinel `num_local_experts`) out.
 
-Registered with transformers' `EPImplementationInterface` when the experts
-implementation is (hf_experts.register), where transformers has the
-interface.
+Registered with transformers' `EPImplementationInterface` beside the
+experts implementation (`integrations.register`), where transformers has
+the interface.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ import torch
 
 from .._moe import check_capacity_factor
 from ..distributed import ExpertParallelDispatcher
+from .hf_experts import CAPACITY_FACTOR_ATTR, experts_forward
 
 EP_IMPLEMENTATION = "idempotent"
 
@@ -76,9 +77,14 @@ def _implementation(base: type) -> type:
                 self._dispatchers[key] = ExpertParallelDispatcher(self.num_experts, top_k, group, factor)
             return self._dispatchers[key]
 
-        def __call__(self, hidden_states, top_k_index, top_k_weights):
-            from .hf_experts import CAPACITY_FACTOR_ATTR
+        def _grouped(self, rows, local_ids):
+            """This rank's experts on the received rows, dropless (the capacity
+            was decided before the exchange): the "idempotent" implementation."""
+            ids = local_ids.view(-1, 1)
+            ones = torch.ones(ids.shape, dtype=rows.dtype, device=rows.device)
+            return experts_forward(self.module, rows, ids, ones, None)
 
+        def __call__(self, hidden_states, top_k_index, top_k_weights):
             num_tokens = hidden_states.shape[0]
             sliced = self.tp_mesh.size() > 1
             if sliced:  # the TP group shares the batch: each rank takes a disjoint slice
@@ -87,7 +93,7 @@ def _implementation(base: type) -> type:
             factor = check_capacity_factor(getattr(self.module.config, CAPACITY_FACTOR_ATTR, None),
                                            CAPACITY_FACTOR_ATTR)
             dispatcher = self._dispatcher(top_k_index.shape[-1], factor)
-            out = dispatcher(hidden_states, top_k_index, top_k_weights, experts=self.module)
+            out = dispatcher(hidden_states, top_k_index, top_k_weights, experts=self._grouped)
             stats = dispatcher.last_stats
             self.module.idempotent_stats = None if factor is None else (
                 sum(stats.received) + stats.dropped, stats.capacity, stats.dropped)

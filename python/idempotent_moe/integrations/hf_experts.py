@@ -29,11 +29,7 @@ from .._moe import check_capacity_factor
 
 EXPERTS_IMPLEMENTATION = "idempotent"
 CAPACITY_FACTOR_ATTR = "idempotent_capacity_factor"
-# True: the fused path's two GEMMs run the library's grouped_gemm instead of
-# torch's grouped_mm at decode sizes (at most _fused.SMALL_M_ROWS_PER_EXPERT
-# rows per expert; eager and compiled). Off by default: its rounding differs
-# (docs/moe.md).
-# Defined before the import below: _fused reads it from here.
+# The config attribute of the small-M GEMM option (_fused.SMALL_M_GEMM_ATTR).
 SMALL_M_GEMM_ATTR = "idempotent_small_m_gemm"
 
 try:
@@ -146,10 +142,6 @@ def register(name: str = EXPERTS_IMPLEMENTATION) -> None:
     fallback = getattr(getattr(torch.ops, "transformers", None), "grouped_mm_fallback", None)
     if fallback is not None:
         _dispatch.COMPILED_FALLBACK = fallback
-    # The expert-parallel implementation of the same name, where transformers has the interface.
-    from . import hf_expert_parallel
-
-    hf_expert_parallel.register(name)
 
 
 def _experts_modules(model) -> list:

@@ -219,7 +219,7 @@ class HuggingFaceMoEInplaceHook:
         if type(normalize_top_k) is not bool:
             raise TypeError(f"normalize_top_k must be True or False, got {normalize_top_k!r}")
         self.normalize_top_k = normalize_top_k
-        if _arrays._torch() is not None:
+        if _arrays.torch_module() is not None:
             _compact_function()  # built here, outside any compiled region that calls the hook
 
     def __repr__(self) -> str:

@@ -1,0 +1,75 @@
+"""The library's modules talk through public names: no module of
+idempotent_moe imports another module's private name (`from .x import _y`)
+or reads one (`x._y`). A private module (`_arrays`, `_tracing`, ...) is
+fine to import; its names without a leading underscore are its interface.
+The compiled binding `_C` and dunder names are not private names here."""
+
+from __future__ import annotations
+
+import ast
+import os
+
+import idempotent_moe
+
+PACKAGE = os.path.dirname(os.path.abspath(idempotent_moe.__file__))
+
+
+def _modules() -> list:
+    found = []
+    for folder, _, files in os.walk(PACKAGE):
+        found += [os.path.join(folder, f) for f in files if f.endswith(".py")]
+    assert len(found) > 20, found
+    return sorted(found)
+
+
+def _is_module(base: str, dotted: str | None, name: str) -> bool:
+    """Whether `name`, imported from `dotted` relative to `base`, is a module of the package."""
+    path = os.path.join(base, *(dotted.split(".") if dotted else []), name)
+    return os.path.exists(path + ".py") or os.path.isdir(path)
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__") and name != "_C"
+
+
+def offences(path: str, source: str | None = None) -> list:
+    """The private names the module at `path` (its text: `source`, else the
+    file's) takes from other modules of the package."""
+    if source is None:
+        with open(path) as f:
+            source = f.read()
+    tree = ast.parse(source, path)
+    modules, found = set(), []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.ImportFrom):
+            continue
+        dotted = node.module or ""
+        if node.level == 0:
+            if not dotted.startswith("idempotent_moe"):
+                continue
+            base, dotted = os.path.dirname(PACKAGE), dotted
+        else:
+            base = os.path.dirname(path)
+            for _ in range(node.level - 1):
+                base = os.path.dirname(base)
+        for alias in node.names:
+            if _is_module(base, dotted, alias.name):
+                modules.add(alias.asname or alias.name)
+            elif _private(alias.name):
+                found.append(f"line {node.lineno}: from {'.' * node.level}{dotted} import {alias.name}")
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+                and node.value.id in modules and _private(node.attr)):
+            found.append(f"line {node.lineno}: {node.value.id}.{node.attr}")
+    return found
+
+
+def test_no_module_takes_another_modules_private_names():
+    bad = {os.path.relpath(p, PACKAGE): o for p in _modules() if (o := offences(p))}
+    assert not bad, bad
+
+
+def test_the_rule_catches_both_forms():
+    code = "from .. import functional\nfrom ..functional import _secret\nfunctional._hidden()\n"
+    where = os.path.join(PACKAGE, "integrations", "example.py")  # judged as if it lived there
+    assert offences(where, code) == ["line 2: from ..functional import _secret", "line 3: functional._hidden"]
