@@ -289,3 +289,34 @@ def rng(request) -> np.random.Generator:
     import zlib
 
     return np.random.default_rng(zlib.crc32(request.node.nodeid.encode()))
+
+
+def run_ranks(script: str, rank_args, timeout: float) -> None:
+    """Start `script` once per rank as `python script RANK PORT *rank_args(r)`
+    (one free port on 127.0.0.1 for the rendezvous, one OpenMP thread each,
+    gloo on the loopback), wait for all, and fail with every rank's output
+    when one exits non-zero. `rank_args(r)` gives rank r's other arguments."""
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    if os.path.exists("/sys/class/net/lo"):
+        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    world = len(rank_args)
+    procs = [subprocess.Popen([sys.executable, script, str(r), str(port), *rank_args[r]], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for r in range(world)]
+    logs = []
+    try:
+        for p in procs:
+            logs.append(p.communicate(timeout=timeout)[0].decode(errors="replace"))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for r, p in enumerate(procs):
+        assert p.returncode == 0, f"rank {r} exited with {p.returncode}:\n" + "\n".join(logs)

@@ -11,13 +11,10 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
-import socket
-import subprocess
-import sys
 import weakref
 
 import pytest
+from conftest import run_ranks
 
 torch = pytest.importorskip("torch")
 
@@ -230,32 +227,9 @@ def _worker(rank: int, port: int, out_path: str, device_kind: str) -> None:
     torch.save(results, out_path)
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _launch(tmp_path, device_kind: str) -> list:
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    if os.path.exists("/sys/class/net/lo"):
-        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    port = _free_port()
     paths = [str(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
-    procs = [subprocess.Popen([sys.executable, __file__, str(r), str(port), paths[r], device_kind],
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-             for r in range(WORLD)]
-    logs = []
-    try:
-        for p in procs:
-            logs.append(p.communicate(timeout=TIMEOUT_S)[0].decode(errors="replace"))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    for r, p in enumerate(procs):
-        assert p.returncode == 0, f"rank {r} exited with {p.returncode}:\n" + "\n".join(logs)
+    run_ranks(__file__, [(paths[r], device_kind) for r in range(WORLD)], TIMEOUT_S)
     return [torch.load(path, weights_only=False) for path in paths]
 
 

@@ -17,11 +17,9 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
-import subprocess
-import sys
 
 import pytest
+from conftest import run_ranks
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers.distributed.expert_parallel", reason="needs transformers' EP")
@@ -108,12 +106,6 @@ def _worker(rank: int, port: int, path: str, out_path: str) -> None:
     torch.save(results, out_path)
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """(single-process results by capacity, the two ranks' results)."""
@@ -123,24 +115,8 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("hf_ep")
     path = str(root / "model")
     _save_model(path)
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    if os.path.exists("/sys/class/net/lo"):
-        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    port = _free_port()
     outs = [str(root / f"rank{r}.pt") for r in range(WORLD)]
-    procs = [subprocess.Popen([sys.executable, __file__, str(r), str(port), path, outs[r]], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for r in range(WORLD)]
-    logs = []
-    try:
-        for p in procs:
-            logs.append(p.communicate(timeout=TIMEOUT_S)[0].decode(errors="replace"))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    for r, p in enumerate(procs):
-        assert p.returncode == 0, f"rank {r} exited with {p.returncode}:\n" + "\n".join(logs)
+    run_ranks(__file__, [(path, outs[r]) for r in range(WORLD)], TIMEOUT_S)
     model = MixtralForCausalLM.from_pretrained(path, experts_implementation="idempotent")
     reference = {capacity: _step(model, capacity, True) for capacity in {c for _, c, _ in CASES}}
     return reference, [torch.load(o, weights_only=False) for o in outs]
