@@ -1,6 +1,6 @@
 """Bad input to the MoE operations (moe_ops): the right exception type, a
 message that names the argument at fault, nothing allocated (the outputs a
-call makes come from moe_ops' allocators, which must not run), and every
+call makes come from the direct path's allocators (_moe_core), which must not run), and every
 array passed in, outputs included, bit for bit as it was.
 
 Each case is (id, exception, words the message needs, builder); a builder
@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from conftest import assert_unchanged, requires_torch, snapshot, torch
-from idempotent_moe import moe_ops
+from idempotent_moe import _moe_core, moe_ops
 
 pytestmark = requires_torch
 
@@ -436,9 +436,9 @@ def test_bad_input(build, fw, exc, pattern, monkeypatch):
     call, arrays = build(Data(fw))
     snaps = snapshot(*arrays)
     made = []
-    for name in ("_empty", "torch_outputs", "_separate_outputs"):
-        real = getattr(moe_ops, name)
-        monkeypatch.setattr(moe_ops, name, lambda *a, _real=real, **k: made.append(a[1:]) or _real(*a, **k))
+    for name in ("empty", "torch_outputs", "separate_outputs"):  # every allocator of the direct path
+        real = getattr(_moe_core, name)
+        monkeypatch.setattr(_moe_core, name, lambda *a, _real=real, **k: made.append(a[1:]) or _real(*a, **k))
     with pytest.raises(exc, match=pattern):
         call()
     assert not made, f"allocated {made} before raising"

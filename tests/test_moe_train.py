@@ -10,7 +10,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from idempotent_moe import _moe_autograd as ag  # noqa: E402
-from idempotent_moe import moe_ops  # noqa: E402
+from idempotent_moe import _moe_torch_ops, moe_ops  # noqa: E402
 
 ACTS = ["silu", "gelu", "gelu_tanh", "relu"]
 T, H, E, K, INTER = 7, 8, 4, 2, 6
@@ -165,7 +165,7 @@ def test_ops_route_to_autograd_only_when_a_gradient_is_recorded():
 
 
 def fused(hidden, idx, w, w_up, w_down, act="silu", capacity=None):
-    return ag.fused_experts(hidden, idx, w, w_up, w_down, act, E, capacity)
+    return _moe_torch_ops.fused_experts(hidden, idx, w, w_up, w_down, act, E, capacity)
 
 
 @pytest.mark.parametrize("capacity", [None, 2, 0])
@@ -314,7 +314,7 @@ def _cuda_grads(dtype, capacity, device):
     w_down = (torch.randn(8, 48, 128, generator=g) * 0.1).to(device, dtype).requires_grad_()
     # weights exact in bf16, so that every dtype ranks (and drops) the same assignments
     w = w.to(torch.bfloat16).to(dtype).requires_grad_()
-    out, dropped = ag.fused_experts(hidden, idx, w, w_up, w_down, "silu", 8, capacity)
+    out, dropped = _moe_torch_ops.fused_experts(hidden, idx, w, w_up, w_down, "silu", 8, capacity)
     grads = torch.autograd.grad(out.square().sum(), (hidden, w, w_up, w_down))
     return [out, dropped] + list(grads)
 

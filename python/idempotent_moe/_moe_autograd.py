@@ -34,7 +34,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from . import _tracing, moe_ops
+from . import _moe_core
 from ._moe import combine as _torch_combine
 
 CORE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -188,52 +188,46 @@ def detached(*xs):
 
 def gated_act_direct(gate_up, act, limit):
     gate_up, limit = detached(gate_up, limit)
-    with _tracing.inside_op():
-        if on_core(gate_up):
-            return moe_ops.gated_act(gate_up, act, limit=limit)
-        return ref_gated_act(gate_up, act, limit)
+    if on_core(gate_up):
+        return _moe_core.gated_act(gate_up, act, limit=limit)
+    return ref_gated_act(gate_up, act, limit)
 
 
 def gated_act_backward_direct(gate_up, grad, act, limit):
     gate_up, grad, limit = detached(gate_up, grad, limit)
-    with _tracing.inside_op():
-        if on_core(gate_up, grad):
-            return moe_ops.gated_act_backward(gate_up, grad.contiguous(), act, limit=limit)
-        return ref_gated_act_backward(gate_up, grad, act, limit)
+    if on_core(gate_up, grad):
+        return _moe_core.gated_act_backward(gate_up, grad.contiguous(), act, limit=limit)
+    return ref_gated_act_backward(gate_up, grad, act, limit)
 
 
 def combine_direct(rows, dest, weights, out_dtype):
     rows, dest, weights = detached(rows, dest, weights)
-    with _tracing.inside_op():
-        if on_core(rows, weights) and out_dtype in CORE_DTYPES:
-            return moe_ops.moe_combine(rows.contiguous(), dest, weights, out_dtype=out_dtype)
-        return ref_combine(rows, dest, weights, out_dtype)
+    if on_core(rows, weights) and out_dtype in CORE_DTYPES:
+        return _moe_core.moe_combine(rows.contiguous(), dest, weights, out_dtype=out_dtype)
+    return ref_combine(rows, dest, weights, out_dtype)
 
 
 def gather_rows_direct(src, dest, weights, num_rows, out_dtype):
     src, dest, weights = detached(src, dest, weights)
-    with _tracing.inside_op():
-        if on_core(src) and out_dtype in CORE_DTYPES and (weights is None or on_core(weights)):
-            return moe_ops.moe_gather_rows(src.contiguous(), dest, num_rows, weights=weights,
-                                           out_dtype=out_dtype)
-        return ref_gather_rows(src, dest, num_rows, weights, out_dtype)
+    if on_core(src) and out_dtype in CORE_DTYPES and (weights is None or on_core(weights)):
+        return _moe_core.moe_gather_rows(src.contiguous(), dest, num_rows, weights=weights,
+                                         out_dtype=out_dtype)
+    return ref_gather_rows(src, dest, num_rows, weights, out_dtype)
 
 
 def weight_grad_direct(a, b, dest, a_by_row, out_dtype):
     a, b, dest = detached(a, b, dest)
-    with _tracing.inside_op():
-        if on_core(a, b) and out_dtype in CORE_DTYPES:
-            return moe_ops.moe_weight_grad(a.contiguous(), b.contiguous(), dest, a_by_row=a_by_row,
-                                           out_dtype=out_dtype)
-        return ref_weight_grad(a, b, dest, a_by_row, out_dtype)
+    if on_core(a, b) and out_dtype in CORE_DTYPES:
+        return _moe_core.moe_weight_grad(a.contiguous(), b.contiguous(), dest, a_by_row=a_by_row,
+                                         out_dtype=out_dtype)
+    return ref_weight_grad(a, b, dest, a_by_row, out_dtype)
 
 
 def grouped_gemm_direct(a, w, offsets):
     a, w, offsets = detached(a, w, offsets)
-    with _tracing.inside_op():
-        if on_core(a, w):
-            return moe_ops.grouped_gemm(a, w, offsets)
-        return grouped_mm(a, w, offsets)
+    if on_core(a, w):
+        return _moe_core.grouped_gemm(a, w, offsets)
+    return grouped_mm(a, w, offsets)
 
 
 # ---- the fused experts layer ---------------------------------------------------------
@@ -251,22 +245,21 @@ def experts_forward_direct(hidden, top_k_index, top_k_weights, w_up, w_down, act
     """(out [T, H], gate_up [R, 2I], offsets, dest, dropped); see the module."""
     hidden, top_k_index, top_k_weights, w_up, w_down = detached(hidden, top_k_index, top_k_weights, w_up,
                                                               w_down)
-    with _tracing.inside_op():
-        # Read for the capacity's selection; and for the check that each
-        # token's local experts of nonzero weight are distinct (on the CPU),
-        # as on every path of the experts implementation.
-        select = top_k_weights if top_k_weights.dtype in CORE_DTYPES else top_k_weights.float()
-        d = moe_ops.moe_dispatch(hidden, top_k_index, num_experts, top_k_weights=select,
-                                 capacity=capacity, skip_foreign=skip_foreign, distinct=True, _apart=True)
-        x, offsets, dest, dropped = d.rows, d.offsets, d.dest, d.dropped
-        del d
-        gate_up = grouped_mm(x if x.dtype == w_up.dtype else x.to(w_up.dtype), w_up, offsets)
-        del x
-        a = gated_act_direct(gate_up, act, offsets)
-        y = grouped_mm(a, w_down, offsets)
-        del a
-        out = combine_direct(y, dest, top_k_weights, hidden.dtype)
-        return out, gate_up, offsets, dest, dropped
+    # Read for the capacity's selection; and for the check that each
+    # token's local experts of nonzero weight are distinct (on the CPU),
+    # as on every path of the experts implementation.
+    select = top_k_weights if top_k_weights.dtype in CORE_DTYPES else top_k_weights.float()
+    d = _moe_core.moe_dispatch(hidden, top_k_index, num_experts, top_k_weights=select,
+                               capacity=capacity, skip_foreign=skip_foreign, distinct=True, _apart=True)
+    x, offsets, dest, dropped = d.rows, d.offsets, d.dest, d.dropped
+    del d
+    gate_up = grouped_mm(x if x.dtype == w_up.dtype else x.to(w_up.dtype), w_up, offsets)
+    del x
+    a = gated_act_direct(gate_up, act, offsets)
+    y = grouped_mm(a, w_down, offsets)
+    del a
+    out = combine_direct(y, dest, top_k_weights, hidden.dtype)
+    return out, gate_up, offsets, dest, dropped
 
 
 def experts_backward_direct(grad_out, hidden, top_k_weights, w_up, w_down, gate_up, offsets, dest, act,
@@ -274,36 +267,35 @@ def experts_backward_direct(grad_out, hidden, top_k_weights, w_up, w_down, gate_
     """(d_hidden, d_weights, d_w_up, d_w_down), each an empty tensor where not needed."""
     grad_out, hidden, top_k_weights, w_up, w_down, gate_up, offsets, dest = detached(
         grad_out, hidden, top_k_weights, w_up, w_down, gate_up, offsets, dest)
-    with _tracing.inside_op():
-        rows, num_experts = gate_up.shape[0], w_up.shape[0]
-        dt = gate_up.dtype
-        def none():  # a fresh empty per output (custom op outputs may not alias)
-            return grad_out.new_empty(0)
-        gdo = gather_rows_direct(grad_out, dest, None, rows, w_down.dtype)      # [R, H]
-        g = grouped_mm_nt(gdo, w_down, offsets)                                # [R, I]
-        d_weights, d_down = none(), none()
-        if need_weights or need_down:
-            a = gated_act_direct(gate_up, act, offsets)                        # recomputed [R, I]
-            if need_weights:
-                d_weights = weight_grad_direct(g, a, dest, True, top_k_weights.dtype)
-        w_row = row_weights(dest, top_k_weights, rows, torch.float32 if dt in CORE_DTYPES else dt)
-        if need_down:
-            d_down = grouped_mm_dw(a.mul_(w_row.to(dt)), gdo, offsets, num_experts)
-        if need_weights or need_down:
-            del a
-        del gdo
-        d_gate_up = gated_act_backward_direct(gate_up, g.mul_(w_row.to(g.dtype)), act, offsets)
-        del g
-        d_up, d_hidden = none(), none()
-        if need_up:
-            x = gather_rows_direct(hidden, dest, None, rows, dt)
-            d_up = grouped_mm_dw(x, d_gate_up, offsets, num_experts)
-            del x
-        if need_hidden:
-            d_rows = grouped_mm_nt(d_gate_up, w_up, offsets)
-            ones = torch.ones(dest.shape, dtype=d_rows.dtype, device=d_rows.device)
-            d_hidden = combine_direct(d_rows, dest, ones, grad_out.dtype)
-        return d_hidden, d_weights, d_up, d_down
+    rows, num_experts = gate_up.shape[0], w_up.shape[0]
+    dt = gate_up.dtype
+    def none():  # a fresh empty per output (custom op outputs may not alias)
+        return grad_out.new_empty(0)
+    gdo = gather_rows_direct(grad_out, dest, None, rows, w_down.dtype)      # [R, H]
+    g = grouped_mm_nt(gdo, w_down, offsets)                                # [R, I]
+    d_weights, d_down = none(), none()
+    if need_weights or need_down:
+        a = gated_act_direct(gate_up, act, offsets)                        # recomputed [R, I]
+        if need_weights:
+            d_weights = weight_grad_direct(g, a, dest, True, top_k_weights.dtype)
+    w_row = row_weights(dest, top_k_weights, rows, torch.float32 if dt in CORE_DTYPES else dt)
+    if need_down:
+        d_down = grouped_mm_dw(a.mul_(w_row.to(dt)), gdo, offsets, num_experts)
+    if need_weights or need_down:
+        del a
+    del gdo
+    d_gate_up = gated_act_backward_direct(gate_up, g.mul_(w_row.to(g.dtype)), act, offsets)
+    del g
+    d_up, d_hidden = none(), none()
+    if need_up:
+        x = gather_rows_direct(hidden, dest, None, rows, dt)
+        d_up = grouped_mm_dw(x, d_gate_up, offsets, num_experts)
+        del x
+    if need_hidden:
+        d_rows = grouped_mm_nt(d_gate_up, w_up, offsets)
+        ones = torch.ones(dest.shape, dtype=d_rows.dtype, device=d_rows.device)
+        d_hidden = combine_direct(d_rows, dest, ones, grad_out.dtype)
+    return d_hidden, d_weights, d_up, d_down
 
 
 # ---- autograd formulas (registered by _moe_torch_ops) --------------------------------
@@ -390,15 +382,3 @@ def experts_backward(ctx, grad_out, *_):
                                                   n_down)
     d_hidden, d_weights, d_up, d_down = (t if need else None for t, need in zip(d, ctx.needs))
     return d_hidden, None, d_weights, d_up, d_down, None, None, None, None
-
-
-def fused_experts(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
-                  w_up: torch.Tensor, w_down: torch.Tensor, act: str, num_experts: int,
-                  capacity: int | None = None, skip_foreign: bool = False):
-    """The experts layer as one differentiable unit: (out [T, H], dropped [1]).
-    w_up [E, H, 2I] and w_down [E, I, H] in GEMM layout (views are fine)."""
-    from . import _moe_torch_ops  # noqa: F401  (registers the ops)
-
-    out, _, _, _, dropped = torch.ops.idempotent_moe.experts_forward(
-        hidden, top_k_index, top_k_weights, w_up, w_down, act, num_experts, capacity, skip_foreign)
-    return out, dropped

@@ -4,7 +4,8 @@ fresh tensors (no argument is written), whose shapes the fake implementations
 give, so a compiled experts forward is one graph and CUDA graphs capture the
 kernels. Imported when torch.compile traces a call of moe_ops on torch tensors
 or autograd records one (moe_ops routes there); the real implementations call
-moe_ops' direct path (float64: the torch references of _moe_autograd).
+the direct path, _moe_core (float64: the torch references of _moe_autograd).
+`fused_experts` is the fused experts layer's entry.
 
 Backward: moe_dispatch, moe_combine, gated_act and grouped_gemm have
 formulas registered with `register_autograd` (_moe_autograd), over the
@@ -18,7 +19,7 @@ from typing import Optional
 import torch
 
 from . import _moe_autograd as ag
-from . import _tracing, moe_ops
+from . import _moe_core
 
 AVAILABLE = hasattr(torch.library, "custom_op")  # torch 2.4 on
 T = torch.Tensor
@@ -32,14 +33,13 @@ if AVAILABLE:
         hidden, top_k_index, top_k_weights = ag.detached(hidden, top_k_index, top_k_weights)
         if top_k_weights is not None and not ag.on_core(top_k_weights):  # float64: selection only
             top_k_weights = top_k_weights.float()
-        with _tracing.inside_op():
-            return tuple(moe_ops.moe_dispatch(hidden, top_k_index, num_experts, top_k_weights=top_k_weights,
-                                              capacity=capacity, layout=layout, skip_foreign=skip_foreign,
-                                              distinct=distinct, _apart=True))  # outputs may not alias
+        return tuple(_moe_core.moe_dispatch(hidden, top_k_index, num_experts, top_k_weights=top_k_weights,
+                                            capacity=capacity, layout=layout, skip_foreign=skip_foreign,
+                                            distinct=distinct, _apart=True))  # outputs may not alias
 
     @_dispatch_op.register_fake
     def _(hidden, top_k_index, top_k_weights, num_experts, capacity, layout, skip_foreign, distinct=False):
-        rows = moe_ops.dispatch_rows(top_k_index.numel(), num_experts, capacity, layout)
+        rows = _moe_core.dispatch_rows(top_k_index.numel(), num_experts, capacity, layout)
         ints = dict(dtype=torch.int32, device=hidden.device)
         return (hidden.new_empty((rows,) + tuple(hidden.shape[1:])), torch.empty(num_experts, **ints),
                 torch.empty(tuple(top_k_index.shape), **ints), torch.empty(rows, **ints),
@@ -72,9 +72,8 @@ if AVAILABLE:
     @torch.library.custom_op("idempotent_moe::topk_softmax", mutates_args=())
     def _router_op(logits: T, k: int, renormalize: bool, out_dtype: torch.dtype,
                    index_dtype: str) -> tuple[T, T]:
-        with _tracing.inside_op():
-            return moe_ops.topk_softmax(logits, k, renormalize=renormalize, out_dtype=out_dtype,
-                                        index_dtype=index_dtype)
+        return _moe_core.topk_softmax(logits, k, renormalize=renormalize, out_dtype=out_dtype,
+                                      index_dtype=index_dtype)
 
     @_router_op.register_fake
     def _(logits, k, renormalize, out_dtype, index_dtype):
@@ -163,3 +162,13 @@ if AVAILABLE:
     _act_op.register_autograd(ag.act_backward, setup_context=ag.act_setup)
     _gemm_op.register_autograd(ag.gemm_backward, setup_context=ag.gemm_setup)
     _experts_op.register_autograd(ag.experts_backward, setup_context=ag.experts_setup)
+
+
+def fused_experts(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                  w_up: torch.Tensor, w_down: torch.Tensor, act: str, num_experts: int,
+                  capacity: Optional[int] = None, skip_foreign: bool = False):
+    """The experts layer as one differentiable unit: (out [T, H], dropped [1]).
+    w_up [E, H, 2I] and w_down [E, I, H] in GEMM layout (views are fine)."""
+    out, _, _, _, dropped = torch.ops.idempotent_moe.experts_forward(
+        hidden, top_k_index, top_k_weights, w_up, w_down, act, num_experts, capacity, skip_foreign)
+    return out, dropped

@@ -430,7 +430,7 @@ class _LocalExperts:
         if self.module is not None:  # its own forward: top-1, unit weights
             ones = torch.ones(ids.shape, dtype=rows.dtype, device=rows.device)
             return self.module(rows, ids + self.offset, ones)
-        from ._moe_autograd import fused_experts
+        from ._moe_torch_ops import fused_experts
 
         w_up, w_down = self.weights
         ones = torch.ones(ids.shape, dtype=rows.dtype, device=rows.device)

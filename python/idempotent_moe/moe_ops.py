@@ -35,32 +35,11 @@ CUDA tensors with the CUDA kernels.
 from __future__ import annotations
 
 import re
-from typing import Any, NamedTuple
+from typing import Any
 
-import numpy as np
-
-from . import _arrays, _tracing
+from . import _arrays, _moe_core, _tracing
+from ._moe_core import MoEDispatch, dispatch_rows, dispatch_workspace, torch_outputs
 from ._native import native
-from .functional import resolve_num_threads
-
-
-class MoEDispatch(NamedTuple):
-    """What `moe_dispatch` returns.
-
-    rows     [R, H]: row r holds the token of one kept assignment (zeros
-             where a row holds none); R = S ("grouped") or E * C ("padded").
-    offsets  [E] int32: expert e's rows end at offsets[e] (grouped_mm's
-             `offs`); "padded": (e + 1) * C.
-    dest     [T, k] int32: the row of assignment (t, j), -1 when dropped.
-    src      [R] int32: the token of row r, -1 for an empty row.
-    dropped  [1] int64: assignments the capacity dropped (0 dropless).
-    """
-
-    rows: Any
-    offsets: Any
-    dest: Any
-    src: Any
-    dropped: Any
 
 
 def _ops(x: Any, *more: Any) -> Any:
@@ -103,82 +82,6 @@ def _op(fn: Any, *args: Any) -> Any:
         raise TypeError(f"{found[2]} must be {found[1]}, got {found[3]}") from e
 
 
-def dispatch_rows(assignments: int, num_experts: int, capacity: int | None, layout: str) -> int:
-    """R, the rows of a dispatch: E x C padded, else one per assignment."""
-    return num_experts * capacity if layout == "padded" and capacity is not None else assignments
-
-
-def torch_outputs(hidden: Any, num_experts: int, num_tokens: int, top_k: int, rows: int) -> MoEDispatch:
-    """Uninitialised outputs of a dispatch of torch `hidden` [T, H]:
-    offsets, dest and src are views of one int32 allocation."""
-    torch = _arrays.torch_module()
-    assignments, device = num_tokens * top_k, hidden.device
-    ints = torch.empty(num_experts + assignments + rows, dtype=torch.int32, device=device)
-    return MoEDispatch(hidden.new_empty((rows,) + tuple(hidden.shape[1:])), ints[:num_experts],
-                       ints[num_experts:num_experts + assignments].view(num_tokens, top_k),
-                       ints[num_experts + assignments:], torch.empty(1, dtype=torch.int64, device=device))
-
-
-def _separate_outputs(hidden: Any, num_experts: int, num_tokens: int, top_k: int, rows: int) -> MoEDispatch:
-    """Uninitialised outputs of a dispatch, each its own array (NumPy, or torch
-    outputs that may not alias: a custom op's)."""
-    return MoEDispatch(_empty(hidden, (rows,) + _arrays.shape_of(hidden)[1:]),
-                       _empty(hidden, (num_experts,), "int32"), _empty(hidden, (num_tokens, top_k), "int32"),
-                       _empty(hidden, (rows,), "int32"), _empty(hidden, (1,), "int64"))
-
-
-def dispatch_workspace(hidden: Any, assignments: int, capacity: int | None, cuda: bool) -> Any:
-    """moe_dispatch's int32 workspace beside `hidden` (a capacity on CUDA), or None."""
-    elems = native().moe_workspace_elems(assignments, capacity, cuda) if cuda and capacity is not None else 0
-    return _empty(hidden, (elems,), "int32") if elems else None
-
-
-def _empty(like: Any, shape: tuple, dtype: Any = None) -> Any:
-    """An uninitialised array beside `like` (torch or NumPy), of `dtype`
-    (a name, or None for like's dtype). The binding calls it (`new`) for the
-    outputs it makes, once it has judged the call."""
-    if _arrays.is_torch(like):
-        torch = _arrays.torch_module()
-        return torch.empty(shape, dtype=like.dtype if dtype is None else getattr(torch, dtype),
-                           device=like.device)
-    return np.empty(shape, dtype=like.dtype if dtype is None else dtype)
-
-
-def _dtype_name(dtype: Any) -> Any:
-    """'float32' for torch.float32, np.float32 and np.dtype('float32'); None
-    and str as they are, for the binding to judge (ValueError for a name it
-    does not take); any other object as it is (its TypeError)."""
-    if dtype is None or isinstance(dtype, str):
-        return dtype
-    torch = _arrays.torch_module()
-    if torch is not None and isinstance(dtype, torch.dtype):
-        return str(dtype).rsplit(".", 1)[-1]
-    if isinstance(dtype, np.dtype) or (isinstance(dtype, type) and issubclass(dtype, np.generic)):
-        return np.dtype(dtype).name
-    return dtype
-
-
-def _torch_dtype(dtype: Any, default: Any, name: str = "out_dtype") -> Any:
-    """The torch dtype an op of `_moe_torch_ops` takes for `dtype` (its
-    float64 runs the torch references): `default` for None; TypeError for
-    what is neither a dtype nor a name, ValueError for a name of no
-    floating-point torch dtype."""
-    if dtype is None:
-        return default
-    torch = _arrays.torch_module()
-    if isinstance(dtype, torch.dtype):
-        found = dtype
-    else:
-        spelled = _dtype_name(dtype)
-        if not isinstance(spelled, str):
-            raise TypeError(f"{name} must be a dtype or a dtype's name, got {type(dtype).__name__}")
-        found = getattr(torch, spelled, None)
-        if not isinstance(found, torch.dtype):
-            raise ValueError(f"{name}: {spelled!r} is not the name of a dtype")
-    if not found.is_floating_point:
-        raise ValueError(f"{name} must be a floating-point dtype, got {found}")
-    return found
-
 
 def moe_dispatch(hidden: Any, top_k_index: Any, num_experts: int, *, top_k_weights: Any = None,
                  capacity: int | None = None, layout: str = "grouped", skip_foreign: bool = False,
@@ -212,22 +115,9 @@ def moe_dispatch(hidden: Any, top_k_index: Any, num_experts: int, *, top_k_weigh
     if ops is not None:
         return MoEDispatch(*_op(ops.moe_dispatch, hidden, top_k_index, top_k_weights, num_experts, capacity,
                                 layout, skip_foreign, distinct))
-    if out is None:
-        new_outputs = torch_outputs if _arrays.is_torch(hidden) and not _apart else _separate_outputs
-        return native().moe_dispatch(
-            hidden=hidden, top_k_index=top_k_index, top_k_weights=top_k_weights, num_experts=num_experts,
-            capacity=capacity, layout=layout, skip_foreign=skip_foreign, distinct=distinct,
-            new_outputs=new_outputs, new=_empty, num_threads=resolve_num_threads(num_threads),
-            stream=_arrays.dlpack_stream(hidden))
-    if not isinstance(out, MoEDispatch):
-        raise TypeError(f"out must be a MoEDispatch (rows, offsets, dest, src, dropped), not "
-                        f"{type(out).__name__}")
-    native().moe_dispatch(
-        hidden=hidden, top_k_index=top_k_index, top_k_weights=top_k_weights, num_experts=num_experts,
-        capacity=capacity, layout=layout, skip_foreign=skip_foreign, distinct=distinct, out_rows=out.rows,
-        out_offsets=out.offsets, out_dest=out.dest, out_src=out.src, out_dropped=out.dropped, new=_empty,
-        num_threads=resolve_num_threads(num_threads), stream=_arrays.dlpack_stream(hidden))
-    return out
+    return _moe_core.moe_dispatch(hidden, top_k_index, num_experts, top_k_weights=top_k_weights,
+                                  capacity=capacity, layout=layout, skip_foreign=skip_foreign,
+                                  distinct=distinct, out=out, num_threads=num_threads, _apart=_apart)
 
 
 def moe_combine(rows: Any, dest: Any, weights: Any, *, out: Any = None, out_dtype: Any = None,
@@ -239,11 +129,8 @@ def moe_combine(rows: Any, dest: Any, weights: Any, *, out: Any = None, out_dtyp
     `out` (or a new array of `out_dtype`, default rows' dtype) is returned."""
     ops = _ops(rows, weights) if out is None else None
     if ops is not None:
-        return _op(ops.moe_combine, rows, dest, weights, _torch_dtype(out_dtype, rows.dtype))
-    return native().moe_combine(rows=rows, dest=dest, weights=weights, out=out,
-                                out_dtype=_dtype_name(out_dtype), new=_empty,
-                                num_threads=resolve_num_threads(num_threads),
-                                stream=_arrays.dlpack_stream(rows))
+        return _op(ops.moe_combine, rows, dest, weights, _moe_core.torch_dtype(out_dtype, rows.dtype))
+    return _moe_core.moe_combine(rows, dest, weights, out=out, out_dtype=out_dtype, num_threads=num_threads)
 
 
 def gated_act(gate_up: Any, act: str = "silu", *, limit: Any = None, out: Any = None,
@@ -256,9 +143,7 @@ def gated_act(gate_up: Any, act: str = "silu", *, limit: Any = None, out: Any = 
     ops = _ops(gate_up) if out is None else None
     if ops is not None:
         return _op(ops.gated_act, gate_up, act, limit)
-    return native().gated_act(gate_up=gate_up, out=out, act=act, limit=limit, new=_empty,
-                              num_threads=resolve_num_threads(num_threads),
-                              stream=_arrays.dlpack_stream(gate_up))
+    return _moe_core.gated_act(gate_up, act, limit=limit, out=out, num_threads=num_threads)
 
 
 def grouped_gemm(a: Any, w: Any, offsets: Any, *, out: Any = None, num_threads: int | None = None) -> Any:
@@ -273,9 +158,7 @@ def grouped_gemm(a: Any, w: Any, offsets: Any, *, out: Any = None, num_threads: 
     ops = _ops(a, w) if out is None else None
     if ops is not None:
         return _op(ops.grouped_gemm, a, w, offsets)
-    return native().grouped_gemm(a=a, w=w, offsets=offsets, out=out, new=_empty,
-                                 num_threads=resolve_num_threads(num_threads),
-                                 stream=_arrays.dlpack_stream(a))
+    return _moe_core.grouped_gemm(a, w, offsets, out=out, num_threads=num_threads)
 
 
 def gated_act_backward(gate_up: Any, grad_act: Any, act: str = "silu", *, limit: Any = None,
@@ -287,9 +170,7 @@ def gated_act_backward(gate_up: Any, grad_act: Any, act: str = "silu", *, limit:
     ops = _ops(gate_up, grad_act) if out is None else None
     if ops is not None:
         return _op(ops.gated_act_backward, gate_up, grad_act, act, limit)
-    return native().gated_act_backward(gate_up=gate_up, grad_act=grad_act, out=out, act=act, limit=limit,
-                                       new=_empty, num_threads=resolve_num_threads(num_threads),
-                                       stream=_arrays.dlpack_stream(gate_up))
+    return _moe_core.gated_act_backward(gate_up, grad_act, act, limit=limit, out=out, num_threads=num_threads)
 
 
 def moe_gather_rows(src: Any, dest: Any, num_rows: int, *, weights: Any = None, out: Any = None,
@@ -301,11 +182,10 @@ def moe_gather_rows(src: Any, dest: Any, num_rows: int, *, weights: Any = None, 
     A given `out` must be [num_rows, H]."""
     ops = _ops(src, weights) if out is None else None
     if ops is not None:
-        return _op(ops.moe_gather_rows, src, dest, weights, num_rows, _torch_dtype(out_dtype, src.dtype))
-    return native().moe_gather_rows(src=src, dest=dest, weights=weights, out=out, num_rows=num_rows,
-                                    out_dtype=_dtype_name(out_dtype), new=_empty,
-                                    num_threads=resolve_num_threads(num_threads),
-                                    stream=_arrays.dlpack_stream(src))
+        dtype = _moe_core.torch_dtype(out_dtype, src.dtype)
+        return _op(ops.moe_gather_rows, src, dest, weights, num_rows, dtype)
+    return _moe_core.moe_gather_rows(src, dest, num_rows, weights=weights, out=out, out_dtype=out_dtype,
+                                     num_threads=num_threads)
 
 
 def moe_weight_grad(a: Any, b: Any, dest: Any, *, a_by_row: bool = False, out: Any = None,
@@ -316,11 +196,9 @@ def moe_weight_grad(a: Any, b: Any, dest: Any, *, a_by_row: bool = False, out: A
     a its output's gradient [T, H], b its rows [R, H]."""
     ops = _ops(a, b) if out is None else None
     if ops is not None:
-        return _op(ops.moe_weight_grad, a, b, dest, a_by_row, _torch_dtype(out_dtype, a.dtype))
-    return native().moe_weight_grad(a=a, b=b, dest=dest, out=out, a_by_row=a_by_row,
-                                    out_dtype=_dtype_name(out_dtype), new=_empty,
-                                    num_threads=resolve_num_threads(num_threads),
-                                    stream=_arrays.dlpack_stream(a))
+        return _op(ops.moe_weight_grad, a, b, dest, a_by_row, _moe_core.torch_dtype(out_dtype, a.dtype))
+    return _moe_core.moe_weight_grad(a, b, dest, a_by_row=a_by_row, out=out, out_dtype=out_dtype,
+                                     num_threads=num_threads)
 
 
 def topk_softmax(logits: Any, k: int, *, renormalize: bool = True, out_dtype: Any = None,
@@ -345,12 +223,15 @@ def topk_softmax(logits: Any, k: int, *, renormalize: bool = True, out_dtype: An
     ops = _ops(logits) if _arrays.is_torch(logits) and _tracing.compiling() else None
     if ops is not None:
         torch = _arrays.torch_module()
-        index_dtype = _dtype_name(index_dtype)
+        index_dtype = _moe_core.dtype_name(index_dtype)
         if index_dtype not in native().INDEX_DTYPES:
             raise ValueError(f"index_dtype must be one of {native().INDEX_DTYPES}, got {index_dtype!r}")
-        return tuple(_op(ops.topk_softmax, logits, k, renormalize, _torch_dtype(out_dtype, torch.float32),
-                         index_dtype))
-    return native().topk_softmax(logits=logits, k=k, renormalize=renormalize,
-                                 out_dtype=_dtype_name(out_dtype), index_dtype=_dtype_name(index_dtype),
-                                 new=_empty, num_threads=resolve_num_threads(num_threads),
-                                 stream=_arrays.dlpack_stream(logits))
+        dtype = _moe_core.torch_dtype(out_dtype, torch.float32)
+        return tuple(_op(ops.topk_softmax, logits, k, renormalize, dtype, index_dtype))
+    return _moe_core.topk_softmax(logits, k, renormalize=renormalize, out_dtype=out_dtype,
+                                  index_dtype=index_dtype, num_threads=num_threads)
+
+
+__all__ = ["MoEDispatch", "dispatch_rows", "dispatch_workspace", "gated_act", "gated_act_backward",
+           "grouped_gemm", "moe_combine", "moe_dispatch", "moe_gather_rows", "moe_weight_grad",
+           "topk_softmax", "torch_outputs"]

@@ -189,7 +189,7 @@ int imoe_py_call_finish(imoe_py_call *c);
 
 /* Outputs a call allocates. An operation whose outputs are not given takes
  * `new`, a callable new(like, shape, dtype) -> array (dtype a str, or None
- * for like's dtype; moe_ops._empty): the binding calls it only once the
+ * for like's dtype; _moe_core.empty): the binding calls it only once the
  * arguments it reads are judged (the C core's *_shape functions), so a call
  * that raises has allocated nothing. */
 

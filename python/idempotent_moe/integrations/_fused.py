@@ -35,7 +35,6 @@ import torch.nn.functional as F
 
 from .. import _tracing
 from .._moe import expert_capacity
-from .._moe_autograd import fused_experts
 from .._native import native
 from ..functional import cuda_available
 from ..moe_ops import (
@@ -173,7 +172,7 @@ def applies(experts, hidden_states: torch.Tensor) -> bool:
 
 def trains(experts) -> bool:
     """Whether a forward that records a gradient runs the fused experts layer
-    (`_moe_autograd.fused_experts`: one differentiable op pair): the default
+    (`_moe_torch_ops.fused_experts`: one differentiable op pair): the default
     gate with an activation the kernels compute, no biases, no post-expert
     norm."""
     return (experts.has_gate and not experts.has_bias and not getattr(experts, "has_post_expert_norm", False)
@@ -187,6 +186,8 @@ def train_forward(experts, hidden_states: torch.Tensor, top_k_index: torch.Tenso
     gate/up output, the int32 dispatch and the routing weights (and hidden
     only where gate_up_proj needs a gradient), never a [rows, H] copy. The
     weights are the module's parameters in GEMM layout, as views."""
+    from .._moe_torch_ops import fused_experts  # registers the ops on first use
+
     up, down = experts.gate_up_proj, experts.down_proj
     w_up = up if experts.is_transposed else up.transpose(-2, -1)
     w_down = down if experts.is_transposed else down.transpose(-2, -1)
