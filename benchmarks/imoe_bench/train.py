@@ -34,6 +34,7 @@ import idempotent_moe.integrations as imoe_hf
 import torch
 
 from . import report
+from .model_timing import log, round_order
 
 FULL = {
     "model": {
@@ -264,8 +265,9 @@ def run_models(cfg, device, dtype, rounds, reps, rate):
         times, info, checks = {}, {}, {}
         ref = {}  # grouped_mm's loss and gradients, the yardstick of the others
         for skew in (False,):  # the model's own router (the skewed router: the layer cases)
-            for _ in range(rounds):  # interleaved: one step block per mode per round
-                for impl, cap in MODES:
+            for r in range(rounds):  # interleaved: one step block per mode per round, A B C / C B A
+                log(f"T1 {family}: round {r + 1} of {rounds}")
+                for impl, cap in round_order(MODES, r):
                     key = (impl, cap, skew)
                     set_mode(model, model.config, impl, cap)
 
@@ -340,8 +342,9 @@ def run_layers(cfg, device, dtype, rounds, reps, rate):
                 lg[:, 0] += 3.0
             w, idx = torch.softmax(lg, -1).topk(shape["top_k"], -1)
             w = (w / w.sum(-1, keepdim=True)).to(dtype)
-            for _ in range(rounds):
-                for impl, cap in MODES:
+            for r in range(rounds):
+                log(f"T1 {name}{' skewed' if skew else ''}: round {r + 1} of {rounds}")
+                for impl, cap in round_order(MODES, r):
                     key = (impl, cap, skew)
                     set_mode(experts, experts.config, impl, cap)
                     counter = SavedBytes(experts.parameters())
