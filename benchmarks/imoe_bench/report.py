@@ -81,12 +81,27 @@ def _stem(data: dict) -> str:
     return f"main-{data['machine']['device']}" + ("-quick" if data.get("quick") else "")
 
 
+def dumps(data) -> str:
+    """The results' JSON layout: objects one key a line, and every list of
+    objects (a table's rows) one object a line, so that a rerun's diff shows
+    the rows that changed."""
+    def render(obj, level: int) -> str:
+        pad = " " * (level + 1)
+        if isinstance(obj, dict) and obj:
+            items = [f"{pad}{json.dumps(k)}: {render(v, level + 1)}" for k, v in obj.items()]
+            return "{\n" + ",\n".join(items) + "\n" + " " * level + "}"
+        if isinstance(obj, list) and obj and all(isinstance(x, dict) for x in obj):
+            return "[\n" + ",\n".join(pad + json.dumps(x) for x in obj) + "\n" + " " * level + "]"
+        return json.dumps(obj)
+    return render(data, 0) + "\n"
+
+
 def write_results(data: dict, out_dir: str, stem: str, plot=None) -> list:
     """stem.json under out_dir, and stem.png drawn by plot(data, path) when given."""
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, stem + ".json")
     with open(path, "w") as f:
-        json.dump(data, f, indent=2)
+        f.write(dumps(data))
     paths = [path]
     if plot is not None:
         paths.append(plot(data, os.path.join(out_dir, stem + ".png")))

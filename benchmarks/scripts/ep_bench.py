@@ -510,7 +510,9 @@ def write_json(data: dict, out_dir: str) -> str:
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, _stem(data) + ".json")
     with open(path, "w") as f:
-        json.dump(data, f, indent=2)
+        from imoe_bench.report import dumps
+
+        f.write(dumps(data))
     return path
 
 

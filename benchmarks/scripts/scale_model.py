@@ -25,7 +25,6 @@ the committed figures are benchmarks/results/scale-model.json).
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 
@@ -94,8 +93,10 @@ def main(argv=None) -> dict:
     print(table(rows))
     result = dict(description="per MoE layer, uniform routing; bytes", models=MODELS, rows=rows)
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    from imoe_bench.report import dumps
+
     with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
+        f.write(dumps(result))
     print(f"\nwrote {args.out}")
     return result
 
