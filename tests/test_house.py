@@ -73,3 +73,32 @@ def test_the_rule_catches_both_forms():
     code = "from .. import functional\nfrom ..functional import _secret\nfunctional._hidden()\n"
     where = os.path.join(PACKAGE, "integrations", "example.py")  # judged as if it lived there
     assert offences(where, code) == ["line 2: from ..functional import _secret", "line 3: functional._hidden"]
+
+
+def _imported_modules(name: str) -> set:
+    """The modules of the package that the module `name` imports, lazily or not
+    (`from . import x`, `from .x import y`)."""
+    path = os.path.join(PACKAGE, name + ".py")
+    with open(path) as f:
+        tree = ast.parse(f.read(), path)
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.level == 1:
+            if node.module:
+                found.add(node.module.split(".")[0])
+            else:
+                found.update(a.name for a in node.names if _is_module(PACKAGE, None, a.name))
+    return found
+
+
+# One route per operation: the public modules choose it (`_routes`), the ops
+# (`_torch_ops`) and the public functions both call the direct paths below
+# them, and nothing below imports anything above.
+ABOVE_THE_DIRECT_PATHS = {"functional", "paged", "kv", "_routes", "_torch_ops"}
+
+
+def test_the_direct_paths_and_the_ops_import_nothing_above_them():
+    for name in ("_compaction", "_paged", "_heads", "_shapes"):
+        assert not _imported_modules(name) & ABOVE_THE_DIRECT_PATHS, name
+    assert not _imported_modules("_torch_ops") & {"functional", "paged", "kv", "_routes"}
+    assert _imported_modules("_routes") == {"_tracing", "_torch_ops"}

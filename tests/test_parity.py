@@ -324,7 +324,7 @@ def test_restore_knows_the_indices_of_a_move_compaction(framework, rng):
     out_indices, or a copy, restores as usual."""
     import gc
 
-    from idempotent_moe import functional
+    from idempotent_moe import _compaction
 
     x = make_data((3, 30, 4), "float32", framework, rng)
     scores = make_scores((3, 30), "float32", framework, rng)
@@ -345,10 +345,10 @@ def test_restore_knows_the_indices_of_a_move_compaction(framework, rng):
     np.testing.assert_array_equal(bits(y), y_before)
     # the record is weak: the indices' death removes it
     idx = imoe.compact_(x, scores, 9, mode="move").indices
-    entries = len(functional._move_indices)
+    entries = len(_compaction._move_indices)
     del idx
     gc.collect()
-    assert len(functional._move_indices) == entries - 1
+    assert len(_compaction._move_indices) == entries - 1
 
 
 @pytest.mark.parametrize("framework", FRAMEWORKS)

@@ -12,11 +12,11 @@ come through here:
   beside torch's;
 - `fuse_routers_on_cpu`: scripts/guard_check.py runs the fused routers on
   the CPU (they run on CUDA only otherwise), to count a CPU step's guards;
-- `functional`'s direct path and `_tracing`'s compiling check:
+- `_compaction` (compact_'s direct path) and `_tracing`'s compiling check:
   scripts/host_cost_floor.py times each step of compact_'s Python path.
 These names are the library's internals and may change with it."""
 
-from idempotent_moe import _arrays, _tracing, functional
+from idempotent_moe import _arrays, _compaction, _tracing
 from idempotent_moe._native import native
 from idempotent_moe._sorting import counting_sort
 
@@ -30,5 +30,5 @@ def fuse_routers_on_cpu() -> None:
 
     hf_router._FUSED_ON_CPU = True
 
-__all__ = ["_arrays", "_tracing", "counting_sort", "dlpack_stream", "functional", "fuse_routers_on_cpu",
+__all__ = ["_arrays", "_compaction", "_tracing", "counting_sort", "dlpack_stream", "fuse_routers_on_cpu",
            "native"]

@@ -21,8 +21,7 @@ import time
 
 import idempotent_moe as imoe
 import torch
-from imoe_bench.internals import _arrays, _tracing, native
-from imoe_bench.internals import functional as F
+from imoe_bench.internals import _arrays, _compaction, _tracing, native
 from imoe_bench.runner import git_commit
 
 
@@ -48,14 +47,14 @@ def cases(dev: str) -> dict:
         "torch narrow": lambda: x.narrow(1, 0, 32),
         "an empty Python function": lambda: nothing(x, s, 32, out_indices=idx),
         "compiling()": lambda: _tracing.compiling(),
-        "direct_axis()": lambda: F.direct_axis(torch, x, s, 32, None, "inplace"),
+        "direct_axis()": lambda: _compaction.direct_axis(torch, x, s, 32, None, "inplace"),
         "dlpack_stream()": lambda: _arrays.dlpack_stream(x),
         "the core's call, a list, 1 thread": lambda: lib.compact(
             [x], [1], [1], scores=s, capacity=32, out_indices=idx, num_threads=1, **common),
         "the core's call, a tuple, 0 threads": lambda: lib.compact(
             (x,), (1,), (1,), scores=s, capacity=32, out_indices=idx, num_threads=0, **common),
-        "compact_tensors()": lambda: F.compact_tensors(torch, x, s, 32, 1, "swap", 0, 0, "raise", idx,
-                                                         None, "int64"),
+        "compact_tensors()": lambda: _compaction.compact_tensors(torch, x, s, 32, 1, "swap", 0, 0, "raise",
+                                                                 idx, None, "int64"),
         "compact_": lambda: imoe.compact_(x, s, 32, out_indices=idx),
         "compact_kv_cache_inplace": lambda: imoe.compact_kv_cache_inplace(k, v, kvs, 128, out_indices=kvi),
         "the core's call, K and V": lambda: lib.compact(

@@ -12,8 +12,8 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from . import _arrays
+from ._compaction import resolve_num_threads
 from ._native import native
-from .functional import resolve_num_threads
 
 
 class MoEDispatch(NamedTuple):

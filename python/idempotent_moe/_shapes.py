@@ -1,6 +1,6 @@
 """The shapes an operation's arguments give, worked out the same way by its
-eager path (functional, paged) and by the fake implementation of its torch
-custom op (_torch_ops): the buffers, their slot axes, the capacity, a map's
+direct path (_compaction, _paged) and by the wrapper of its torch custom op
+(_torch_ops): the buffers, their slot axes, the capacity, a map's
 geometry, a paged pool's geometry and a paged selection's heads. Each judges
 only what Python must know before the core is called; the core judges the
 rest."""

@@ -2,18 +2,17 @@
 `idempotent_moe`), so that torch.compile traces a call on torch tensors as one
 opaque op instead of breaking the graph at the native call.
 
-Imported only when the public functions see torch.compile tracing a call
-(`functional.traced_ops`), so `import idempotent_moe` never imports torch.
+Imported only when a public function sees torch.compile tracing a call
+(`_routes.traced_ops`), so `import idempotent_moe` never imports torch.
 
 Each op declares the arguments it writes (`mutates_args`: the buffers, the
 index outputs, the workspace) and returns nothing: a custom op may not return
 a view of an input nor an input itself, so the wrappers below allocate the
 outputs the caller did not give (with torch.empty, which traces), call the op,
 and make the views (narrow) themselves. The fake implementations therefore
-have no output to shape. The real implementation of an op calls the public
-function, whose direct path (the binding) does every check and the work; the
-public function knows it runs inside an op (`_tracing`) and does not route
-again.
+have no output to shape. The real implementation of an op calls the
+operation's direct path (`_compaction`, `_paged`), which does every check and
+the work: it never routes, so nothing here reaches functional or paged.
 
 Options become op arguments of schema types str / int / bool (`mode` is
 `apply_mode` in the schemas: torch's dispatcher reserves the name `mode`).
@@ -23,7 +22,7 @@ from typing import Any, Optional
 
 import torch
 
-from . import _arrays, _shapes, _tracing, functional, paged
+from . import _arrays, _compaction, _paged, _shapes
 
 AVAILABLE = hasattr(torch.library, "custom_op")  # torch 2.4 on
 
@@ -35,10 +34,9 @@ def _ints(values: Any) -> bool:
 def takes(*arrays: Any) -> bool:
     """Whether a call with these array arguments goes through the ops: every
     one is None, a torch tensor, a sequence of torch tensors or a (nested)
-    sequence of ints, at least one is a tensor, and no op's real
-    implementation is running. NumPy arrays and other DLPack producers keep
-    the direct path."""
-    if not AVAILABLE or _tracing.depth:
+    sequence of ints, and at least one is a tensor. NumPy arrays and other
+    DLPack producers keep the direct path."""
+    if not AVAILABLE:
         return False
     found = False
     for a in arrays:
@@ -118,12 +116,11 @@ if AVAILABLE:
                     apply_mode: str, order: str, protected_prefix: int, recent_window: int, nan: str,
                     out_indices: T, out_target_map: OptT, workspace: OptT,
                     num_threads: Optional[int]) -> None:
-        with _tracing.inside_op():
-            functional.compact_(
-                x, scores, capacity, active_indices=active_indices, dim=dim, mode=apply_mode,
-                order=order, protected_prefix=protected_prefix, recent_window=recent_window, nan=nan,
-                out_indices=out_indices, out_target_map=out_target_map, workspace=workspace,
-                num_threads=num_threads)
+        _compaction.compact(
+            x, scores, capacity, active_indices=active_indices, dim=dim, mode=apply_mode, order=order,
+            protected_prefix=protected_prefix, recent_window=recent_window, nan=nan,
+            out_indices=out_indices, out_target_map=out_target_map, workspace=workspace,
+            num_threads=num_threads)
 
     @_op("idempotent_map", ("out_indices", "out_target_map", "workspace"))
     def _map_op(scores: OptT, active_indices: OptT, capacity: int, num_slots: int, lead_shape: list[int],
@@ -131,53 +128,45 @@ if AVAILABLE:
                 out_target_map: OptT, workspace: OptT, num_threads: Optional[int]) -> None:
         form = "both" if out_indices is not None and out_target_map is not None else (
             "indices" if out_indices is not None else "target_map")
-        with _tracing.inside_op():
-            functional.idempotent_map(
-                scores, capacity, active_indices=active_indices, num_slots=num_slots,
-                lead_shape=lead_shape, form=form, order=order, protected_prefix=protected_prefix,
-                recent_window=recent_window, nan=nan, out_indices=out_indices,
-                out_target_map=out_target_map, workspace=workspace, num_threads=num_threads)
+        _compaction.idempotent_map(
+            scores, capacity, active_indices=active_indices, num_slots=num_slots,
+            lead_shape=lead_shape, form=form, order=order, protected_prefix=protected_prefix,
+            recent_window=recent_window, nan=nan, out_indices=out_indices,
+            out_target_map=out_target_map, workspace=workspace, num_threads=num_threads)
 
     @_op("apply_map_", ("x", "workspace"))
     def _apply_op(x: list[T], indices: OptT, target_map: OptT, dim: Optional[int], apply_mode: str,
                   order: str, workspace: OptT, num_threads: Optional[int]) -> None:
-        with _tracing.inside_op():
-            functional.apply_map_(x, indices, target_map=target_map, dim=dim, mode=apply_mode,
-                                  order=order, workspace=workspace, num_threads=num_threads)
+        _compaction.apply_map(x, indices, target_map=target_map, dim=dim, mode=apply_mode, order=order,
+                              workspace=workspace, num_threads=num_threads)
 
     @_op("restore_", ("x", "workspace"))
     def _restore_op(x: list[T], indices: T, dim: Optional[int], order: str, workspace: OptT,
                     num_threads: Optional[int]) -> None:
-        with _tracing.inside_op():
-            functional.restore_(x, indices, dim=dim, order=order, workspace=workspace,
-                                num_threads=num_threads)
+        _compaction.restore(x, indices, dim=dim, order=order, workspace=workspace, num_threads=num_threads)
 
     @_op("permute_", ("x", "workspace"))
     def _permute_op(x: list[T], perm: T, dim: Optional[int], inverse: bool, workspace: OptT,
                     num_threads: Optional[int]) -> None:
-        with _tracing.inside_op():
-            functional.permute_(x, perm, dim=dim, inverse=inverse, workspace=workspace,
-                                num_threads=num_threads)
+        _compaction.permute(x, perm, dim=dim, inverse=inverse, workspace=workspace,
+                            num_threads=num_threads)
 
     @_op("ungroup_", ("x", "workspace"))
     def _ungroup_op(x: list[T], perm: T, dim: Optional[int], workspace: OptT,
                     num_threads: Optional[int]) -> None:
-        with _tracing.inside_op():
-            functional.ungroup_(x, perm, dim=dim, workspace=workspace, num_threads=num_threads)
+        _compaction.ungroup(x, perm, dim=dim, workspace=workspace, num_threads=num_threads)
 
     @_op("group_by_expert_", ("x", "out_offsets", "out_perm", "workspace"))
     def _group_op(x: list[T], expert_ids: T, num_experts: int, dim: Optional[int], out_offsets: T,
                   out_perm: T, workspace: OptT, num_threads: Optional[int]) -> None:
-        with _tracing.inside_op():
-            functional.group_by_expert_(x, expert_ids, num_experts, dim=dim, out_offsets=out_offsets,
-                                        out_perm=out_perm, workspace=workspace, num_threads=num_threads)
+        _compaction.group_by_expert(x, expert_ids, num_experts, dim=dim, out_offsets=out_offsets,
+                                    out_perm=out_perm, workspace=workspace, num_threads=num_threads)
 
     @_op("apply_paged_map_", ("caches", "workspace"))
     def _apply_paged_op(caches: list[T], block_tables: T, target_map: T, layout: str, apply_mode: str,
                         num_threads: Optional[int], workspace: OptT) -> None:
-        with _tracing.inside_op():
-            paged.apply_paged_map_(caches, block_tables, target_map, layout=layout, mode=apply_mode,
-                                   num_threads=num_threads, workspace=workspace)
+        _paged.apply_paged_map(caches, block_tables, target_map, layout=layout, mode=apply_mode,
+                               num_threads=num_threads, workspace=workspace)
 
     @_op("compact_paged_", ("caches", "out_target_map"))
     def _compact_paged_op(caches: list[T], block_tables: T, seq_lens: list[int],
@@ -185,13 +174,12 @@ if AVAILABLE:
                           active_given: bool, target_map: OptT, layout: str, per_head: Optional[bool],
                           head_reduce: str, protected_prefix: int, recent_window: int, apply_mode: str,
                           nan: str, num_threads: Optional[int], out_target_map: OptT) -> None:
-        with _tracing.inside_op():
-            result = paged.compact_paged_(
-                caches, block_tables, seq_lens, capacity, scores,
-                active_indices=active_indices if active_given else None,
-                target_map=target_map, layout=layout, per_head=per_head, head_reduce=head_reduce,
-                protected_prefix=protected_prefix, recent_window=recent_window, mode=apply_mode,
-                nan=nan, num_threads=num_threads)
+        result = _paged.compact_paged(
+            caches, block_tables, seq_lens, capacity, scores,
+            active_indices=active_indices if active_given else None,
+            target_map=target_map, layout=layout, per_head=per_head, head_reduce=head_reduce,
+            protected_prefix=protected_prefix, recent_window=recent_window, mode=apply_mode,
+            nan=nan, num_threads=num_threads)
         if out_target_map is not None:
             out_target_map.copy_(result.target_map)
 
@@ -203,7 +191,7 @@ if AVAILABLE:
 
 def compact_(x, scores, capacity, *, active_indices, dim, mode, order, protected_prefix,
              recent_window, nan, out_indices, out_target_map, index_dtype, workspace,
-             num_threads) -> functional.Compacted:
+             num_threads) -> _compaction.Compacted:
     bufs, many = _bufs(x)
     if scores is not None:
         _arrays.check_array(scores, "scores")
@@ -222,7 +210,7 @@ def compact_(x, scores, capacity, *, active_indices, dim, mode, order, protected
         _int(protected_prefix, "protected_prefix"), _int(recent_window, "recent_window"),
         _str(nan, "nan"), out_indices, out_target_map, workspace,
         _opt_int(num_threads, "num_threads"))
-    return functional.Compacted(views, out_indices)
+    return _compaction.Compacted(views, out_indices)
 
 
 def idempotent_map(scores, capacity, *, active_indices, num_slots, lead_shape, form, order,
@@ -289,7 +277,7 @@ def ungroup_(x, perm, *, dim, workspace, num_threads) -> Any:
 
 
 def group_by_expert_(x, expert_ids, num_experts, *, dim, out_offsets, out_perm, index_dtype,
-                     workspace, num_threads) -> functional.Grouped:
+                     workspace, num_threads) -> _compaction.Grouped:
     bufs, _ = _bufs(x)
     expert_ids = _index_tensor(expert_ids, bufs[0], "expert_ids")
     _arrays.check_array(expert_ids, "expert_ids")
@@ -302,7 +290,7 @@ def group_by_expert_(x, expert_ids, num_experts, *, dim, out_offsets, out_perm, 
         out_perm = _arrays.empty_index(bufs[0], lead + (t,), index_dtype)
     torch.ops.idempotent_moe.group_by_expert_(bufs, expert_ids, num_experts, dim, out_offsets, out_perm,
                                               workspace, _opt_int(num_threads, "num_threads"))
-    return functional.Grouped(out_offsets, out_perm)
+    return _compaction.Grouped(out_offsets, out_perm)
 
 
 def apply_paged_map_(caches, block_tables, target_map, *, layout, mode, num_threads, workspace) -> None:
@@ -325,7 +313,7 @@ def _int_list(values: Any) -> list:
 
 def compact_paged_(caches, block_tables, seq_lens, capacity, scores, *, active_indices, target_map,
                    layout, per_head, head_reduce, protected_prefix, recent_window, mode, nan,
-                   num_threads) -> paged.PagedCompaction:
+                   num_threads) -> _paged.PagedCompaction:
     """The op does the whole direct-path compaction (host checks of the
     tables included, at run time); here the lengths, the map's shape and the
     freed blocks come from the host ints seq_lens and capacity. The freed
@@ -375,4 +363,4 @@ def compact_paged_(caches, block_tables, seq_lens, capacity, scores, *, active_i
     size = geo.block_size
     freed = [block_tables[s, -(-new // size):-(-old // size)].clone()
              for s, (new, old) in enumerate(zip(new_lens, lens))]
-    return paged.PagedCompaction(new_lens, freed, out_map if target_map is None else target_map)
+    return _paged.PagedCompaction(new_lens, freed, out_map if target_map is None else target_map)

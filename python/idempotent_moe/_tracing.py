@@ -1,10 +1,13 @@
-"""The two facts every public operation reads to choose its route: whether
-torch.compile is tracing the caller (`compiling`), and whether one of the
-library's torch custom ops is running its real implementation now (`depth`
-> 0, `inside_op`). While tracing, a public function on torch tensors routes
-to its custom op (_torch_ops, _moe_torch_ops); inside an op's real
-implementation it takes its direct path, so that it does not route to the
-op again. Torch-free: `import idempotent_moe` imports no torch.
+"""The facts a public operation reads to choose its route: whether
+torch.compile is tracing the caller (`compiling`), and, for the MoE
+operations, whether one of their torch custom ops is running its real
+implementation now (`depth` > 0, `inside_op`). While tracing, a public
+function on torch tensors routes to its custom op (_torch_ops through
+_routes, _moe_torch_ops); an MoE op's real implementation calls the public
+function again, which then takes its direct path instead of routing to the op
+again. (The compaction ops' implementations call their direct paths,
+_compaction and _paged, themselves: they need no depth.) Torch-free:
+`import idempotent_moe` imports no torch.
 
 `compiling` is read as an attribute (`_tracing.compiling()`): until torch is
 imported it answers False and, once torch is there, it is replaced by

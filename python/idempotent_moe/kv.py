@@ -6,97 +6,20 @@ selection. Scores may come per KV head [B, Hkv, S], per query head
 [B, Hq, S] with Hq = G x Hkv (the G query heads that share a KV head are
 reduced to one score by their mean or max: `head_reduce`), or once per
 sequence [B, S] / [B, 1, S] (one selection shared by every head).
-Paged caches are in `paged.py`, the Hugging Face cache in
-`integrations/hf_cache.py`."""
+`reduce_head_scores` (defined in `_heads.py`, which paged caches read too)
+is importable from here. Paged caches are in `paged.py`, the Hugging Face
+cache in `integrations/hf_cache.py`."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from . import _arrays, _tracing, functional
+from . import _arrays, _tracing
+from ._compaction import compact_tensors, direct_axis
+from ._heads import HEAD_REDUCTIONS, reduce_head_scores
 from .functional import apply_map_, compact_, idempotent_map
 
 SEQ_DIM = 2
-HEAD_REDUCTIONS = ("mean", "max")
-
-
-def _namespace(x: Any) -> str:
-    if _arrays.is_torch(x):
-        return "torch"
-    if hasattr(x, "__array_namespace__") and not _is_numpy(x):
-        return "array_api"
-    return "numpy"
-
-
-def _is_numpy(x: Any) -> bool:
-    import numpy as np
-
-    return isinstance(x, np.ndarray)
-
-
-def reduce_head_scores(scores: Any, kv_heads: int, head_reduce: str = "mean") -> Any:
-    """Scores with one row per KV head, [B, kv_heads, S], from scores given
-    per KV head (returned as they are), per query head [B, G x kv_heads, S]
-    (the G query heads of each group, consecutive as in `repeat_kv`, reduced
-    by `head_reduce`: "mean" or "max", computed in float32), or once per
-    sequence [B, S] / [B, 1, S] (broadcast to every head: a view, no copy).
-    Allocates only the reduced [B, kv_heads, S] float32 array when it reduces."""
-    torch = _arrays.torch_module()
-    if (torch is not None and type(scores) is torch.Tensor and type(kv_heads) is int and kv_heads >= 1
-            and scores.dim() == 3 and scores.shape[1] == kv_heads and head_reduce in HEAD_REDUCTIONS):
-        return scores  # one row per KV head already: the common call, checked in a few lines
-    _arrays.check_array(scores, "attention_scores")
-    kv_heads = _arrays.check_int(kv_heads, "kv_heads", minimum=1)
-    if head_reduce not in HEAD_REDUCTIONS:
-        raise ValueError(f"head_reduce must be one of {HEAD_REDUCTIONS}, got {head_reduce!r}")
-    shape = _arrays.shape_of(scores)
-    if len(shape) == 2:
-        scores, shape = _unsqueeze_heads(scores), (shape[0], 1, shape[1])
-    if len(shape) != 3:
-        raise ValueError(
-            f"attention_scores must be [batch, heads, seq] or [batch, seq], got {list(shape)}"
-        )
-    b, h, s = shape
-    if h == kv_heads:
-        return scores
-    if h == 1:
-        return _broadcast_heads(scores, (b, kv_heads, s))
-    if h % kv_heads:
-        raise ValueError(
-            f"attention_scores has {h} heads: give one per KV head ({kv_heads}), one per query "
-            f"head (a multiple of {kv_heads}), or one for all heads"
-        )
-    group = h // kv_heads
-    kind = _namespace(scores)
-    if kind == "torch":
-        grouped = scores.float().reshape(b, kv_heads, group, s)
-        return grouped.mean(2) if head_reduce == "mean" else grouped.amax(2)
-    if kind == "numpy":
-        import numpy as np
-
-        grouped = np.asarray(scores, dtype=np.float32).reshape(b, kv_heads, group, s)
-        return grouped.mean(2) if head_reduce == "mean" else grouped.max(2)
-    xp = scores.__array_namespace__()
-    grouped = xp.reshape(xp.astype(scores, xp.float32), (b, kv_heads, group, s))
-    return xp.mean(grouped, axis=2) if head_reduce == "mean" else xp.max(grouped, axis=2)
-
-
-def _unsqueeze_heads(scores: Any) -> Any:
-    if _arrays.is_torch(scores):
-        return scores.unsqueeze(1)
-    if _namespace(scores) == "array_api":
-        return scores.__array_namespace__().expand_dims(scores, axis=1)
-    return scores[:, None, :]
-
-
-def _broadcast_heads(scores: Any, shape: tuple) -> Any:
-    if _arrays.is_torch(scores):
-        return scores.expand(*shape)
-    if _namespace(scores) == "array_api":
-        return scores.__array_namespace__().broadcast_to(scores, shape)
-    import numpy as np
-
-    return np.broadcast_to(scores, shape)
 
 
 def _check_cache(key_cache: Any, value_cache: Any) -> None:
@@ -118,14 +41,14 @@ def _check_cache(key_cache: Any, value_cache: Any) -> None:
 def _direct(key_cache: Any, value_cache: Any, scores: Any, capacity: Any, active_indices: Any,
             head_reduce: str, order: str) -> Any:
     """torch when compact_kv_cache_inplace may call the core as compact_ does
-    on its direct path (functional.direct_axis), with nothing to work out
+    on its direct path (_compaction.direct_axis), with nothing to work out
     here: K and V 4-d, scores [B, H, S] one per KV head (as many heads as K),
     no active indices, not traced by torch.compile; else None. The core
     judges the rest: K and V [B, H, S, D] with the scores' B, H and S."""
     torch = _arrays.torch_module()
     direct = (active_indices is None and head_reduce in HEAD_REDUCTIONS and not _tracing.compiling()
-              and functional.direct_axis(torch, (key_cache, value_cache), scores, capacity, SEQ_DIM,
-                                          order) == SEQ_DIM
+              and direct_axis(torch, (key_cache, value_cache), scores, capacity, SEQ_DIM,
+                              order) == SEQ_DIM
               and key_cache.ndim == 4 and value_cache.ndim == 4 and scores.ndim == 3
               and scores.shape[1] == key_cache.shape[1])
     return torch if direct else None
@@ -190,7 +113,7 @@ def compact_kv_cache_inplace(
         # The common call: the core judges every value; a refusal is named
         # by the caches' own check where it is theirs (nothing has moved).
         try:
-            result = functional.compact_tensors(
+            result = compact_tensors(
                 torch, (key_cache, value_cache), attention_scores, capacity, SEQ_DIM, mode,
                 protected_prefix_len, recent_window, nan, out_indices, None, "int64")
         except ValueError:
