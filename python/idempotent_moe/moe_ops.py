@@ -46,7 +46,7 @@ def _ops(x: Any, *more: Any) -> Any:
     """The torch ops (`_moe_torch_ops`, differentiable) when torch.compile is
     tracing a call on torch tensors, or when autograd records one (x or one
     of `more` requires grad), else None."""
-    if _tracing.depth or not _arrays.is_torch(x):
+    if not _arrays.is_torch(x):
         return None
     torch = _arrays.torch_module()
     if not _tracing.compiling():
