@@ -1108,7 +1108,7 @@ def test_hook_forward_form_routes_dispatches_and_combines():
     assert view.shape == (num_experts, capacity, dim)
 
     res = hook.forward(hidden, router_logits, capacity, return_indices=True)
-    assert isinstance(res, hf.MoEDispatch)
+    assert isinstance(res, hf.SlotDispatch)
     tokens = hidden.reshape(-1, dim)
     probs = torch.softmax(router_logits, -1)
     top_w, top_i = torch.topk(probs, top_k, -1)

@@ -34,7 +34,7 @@ from .hf_experts import (
     set_capacity_factor,
     use_idempotent_experts,
 )
-from .hf_hook import HuggingFaceMoEInplaceHook, MoEDispatch
+from .hf_hook import HuggingFaceMoEInplaceHook, SlotDispatch
 from .vllm import VLLMInplaceCompactionHook
 
 # The Hugging Face eviction cache subclasses transformers' Cache: it is loaded
@@ -65,8 +65,8 @@ __all__ = [
     "InplaceEvictionCache",
     "InplaceEvictionLayer",
     "InplaceMoERouter",
-    "MoEDispatch",
     "SUPPORTED_ROUTERS",
+    "SlotDispatch",
     "VLLMInplaceCompactionHook",
     "capacity_stats",
     "fuse_routers",

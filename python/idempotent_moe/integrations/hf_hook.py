@@ -28,7 +28,7 @@ from .._moe import check_expert_buffer, combine_slots, expert_scores
 from ..functional import apply_map_, compact_, idempotent_map, restore_
 
 
-class MoEDispatch(NamedTuple):
+class SlotDispatch(NamedTuple):
     """What `HuggingFaceMoEInplaceHook.forward(..., return_indices=True)`
     returns: expert_inputs [E, C, D] (a view into the dispatch buffer),
     indices [E, C] (the token in each slot) and weights [E, C] (its routing
@@ -190,7 +190,7 @@ class HuggingFaceMoEInplaceHook:
         top k when normalize_top_k), fills a per-expert dispatch buffer
         [E, T, D] (allocated, or the caller's `dispatch_buffer`), compacts it
         in place and returns the view [E, C, D]; return_indices=True returns
-        MoEDispatch(expert_inputs, indices, weights), which `combine` takes.
+        SlotDispatch(expert_inputs, indices, weights), which `combine` takes.
 
     Both forms accept both calls where they have what they need (`block_d`:
     see idempotent_moe.moe). For the experts of a transformers model, prefer
@@ -311,7 +311,7 @@ class HuggingFaceMoEInplaceHook:
         # weights [E, C]: differentiable routing weights of the kept slots, 0 for unrouted tokens
         dense = torch.zeros(self.num_experts, num_tokens, dtype=top_w.dtype, device=tokens.device)
         dense = dense.scatter(0, top_i.t(), top_w.t())
-        return MoEDispatch(kept, indices, dense.gather(1, indices))
+        return SlotDispatch(kept, indices, dense.gather(1, indices))
 
     @staticmethod
     def combine(expert_outputs: Any, indices: Any, weights: Any, num_tokens: int) -> Any:
