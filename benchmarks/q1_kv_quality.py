@@ -69,7 +69,7 @@ ANSWER = " The pass key is"
 PREFILL_POLICIES = (
     ("streaming_llm", "streaming_llm"), ("knorm", "knorm"), ("keydiff", "keydiff"), ("tova", "tova"),
     ("observed_attention", "observed_attention"), ("h2o_sum", "h2o_sum"), ("snapkv", "snapkv"),
-    ("expected_attention", "expected_attention"),
+    ("expected_attention", "expected_attention"), ("auto", "auto"),
 )
 DECODE_POLICIES = ("streaming_llm", "auto", "observed_attention", "tova")
 PASSKEY_POLICIES = ("auto", "streaming_llm", "snapkv", "tova", "observed_attention", "expected_attention",
