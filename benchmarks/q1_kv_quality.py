@@ -69,7 +69,9 @@ ANSWER = " The pass key is"
 PREFILL_POLICIES = (
     ("streaming_llm", "streaming_llm"), ("knorm", "knorm"), ("keydiff", "keydiff"), ("tova", "tova"),
     ("observed_attention", "observed_attention"), ("h2o_sum", "h2o_sum"), ("snapkv", "snapkv"),
-    ("expected_attention", "expected_attention"), ("auto", "auto"),
+    ("expected_attention", "expected_attention"),
+    ("observed_attention_nosinks", "observed_attention_nosinks"), ("vatp", "vatp"),
+    ("vatp_recent4", "vatp_recent4"), ("auto", "auto"),
 )
 DECODE_POLICIES = ("streaming_llm", "auto", "observed_attention", "tova")
 PASSKEY_POLICIES = ("auto", "streaming_llm", "snapkv", "tova", "observed_attention", "expected_attention",
@@ -152,14 +154,44 @@ def passkey_trials(tok, quick: bool, trials: int) -> list:
 # --------------------------------------------------------------------------- the library
 
 
-def library_policy(name: str):
-    from idempotent_moe.kv_policies import ObservedAttention, get_policy
+def library_policy(name: str, budget: int | None = None):
+    """A policy of the tables by its label. Besides kv_policies' names:
+    "h2o_sum" (ObservedAttention's plain sum), "auto" (the cache's default),
+    "vatp" (ObservedAttention weighted by the values' L1 norm, what "auto"
+    scores with), "vatp_recent4" (that, with the newest budget // 4 kept) and
+    "observed_attention_nosinks" (no sink kept: see `sinks_of`)."""
+    import math
+
+    from idempotent_moe.kv_policies import ObservedAttention, as_policy, get_policy
 
     if name == "h2o_sum":
         return ObservedAttention(normalize=False)
     if name == "auto":
         return "auto"  # InplaceEvictionCache's default
+    if name == "vatp":
+        return ObservedAttention(value_norm=1)
+    if name == "vatp_recent4":
+        vatp = ObservedAttention(value_norm=1)
+        return as_policy(lambda obs: torch.where(obs.positions >= obs.seen - budget // 4, math.inf,
+                                                 vatp.score(obs)), needs=("attention",), name=name)
+    if name == "observed_attention_nosinks":
+        return get_policy("observed_attention")
     return get_policy(name)
+
+
+def sinks_of(label: str) -> int:
+    return 0 if label.endswith("_nosinks") else 4
+
+
+def set_sinks(cache, sinks: int) -> None:
+    """A copy of a recorded cache that protects `sinks` first tokens instead of 4."""
+    import dataclasses
+
+    policy = dataclasses.replace(cache.policy, sink_tokens=sinks)
+    cache.policy = policy
+    for layer in cache.layers:
+        if hasattr(layer, "policy"):
+            layer.policy = policy
 
 
 def recording_cache(model, budget: int, window: int = 64):
@@ -205,13 +237,14 @@ def prefill_setting(model, docs, budgets, policies, log) -> dict:
             row["full"] = nll(logits[:, :-1], cont[:, 1:]).tolist()
             del full
             for label, pname in policies:
-                pol = library_policy(pname)
                 for budget in budgets:
                     if budget >= PROMPT:
                         continue
                     c = copy.deepcopy(rec)
+                    if sinks_of(label) != 4:
+                        set_sinks(c, sinks_of(label))
                     t0 = time.time()
-                    c.evict(budget, score=pol)
+                    c.evict(budget, score=library_policy(pname, budget))
                     scored = time.time() - t0
                     logits = forward(model, cont, c, keep=CONTINUATION)
                     row[f"{label}@{budget}"] = nll(logits[:, :-1], cont[:, 1:]).tolist()
@@ -248,7 +281,7 @@ def decode_cache(model, label, budget, evict_every, recent_frac):
 
     recent = 0 if label in ("streaming_llm", "auto") else int(budget * recent_frac)
     return InplaceEvictionCache(budget, sink_tokens=4, recent_window=recent, evict_every=evict_every,
-                                score=library_policy(label), config=model.config).attach(model)
+                                score=library_policy(label, budget), config=model.config).attach(model)
 
 
 def decode_setting(model, docs, budgets, policies, evict_every, recent_frac, log, out=None,
@@ -342,7 +375,7 @@ def passkey_setting(model, tok, trials, budgets, policies, log, results=None,
                     if budget >= prompt.shape[1]:
                         continue
                     c = copy.deepcopy(rec)
-                    c.evict(budget, score=library_policy(pname))
+                    c.evict(budget, score=library_policy(pname, budget))
                     got = generate_answer(model, c, trial["answer_prefix"], n)
                     row[f"{pname}@{budget}"] = passkey_passed(tok, trial, got)
             results["trials"].append(row)
