@@ -437,7 +437,7 @@ def memory_setting(model, doc, budget, policy) -> dict:
 # --------------------------------------------------------------------------- kvpress (its own venv)
 
 
-def kvpress_run(data: dict, budgets, presses, settings, log, out=None):
+def kvpress_run(data: dict, budgets, presses, settings, log, out=None, first_trial=0):
     """kvpress's presses on the token ids of `data` (a JSON of this script):
     the prefill setting's perplexity and the passkey trials, each press
     compressing the prompt during its forward as kvpress does. Yields the
@@ -489,13 +489,14 @@ def kvpress_run(data: dict, budgets, presses, settings, log, out=None):
                         yield out
         if "passkey" in settings:
             done = out["passkey"]["trials"]
+            have = {row.get("trial", i) for i, row in enumerate(done)}
             out["passkey"].update({"policies": list(presses), "budgets": list(budgets)})
             for i, trial in enumerate(data["passkey_trials"]):
-                if i < len(done):
+                if i in have or i < first_trial:
                     continue
                 prompt = torch.tensor([trial["prompt"]])
                 n = len(trial["key"]) + 1
-                row = {"depth": trial["depth"], "key": trial["key_text"]}
+                row = {"trial": i, "depth": trial["depth"], "key": trial["key_text"]}
                 t0 = time.time()
                 for press_name in ("full", *presses):
                     for budget in (budgets if press_name != "full" else [None]):
@@ -563,7 +564,7 @@ def passkey_table(pk: dict) -> dict:
             runs = pk_runs(pk)
             row = {k: k in row["passed"] for k in runs}
         for key, ok in row.items():
-            if key in ("depth", "key"):
+            if key in ("trial", "depth", "key"):
                 continue
             table.setdefault(key, []).append(bool(ok))
     return {k: {"passed": sum(v), "trials": len(v)} for k, v in table.items()}
@@ -646,6 +647,8 @@ def main(argv=None) -> int:
     p.add_argument("--kvpress-run", action="store_true", help="run kvpress (in its own environment)")
     p.add_argument("--kvpress-presses", default=",".join(KVPRESS_PRESSES))
     p.add_argument("--kvpress-settings", default="prefill,passkey")
+    p.add_argument("--first-trial", type=int, default=0,
+                   help="kvpress's passkey from this trial on (trials split over processes)")
     p.add_argument("--tokens", help="a JSON of this script whose token ids kvpress runs on")
     p.add_argument("--kvpress-json", nargs="+", help="kvpress's JSON (one or more) to merge into --out")
     p.add_argument("--merge", nargs="+",
@@ -671,7 +674,7 @@ def main(argv=None) -> int:
         earlier = json.loads(out.read_text()) if args.resume and out.exists() else None
         started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
         for partial in kvpress_run(data, budgets, args.kvpress_presses.split(","),
-                                   args.kvpress_settings.split(","), log, earlier):
+                                   args.kvpress_settings.split(","), log, earlier, args.first_trial):
             partial.setdefault("started", started)
             partial["threads"] = args.threads
             partial["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
@@ -764,7 +767,7 @@ META = ("measurement", "model", "quick", "dtype", "threads", "budgets", "device"
 def compact_trials(pk: dict) -> dict:
     """Passkey trials as figures: each trial's depth, key and the runs that passed."""
     trials = [{"depth": row["depth"], "key": row["key"],
-               "passed": [k for k, ok in row.items() if k not in ("depth", "key") and ok]}
+               "passed": [k for k, ok in row.items() if k not in ("trial", "depth", "key") and ok]}
               for row in pk["trials"]]
     return {k: v for k, v in pk.items() if k != "trials"} | {"trials": trials}
 
@@ -813,8 +816,13 @@ def merge_runs(paths: list, kvpress_json: list | None) -> dict:
                                               "finished": kv.get("finished")})
             for doc, row in kv.get("prefill", {}).items():
                 kv_raw["prefill"].setdefault(doc, {}).update(row)
-            if kv.get("passkey", {}).get("trials"):
-                kv_raw["passkey"] = kv["passkey"]
+            if kv.get("passkey", {}).get("trials"):  # trials split over runs, in order, once each
+                kv_raw["passkey"].update({k: v for k, v in kv["passkey"].items() if k != "trials"})
+                have = {row["trial"] for row in kv_raw["passkey"]["trials"]}
+                kv_raw["passkey"]["trials"] += [{"trial": row.get("trial", i), **row}
+                                                for i, row in enumerate(kv["passkey"]["trials"])
+                                                if row.get("trial", i) not in have]
+                kv_raw["passkey"]["trials"].sort(key=lambda row: row["trial"])
         if kv_raw["prefill"]:
             merged["kvpress_prefill_ppl_ratio"] = kvpress_ratios(kv_raw, raw["prefill"])
         if kv_raw["passkey"]["trials"]:
@@ -828,7 +836,8 @@ def dumps(result: dict) -> str:
     text = json.dumps(result, indent=1)
     # a passkey trial, or a ratio row, on one line
     return re.sub(r"\{\n\s*(\"depth\"[^{}]*?)\n\s*\}",
-                  lambda m: "{" + re.sub(r"\s*\n\s*", " ", m.group(1)) + "}", text)
+                  lambda m: "{" + re.sub(r"\s*\n\s*", " ", m.group(1)).replace("[ ", "[")
+                  .replace(" ]", "]") + "}", text)
 
 
 def kvpress_ratios(kv: dict, library_prefill: dict) -> dict:

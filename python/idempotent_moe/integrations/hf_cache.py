@@ -18,13 +18,14 @@ the forward that needed the tokens has used them):
     buffer then holds budget + N slots and never grows.
 Each eviction keeps, per KV head (or per sequence with per_head=False), the
 first `sink_tokens` and the last `recent_window` logical positions plus the
-best-scoring others, `budget` in all. Scores: "auto" (the default:
-ObservedAttention, the mean attention each token received, with the newest
-quarter of the budget kept, where `cache.attach(model)` hooks eager
-attention; the window otherwise), any policy of `kv_policies` by name or
-instance (a user's `ScoringPolicy` included: the cache keeps the running
-statistics it names, attention totals and the observation window's queries,
-in place), "key_norm", "attention" (H2O's unnormalised sum), or a callable
+best-scoring others, `budget` in all. Scores: "auto" (the default, where
+`cache.attach(model)` hooks eager attention: the mean attention each token
+received times its value's L1 norm (ObservedAttention(value_norm=1), VATP),
+with the newest eighth of the budget kept when a prompt is compressed and
+the newest quarter while decoding; the window otherwise), any policy of
+`kv_policies` by name or instance (a user's `ScoringPolicy` included: the
+cache keeps the running statistics it names, attention totals and the
+observation window's queries, in place), "key_norm", "attention" (H2O's unnormalised sum), or a callable
 `score(keys, values, positions, layer_idx) -> [B, H, L]` (also [B, Hq, L]
 per query head, reduced by `head_reduce`, or [B, L]); higher is kept.
 A prompt is compressed layer by layer as each layer's forward ends
@@ -583,9 +584,12 @@ class InplaceEvictionCache(Cache):
     recent_window  the last logical positions, always kept.
     evict_every    decode steps between evictions (None: only after prefill).
     score          "auto" (default): with attach(model) and eager attention,
-                   ObservedAttention (the mean attention each token received)
-                   with the newest budget // 4 tokens kept; otherwise the
-                   window (sinks + the newest tokens). Or a policy: a name of
+                   the mean attention each token received times its value's
+                   L1 norm (ObservedAttention(value_norm=1), VATP), with the
+                   newest budget // 8 tokens kept when a prompt is compressed
+                   (the last forward cached more than evict_every tokens) and
+                   budget // 4 while decoding; otherwise the window (sinks +
+                   the newest tokens). Or a policy: a name of
                    kv_policies.POLICIES ("streaming_llm",
                    "knorm", "keydiff", "tova", "observed_attention",
                    "snapkv", "expected_attention"), a kv_policies.ScoringPolicy
