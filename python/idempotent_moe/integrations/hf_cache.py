@@ -25,9 +25,10 @@ with the newest eighth of the budget kept when a prompt is compressed and
 the newest quarter while decoding; the window otherwise), any policy of
 `kv_policies` by name or instance (a user's `ScoringPolicy` included: the
 cache keeps the running statistics it names, attention totals and the
-observation window's queries, in place), "key_norm", "attention" (H2O's unnormalised sum), or a callable
-`score(keys, values, positions, layer_idx) -> [B, H, L]` (also [B, Hq, L]
-per query head, reduced by `head_reduce`, or [B, L]); higher is kept.
+observation window's queries, in place), "key_norm", "attention" (H2O's
+unnormalised sum), or a callable `score(keys, values, positions, layer_idx)
+-> [B, H, L]` (also [B, Hq, L] per query head, reduced by `head_reduce`, or
+[B, L]); higher is kept.
 A prompt is compressed layer by layer as each layer's forward ends
 (`prefill_eviction="layer"`).
 
