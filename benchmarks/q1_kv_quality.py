@@ -354,20 +354,26 @@ def passkey_passed(tok, trial, got) -> bool:
 
 
 def passkey_setting(model, tok, trials, budgets, policies, log, results=None,
-                    save=lambda: None) -> dict:
+                    save=lambda: None, first_trial=0, last_trial=None) -> dict:
     """Prefill setting: each prompt recorded once, a copy evicted per (policy,
-    budget) as in prefill_setting, then the answer generated."""
+    budget) as in prefill_setting, then the answer generated. Trials
+    [first_trial, last_trial) only: the others are left to other runs."""
+    last_trial = len(trials) if last_trial is None else last_trial
     results = {} if results is None else results
     results.update({"trials": [], "policies": list(policies), "budgets": list(budgets)})
     with torch.no_grad():
         for i, trial in enumerate(trials):
+            if not first_trial <= i < last_trial:
+                continue
             prompt = torch.tensor([trial["prompt"]])
             t0 = time.time()
-            rec = recording_cache(model, prompt.shape[1])
+            # a budget above everything the trial caches: the full cache evicts nothing, the answer
+            # included
+            rec = recording_cache(model, prompt.shape[1] + 64)
             forward(model, prompt, rec, keep=1)
             rec.detach()
             n = len(trial["key"]) + 1
-            row = {"depth": trial["depth"], "key": trial["key_text"]}
+            row = {"trial": i, "depth": trial["depth"], "key": trial["key_text"]}
             c = copy.deepcopy(rec)
             row["full"] = passkey_passed(tok, trial, generate_answer(model, c, trial["answer_prefix"], n))
             for pname in policies:
@@ -648,7 +654,10 @@ def main(argv=None) -> int:
     p.add_argument("--kvpress-presses", default=",".join(KVPRESS_PRESSES))
     p.add_argument("--kvpress-settings", default="prefill,passkey")
     p.add_argument("--first-trial", type=int, default=0,
-                   help="kvpress's passkey from this trial on (trials split over processes)")
+                   help="passkey (prefill setting, and kvpress's) from this trial on: trials split "
+                        "over processes, merged by --merge")
+    p.add_argument("--last-trial", type=int, default=None,
+                   help="passkey (prefill setting) up to this trial, excluded")
     p.add_argument("--tokens", help="a JSON of this script whose token ids kvpress runs on")
     p.add_argument("--kvpress-json", nargs="+", help="kvpress's JSON (one or more) to merge into --out")
     p.add_argument("--merge", nargs="+",
@@ -736,7 +745,7 @@ def main(argv=None) -> int:
     if "passkey" in settings:
         result["passkey"] = {}
         passkey_setting(model, tok, trials, budgets, args.passkey_policies.split(","), log,
-                        result["passkey"], save)
+                        result["passkey"], save, args.first_trial, args.last_trial)
         result["passkey_table"] = passkey_table(result["passkey"])
         save()
     if "passkey_decode" in settings:
@@ -772,6 +781,19 @@ def compact_trials(pk: dict) -> dict:
     return {k: v for k, v in pk.items() if k != "trials"} | {"trials": trials}
 
 
+def add_trials(pk: dict | None, more: dict) -> dict:
+    """Passkey trials split over runs, merged in order, each trial once (a
+    row without its index is at its place in its run)."""
+    pk = {"trials": []} if pk is None else pk
+    pk.update({k: v for k, v in more.items() if k != "trials"})
+    have = {row["trial"] for row in pk["trials"]}
+    pk["trials"] = sorted(pk["trials"] + [{**row, "trial": row.get("trial", i)}
+                                          for i, row in enumerate(more["trials"])
+                                          if row.get("trial", i) not in have],
+                          key=lambda row: row["trial"])
+    return pk
+
+
 def merge_runs(paths: list, kvpress_json: list | None) -> dict:
     """One compact result of several runs of this script (settings run apart,
     in parallel) and of kvpress's runs: the settings, the runs, and the
@@ -791,7 +813,7 @@ def merge_runs(paths: list, kvpress_json: list | None) -> dict:
                 raw[setting].setdefault(doc, {}).update(row)
         for key in ("passkey", "passkey_decode"):
             if run.get(key, {}).get("trials"):
-                merged[key] = run[key]
+                merged[key] = add_trials(merged.get(key), run[key])
         if "memory" in run:
             merged["memory"] = run["memory"]
         if "check" in run:
@@ -816,13 +838,8 @@ def merge_runs(paths: list, kvpress_json: list | None) -> dict:
                                               "finished": kv.get("finished")})
             for doc, row in kv.get("prefill", {}).items():
                 kv_raw["prefill"].setdefault(doc, {}).update(row)
-            if kv.get("passkey", {}).get("trials"):  # trials split over runs, in order, once each
-                kv_raw["passkey"].update({k: v for k, v in kv["passkey"].items() if k != "trials"})
-                have = {row["trial"] for row in kv_raw["passkey"]["trials"]}
-                kv_raw["passkey"]["trials"] += [{"trial": row.get("trial", i), **row}
-                                                for i, row in enumerate(kv["passkey"]["trials"])
-                                                if row.get("trial", i) not in have]
-                kv_raw["passkey"]["trials"].sort(key=lambda row: row["trial"])
+            if kv.get("passkey", {}).get("trials"):
+                kv_raw["passkey"] = add_trials(kv_raw["passkey"], kv["passkey"])
         if kv_raw["prefill"]:
             merged["kvpress_prefill_ppl_ratio"] = kvpress_ratios(kv_raw, raw["prefill"])
         if kv_raw["passkey"]["trials"]:
