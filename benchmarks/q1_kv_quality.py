@@ -158,7 +158,7 @@ def library_policy(name: str, budget: int | None = None):
     """A policy of the tables by its label. Besides kv_policies' names:
     "h2o_sum" (ObservedAttention's plain sum), "auto" (the cache's default),
     "vatp" (ObservedAttention weighted by the values' L1 norm, what "auto"
-    scores with), "vatp_recent4" (that, with the newest budget // 4 kept) and
+    scores with), "vatp_recentK" (that, with the newest budget // K kept) and
     "observed_attention_nosinks" (no sink kept: see `sinks_of`)."""
     import math
 
@@ -170,9 +170,9 @@ def library_policy(name: str, budget: int | None = None):
         return "auto"  # InplaceEvictionCache's default
     if name == "vatp":
         return ObservedAttention(value_norm=1)
-    if name == "vatp_recent4":
-        vatp = ObservedAttention(value_norm=1)
-        return as_policy(lambda obs: torch.where(obs.positions >= obs.seen - budget // 4, math.inf,
+    if name.startswith("vatp_recent"):
+        vatp, part = ObservedAttention(value_norm=1), int(name[len("vatp_recent"):])
+        return as_policy(lambda obs: torch.where(obs.positions >= obs.seen - budget // part, math.inf,
                                                  vatp.score(obs)), needs=("attention",), name=name)
     if name == "observed_attention_nosinks":
         return get_policy("observed_attention")
@@ -275,11 +275,12 @@ def prefill_check(model, doc, budget, policy, window=64) -> dict:
 def decode_cache(model, label, budget, evict_every, recent_frac):
     """The decode setting's cache of one policy: the window (StreamingLLM) is
     4 sinks and the rest recent; "auto" is the cache's defaults as a user gets
-    them; the other scored policies keep a recent window of `recent_frac` of
-    the budget."""
+    them; "vatp_recentK" its own recent window; the other scored policies
+    keep a recent window of `recent_frac` of the budget."""
     from idempotent_moe.integrations.hf_cache import InplaceEvictionCache
 
-    recent = 0 if label in ("streaming_llm", "auto") else int(budget * recent_frac)
+    own = label in ("streaming_llm", "auto") or label.startswith("vatp_recent")
+    recent = 0 if own else int(budget * recent_frac)
     return InplaceEvictionCache(budget, sink_tokens=4, recent_window=recent, evict_every=evict_every,
                                 score=library_policy(label, budget), config=model.config).attach(model)
 
