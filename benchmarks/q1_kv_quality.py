@@ -808,7 +808,8 @@ def merge_runs(paths: list, kvpress_json: list | None) -> dict:
                 merged[key] = run[key]
         merged["runs"].append({"file": Path(path).name, "settings": run.get("settings"),
                                "commit": run.get("commit"), "dirty": run.get("dirty"),
-                               "started": run.get("started"), "finished": run.get("finished")})
+                               "started": run.get("started"), "finished": run.get("finished"),
+                               **({"superseded": run["superseded"]} if "superseded" in run else {})})
         for setting in ("prefill", "decode"):  # rows of each document, merged
             for doc, row in run.get(setting, {}).items():
                 raw[setting].setdefault(doc, {}).update(row)
