@@ -46,6 +46,8 @@ import math
 import os
 import platform
 import random
+import re
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -68,10 +70,13 @@ PREFILL_POLICIES = (
     ("streaming_llm", "streaming_llm"), ("knorm", "knorm"), ("keydiff", "keydiff"), ("tova", "tova"),
     ("observed_attention", "observed_attention"), ("h2o_sum", "h2o_sum"), ("snapkv", "snapkv"),
     ("expected_attention", "expected_attention"),
+    ("observed_attention_nosinks", "observed_attention_nosinks"), ("vatp", "vatp"),
+    ("vatp_recent4", "vatp_recent4"), ("auto", "auto"),
 )
-DECODE_POLICIES = ("streaming_llm", "observed_attention", "tova", "keydiff", "snapkv")
-PASSKEY_POLICIES = ("streaming_llm", "snapkv", "tova", "observed_attention", "expected_attention",
+DECODE_POLICIES = ("streaming_llm", "auto", "observed_attention", "tova")
+PASSKEY_POLICIES = ("auto", "streaming_llm", "snapkv", "tova", "observed_attention", "expected_attention",
                     "keydiff")
+PASSKEY_DECODE_POLICIES = ("auto", "streaming_llm")
 KVPRESS_PRESSES = ("ObservedAttentionPress", "TOVAPress", "SnapKVPress", "ExpectedAttentionPress",
                    "StreamingLLMPress", "KnormPress", "KeyDiffPress")
 
@@ -149,14 +154,44 @@ def passkey_trials(tok, quick: bool, trials: int) -> list:
 # --------------------------------------------------------------------------- the library
 
 
-def library_policy(name: str):
-    from idempotent_moe.kv_policies import ObservedAttention, get_policy
+def library_policy(name: str, budget: int | None = None):
+    """A policy of the tables by its label. Besides kv_policies' names:
+    "h2o_sum" (ObservedAttention's plain sum), "auto" (the cache's default),
+    "vatp" (ObservedAttention weighted by the values' L1 norm, what "auto"
+    scores with), "vatp_recentK" (that, with the newest budget // K kept) and
+    "observed_attention_nosinks" (no sink kept: see `sinks_of`)."""
+    import math
+
+    from idempotent_moe.kv_policies import ObservedAttention, as_policy, get_policy
 
     if name == "h2o_sum":
         return ObservedAttention(normalize=False)
     if name == "auto":
         return "auto"  # InplaceEvictionCache's default
+    if name == "vatp":
+        return ObservedAttention(value_norm=1)
+    if name.startswith("vatp_recent"):
+        vatp, part = ObservedAttention(value_norm=1), int(name[len("vatp_recent"):])
+        return as_policy(lambda obs: torch.where(obs.positions >= obs.seen - budget // part, math.inf,
+                                                 vatp.score(obs)), needs=("attention",), name=name)
+    if name == "observed_attention_nosinks":
+        return get_policy("observed_attention")
     return get_policy(name)
+
+
+def sinks_of(label: str) -> int:
+    return 0 if label.endswith("_nosinks") else 4
+
+
+def set_sinks(cache, sinks: int) -> None:
+    """A copy of a recorded cache that protects `sinks` first tokens instead of 4."""
+    import dataclasses
+
+    policy = dataclasses.replace(cache.policy, sink_tokens=sinks)
+    cache.policy = policy
+    for layer in cache.layers:
+        if hasattr(layer, "policy"):
+            layer.policy = policy
 
 
 def recording_cache(model, budget: int, window: int = 64):
@@ -202,13 +237,14 @@ def prefill_setting(model, docs, budgets, policies, log) -> dict:
             row["full"] = nll(logits[:, :-1], cont[:, 1:]).tolist()
             del full
             for label, pname in policies:
-                pol = library_policy(pname)
                 for budget in budgets:
                     if budget >= PROMPT:
                         continue
                     c = copy.deepcopy(rec)
+                    if sinks_of(label) != 4:
+                        set_sinks(c, sinks_of(label))
                     t0 = time.time()
-                    c.evict(budget, score=pol)
+                    c.evict(budget, score=library_policy(pname, budget))
                     scored = time.time() - t0
                     logits = forward(model, cont, c, keep=CONTINUATION)
                     row[f"{label}@{budget}"] = nll(logits[:, :-1], cont[:, 1:]).tolist()
@@ -236,10 +272,21 @@ def prefill_check(model, doc, budget, policy, window=64) -> dict:
     return {"policy": policy, "budget": budget, "nll": nll(logits[:, :-1], cont[:, 1:]).tolist()}
 
 
-def decode_setting(model, docs, budgets, policies, evict_every, recent_frac, log, out=None,
-                   save=lambda: None) -> dict:
+def decode_cache(model, label, budget, evict_every, recent_frac):
+    """The decode setting's cache of one policy: the window (StreamingLLM) is
+    4 sinks and the rest recent; "auto" is the cache's defaults as a user gets
+    them; "vatp_recentK" its own recent window; the other scored policies
+    keep a recent window of `recent_frac` of the budget."""
     from idempotent_moe.integrations.hf_cache import InplaceEvictionCache
 
+    own = label in ("streaming_llm", "auto") or label.startswith("vatp_recent")
+    recent = 0 if own else int(budget * recent_frac)
+    return InplaceEvictionCache(budget, sink_tokens=4, recent_window=recent, evict_every=evict_every,
+                                score=library_policy(label, budget), config=model.config).attach(model)
+
+
+def decode_setting(model, docs, budgets, policies, evict_every, recent_frac, log, out=None,
+                   save=lambda: None) -> dict:
     out = {} if out is None else out
     total = PROMPT + CONTINUATION
     with torch.no_grad():
@@ -256,10 +303,7 @@ def decode_setting(model, docs, budgets, policies, evict_every, recent_frac, log
                         cache = DynamicCache(config=model.config)
                         start = PROMPT
                     else:
-                        recent = 0 if label == "streaming_llm" else int(budget * recent_frac)
-                        cache = InplaceEvictionCache(
-                            budget, sink_tokens=4, recent_window=recent, evict_every=evict_every,
-                            score=library_policy(label), config=model.config).attach(model)
+                        cache = decode_cache(model, label, budget, evict_every, recent_frac)
                         start = budget
                     losses = []
                     forward(model, ids_t[:, :start], cache, keep=1)
@@ -284,47 +328,96 @@ def decode_setting(model, docs, budgets, policies, evict_every, recent_frac, log
     return out
 
 
-def generate_answer(model, cache, answer_prefix, n):
+def generate_answer(model, cache, answer_prefix, n, start=None):
+    """n greedy tokens after `answer_prefix`. `start`: the position of its
+    first token, passed as position ids (kvpress's compressed DynamicCache
+    does not count the evicted tokens); None: the cache's own count."""
     ids = torch.tensor([answer_prefix])
     got = []
     for _ in range(n):
-        logits = forward(model, ids, cache, keep=1)
+        if start is None:
+            logits = forward(model, ids, cache, keep=1)
+        else:
+            pos = torch.arange(start, start + ids.shape[1])[None]
+            logits = model(input_ids=ids, past_key_values=cache, position_ids=pos, use_cache=True,
+                           logits_to_keep=1).logits
+            start += ids.shape[1]
         nxt = int(logits[0, -1].argmax())
         got.append(nxt)
         ids = torch.tensor([[nxt]])
     return got
 
 
+def passkey_passed(tok, trial, got) -> bool:
+    if trial["key_text"] is not None:
+        return trial["key_text"] in tok.decode(got)
+    return got[: len(trial["key"])] == trial["key"]
+
+
 def passkey_setting(model, tok, trials, budgets, policies, log, results=None,
-                    save=lambda: None) -> dict:
+                    save=lambda: None, first_trial=0, last_trial=None) -> dict:
+    """Prefill setting: each prompt recorded once, a copy evicted per (policy,
+    budget) as in prefill_setting, then the answer generated. Trials
+    [first_trial, last_trial) only: the others are left to other runs."""
+    last_trial = len(trials) if last_trial is None else last_trial
+    results = {} if results is None else results
+    results.update({"trials": [], "policies": list(policies), "budgets": list(budgets)})
+    with torch.no_grad():
+        for i, trial in enumerate(trials):
+            if not first_trial <= i < last_trial:
+                continue
+            prompt = torch.tensor([trial["prompt"]])
+            t0 = time.time()
+            # a budget above everything the trial caches: the full cache evicts nothing, the answer
+            # included
+            rec = recording_cache(model, prompt.shape[1] + 64)
+            forward(model, prompt, rec, keep=1)
+            rec.detach()
+            n = len(trial["key"]) + 1
+            row = {"trial": i, "depth": trial["depth"], "key": trial["key_text"]}
+            c = copy.deepcopy(rec)
+            row["full"] = passkey_passed(tok, trial, generate_answer(model, c, trial["answer_prefix"], n))
+            for pname in policies:
+                for budget in budgets:
+                    if budget >= prompt.shape[1]:
+                        continue
+                    c = copy.deepcopy(rec)
+                    c.evict(budget, score=library_policy(pname, budget))
+                    got = generate_answer(model, c, trial["answer_prefix"], n)
+                    row[f"{pname}@{budget}"] = passkey_passed(tok, trial, got)
+            results["trials"].append(row)
+            log(f"passkey trial {i} depth {trial['depth']}: {time.time() - t0:.1f}s full={row['full']}")
+            save()
+    return results
+
+
+def passkey_decode_setting(model, tok, trials, budgets, policies, evict_every, recent_frac, log,
+                           results=None, save=lambda: None) -> dict:
+    """Decode setting: each prompt streams through the decode setting's cache
+    (its first `budget` tokens in one forward, the rest in chunks of
+    `evict_every` with an eviction after each, the last chunk shorter), then
+    the answer is generated as in passkey_setting."""
     results = {} if results is None else results
     results.update({"trials": [], "policies": list(policies), "budgets": list(budgets)})
     with torch.no_grad():
         for i, trial in enumerate(trials):
             prompt = torch.tensor([trial["prompt"]])
             t0 = time.time()
-            rec = recording_cache(model, prompt.shape[1])
-            forward(model, prompt, rec, keep=1)
-            rec.detach()
             n = len(trial["key"]) + 1
             row = {"depth": trial["depth"], "key": trial["key_text"]}
-
-            def passed(got, trial=trial):
-                if trial["key_text"] is not None:
-                    return trial["key_text"] in tok.decode(got)
-                return got[: len(trial["key"])] == trial["key"]
-
-            c = copy.deepcopy(rec)
-            row["full"] = passed(generate_answer(model, c, trial["answer_prefix"], n))
             for pname in policies:
                 for budget in budgets:
                     if budget >= prompt.shape[1]:
                         continue
-                    c = copy.deepcopy(rec)
-                    c.evict(budget, score=library_policy(pname))
-                    row[f"{pname}@{budget}"] = passed(generate_answer(model, c, trial["answer_prefix"], n))
+                    cache = decode_cache(model, pname, budget, evict_every, recent_frac)
+                    forward(model, prompt[:, :budget], cache, keep=1)
+                    for pos in range(budget, prompt.shape[1], evict_every):
+                        forward(model, prompt[:, pos:pos + evict_every], cache, keep=1)
+                    got = generate_answer(model, cache, trial["answer_prefix"], n)
+                    cache.detach()
+                    row[f"{pname}@{budget}"] = passkey_passed(tok, trial, got)
             results["trials"].append(row)
-            log(f"passkey trial {i} depth {trial['depth']}: {time.time() - t0:.1f}s full={row['full']}")
+            log(f"passkey (decode) trial {i} depth {trial['depth']}: {time.time() - t0:.1f}s")
             save()
     return results
 
@@ -351,39 +444,103 @@ def memory_setting(model, doc, budget, policy) -> dict:
 # --------------------------------------------------------------------------- kvpress (its own venv)
 
 
-def kvpress_run(tokens: dict, budgets, presses, log) -> dict:
+def kvpress_run(data: dict, budgets, presses, settings, log, out=None, first_trial=0):
+    """kvpress's presses on the token ids of `data` (a JSON of this script):
+    the prefill setting's perplexity and the passkey trials, each press
+    compressing the prompt during its forward as kvpress does. Yields the
+    results after each unit of work; `out` (an earlier run's) is resumed."""
     import kvpress
+    import transformers
     from transformers import DynamicCache
 
-    model, _ = load_model(False)
-    out = {"kvpress_version": getattr(kvpress, "__version__", "?"), "prefill": {}}
+    model, tok = load_model(False)
+    out = out or {}
+    out.update({"kvpress_version": getattr(kvpress, "__version__", None) or _version("kvpress"),
+                "transformers": transformers.__version__, "torch": torch.__version__, **git_commit()})
+    out.setdefault("prefill", {})
+    out.setdefault("passkey", {"trials": []})
+
+    def compressed(prompt, press_name, budget):
+        cache = DynamicCache()
+        if press_name == "full":
+            model(input_ids=prompt, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            return cache
+        # kvpress keeps int(n * (1 - ratio)) tokens: half a token above the budget lands on it
+        press = getattr(kvpress, press_name)(compression_ratio=1 - (budget + 0.5) / prompt.shape[1])
+        with press(model):
+            model(input_ids=prompt, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        if cache.get_seq_length() != budget:
+            raise RuntimeError(f"{press_name} kept {cache.get_seq_length()} tokens, not {budget}")
+        return cache
+
     with torch.no_grad():
-        for name, ids in tokens.items():
-            ids_t = torch.tensor([ids])
-            prompt, cont = ids_t[:, :PROMPT], ids_t[:, PROMPT:]
-            row = {}
-            for press_name in presses:
-                for budget in (budgets if press_name != "full" else [None]):
-                    t0 = time.time()
-                    cache = DynamicCache()
-                    if press_name == "full":  # kvpress's side's own full cache: the reference
-                        model(input_ids=prompt, past_key_values=cache, use_cache=True, logits_to_keep=1)
-                    else:
-                        press = getattr(kvpress, press_name)(compression_ratio=1 - budget / PROMPT)
-                        with press(model):
-                            model(input_ids=prompt, past_key_values=cache, use_cache=True,
-                                  logits_to_keep=1)
-                    # the compressed cache's length is not the prompt's: positions as kvpress's
-                    # pipeline gives them, counting on from the prompt
-                    pos = torch.arange(PROMPT, PROMPT + cont.shape[1])[None]
-                    logits = model(input_ids=cont, past_key_values=cache, position_ids=pos,
-                                   use_cache=True).logits
-                    key = "full" if press_name == "full" else f"{press_name}@{budget}"
-                    row[key] = nll(logits[:, :-1], cont[:, 1:]).tolist()
-                    log(f"kvpress {name} {key}: {time.time() - t0:.1f}s ppl {math.exp(mean(row[key])):.3f}")
-                    out["prefill"][name] = row
-                    yield out
+        if "prefill" in settings:
+            for name, ids in data["tokens"].items():
+                ids_t = torch.tensor([ids])
+                prompt, cont = ids_t[:, :PROMPT], ids_t[:, PROMPT:]
+                row = out["prefill"].setdefault(name, {})
+                for press_name in ("full", *presses):
+                    for budget in (budgets if press_name != "full" else [None]):
+                        key = "full" if press_name == "full" else f"{press_name}@{budget}"
+                        if key in row:
+                            continue
+                        t0 = time.time()
+                        cache = compressed(prompt, press_name, budget)
+                        # positions as kvpress's pipeline gives them, counting on from the prompt
+                        pos = torch.arange(PROMPT, PROMPT + cont.shape[1])[None]
+                        logits = model(input_ids=cont, past_key_values=cache, position_ids=pos,
+                                       use_cache=True).logits
+                        row[key] = nll(logits[:, :-1], cont[:, 1:]).tolist()
+                        log(f"kvpress {name} {key}: {time.time() - t0:.1f}s "
+                            f"ppl {math.exp(mean(row[key])):.3f}")
+                        yield out
+        if "passkey" in settings:
+            done = out["passkey"]["trials"]
+            have = {row.get("trial", i) for i, row in enumerate(done)}
+            out["passkey"].update({"policies": list(presses), "budgets": list(budgets)})
+            for i, trial in enumerate(data["passkey_trials"]):
+                if i in have or i < first_trial:
+                    continue
+                prompt = torch.tensor([trial["prompt"]])
+                n = len(trial["key"]) + 1
+                row = {"trial": i, "depth": trial["depth"], "key": trial["key_text"]}
+                t0 = time.time()
+                for press_name in ("full", *presses):
+                    for budget in (budgets if press_name != "full" else [None]):
+                        if budget is not None and budget >= prompt.shape[1]:
+                            continue
+                        cache = compressed(prompt, press_name, budget)
+                        got = generate_answer(model, cache, trial["answer_prefix"], n,
+                                              start=prompt.shape[1])
+                        key = "full" if press_name == "full" else f"{press_name}@{budget}"
+                        row[key] = passkey_passed(tok, trial, got)
+                done.append(row)
+                log(f"kvpress passkey trial {i}: {time.time() - t0:.1f}s full={row['full']}")
+                yield out
     return out
+
+
+def _version(dist: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(dist)
+    except PackageNotFoundError:
+        return None
+
+
+def git_commit() -> dict:
+    """The commit the measurement ran at, and whether the tree had changes."""
+    root = Path(__file__).resolve().parents[1]
+
+    def git(*args):
+        return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True).stdout.strip()
+
+    try:
+        return {"commit": git("rev-parse", "HEAD") or None,
+                "dirty": bool(git("status", "--porcelain", "--untracked-files=no"))}
+    except OSError:
+        return {"commit": None, "dirty": None}
 
 
 # --------------------------------------------------------------------------- tables
@@ -407,13 +564,22 @@ def ppl_ratios(setting: dict) -> dict:
 
 
 def passkey_table(pk: dict) -> dict:
+    """{run: {"passed", "trials"}} of passkey trials (as run, or compact)."""
     table: dict = {}
     for row in pk["trials"]:
+        if "passed" in row and isinstance(row["passed"], list):
+            runs = pk_runs(pk)
+            row = {k: k in row["passed"] for k in runs}
         for key, ok in row.items():
-            if key in ("depth", "key"):
+            if key in ("trial", "depth", "key"):
                 continue
             table.setdefault(key, []).append(bool(ok))
     return {k: {"passed": sum(v), "trials": len(v)} for k, v in table.items()}
+
+
+def pk_runs(pk: dict) -> list:
+    """Every run of a compact passkey setting: full and policy@budget."""
+    return ["full"] + [f"{p}@{b}" for p in pk["policies"] for b in pk["budgets"]]
 
 
 def markdown_tables(result: dict) -> str:
@@ -430,6 +596,21 @@ def markdown_tables(result: dict) -> str:
             out += f"| {prefix}{label} | " + " | ".join(cells) + " |\n"
         return out
 
+    def passkey_rows(pk, prefix):
+        out = ""
+        full = pk.get("full")
+        if full:
+            cell = f"{full['passed']}/{full['trials']}"
+            out += f"| {prefix}full cache | " + " | ".join(cell for _ in budgets) + " |\n"
+        labels = list(dict.fromkeys(k.rsplit("@", 1)[0] for k in pk if "@" in k))
+        for label in labels:
+            cells = []
+            for b in budgets:
+                c = pk.get(f"{label}@{b}")
+                cells.append(f"{c['passed']}/{c['trials']}" if c else "")
+            out += f"| {prefix}{label} | " + " | ".join(cells) + " |\n"
+        return out
+
     text = ""
     if "prefill_ppl_ratio" in result:
         text += "Prefill (prompt compressed once), perplexity / full cache's:\n\n" + head + rule
@@ -440,43 +621,48 @@ def markdown_tables(result: dict) -> str:
                  "perplexity / full cache's:\n\n" + head + rule)
         text += rows(result["decode_ppl_ratio"], "library: ") + "\n"
     if "passkey_table" in result:
-        pk = result["passkey_table"]
-        text += "Passkey retrieval (passed / trials):\n\n" + head + rule
-        full = pk.get("full")
-        if full:
-            cell = f"{full['passed']}/{full['trials']}"
-            text += "| full cache | " + " | ".join(cell for _ in budgets) + " |\n"
-        labels = sorted({k.rsplit("@", 1)[0] for k in pk if "@" in k})
-        for label in labels:
-            cells = []
-            for b in budgets:
-                c = pk.get(f"{label}@{b}")
-                cells.append(f"{c['passed']}/{c['trials']}" if c else "")
-            text += f"| {label} | " + " | ".join(cells) + " |\n"
-    return text
+        text += "Passkey retrieval, prefill setting (passed / trials):\n\n" + head + rule
+        text += passkey_rows(result["passkey_table"], "library: ")
+        text += passkey_rows(result.get("kvpress_passkey_table", {}), "kvpress: ") + "\n"
+    if "passkey_decode_table" in result:
+        text += ("Passkey retrieval, decode setting (the prompt streamed through the cache, "
+                 "passed / trials):\n\n" + head + rule)
+        full = {"full": result["passkey_table"]["full"]} if "passkey_table" in result else {}
+        text += passkey_rows({**full, **result["passkey_decode_table"]}, "library: ")
+    return text.rstrip("\n") + "\n"
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True)
     p.add_argument("--quick", action="store_true", help="a tiny random model and short inputs: seconds")
-    p.add_argument("--settings", default="prefill,decode,passkey,memory,check")
+    p.add_argument("--settings", default="prefill,decode,passkey,passkey_decode,memory,check",
+                   help="any of prefill, decode, passkey, passkey_decode, memory, check; none: only "
+                        "the token ids (for --kvpress-run)")
     p.add_argument("--budgets", default=",".join(map(str, BUDGETS)))
-    p.add_argument("--trials", type=int, default=20)
+    p.add_argument("--trials", type=int, default=20, help="passkey trials, cycling over the depths")
     p.add_argument("--evict-every", type=int, default=64)
     p.add_argument("--decode-recent", type=float, default=0.25,
                    help="recent window of the scored policies while decoding, a fraction of the budget")
     p.add_argument("--decode-policies", default=",".join(DECODE_POLICIES))
     p.add_argument("--passkey-policies", default=",".join(PASSKEY_POLICIES))
+    p.add_argument("--passkey-decode-policies", default=",".join(PASSKEY_DECODE_POLICIES))
     p.add_argument("--prefill-policies", default=",".join(label for label, _ in PREFILL_POLICIES))
     p.add_argument("--docs", type=int, default=len(DOCS))
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--device", default="cpu", help="cpu, or cuda (a CUDA build of idempotent_moe)")
     p.add_argument("--kvpress-run", action="store_true", help="run kvpress (in its own environment)")
     p.add_argument("--kvpress-presses", default=",".join(KVPRESS_PRESSES))
+    p.add_argument("--kvpress-settings", default="prefill,passkey")
+    p.add_argument("--first-trial", type=int, default=0,
+                   help="passkey (prefill setting, and kvpress's) from this trial on: trials split "
+                        "over processes, merged by --merge")
+    p.add_argument("--last-trial", type=int, default=None,
+                   help="passkey (prefill setting) up to this trial, excluded")
     p.add_argument("--tokens", help="a JSON of this script whose token ids kvpress runs on")
     p.add_argument("--kvpress-json", nargs="+", help="kvpress's JSON (one or more) to merge into --out")
-    p.add_argument("--merge", nargs="+", help="combine the settings of these runs' JSON into --out")
+    p.add_argument("--merge", nargs="+",
+                   help="combine the settings of these runs' JSON into --out: figures only")
     p.add_argument("--resume", action="store_true", help="keep the decode runs already in --out")
     p.add_argument("--tables", action="store_true", help="print the markdown tables of --out and exit")
     args = p.parse_args(argv)
@@ -484,7 +670,7 @@ def main(argv=None) -> int:
         print(markdown_tables(json.loads(Path(args.out).read_text())))
         return 0
     if args.merge:
-        Path(args.out).write_text(json.dumps(merge_runs(args.merge, args.kvpress_json), indent=1))
+        Path(args.out).write_text(dumps(merge_runs(args.merge, args.kvpress_json)))
         return 0
     torch.set_num_threads(args.threads)
     budgets = [int(b) for b in args.budgets.split(",")]
@@ -493,9 +679,16 @@ def main(argv=None) -> int:
         print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
     if args.kvpress_run:
-        tokens = json.loads(Path(args.tokens).read_text())["tokens"]
-        for partial in kvpress_run(tokens, budgets, args.kvpress_presses.split(","), log):
-            Path(args.out).write_text(json.dumps(partial))
+        data = json.loads(Path(args.tokens).read_text())
+        out = Path(args.out)
+        earlier = json.loads(out.read_text()) if args.resume and out.exists() else None
+        started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+        for partial in kvpress_run(data, budgets, args.kvpress_presses.split(","),
+                                   args.kvpress_settings.split(","), log, earlier, args.first_trial):
+            partial.setdefault("started", started)
+            partial["threads"] = args.threads
+            partial["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+            out.write_text(json.dumps(partial))
         return 0
 
     global PROMPT, CONTINUATION, PASSKEY_TOKENS
@@ -506,6 +699,7 @@ def main(argv=None) -> int:
         args.evict_every = 8
     model, tok = load_model(args.quick, args.device)
     docs = dict(list(documents(tok, args.quick, PROMPT + CONTINUATION).items())[: args.docs])
+    trials = passkey_trials(tok, args.quick, args.trials)
     settings = args.settings.split(",")
     result = {
         "measurement": "Q1",
@@ -514,8 +708,12 @@ def main(argv=None) -> int:
         "device": args.device if args.device == "cpu" else torch.cuda.get_device_name(),
         "prompt_tokens": PROMPT, "continuation_tokens": CONTINUATION, "evict_every": args.evict_every,
         "decode_recent_fraction": args.decode_recent, "sink_tokens": 4, "docs": list(docs),
-        "torch": torch.__version__, "python": platform.python_version(),
+        "passkey_prompt_tokens": PASSKEY_TOKENS, "passkey_trial_count": len(trials),
+        "torch": torch.__version__, "transformers": _version("transformers"),
+        "python": platform.python_version(), **git_commit(), "settings": settings,
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "tokens": docs,
+        "passkey_trials": [{k: t[k] for k in ("prompt", "answer_prefix", "key", "key_text", "depth")}
+                           for t in trials],
     }
     out = Path(args.out)
     if args.resume and out.exists():
@@ -526,6 +724,7 @@ def main(argv=None) -> int:
     def save():
         out.write_text(json.dumps(result, indent=1))
 
+    save()
     if "memory" in settings:
         result["memory"] = memory_setting(model, next(iter(docs.values())), budgets[1 % len(budgets)],
                                           "snapkv")
@@ -538,18 +737,23 @@ def main(argv=None) -> int:
         save()
     if "check" in settings and "prefill" in settings:
         name, doc = next(iter(docs.items()))
-        chk = prefill_check(model, doc, budgets[0], "snapkv")
-        shared = result["prefill"][name][f"snapkv@{budgets[0]}"]
+        chk = prefill_check(model, doc, budgets[0], "auto")
+        shared = result["prefill"][name][f"auto@{budgets[0]}"]
         chk["max_abs_nll_diff_vs_shared"] = max(abs(a - b) for a, b in zip(chk["nll"], shared))
         result["check"] = chk
         log(f"check: max |nll diff| {chk['max_abs_nll_diff_vs_shared']:.2e}")
         save()
     if "passkey" in settings:
-        trials = passkey_trials(tok, args.quick, args.trials)
         result["passkey"] = {}
         passkey_setting(model, tok, trials, budgets, args.passkey_policies.split(","), log,
-                        result["passkey"], save)
+                        result["passkey"], save, args.first_trial, args.last_trial)
         result["passkey_table"] = passkey_table(result["passkey"])
+        save()
+    if "passkey_decode" in settings:
+        result["passkey_decode"] = {}
+        passkey_decode_setting(model, tok, trials, budgets, args.passkey_decode_policies.split(","),
+                               args.evict_every, args.decode_recent, log, result["passkey_decode"], save)
+        result["passkey_decode_table"] = passkey_table(result["passkey_decode"])
         save()
     if "decode" in settings:
         result.setdefault("decode", {})
@@ -557,46 +761,102 @@ def main(argv=None) -> int:
                        args.decode_recent, log, result["decode"], save)
         result["decode_ppl_ratio"] = ppl_ratios(result["decode"])
         save()
-    if args.kvpress_json:
-        result["kvpress"] = merge_runs([], args.kvpress_json)["kvpress"]
-        result["kvpress_prefill_ppl_ratio"] = kvpress_ratios(result["kvpress"], result.get("prefill", {}))
     result["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
     save()
     return 0
 
 
+# What a merged result keeps of each run: its settings and figures, not the per-token losses or
+# the token ids (rerun the script to get them).
+META = ("measurement", "model", "quick", "dtype", "threads", "budgets", "device", "prompt_tokens",
+        "continuation_tokens", "evict_every", "decode_recent_fraction", "sink_tokens", "docs",
+        "passkey_prompt_tokens", "passkey_trial_count", "torch", "transformers", "python", "commit",
+        "dirty")
+
+
+def compact_trials(pk: dict) -> dict:
+    """Passkey trials as figures: each trial's depth, key and the runs that passed."""
+    trials = [{"depth": row["depth"], "key": row["key"],
+               "passed": [k for k, ok in row.items() if k not in ("trial", "depth", "key") and ok]}
+              for row in pk["trials"]]
+    return {k: v for k, v in pk.items() if k != "trials"} | {"trials": trials}
+
+
+def add_trials(pk: dict | None, more: dict) -> dict:
+    """Passkey trials split over runs, merged in order, each trial once (a
+    row without its index is at its place in its run)."""
+    pk = {"trials": []} if pk is None else pk
+    pk.update({k: v for k, v in more.items() if k != "trials"})
+    have = {row["trial"] for row in pk["trials"]}
+    pk["trials"] = sorted(pk["trials"] + [{**row, "trial": row.get("trial", i)}
+                                          for i, row in enumerate(more["trials"])
+                                          if row.get("trial", i) not in have],
+                          key=lambda row: row["trial"])
+    return pk
+
+
 def merge_runs(paths: list, kvpress_json: list | None) -> dict:
-    """One result of several runs of this script (settings run apart, in
-    parallel), its tables recomputed, kvpress's JSON merged where given."""
-    merged: dict = {}
+    """One compact result of several runs of this script (settings run apart,
+    in parallel) and of kvpress's runs: the settings, the runs, and the
+    figures (perplexity ratios, passkey trials and counts, memory, check)."""
+    merged: dict = {"runs": []}
+    raw: dict = {"prefill": {}, "decode": {}}
     for path in paths:
         run = json.loads(Path(path).read_text())
-        for key, value in run.items():
-            if key in ("tokens", "docs") and key in merged:
-                continue
-            if key.endswith("_ppl_ratio") or key == "passkey_table":
-                continue
-            merged.setdefault("runs", []).append({"file": Path(path).name, "started": run.get("started"),
-                                                  "finished": run.get("finished")}) \
-                if key == "started" else None
-            if key in ("prefill", "decode"):  # rows of each document, merged
-                for doc, row in value.items():
-                    merged.setdefault(key, {}).setdefault(doc, {}).update(row)
-            elif key in ("passkey", "memory", "check") or key not in merged:
-                merged[key] = value
+        for key in META:
+            if key in run and key not in merged:
+                merged[key] = run[key]
+        merged["runs"].append({"file": Path(path).name, "settings": run.get("settings"),
+                               "commit": run.get("commit"), "dirty": run.get("dirty"),
+                               "started": run.get("started"), "finished": run.get("finished"),
+                               **({"superseded": run["superseded"]} if "superseded" in run else {})})
+        for setting in ("prefill", "decode"):  # rows of each document, merged
+            for doc, row in run.get(setting, {}).items():
+                raw[setting].setdefault(doc, {}).update(row)
+        for key in ("passkey", "passkey_decode"):
+            if run.get(key, {}).get("trials"):
+                merged[key] = add_trials(merged.get(key), run[key])
+        if "memory" in run:
+            merged["memory"] = run["memory"]
+        if "check" in run:
+            merged["check"] = {k: v for k, v in run["check"].items() if k != "nll"}
     for setting in ("prefill", "decode"):
-        if setting in merged:
-            merged[f"{setting}_ppl_ratio"] = ppl_ratios(merged[setting])
-    if "passkey" in merged:
-        merged["passkey_table"] = passkey_table(merged["passkey"])
-    for path in kvpress_json or []:
-        kv = json.loads(Path(path).read_text())
-        merged.setdefault("kvpress", {"kvpress_version": kv.get("kvpress_version"), "prefill": {}})
-        for doc, row in kv.get("prefill", {}).items():
-            merged["kvpress"]["prefill"].setdefault(doc, {}).update(row)
-    if "kvpress" in merged:
-        merged["kvpress_prefill_ppl_ratio"] = kvpress_ratios(merged["kvpress"], merged.get("prefill", {}))
+        if raw[setting]:
+            merged[f"{setting}_ppl_ratio"] = ppl_ratios(raw[setting])
+    for key in ("passkey", "passkey_decode"):
+        if key in merged:
+            merged[f"{key}_table"] = passkey_table(merged[key])
+            merged[key] = compact_trials(merged[key])
+    if kvpress_json:
+        kv_raw: dict = {"prefill": {}, "passkey": {"trials": []}}
+        merged["kvpress"] = {"runs": []}
+        for path in kvpress_json:
+            kv = json.loads(Path(path).read_text())
+            for key in ("kvpress_version", "transformers", "torch"):
+                merged["kvpress"].setdefault(key, kv.get(key))
+            merged["kvpress"]["runs"].append({"file": Path(path).name, "threads": kv.get("threads"),
+                                              "commit": kv.get("commit"), "dirty": kv.get("dirty"),
+                                              "started": kv.get("started"),
+                                              "finished": kv.get("finished")})
+            for doc, row in kv.get("prefill", {}).items():
+                kv_raw["prefill"].setdefault(doc, {}).update(row)
+            if kv.get("passkey", {}).get("trials"):
+                kv_raw["passkey"] = add_trials(kv_raw["passkey"], kv["passkey"])
+        if kv_raw["prefill"]:
+            merged["kvpress_prefill_ppl_ratio"] = kvpress_ratios(kv_raw, raw["prefill"])
+        if kv_raw["passkey"]["trials"]:
+            merged["kvpress_passkey_table"] = passkey_table(kv_raw["passkey"])
+            merged["kvpress"]["passkey"] = compact_trials(kv_raw["passkey"])
     return merged
+
+
+def dumps(result: dict) -> str:
+    """JSON with one line per innermost list or dict of figures."""
+    text = json.dumps(result, indent=1)
+    # a passkey trial, or a ratio row, on one line
+    return re.sub(r"\{\n\s*(\"depth\"[^{}]*?)\n\s*\}",
+                  lambda m: "{" + re.sub(r"\s*\n\s*", " ", m.group(1)).replace("[ ", "[")
+                  .replace(" ]", "]") + "}", text)
 
 
 def kvpress_ratios(kv: dict, library_prefill: dict) -> dict:

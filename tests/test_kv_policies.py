@@ -111,12 +111,17 @@ def test_tova_is_the_last_querys_attention_averaged_over_the_group():
 def test_observed_attention_is_the_mean_over_the_queries_that_saw_each_token():
     obs = observation(3)
     norm, plain = ObservedAttention().score(obs), ObservedAttention(normalize=False).score(obs)
+    vatp = ObservedAttention(value_norm=1).score(obs)
     for b in range(B):
         for h in range(HKV):
             for j in range(L):
                 seen_by = obs.seen - int(obs.positions[b, h, j])  # queries at positions >= p
                 assert norm[b, h, j] == pytest.approx(float(obs.attention_totals[b, h, j]) / seen_by)
                 assert plain[b, h, j] == obs.attention_totals[b, h, j]
+                l1 = sum(abs(float(x)) for x in obs.values[b, h, j])  # VATP: times ||v||_1
+                assert vatp[b, h, j] == pytest.approx(float(obs.attention_totals[b, h, j]) / seen_by * l1)
+    with pytest.raises(ValueError):
+        ObservedAttention(value_norm=0)
 
 
 @pytest.mark.parametrize("pooling", ["avg", "max"])
@@ -240,7 +245,7 @@ def test_recorded_queries_and_totals_are_the_models_own():
         torch.testing.assert_close(obs.attention_counts[0, 0], torch.arange(20, 0, -1).float())
 
 
-@pytest.mark.parametrize("name", ["tova", "snapkv", "observed_attention", "keydiff"])
+@pytest.mark.parametrize("name", ["tova", "snapkv", "observed_attention", "keydiff", "auto"])
 def test_chunks_of_evict_every_equal_one_token_at_a_time(name):
     model, config = tiny_llama()
     tokens = ids(60)
@@ -380,7 +385,14 @@ def test_q1_benchmark_quick(tmp_path):
     assert set(result["prefill_ppl_ratio"]["snapkv"]) == {"16", "32"}
     assert result["memory"]["peak_kv_bytes_layer"] < result["memory"]["peak_kv_bytes_whole"]
     assert len(result["passkey"]["trials"]) == 2 and "decode_ppl_ratio" in result
+    assert len(result["passkey_decode"]["trials"]) == 2 and "auto@16" in result["passkey_decode_table"]
     assert "| library: tova |" in q1.markdown_tables(result)
+    merged = tmp_path / "merged.json"  # the committed form: figures, no token ids or losses
+    assert q1.main(["--out", str(merged), "--merge", str(out)]) == 0
+    compact = json.loads(merged.read_text())
+    assert "tokens" not in compact and "prefill" not in compact and "nll" not in compact["check"]
+    assert compact["prefill_ppl_ratio"] == json.loads(json.dumps(result["prefill_ppl_ratio"]))
+    assert q1.markdown_tables(compact) == q1.markdown_tables(result)
 
 
 @pytest.mark.gpu
@@ -425,16 +437,27 @@ def test_gpu_layer_by_layer_prefill_peak():
     assert layer < whole - 4 * per_layer, (layer, whole)
 
 
-def test_auto_is_observed_attention_when_attached_else_the_window():
+def test_auto_is_vatp_with_a_recent_window_when_attached_else_the_window():
     model, config = tiny_llama()
     tokens = ids(50)
     window = InplaceEvictionCache(16, sink_tokens=2, config=config)  # no attach: the newest tokens
     run(model, window, tokens, steps=2)
     held = window.layers[0].positions[0, 0].sort().values.tolist()
     assert held[:16] == [0, 1] + list(range(34, 48))
-    auto = InplaceEvictionCache(16, sink_tokens=2, recent_window=0, config=config).attach(model)
-    ref = InplaceEvictionCache(16, sink_tokens=2, recent_window=4, score="observed_attention",
-                               config=config).attach(model)
+
+    def pair(ref_recent, **kw):
+        auto = InplaceEvictionCache(16, sink_tokens=2, config=config, **kw).attach(model)
+        ref = InplaceEvictionCache(16, sink_tokens=2, recent_window=ref_recent, config=config,
+                                   score=ObservedAttention(value_norm=1), **kw).attach(model)
+        return auto, ref
+
+    # a prompt compressed: the newest budget // 8 = 2 kept
+    auto, ref = pair(2)
     a, b = run(model, auto, tokens, steps=6), run(model, ref, tokens, steps=6)
-    torch.testing.assert_close(a, b, rtol=0, atol=0)  # budget // 4 = 4 newest kept
-    assert auto.layers[0].evictions >= 1
+    assert auto.layers[0].evictions == 1
+    torch.testing.assert_close(a, b, rtol=0, atol=0)
+    # decoding (a prompt within the budget, then evictions every 4 steps): budget // 4 = 4
+    auto, ref = pair(4, evict_every=4)
+    a, b = run(model, auto, tokens, steps=36), run(model, ref, tokens, steps=36)
+    assert auto.layers[0].evictions >= 5
+    torch.testing.assert_close(a, b, rtol=0, atol=0)

@@ -18,15 +18,17 @@ the forward that needed the tokens has used them):
     buffer then holds budget + N slots and never grows.
 Each eviction keeps, per KV head (or per sequence with per_head=False), the
 first `sink_tokens` and the last `recent_window` logical positions plus the
-best-scoring others, `budget` in all. Scores: "auto" (the default:
-ObservedAttention, the mean attention each token received, with the newest
-quarter of the budget kept, where `cache.attach(model)` hooks eager
-attention; the window otherwise), any policy of `kv_policies` by name or
-instance (a user's `ScoringPolicy` included: the cache keeps the running
-statistics it names, attention totals and the observation window's queries,
-in place), "key_norm", "attention" (H2O's unnormalised sum), or a callable
-`score(keys, values, positions, layer_idx) -> [B, H, L]` (also [B, Hq, L]
-per query head, reduced by `head_reduce`, or [B, L]); higher is kept.
+best-scoring others, `budget` in all. Scores: "auto" (the default, where
+`cache.attach(model)` hooks eager attention: the mean attention each token
+received times its value's L1 norm (ObservedAttention(value_norm=1), VATP),
+with the newest eighth of the budget kept when a prompt is compressed and
+the newest quarter while decoding; the window otherwise), any policy of
+`kv_policies` by name or instance (a user's `ScoringPolicy` included: the
+cache keeps the running statistics it names, attention totals and the
+observation window's queries, in place), "key_norm", "attention" (H2O's
+unnormalised sum), or a callable `score(keys, values, positions, layer_idx)
+-> [B, H, L]` (also [B, Hq, L] per query head, reduced by `head_reduce`, or
+[B, L]); higher is kept.
 A prompt is compressed layer by layer as each layer's forward ends
 (`prefill_eviction="layer"`).
 
@@ -62,7 +64,7 @@ from transformers.cache_utils import (
 from .._native import native
 from ..functional import compact_
 from ..kv import HEAD_REDUCTIONS, reduce_head_scores
-from ..kv_policies import POLICIES, Observation, ScoringPolicy, check_policy
+from ..kv_policies import POLICIES, Observation, ObservedAttention, ScoringPolicy, check_policy
 
 SCORES = ("auto", "key_norm", "attention", *POLICIES)
 PREFILL_EVICTIONS = ("layer", "whole")
@@ -174,6 +176,10 @@ def check_score(score: Any) -> None:
 
 # One instance per named policy, with its defaults (policies hold no state).
 _NAMED = {name: cls() for name, cls in POLICIES.items()}
+# score="auto" with attention weights: VATP's score, and the newest budget // AUTO_RECENT_PROMPT
+# tokens kept when a prompt is compressed, budget // AUTO_RECENT_DECODE while decoding (Q1).
+_AUTO = ObservedAttention(value_norm=1)
+AUTO_RECENT_PROMPT, AUTO_RECENT_DECODE = 8, 4
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -219,6 +225,7 @@ class InplaceEvictionLayer(CacheLayerMixin):
         self._adopted = False  # the buffers are a prompt's own K and V tensors
         self._pending = False  # evict at the start of the next update
         self._since = 0        # decode tokens since the last eviction or prefill
+        self._last_forward = 0  # tokens of the last forward cached (1: a decode step)
         self._attention_hooked = False
         # The observation window: the last queries seen [B, Hq, w, D] (RoPE
         # applied), oldest first, `_q_len` of them valid; queries of a forward
@@ -403,6 +410,7 @@ class InplaceEvictionLayer(CacheLayerMixin):
         self._append(key_states, value_states)
         self.seen += q
         budget, every = self.policy.budget, self.policy.evict_every
+        self._last_forward = q
         if q > 1:  # prefill, or a prefill chunk
             self._since = 0
             self._pending = self._pending_prefill = self.length > budget
@@ -431,7 +439,7 @@ class InplaceEvictionLayer(CacheLayerMixin):
         return -1
 
     def reset(self) -> None:
-        self.length = self.seen = self._since = self._pos_upto = 0
+        self.length = self.seen = self._since = self._pos_upto = self._last_forward = 0
         self._pending = self._pending_prefill = False
         self._q, self._q_len, self._q_staged = None, 0, None
         if self._adopted:
@@ -527,16 +535,26 @@ class InplaceEvictionLayer(CacheLayerMixin):
                 else s.float().amax(1, keepdim=True)
         return s
 
+    def compressing_prompt(self) -> bool:
+        """Whether an eviction now compresses a prompt: the last forward cached
+        more tokens than `evict_every` (any number above one without it),
+        rather than decode steps (or chunks of `evict_every` tokens, which
+        evict as decoding one token at a time does)."""
+        return self._last_forward > (self.policy.evict_every or 1)
+
     def _auto_scores(self, n: int, budget: int) -> torch.Tensor:
         """score="auto": with the attention weights (attach(model), eager
-        attention), ObservedAttention (the mean attention received) with the
-        newest quarter of the budget kept; without them, the window (the
-        newest tokens). Q1 in docs/kv.md measures both."""
+        attention), ObservedAttention weighted by the values' L1 norm (VATP)
+        with the newest budget // 8 tokens kept when a prompt is compressed
+        and the newest budget // 4 while decoding; without them, the window
+        (the newest tokens). Q1 in docs/kv.md measures each choice."""
         pos = self._written_positions()[:, :, :n]
         if self._acc is None or not self._attention_hooked:
             return pos.float()
-        s = self._acc[:, :, :n] / (self.seen - pos).float().clamp(min=1)
-        return torch.where(pos >= self.seen - budget // 4, math.inf, s)
+        s = _AUTO.score(Observation(self._k[:, :, :n], self._v[:, :, :n], pos, self.seen,
+                                    attention_totals=self._acc[:, :, :n]))
+        recent = budget // AUTO_RECENT_PROMPT if self.compressing_prompt() else budget // AUTO_RECENT_DECODE
+        return torch.where(pos >= self.seen - recent, math.inf, s)
 
     def evict(self, budget: int | None = None, score: Any = None) -> int:
         """Compact the valid slots down to `budget` (the policy's by default)
@@ -653,9 +671,12 @@ class InplaceEvictionCache(Cache):
     recent_window  the last logical positions, always kept.
     evict_every    decode steps between evictions (None: only after prefill).
     score          "auto" (default): with attach(model) and eager attention,
-                   ObservedAttention (the mean attention each token received)
-                   with the newest budget // 4 tokens kept; otherwise the
-                   window (sinks + the newest tokens). Or a policy: a name of
+                   the mean attention each token received times its value's
+                   L1 norm (ObservedAttention(value_norm=1), VATP), with the
+                   newest budget // 8 tokens kept when a prompt is compressed
+                   (the last forward cached more than evict_every tokens) and
+                   budget // 4 while decoding; otherwise the window (sinks +
+                   the newest tokens). Or a policy: a name of
                    kv_policies.POLICIES ("streaming_llm",
                    "knorm", "keydiff", "tova", "observed_attention",
                    "snapkv", "expected_attention"), a kv_policies.ScoringPolicy
