@@ -8,7 +8,7 @@
 # one log go to OUT_DIR; README.md and docs/*.md are updated in place.
 # --no-models skips W4, the KV hooks, M1/M2/H1 (and M1's compiled run and its
 # run of our options), the MoE layer's host cost and decode ceiling, the
-# small-M GEMM, the profiled decode step and expert parallelism.
+# small-M GEMM, the profiled decode step, T1, P1 and expert parallelism.
 #   bash benchmarks/scripts/gpu_suite.sh OUT_DIR [--no-sanitizer] [--no-sweep] [--no-tests] [--no-models]
 set -uo pipefail
 out=${1:?usage: gpu_suite.sh OUT_DIR [--no-sanitizer] [--no-sweep] [--no-tests] [--no-models]}
@@ -80,12 +80,17 @@ if [ "$models" = 1 ]; then
   run python benchmarks/scripts/moe_gemm_cuda.py --out "$out/moe-gemm-cuda.json"
   step "one decode step, profiled (compiled, batch 1)"
   run python benchmarks/scripts/decode_profile.py --cache static --batch 1 --out "$out/decode-profile-cuda.json"
+  step "T1: training steps and the experts layer alone"
+  run python -m imoe_bench train --out "$out" --doc docs/moe.md
+  step "P1: the experts forward, routing given (with vLLM's fused_moe where VLLM_PATH names a checkout)"
+  run python benchmarks/p1_experts.py --out "$out/p1-cuda.json" ${VLLM_PATH:+--vllm-path "$VLLM_PATH"}
 fi
 step "permutation engine"
 run python -m imoe_bench permute --device cuda --out "$out" --doc docs/results.md
 if [ "$models" = 1 ] && [ "$gpus" -ge 2 ]; then
   step "expert parallelism on two GPUs (NCCL)"
-  run python benchmarks/scripts/ep_bench.py --out "$out" --docs docs/distributed.md
+  run python benchmarks/scripts/ep_bench.py --experts scale mlp --passes forward train --out "$out" \
+    --docs docs/distributed.md
 fi
 
 if [ "$sanitizer" = 1 ]; then
