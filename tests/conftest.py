@@ -294,8 +294,9 @@ def rng(request) -> np.random.Generator:
 def run_ranks(script: str, rank_args, timeout: float) -> None:
     """Start `script` once per rank as `python script RANK PORT *rank_args(r)`
     (one free port on 127.0.0.1 for the rendezvous, one OpenMP thread each,
-    gloo on the loopback), wait for all, and fail with every rank's output
-    when one exits non-zero. `rank_args(r)` gives rank r's other arguments."""
+    gloo on the loopback, this folder on PYTHONPATH for the script's imports
+    of the helpers), wait for all, and fail with every rank's output when one
+    exits non-zero. `rank_args(r)` gives rank r's other arguments."""
     import socket
     import subprocess
     import sys
@@ -303,7 +304,9 @@ def run_ranks(script: str, rank_args, timeout: float) -> None:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    here = os.path.dirname(os.path.abspath(__file__))
+    path = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH", "")) if p)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=path)
     if os.path.exists("/sys/class/net/lo"):
         env.setdefault("GLOO_SOCKET_IFNAME", "lo")
     world = len(rank_args)

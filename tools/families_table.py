@@ -3,7 +3,7 @@ experts implementation was checked on, dropless and in capacity mode.
 
     PYTHONPATH=python python tools/families_table.py [--out docs/families.md] [FAMILY ...]
 
-Runs the discovery and the checks of tests/test_hf_families.py (the same
+Runs the discovery and the checks of tests/hf/test_hf_families.py (the same
 code, on the installed transformers and idempotent_moe) and writes one row
 per family: pass, xfail (a known failure, with its root cause), skip (cannot
 be built generically, with why) or FAIL (a new failure: the message).
@@ -22,7 +22,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _load_tests():
-    spec = importlib.util.spec_from_file_location("test_hf_families", ROOT / "tests" / "test_hf_families.py")
+    path = ROOT / "tests" / "hf" / "test_hf_families.py"
+    spec = importlib.util.spec_from_file_location("test_hf_families", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -83,7 +84,7 @@ def main(argv=None) -> int:
         "# Model families checked with the \"idempotent\" experts implementation",
         "",
         "Every model family of the installed transformers whose experts module uses",
-        "`@use_experts_implementation`, found by `tests/test_hf_families.py` (it",
+        "`@use_experts_implementation`, found by `tests/hf/test_hf_families.py` (it",
         "runs in CI on the newest transformers, so a family transformers adds is",
         "checked without a change here). Each is built tiny from its config's",
         "defaults (hidden 64, 1-2 layers of which at least one MoE, 8 experts,",
@@ -105,7 +106,7 @@ def main(argv=None) -> int:
         "count is that pattern's length).",
         "",
         "What the generic build fills in where a family's defaults alone do not",
-        "make a model (each is in `tests/test_hf_families.py`): a hash router's",
+        "make a model (each is in `tests/hf/test_hf_families.py`): a hash router's",
         "token-to-experts table (DeepSeek-V4's `tid2eid`, zeros until a",
         "checkpoint is loaded) gets k distinct experts per token, since the",
         "library refuses a token that names one expert twice with nonzero",

@@ -1,7 +1,7 @@
 /* test_router.c: imoe_topk_softmax in the C core: probabilities against
  * double precision, equal values in torch's CUDA topk order (gatherTopK's
  * write order, then SmallBitonicSort's network; the expected experts are
- * those of the Python transcription in tests/test_moe_router.py), NaN rows,
+ * those of the Python transcription in tests/moe/test_moe_router.py), NaN rows,
  * the renormalising sum, threads, and every argument error leaving the
  * outputs unchanged. */
 #include <math.h>

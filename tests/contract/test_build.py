@@ -83,7 +83,7 @@ def _glibc_compat():
     import importlib.util
     import pathlib
 
-    path = pathlib.Path(__file__).resolve().parents[1] / "tools" / "glibc_compat.py"
+    path = pathlib.Path(__file__).resolve().parents[2] / "tools" / "glibc_compat.py"
     spec = importlib.util.spec_from_file_location("glibc_compat", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -432,7 +432,7 @@ def test_gpu_experts_forward_launches_at_most_eight_kernels_at_eight_tokens():
     8 tokens: the dispatch's two kernels, two grouped GEMMs, the gated
     activation and the combine."""
     import idempotent_moe.integrations as hf
-    from test_hf_moe import _cuda_block
+    from test_hf_experts import _cuda_block
     from torch.profiler import ProfilerActivity, profile
 
     hf.register()

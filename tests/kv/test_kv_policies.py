@@ -372,7 +372,7 @@ def test_q1_benchmark_quick(tmp_path):
     import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "q1_kv_quality.py"
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "q1_kv_quality.py"
     spec = importlib.util.spec_from_file_location("q1_kv_quality", path)
     q1 = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(q1)

@@ -1,6 +1,6 @@
 """The DLPack side of the binding, through idempotent_moe._C directly.
 
-Capsules come from tests/dlpack_producer.py, which owns the memory and counts
+Capsules come from tests/core/dlpack_producer.py, which owns the memory and counts
 deleter calls. The consumer contract checked here: a capsule the binding
 consumes (renames to used_*) has its deleter called exactly once by the
 binding, on success and on every error path; a capsule it leaves alone is

@@ -251,7 +251,7 @@ def test_gpu_small_m_experts_forward_is_no_worse_than_grouped_mm(tokens):
     import idempotent_moe.integrations as hf
     from idempotent_moe.integrations import _fused
     from imoe_bench import w4
-    from test_hf_moe import _block_output, _cuda_block
+    from test_hf_experts import _block_output, _cuda_block
     from torch.profiler import ProfilerActivity, profile
 
     hf.register()
@@ -292,7 +292,7 @@ def test_gpu_small_m_compiled_is_the_eager_path_and_large_batches_keep_grouped_m
     keep torch's grouped_mm."""
     import idempotent_moe.integrations as hf
     from idempotent_moe.integrations import _fused
-    from test_hf_moe import _cuda_block
+    from test_hf_experts import _cuda_block
 
     hf.register()
     block = _cuda_block(1024, 3584, "bfloat16")
