@@ -1,9 +1,8 @@
 """The lab's tests keep the library tests' settings: the `gpu` marker's skip
 without a usable GPU, transformers' deprecations as errors and poisoned
 uninitialised memory on the CPU (tests/conftest.py's hooks, loaded here too so
-that benchmarks/tests also runs on its own). This module re-exports every
-name of tests/conftest.py: pytest imports both files as `conftest`, and the
-library's tests `from conftest import ...` whichever it imported last."""
+that benchmarks/tests also runs on its own): this module takes every name
+of tests/conftest.py, its hooks and its `rng` fixture."""
 
 import importlib.util
 import os

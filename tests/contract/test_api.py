@@ -11,7 +11,7 @@ import textwrap
 import idempotent_moe as imoe
 import numpy as np
 import pytest
-from conftest import (
+from _helpers import (
     FRAMEWORKS,
     assert_involution,
     bits,

@@ -1,8 +1,10 @@
-"""Bad input: the right exception type, a message that names the argument at
-fault, and every buffer, score array and output exactly as it was.
-
-Each case is a builder `(framework, rng) -> (call, arrays)`: `call` must raise,
-`arrays` are snapshotted before and compared bit for bit after."""
+"""Bad input to compact_ (and idempotent_map): the right exception type, a
+message that names the argument at fault, and every buffer, score array and
+output exactly as it was: scores, capacity and options, outputs, active
+indices, buffers; the failing row named whatever the threads. Each case is a
+builder `(framework, rng) -> (call, arrays)`: `call` must raise, `arrays`
+are snapshotted before and compared bit for bit after. Maps, restore_, the
+original API and sizes: test_bad_inputs_maps.py."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ import re
 import idempotent_moe as imoe
 import numpy as np
 import pytest
-from conftest import (
+from _helpers import (
     assert_unchanged,
     make_data,
     make_scores,
@@ -20,42 +22,10 @@ from conftest import (
     to_framework,
     torch,
 )
+from _helpers.bad_inputs import BUFFER, BadCases, C, N, compact_call, run_case, setup
 
-N, C = 12, 5
-BUFFER = r"(\bx\b|buffer)"  # the Python API calls the buffers x, x[0], x[1], ...
-CASES = []
-
-
-def names(*words: str) -> str:
-    """A regex that needs every one of `words` (regexes) somewhere in the message."""
-    return "(?s)^" + "".join(f"(?=.*{w})" for w in words)
-
-
-def bad(exc, *words, frameworks=("numpy", "torch")):
-    """Register a builder as a bad-input case for each framework."""
-
-    def register(build):
-        for fw in frameworks:
-            marks = requires_torch if fw == "torch" else ()
-            CASES.append(pytest.param(build, fw, exc, names(*words), marks=marks,
-                                      id=f"{build.__name__}-{fw}"))
-        return build
-
-    return register
-
-
-def setup(fw, rng, *, n=N, c=C, lead=(3,), score_dtype="float32"):
-    x = make_data(lead + (n, 4), "float32", fw, rng)
-    s = make_scores(lead + (n,), score_dtype, fw, rng, ties=False)
-    out = to_framework(np.full(lead + (c,), -5, dtype=np.int64), fw)
-    return x, s, out
-
-
-def compact_call(x, s, out, capacity=C, **kwargs):
-    def call():
-        imoe.compact_(x, s, capacity, out_indices=out, **kwargs)
-
-    return call, [a for a in (x, s, out) if a is not None and not isinstance(a, (list, str))]
+CASES = BadCases()
+bad = CASES.bad
 
 
 # --------------------------------------------------------------------------- scores
@@ -514,234 +484,16 @@ def raw_capsule_as_buffer(fw, rng):
     return call, [x, s, out]
 
 
-# --------------------------------------------------------------------------- maps
-
-
-def _moe(fw, rng):
-    return make_data((2, 6, 3), "float16", fw, rng)
-
-
-def map_call(tokens, target_map):
-    def call():
-        imoe.compact_moe_tokens_inplace(tokens, target_map)
-
-    return call, [tokens, target_map]
-
-
-@bad(ValueError, "target_map", "(?i:involution|map)")
-def target_map_not_an_involution(fw, rng):
-    tm = np.tile(np.arange(6, dtype=np.int32), (2, 1))
-    tm[1, [0, 1, 2]] = [1, 2, 0]  # a 3-cycle
-    return map_call(_moe(fw, rng), to_framework(tm, fw))
-
-
-@bad(ValueError, "target_map")
-def target_map_out_of_range(fw, rng):
-    tm = np.tile(np.arange(6, dtype=np.int32), (2, 1))
-    tm[1, 5] = 6
-    return map_call(_moe(fw, rng), to_framework(tm, fw))
-
-
-@bad(ValueError, "target_map")
-def target_map_negative(fw, rng):
-    tm = np.tile(np.arange(6, dtype=np.int32), (2, 1))
-    tm[0, 0] = -1
-    return map_call(_moe(fw, rng), to_framework(tm, fw))
-
-
-@bad(ValueError, "target_map")
-def target_map_wrong_shape(fw, rng):
-    return map_call(_moe(fw, rng), to_framework(np.tile(np.arange(5, dtype=np.int32), (2, 1)), fw))
-
-
-@bad(TypeError, "target_map")
-def target_map_float(fw, rng):
-    return map_call(_moe(fw, rng), to_framework(np.tile(np.arange(6.0), (2, 1)), fw))
-
-
-def restore_call(fw, rng, indices):
-    x = make_data((2, 8, 3), "int8", fw, rng)
-    idx = to_framework(np.asarray(indices, dtype=np.int64), fw)
-
-    def call():
-        imoe.restore_(x, idx)
-
-    return call, [x, idx]
-
-
-@bad(ValueError, r"\bindices\b", "(?i:duplicate|twice|repeat|distinct)")
-def restore_duplicate_tail(fw, rng):
-    return restore_call(fw, rng, [[0, 1, 2], [5, 5, 2]])
-
-
-@bad(ValueError, r"\bindices\b")
-def restore_moved_entry_below_capacity(fw, rng):
-    return restore_call(fw, rng, [[0, 1, 2], [0, 2, 1]])
-
-
-@bad(ValueError, r"\bindices\b")
-def restore_index_out_of_range(fw, rng):
-    return restore_call(fw, rng, [[0, 8, 2], [0, 1, 2]])
-
-
-@bad(ValueError, r"\bindices\b")
-def restore_negative_index(fw, rng):
-    return restore_call(fw, rng, [[0, 1, 2], [-1, 1, 2]])
-
-
-@bad(TypeError, r"\bindices\b")
-def restore_float_indices(fw, rng):
-    x = make_data((2, 8, 3), "int8", fw, rng)
-    idx = to_framework(np.array([[0, 1, 2], [0, 1, 2]], dtype=np.float32), fw)
-    return (lambda: imoe.restore_(x, idx)), [x, idx]
-
-
-@bad(ValueError, r"\bindices\b", "mode='move'")
-def restore_indices_of_a_move_compaction(fw, rng):
-    """A move overwrote the dropped tokens: its indices cannot undo it."""
-    x, s, _ = setup(fw, rng)
-    idx = imoe.compact_(x, s, C, mode="move").indices
-    return (lambda: imoe.restore_(x, idx)), [x, idx]
-
-
-@bad(ValueError, r"\bindices\b")
-def apply_map_indices_wrong_lead_shape(fw, rng):
-    x = make_data((2, 8, 3), "int8", fw, rng)
-    idx = to_framework(np.array([[0, 1, 7]] * 3, dtype=np.int64), fw)
-    return (lambda: imoe.apply_map_(x, idx, dim=1)), [x, idx]
-
-
-@bad(ValueError, r"\bindices\b", "target_map")
-def apply_map_with_both_maps(fw, rng):
-    x = make_data((2, 8, 3), "int8", fw, rng)
-    idx = to_framework(np.array([[0, 1, 2]] * 2, dtype=np.int64), fw)
-    tm = to_framework(np.tile(np.arange(8, dtype=np.int32), (2, 1)), fw)
-    return (lambda: imoe.apply_map_(x, idx, target_map=tm)), [x, idx, tm]
-
-
-# --------------------------------------------------------------------------- original API
-
-
-@bad(ValueError, "(tokens|hidden_dim)")
-def router_wrong_hidden_size(fw, rng):
-    tokens = make_data((4, 10, 6), "float32", fw, rng)
-    scores = make_scores((4, 10), "float32", fw, rng)
-    router = imoe.InplaceMoERouter(hidden_dim=8, num_experts=4)
-    return (lambda: router(tokens, scores, expert_capacity=3)), [tokens, scores]
-
-
-@bad(ValueError, "(tokens|num_experts)")
-def router_wrong_expert_count(fw, rng):
-    tokens = make_data((4, 10, 6), "float32", fw, rng)
-    scores = make_scores((4, 10), "float32", fw, rng)
-    router = imoe.InplaceMoERouter(hidden_dim=6, num_experts=3)
-    return (lambda: router(tokens, scores, expert_capacity=3)), [tokens, scores]
-
-
-@bad(ValueError, "hidden_dim", frameworks=("numpy",))
-def router_zero_hidden_dim(fw, rng):
-    return (lambda: imoe.InplaceMoERouter(hidden_dim=0, num_experts=3)), []
-
-
-@bad(ValueError, "value_cache")
-def kv_cache_shapes_differ(fw, rng):
-    k = make_data((1, 2, 16, 8), "float16", fw, rng)
-    v = make_data((1, 2, 15, 8), "float16", fw, rng)
-    s = make_scores((1, 2, 16), "float32", fw, rng)
-    return (lambda: imoe.compact_kv_cache_inplace(k, v, s, 8)), [k, v, s]
-
-
-@bad(ValueError, "key_cache")
-def kv_cache_not_4d(fw, rng):
-    k = make_data((2, 16, 8), "float16", fw, rng)
-    v = make_data((2, 16, 8), "float16", fw, rng)
-    s = make_scores((2, 16), "float32", fw, rng)
-    return (lambda: imoe.compact_kv_cache_inplace(k, v, s, 8)), [k, v, s]
-
-
-@bad(ValueError, "capacity")
-def kv_map_capacity_differs_from_active_count(fw, rng):
-    active = to_framework(np.array([0, 1, 5], dtype=np.int64), fw)
-    compactor = imoe.InplaceKVCompactor()
-    return (lambda: compactor.build_idempotent_map(1, 2, 16, active, capacity=4)), [active]
-
-
-@bad(ValueError, "(protected_prefix|recent_window)")
-def kv_sinks_above_capacity(fw, rng):
-    k = make_data((1, 2, 16, 8), "float16", fw, rng)
-    v = make_data((1, 2, 16, 8), "float16", fw, rng)
-    s = make_scores((1, 2, 16), "float32", fw, rng)
-    compactor = imoe.InplaceKVCompactor()
-    return (lambda: compactor.compact_from_scores(k, v, s, 3, protected_prefix_len=4)), [k, v, s]
-
-
 # --------------------------------------------------------------------------- the test
 
 
 def test_enough_distinct_cases():
-    assert len({p.values[0].__name__ for p in CASES}) >= 35
+    assert len({p.values[0].__name__ for p in CASES.params}) >= 35
 
 
-@pytest.mark.parametrize("build,framework,exc,match", CASES)
+@pytest.mark.parametrize("build,framework,exc,match", CASES.params)
 def test_bad_input(build, framework, exc, match, rng):
-    call, arrays = build(framework, rng)
-    snaps = snapshot(*arrays)
-    with pytest.raises(exc, match=match):
-        call()
-    assert_unchanged(arrays, snaps)
-
-
-# ------------------------------------------------------- values that would be truncated
-
-
-@bad(TypeError, "active_indices", "ints")
-def float_active_indices_list(fw, rng):
-    """A list of floats used to become int64 silently (1.5 -> 1)."""
-    x, _, out = setup(fw, rng)
-    return (lambda: imoe.compact_(x, active_indices=[0.5, 2.0, 7.25, 9.0, 11.0], dim=1,
-                                  out_indices=out)), [x, out]
-
-
-@bad(TypeError, "capacity", frameworks=("numpy",))
-def float_capacity_of_the_vllm_hook(fw, rng):
-    from idempotent_moe.integrations import VLLMInplaceCompactionHook
-
-    x, _, _ = setup(fw, rng)
-    return (lambda: VLLMInplaceCompactionHook(capacity=3.5)), [x]
-
-
-@bad(BufferError, "buffers", frameworks=("torch",))
-def meta_tensor_without_a_cpp_stack_trace(fw, rng):
-    """The producer's message comes through on one line."""
-    x, _, _ = setup(fw, rng)
-
-    def call():
-        try:
-            imoe.compact_(torch.empty(3, N, 4, device="meta"), torch.empty(3, N, device="meta"), C)
-        except BufferError as e:
-            assert "\n" not in str(e) and "Exception raised from" not in str(e), str(e)
-            raise
-
-    return call, [x]
-
-
-# ------------------------------------------------------- sizes checked before allocating
-
-
-@bad(ValueError, "num_experts", "2147483647")
-def giant_num_experts(fw, rng):
-    """out_offsets [E + 1] was allocated before the core saw E: a MemoryError
-    (NumPy) or the allocator's RuntimeError (torch) instead of this message."""
-    x = make_data((16, 4), "float32", fw, rng)
-    ids = to_framework(rng.integers(0, 4, size=16), fw)
-    return (lambda: imoe.group_by_expert_(x, ids, num_experts=2**40)), [x, ids]
-
-
-@bad(ValueError, "num_experts", "2147483647")
-def num_experts_at_the_limit(fw, rng):
-    x = make_data((16, 4), "float32", fw, rng)
-    ids = to_framework(rng.integers(0, 4, size=16), fw)
-    return (lambda: imoe.group_by_expert_(x, ids, num_experts=2**31 - 1)), [x, ids]
+    run_case(build, framework, exc, match, rng)
 
 
 # ------------------------------------------------------- threads

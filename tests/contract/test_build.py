@@ -12,6 +12,7 @@ import subprocess
 import idempotent_moe as imoe
 import numpy as np
 import pytest
+from _helpers import ROOT
 from idempotent_moe import _C
 
 # What the extension may link dynamically: the C and C++ runtimes, and the
@@ -81,9 +82,8 @@ def test_cuda_available_with_a_device():
 
 def _glibc_compat():
     import importlib.util
-    import pathlib
 
-    path = pathlib.Path(__file__).resolve().parents[2] / "tools" / "glibc_compat.py"
+    path = os.path.join(ROOT, "tools", "glibc_compat.py")
     spec = importlib.util.spec_from_file_location("glibc_compat", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

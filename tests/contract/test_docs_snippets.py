@@ -25,10 +25,10 @@ import os
 import re
 
 import pytest
+from _helpers import ROOT
 
 pytest.importorskip("torch")
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MARKER = re.compile(r"<!--\s*snippet:\s*(.+?)\s*-->")
 # The modules whose public names a synopsis may call.
 API_MODULES = ("idempotent_moe", "idempotent_moe.integrations", "idempotent_moe.distributed",

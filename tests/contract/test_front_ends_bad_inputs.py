@@ -16,7 +16,7 @@ import math
 
 import numpy as np
 import pytest
-from conftest import assert_unchanged, requires_torch, snapshot, torch
+from _helpers import assert_unchanged, names, read_only, requires_torch, snapshot, torch
 
 pytestmark = requires_torch
 transformers = pytest.importorskip("transformers")
@@ -29,21 +29,12 @@ E, T, D, K = 4, 6, 8, 2
 CASES = []
 
 
-def names(*words: str) -> str:
-    return "(?s)^" + "".join(f"(?=.*{w})" for w in words)
-
-
 def case(id, exc, words, build):
     CASES.append(pytest.param(build, exc, names(*words), id=id))
 
 
 def rand(*shape, seed=0, dtype=torch.float32):
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
-
-
-def _read_only(a):
-    a.flags.writeable = False
-    return a
 
 
 def tensors(*xs):
@@ -101,7 +92,7 @@ case("hook-call-move-under-autograd", ValueError, ["mode='move'"],
      lambda: (lambda leaf: hook_call(leaf * 1, hook=Hook(capacity=3, mode="move")))(
          rand(E, T, D).requires_grad_()))
 case("hook-call-read-only-numpy", BufferError, ["expert_inputs", "read-only"],
-     lambda: hook_call(_read_only(rand(E, T, D).numpy().copy()), torch.rand(E, T).numpy()))
+     lambda: hook_call(read_only(rand(E, T, D).numpy().copy()), torch.rand(E, T).numpy()))
 
 
 def _gates_in_inputs():

@@ -5,7 +5,7 @@ import subprocess
 import sys
 
 import idempotent_moe
-from conftest import package_env
+from _helpers import package_env
 
 
 def _run(*args):

@@ -14,7 +14,7 @@ import time
 import idempotent_moe as imoe
 import numpy as np
 import pytest
-from conftest import assert_unchanged, snapshot
+from _helpers import assert_unchanged, snapshot
 from idempotent_moe.paged import apply_paged_map_
 
 CASES = {}

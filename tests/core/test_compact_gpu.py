@@ -7,7 +7,7 @@ from __future__ import annotations
 import idempotent_moe as imoe
 import numpy as np
 import pytest
-from conftest import (
+from _helpers import (
     bits,
     expected_after,
     make_data,

@@ -14,7 +14,7 @@ import sys
 import idempotent_moe as imoe
 import numpy as np
 import pytest
-from conftest import (
+from _helpers import (
     bits,
     expected_after,
     make_data,

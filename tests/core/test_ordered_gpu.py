@@ -10,7 +10,7 @@ from __future__ import annotations
 import idempotent_moe as imoe
 import numpy as np
 import pytest
-from conftest import TIE_VALUES, bits, make_data, make_scores, scores_from_values, torch
+from _helpers import TIE_VALUES, bits, make_data, make_scores, scores_from_values, torch
 
 pytestmark = pytest.mark.gpu
 

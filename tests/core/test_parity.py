@@ -1,4 +1,4 @@
-"""Bit-exact parity of compact_ with the NumPy reference in conftest.py.
+"""Bit-exact parity of compact_ with the NumPy reference in _helpers.
 
 The reference keeps, per row, the first C of a stable sort by (score desc,
 index asc) over [P, N - W), plus [0, P) and [N - W, N); the returned indices
@@ -11,7 +11,7 @@ from __future__ import annotations
 import idempotent_moe as imoe
 import numpy as np
 import pytest
-from conftest import (
+from _helpers import (
     DATA_DTYPES,
     FRAMEWORKS,
     SCORE_DTYPES,
@@ -319,7 +319,7 @@ def test_numpy_empty_arrays(x_shape):
 @pytest.mark.parametrize("framework", FRAMEWORKS)
 def test_restore_knows_the_indices_of_a_move_compaction(framework, rng):
     """restore_ refuses the index array a move-mode compact_ wrote (its
-    refusal, buffers unchanged, is a case of test_bad_inputs.py), and only
+    refusal, buffers unchanged, is a case of test_bad_inputs_maps.py), and only
     that array while it holds a move's map: a swap compaction into the same
     out_indices, or a copy, restores as usual."""
     import gc

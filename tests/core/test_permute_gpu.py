@@ -9,7 +9,7 @@ from __future__ import annotations
 import idempotent_moe as imoe
 import numpy as np
 import pytest
-from conftest import bits, make_data, torch
+from _helpers import bits, make_data, torch
 
 pytestmark = pytest.mark.gpu
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import idempotent_moe as imoe
 import numpy as np
-from conftest import (
+from _helpers import (
     PROPERTY_DTYPES,
     PROPERTY_FRAMEWORKS,
     TIE_VALUES,

@@ -19,7 +19,7 @@ import argparse
 import os
 
 import pytest
-from conftest import run_ranks
+from _helpers import run_ranks
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers.distributed.expert_parallel", reason="needs transformers' EP")

@@ -10,27 +10,18 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("transformers.integrations.moe", reason="needs transformers' experts interface")
 
+from _helpers.hf_models import VOCAB, moe_model  # noqa: E402
 from idempotent_moe import _moe_autograd as ag  # noqa: E402
 from idempotent_moe import integrations as hf  # noqa: E402
 from idempotent_moe.integrations import _fused  # noqa: E402
-from transformers import MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM  # noqa: E402
 
-VOCAB = 96
-COMMON = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=128, initializer_range=0.2,
-              pad_token_id=0, bos_token_id=None, eos_token_id=None, output_router_logits=True,
-              use_cache=False)
 FAMILIES = ["mixtral", "qwen3_moe"]
 
 
 def tiny_model(family: str, seed: int = 0):
-    torch.manual_seed(seed)
-    if family == "mixtral":
-        return MixtralForCausalLM(MixtralConfig(**COMMON, intermediate_size=48, num_local_experts=8,
-                                                num_experts_per_tok=2)).train()
-    return Qwen3MoeForCausalLM(Qwen3MoeConfig(**COMMON, intermediate_size=48, moe_intermediate_size=24,
-                                              head_dim=8, num_experts=8, num_experts_per_tok=3,
-                                              norm_topk_prob=True)).train()
+    """A two-layer model in train mode that returns its router logits (the
+    auxiliary loss on) and keeps no cache."""
+    return moe_model(family, seed, output_router_logits=True, use_cache=False).train()
 
 
 IDS = torch.randint(1, VOCAB, (2, 16), generator=torch.Generator().manual_seed(1))

@@ -14,7 +14,6 @@ random Llama built from a config (no download):
 
 from __future__ import annotations
 
-import inspect
 import math
 
 import pytest
@@ -24,6 +23,7 @@ transformers = pytest.importorskip("transformers")
 if int(transformers.__version__.split(".")[0]) < 5:
     pytest.skip("the cache targets transformers 5.x", allow_module_level=True)
 
+from _helpers.hf_models import CACHE_ARG, tiny_llama  # noqa: E402
 from idempotent_moe._native import native  # noqa: E402
 from idempotent_moe.integrations.hf_cache import (  # noqa: E402
     InplaceEvictionCache,
@@ -32,22 +32,8 @@ from idempotent_moe.integrations.hf_cache import (  # noqa: E402
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM  # noqa: E402
 from transformers.cache_utils import Cache, CacheLayerMixin  # noqa: E402
 
-# The keyword that hands a cache to forward() and generate(): transformers 5.24
-# renamed past_key_values (deprecated there, a FutureWarning) to cache.
-CACHE_ARG = "cache" if "cache" in inspect.signature(LlamaForCausalLM.forward).parameters \
-    else "past_key_values"
 FLT_MAX = float(torch.finfo(torch.float32).max)
 ORDERS = native().ORDERS
-
-
-def tiny_llama(attn="sdpa", kv_heads=2, layers=2, seed=0):
-    torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=101, hidden_size=64, intermediate_size=96,
-                         num_hidden_layers=layers, num_attention_heads=4,
-                         num_key_value_heads=kv_heads, max_position_embeddings=1024)
-    config._attn_implementation = attn
-    model = LlamaForCausalLM(config).eval()
-    return model, config
 
 
 def prompt(batch=1, length=30, seed=1):

@@ -8,7 +8,7 @@ from __future__ import annotations
 import idempotent_moe as imoe
 import numpy as np
 import pytest
-from conftest import (
+from _helpers import (
     FRAMEWORKS,
     bits,
     data_ptr,

@@ -15,8 +15,8 @@
 
 from __future__ import annotations
 
-import inspect
 import math
+import os
 
 import pytest
 
@@ -26,6 +26,7 @@ if int(transformers.__version__.split(".")[0]) < 5:
     pytest.skip("the cache targets transformers 5.x", allow_module_level=True)
 
 import idempotent_moe as imoe  # noqa: E402
+from _helpers.hf_models import CACHE_ARG, tiny_llama  # noqa: E402
 from idempotent_moe.integrations.hf_cache import InplaceEvictionCache  # noqa: E402
 from idempotent_moe.integrations.vllm import VLLMInplaceCompactionHook  # noqa: E402
 from idempotent_moe.kv_policies import (  # noqa: E402
@@ -45,10 +46,6 @@ from idempotent_moe.kv_policies import (  # noqa: E402
 )
 from idempotent_moe.paged import compact_paged_, paged_policy_scores  # noqa: E402
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM  # noqa: E402
-
-# transformers 5.24 renamed forward()'s past_key_values to cache
-CACHE_ARG = "cache" if "cache" in inspect.signature(LlamaForCausalLM.forward).parameters \
-    else "past_key_values"
 
 B, HKV, G, L, D, W = 2, 2, 2, 13, 8, 4
 HQ = HKV * G
@@ -187,14 +184,6 @@ def test_registry_and_bad_policies():
 # --------------------------------------------------------------------------- the transformers cache
 
 
-def tiny_llama(attn="eager", seed=0, layers=2):
-    torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=layers,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
-    config._attn_implementation = attn
-    return LlamaForCausalLM(config).eval(), config
-
-
 def ids(length=40, seed=1, batch=1):
     return torch.randint(0, 101, (batch, length), generator=torch.Generator().manual_seed(seed))
 
@@ -215,7 +204,7 @@ def run(model, cache, tokens, steps, chunk=None):
 
 @pytest.mark.parametrize("name", sorted(POLICIES))
 def test_nothing_evicted_equals_the_full_cache(name):
-    model, config = tiny_llama()
+    model, config = tiny_llama(attn="eager")
     tokens = ids(30)
     cache = InplaceEvictionCache(64, score=name, evict_every=4, config=config).attach(model)
     ours = run(model, cache, tokens, steps=8)
@@ -225,7 +214,7 @@ def test_nothing_evicted_equals_the_full_cache(name):
 
 
 def test_recorded_queries_and_totals_are_the_models_own():
-    model, config = tiny_llama()
+    model, config = tiny_llama(attn="eager")
     tokens = ids(20)
     window = 6
     policy = as_policy(lambda obs: obs.keys[..., 0], needs=("queries", "attention"), window=window)
@@ -247,7 +236,7 @@ def test_recorded_queries_and_totals_are_the_models_own():
 
 @pytest.mark.parametrize("name", ["tova", "snapkv", "observed_attention", "keydiff", "auto"])
 def test_chunks_of_evict_every_equal_one_token_at_a_time(name):
-    model, config = tiny_llama()
+    model, config = tiny_llama(attn="eager")
     tokens = ids(60)
     policy = SnapKV(window=4) if name == "snapkv" else name
 
@@ -266,7 +255,7 @@ def test_chunks_of_evict_every_equal_one_token_at_a_time(name):
 
 @pytest.mark.parametrize("attach", [True, False])
 def test_layer_by_layer_prefill_equals_whole_at_a_lower_peak(attach):
-    model, config = tiny_llama(layers=4)
+    model, config = tiny_llama(attn="eager", layers=4)
     tokens = ids(120)
     policy = "tova" if attach else "keydiff"  # without attach: a policy that reads keys only
 
@@ -314,7 +303,7 @@ class EveryThird(ScoringPolicy):
 
 
 def test_a_user_policy_through_the_protocol():
-    model, config = tiny_llama()
+    model, config = tiny_llama(attn="eager")
     cache = InplaceEvictionCache(12, sink_tokens=0, score=EveryThird(), config=config).attach(model)
     run(model, cache, ids(40), steps=3)
     assert EveryThird.calls >= 2
@@ -370,9 +359,10 @@ def test_paged_pools_scored_by_a_policy(layout):
 
 def test_q1_benchmark_quick(tmp_path):
     import importlib.util
-    from pathlib import Path
 
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "q1_kv_quality.py"
+    from _helpers import ROOT
+
+    path = os.path.join(ROOT, "benchmarks", "q1_kv_quality.py")
     spec = importlib.util.spec_from_file_location("q1_kv_quality", path)
     q1 = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(q1)
@@ -398,7 +388,7 @@ def test_q1_benchmark_quick(tmp_path):
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", sorted(POLICIES))
 def test_gpu_policies_match_the_cpu(name):
-    model, config = tiny_llama(layers=3)
+    model, config = tiny_llama(attn="eager", layers=3)
     tokens = ids(90)
 
     def go(device):
@@ -438,7 +428,7 @@ def test_gpu_layer_by_layer_prefill_peak():
 
 
 def test_auto_is_vatp_with_a_recent_window_when_attached_else_the_window():
-    model, config = tiny_llama()
+    model, config = tiny_llama(attn="eager")
     tokens = ids(50)
     window = InplaceEvictionCache(16, sink_tokens=2, config=config)  # no attach: the newest tokens
     run(model, window, tokens, steps=2)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import (
+from _helpers import (
     FRAMEWORKS,
     bits,
     expected_after,

@@ -14,7 +14,7 @@ import math
 import weakref
 
 import pytest
-from conftest import run_ranks
+from _helpers import run_ranks
 
 torch = pytest.importorskip("torch")
 

@@ -10,18 +10,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import assert_unchanged, requires_torch, snapshot, torch
+from _helpers import assert_unchanged, names, read_only, requires_torch, snapshot, torch
 from idempotent_moe import _moe_core, moe_ops
 
 pytestmark = requires_torch
 
 T, K, E, H, INTER, N = 6, 2, 4, 8, 5, 7
 CASES = []
-
-
-def names(*words: str) -> str:
-    """A regex that needs every one of `words` somewhere in the message."""
-    return "(?s)^" + "".join(f"(?=.*{w})" for w in words)
 
 
 def case(id, exc, words, build, frameworks=("torch",)):
@@ -59,11 +54,6 @@ class Data:
         return moe_ops.MoEDispatch(self.full((rows, H), 7.0), self.full((E,), -5, "int32"),
                                    self.full((T, K), -5, "int32"), self.full((rows,), -5, "int32"),
                                    self.full((1,), -5, "int64"))
-
-
-def _read_only(a):
-    a.flags.writeable = False
-    return a
 
 
 def _with(d, name, value):
@@ -169,7 +159,7 @@ case("dispatch-out-offsets-length", ValueError, ["out_offsets"],
 case("dispatch-out-dropped-int32", TypeError, ["out_dropped"],
      lambda d: dispatch(d, out=d.out()._replace(dropped=d.full((1,), -5, "int32"))))
 case("dispatch-out-src-read-only", BufferError, ["out_src", "read-only"],
-     lambda d: dispatch(d, out=d.out()._replace(src=_read_only(np.full(T * K, -5, np.int32)))), ("numpy",))
+     lambda d: dispatch(d, out=d.out()._replace(src=read_only(np.full(T * K, -5, np.int32)))), ("numpy",))
 case("dispatch-out-rows-require-grad", TypeError, ["out_rows", "requires grad"],
      lambda d: dispatch(d, out=d.out()._replace(rows=d.full((T * K, H), 7.0).requires_grad_())))
 

@@ -249,18 +249,18 @@ def test_gpu_small_m_experts_forward_is_no_worse_than_grouped_mm(tokens):
     (its kernel runs), and the output is as close to the fp32 experts as
     grouped_mm's."""
     import idempotent_moe.integrations as hf
+    from _helpers.hf_models import block_output, cuda_block
     from idempotent_moe.integrations import _fused
     from imoe_bench import w4
-    from test_hf_experts import _block_output, _cuda_block
     from torch.profiler import ProfilerActivity, profile
 
     hf.register()
-    block = _cuda_block(2048, 7168, "bfloat16")
+    block = cuda_block(2048, 7168, "bfloat16")
     x = torch.randn(1, tokens, 2048, device="cuda", dtype=torch.bfloat16)
-    grouped = _block_output(block, x, "grouped_mm")
+    grouped = block_output(block, x, "grouped_mm")
     setattr(block.experts.config, hf.SMALL_M_GEMM_ATTR, True)
     try:
-        ours = _block_output(block, x, "idempotent")
+        ours = block_output(block, x, "idempotent")
         assert _fused._plan(block.experts, x.view(tokens, -1)).small_m
         with torch.no_grad(), profile(activities=[ProfilerActivity.CUDA]) as prof:
             block(x)
@@ -291,11 +291,11 @@ def test_gpu_small_m_compiled_is_the_eager_path_and_large_batches_keep_grouped_m
     same routing); above SMALL_M_ROWS_PER_EXPERT rows per expert both paths
     keep torch's grouped_mm."""
     import idempotent_moe.integrations as hf
+    from _helpers.hf_models import cuda_block
     from idempotent_moe.integrations import _fused
-    from test_hf_experts import _cuda_block
 
     hf.register()
-    block = _cuda_block(1024, 3584, "bfloat16")
+    block = cuda_block(1024, 3584, "bfloat16")
     from imoe_bench import w4
 
     w4._use(block, "idempotent", None)

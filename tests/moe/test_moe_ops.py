@@ -432,11 +432,11 @@ def test_gpu_experts_forward_launches_at_most_eight_kernels_at_eight_tokens():
     8 tokens: the dispatch's two kernels, two grouped GEMMs, the gated
     activation and the combine."""
     import idempotent_moe.integrations as hf
-    from test_hf_experts import _cuda_block
+    from _helpers.hf_models import cuda_block
     from torch.profiler import ProfilerActivity, profile
 
     hf.register()
-    block = _cuda_block(2048, 7168, "bfloat16")
+    block = cuda_block(2048, 7168, "bfloat16")
     block.experts.config._experts_implementation = "idempotent"
     x = torch.randn(8, 2048, device="cuda", dtype=torch.bfloat16)
     with torch.no_grad():

@@ -1,12 +1,11 @@
-"""topk_softmax (idempotent_moe.moe_ops) and fuse_routers: the C core
-against torch's CPU routing (softmax, topk, renormalisation; a few ulp apart,
-as torch's CPU exp and summation order are not CUDA's), ties, NaN rows, the
-argument checks; equal probabilities in torch's CUDA order, against a
-pure-Python transcription of torch's CUDA topk (gatherTopK's write order and
-SmallBitonicSort's network); tiny transformers models keep their own router
-on the CPU. GPU tests: the kernel against the C core and against torch's own
-CUDA routing bit for bit, with and without ties, and generate() with fused
-routers."""
+"""topk_softmax (idempotent_moe.moe_ops): the C core against torch's CPU
+routing (softmax, topk, renormalisation; a few ulp apart, as torch's CPU exp
+and summation order are not CUDA's), ties, NaN rows, the argument checks;
+equal probabilities in torch's CUDA order, against a pure-Python
+transcription of torch's CUDA topk (gatherTopK's write order and
+SmallBitonicSort's network). GPU tests: the kernel against the C core and
+against torch's own CUDA routing bit for bit, with and without ties.
+fuse_routers (transformers' routers on this kernel): tests/hf/test_hf_router.py."""
 
 from __future__ import annotations
 
@@ -18,6 +17,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from _helpers import ulps  # noqa: E402
 from idempotent_moe import _C  # noqa: E402
 from idempotent_moe.moe_ops import topk_softmax  # noqa: E402
 
@@ -43,15 +43,6 @@ def torch_routing(logits, k, renormalize=True, out_dtype=torch.float32):
     if renormalize:
         v = v / v.sum(dim=-1, keepdim=True)
     return v.to(out_dtype), i
-
-
-def ulps(a, b):
-    """Largest distance in units in the last place of two fp32 tensors."""
-    a, b = a.float().contiguous(), b.float().contiguous()
-    ia, ib = a.view(torch.int32).long(), b.view(torch.int32).long()
-    ia = torch.where(ia < 0, -(ia & 0x7FFFFFFF), ia)
-    ib = torch.where(ib < 0, -(ib & 0x7FFFFFFF), ib)
-    return int((ia - ib).abs().max()) if a.numel() else 0
 
 
 def check_against_torch(logits, k, renormalize, max_ulp):
@@ -400,149 +391,6 @@ def test_compiles_into_one_graph():
     assert torch.equal(w, ref[0]) and torch.equal(i, ref[1])
 
 
-# ------------------------------------------------------------------ fuse_routers
-transformers = pytest.importorskip("transformers")
-
-from idempotent_moe import integrations as hf  # noqa: E402
-from idempotent_moe.integrations import hf_router  # noqa: E402
-
-VOCAB = 96
-COMMON = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=128, initializer_range=0.2,
-              pad_token_id=0, bos_token_id=None, eos_token_id=None)
-
-
-def tiny_model(family, seed=0, dtype=torch.float32):
-    torch.manual_seed(seed)
-    if family == "mixtral":
-        config = transformers.MixtralConfig(**COMMON, intermediate_size=48, num_local_experts=8,
-                                            num_experts_per_tok=2)
-        model = transformers.MixtralForCausalLM(config)
-    elif family == "qwen3_moe":
-        config = transformers.Qwen3MoeConfig(**COMMON, intermediate_size=48, moe_intermediate_size=24,
-                                             head_dim=8, num_experts=8, num_experts_per_tok=3,
-                                             norm_topk_prob=True)
-        model = transformers.Qwen3MoeForCausalLM(config)
-    elif family == "qwen3_moe_plain":  # no renormalisation
-        config = transformers.Qwen3MoeConfig(**COMMON, intermediate_size=48, moe_intermediate_size=24,
-                                             head_dim=8, num_experts=60, num_experts_per_tok=4,
-                                             norm_topk_prob=False)
-        model = transformers.Qwen3MoeForCausalLM(config)
-    elif family == "olmoe":
-        config = transformers.OlmoeConfig(**COMMON, intermediate_size=24, num_experts=8,
-                                          num_experts_per_tok=2)
-        model = transformers.OlmoeForCausalLM(config)
-    elif family == "gpt_oss":
-        config = transformers.GptOssConfig(**COMMON, intermediate_size=24, head_dim=8, num_local_experts=8,
-                                           num_experts_per_tok=2, layer_types=["full_attention"] * 2)
-        model = transformers.GptOssForCausalLM(config)
-    else:
-        raise ValueError(family)
-    with torch.no_grad():  # routers start at zeros in some families: make the routing non-trivial
-        for name, p in model.named_parameters():
-            if name.endswith("gate.weight"):
-                p.normal_(0.0, 0.5)
-    return model.to(dtype).eval()
-
-
-def routers(model):
-    return [m for m in model.modules() if type(m).__name__ in hf.SUPPORTED_ROUTERS]
-
-
-FAMILIES = ["mixtral", "qwen3_moe", "qwen3_moe_plain", "olmoe"]
-
-
-@pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_route_returns_what_the_router_returns(family, dtype):
-    """The fused computation (run here on the CPU) against the original
-    forward: same tuple, shapes and dtypes, the same experts, weights a few
-    ulp apart (torch's CPU softmax; on CUDA they are equal bit for bit)."""
-    model = tiny_model(family, dtype=dtype)
-    hidden = torch.randn(2, 5, 32).to(dtype)
-    for router in routers(model):
-        with torch.no_grad():
-            ref = router(hidden)
-            ours = hf_router.fused_route(router, hidden)
-        assert len(ours) == len(ref) == 3
-        for a, b in zip(ours, ref):
-            assert a.shape == b.shape and a.dtype == b.dtype
-        assert torch.equal(ours[0], ref[0]) and torch.equal(ours[2], ref[2])
-        tol = 8 if ref[1].dtype == torch.float32 else 0x10000  # bf16: one bf16 ulp
-        assert ulps(ours[1], ref[1]) <= tol
-
-
-@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
-def test_fuse_keeps_the_original_forward_on_the_cpu_and_unfuse_restores_it(family, monkeypatch):
-    model = tiny_model(family)
-    ids = torch.randint(1, VOCAB, (2, 6), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        before = model(ids).logits
-    original = type(routers(model)[0])
-    before_keys = [set(m.__dict__) for m in routers(model)]
-    assert hf.fuse_routers(model) == len(routers(model)) == 2
-    assert hf.routers_fused(model) and hf.fuse_routers(model) == 2  # twice is harmless
-    classes = {type(m) for m in routers(model)}
-    assert len(classes) == 1 and classes.pop().__mro__[1] is original
-    # No per-instance attribute: torch.compile guards the module as before.
-    assert all(m.__dict__.keys() == keys for m, keys in zip(routers(model), before_keys))
-    assert all(isinstance(m, original) and type(m).__name__ == original.__name__
-               for m in routers(model))
-
-    def boom(*args, **kwargs):
-        raise AssertionError("the fused router ran on the CPU")
-
-    monkeypatch.setattr(hf_router.moe_ops, "topk_softmax", boom)
-    with torch.no_grad():
-        assert torch.equal(model(ids).logits, before)
-    assert hf.unfuse_routers(model) == 2 and not hf.routers_fused(model)
-    assert all(type(m) is original for m in routers(model))
-    with torch.no_grad():
-        assert torch.equal(model(ids).logits, before)
-
-
-def test_copies_of_a_fused_model_stay_fused():
-    import copy
-
-    model = tiny_model("mixtral")
-    ids = torch.randint(1, VOCAB, (2, 6), generator=torch.Generator().manual_seed(5))
-    hf.fuse_routers(model)
-    deep = copy.deepcopy(model)
-    assert hf.routers_fused(deep) and all(hf_router._is_fused(m) for m in routers(deep))
-    assert routers(deep)[0].weight is not routers(model)[0].weight
-    with torch.no_grad():
-        assert torch.equal(deep(ids).logits, model(ids).logits)
-    router = routers(model)[0]
-    shallow = copy.copy(router)
-    assert type(shallow) is type(router) and shallow.weight is router.weight
-    assert hf.unfuse_routers(deep) == 2 and hf.routers_fused(model)
-
-
-def test_a_fused_model_pickles_and_loads_unfused():
-    import pickle
-
-    model = tiny_model("qwen3_moe")
-    ids = torch.randint(1, VOCAB, (2, 6), generator=torch.Generator().manual_seed(4))
-    original = type(routers(model)[0])
-    hf.fuse_routers(model)
-    data = pickle.dumps(model)
-    assert b"idempotent_moe" not in data  # loads without the library
-    loaded = pickle.loads(data)
-    assert hf.routers_fused(model) and not hf.routers_fused(loaded)
-    assert all(type(m) is original for m in routers(loaded))
-    with torch.no_grad():
-        assert torch.equal(loaded(ids).logits, model(ids).logits)
-
-
-def test_unknown_routers_are_refused_and_nothing_changes():
-    model = tiny_model("gpt_oss")
-    with pytest.raises(TypeError, match="GptOssTopKRouter.*supported: MixtralTopKRouter"):
-        hf.fuse_routers(model)
-    assert not hf.routers_fused(model)
-    with pytest.raises(ValueError, match="no router"):
-        hf.fuse_routers(torch.nn.Linear(4, 4))
-
-
 # ------------------------------------------------------------------ on the GPU
 def _cuda_ulps_ok(gpu_w, cpu_w, limit):
     return ulps(gpu_w.cpu(), cpu_w) <= limit
@@ -618,74 +466,3 @@ def test_gpu_nan_rows_and_stream_order():
     assert torch.equal(i.cpu(), cpu_i) and _cuda_ulps_ok(w[1:], cpu_w[1:], 8)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_gpu_fused_router_is_the_router_bit_for_bit(family, dtype):
-    model = tiny_model(family, dtype=dtype).cuda()
-    hidden = torch.randn(3, 7, 32, device="cuda").to(dtype)
-    for router in routers(model):
-        with torch.no_grad():
-            ref = router(hidden)
-            ours = hf_router.fused_route(router, hidden)
-        for a, b in zip(ours, ref):
-            assert a.dtype == b.dtype and torch.equal(a, b)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "qwen3_moe_plain"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_gpu_fused_routers_generate_the_same_tokens(family, dtype):
-    model = tiny_model(family, dtype=dtype).cuda()
-    model.set_experts_implementation("idempotent")
-    ids = torch.randint(1, VOCAB, (2, 6), generator=torch.Generator().manual_seed(2)).cuda()
-    kwargs = dict(max_new_tokens=12, do_sample=False, pad_token_id=0)
-    with torch.no_grad():
-        plain = model.generate(ids, **kwargs)
-        hf.fuse_routers(model)
-        fused = model.generate(ids, **kwargs)
-        hf.unfuse_routers(model)
-    assert torch.equal(fused, plain)
-
-
-@pytest.mark.gpu
-def test_gpu_fused_router_under_grad_runs_the_original(monkeypatch):
-    model = tiny_model("mixtral").cuda()
-    hf.fuse_routers(model)
-    hidden = torch.randn(4, 32, device="cuda", requires_grad=True)
-
-    def boom(*args, **kwargs):
-        raise AssertionError("the fused router ran with a gradient recorded")
-
-    monkeypatch.setattr(hf_router.moe_ops, "topk_softmax", boom)
-    _, w, _ = routers(model)[0](hidden)
-    w.sum().backward()
-    assert hidden.grad is not None
-
-
-def test_use_idempotent_experts_fuses_routers_and_sets_the_gemm_switch():
-    model = tiny_model("qwen3_moe")
-    hf.use_idempotent_experts(model, fuse_routers=True, small_m_gemm=True)
-    assert hf.routers_fused(model) and model.config._experts_implementation == "idempotent"
-    assert getattr(model.config, hf.SMALL_M_GEMM_ATTR) is True
-    hf.use_idempotent_experts(model, 1.25, small_m_gemm=False)  # routers as they were
-    assert hf.routers_fused(model) and getattr(model.config, hf.SMALL_M_GEMM_ATTR) is False
-    assert getattr(model.config, hf.CAPACITY_FACTOR_ATTR) == 1.25
-    hf.unfuse_routers(model)
-
-
-@pytest.mark.parametrize("bad, error", [(dict(small_m_gemm="yes"), TypeError),
-                                        (dict(capacity_factor=0.0), ValueError),
-                                        (dict(fuse_routers=True), TypeError)])
-def test_use_idempotent_experts_refuses_and_changes_nothing(bad, error):
-    model = tiny_model("gpt_oss" if bad.get("fuse_routers") else "mixtral")
-
-    def state():
-        config = model.config
-        return (config._experts_implementation, getattr(config, hf.CAPACITY_FACTOR_ATTR, None),
-                getattr(config, hf.SMALL_M_GEMM_ATTR, None), hf.routers_fused(model))
-
-    before = state()
-    with pytest.raises(error):
-        hf.use_idempotent_experts(model, **bad)
-    assert state() == before

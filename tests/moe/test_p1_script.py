@@ -17,9 +17,8 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from conftest import package_env  # noqa: E402
+from _helpers import ROOT, package_env  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(ROOT, "benchmarks", "p1_experts.py")
 LOADER = os.path.join(ROOT, "benchmarks", "peers", "vllm_fused_moe.py")
 IMPLS = {"grouped_mm", "idempotent", "idempotent_small_m"}

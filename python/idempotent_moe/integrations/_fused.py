@@ -121,7 +121,7 @@ def _small_m_on(experts, plan: _Plan, rows: int) -> bool:
     # experts.config read as an attribute (every experts module of transformers'
     # interface has one): under torch.compile the config is then guarded where
     # the model's own reads guard it, and the module stays one whose guards a
-    # compiled step skips while its __dict__ is unchanged (test_hf_moe).
+    # compiled step skips while its __dict__ is unchanged (test_hf_experts_compile).
     return (plan.small_m and rows <= SMALL_M_ROWS_PER_EXPERT * experts.num_experts
             and getattr(experts.config, SMALL_M_GEMM_ATTR, False) is True)
 
