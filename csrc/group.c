@@ -1,7 +1,7 @@
 /* group.c: imoe_group_by_expert, dropless grouping of the slots of each row
- * by expert: a stable counting sort of expert ids gives the offsets and the
- * permutation, which the permutation engine (permute.c) then applies in
- * place. */
+ * by expert: a stable counting sort of expert ids gives the offsets (each
+ * expert's end, as grouped GEMMs take them) and the permutation, which the
+ * permutation engine (permute.c) then applies in place. */
 #include <inttypes.h>
 #include <stdlib.h>
 
@@ -49,10 +49,9 @@ static imoe_status plan_group_row(const void *vctx, int64_t row, unsigned char *
   for (int64_t t = 0; t < n; t++) next[imoe_load_index(ids + t * stride, dtype) + 1]++;
   char *off = imoe_row_base(ctx->offsets, row);
   const int64_t off_stride = ctx->offsets->n_stride;
-  imoe_store_index(off, ctx->offsets->dtype, 0);
   for (int64_t e = 0; e < experts; e++) {
     next[e + 1] += next[e];
-    imoe_store_index(off + (e + 1) * off_stride, ctx->offsets->dtype, next[e + 1]);
+    imoe_store_index(off + e * off_stride, ctx->offsets->dtype, next[e + 1]); /* expert e's end */
   }
   /* next[e] is now the first slot of expert e; slots in ascending order keep
    * each expert's tokens in their original order. */
@@ -101,7 +100,7 @@ imoe_status imoe_group_by_expert(const imoe_view *buffers, int32_t num_buffers,
   if (st == IMOE_OK && out_offsets == NULL) {
     st = imoe_fail(err, IMOE_ERR_ARGUMENT, "out_offsets is NULL: it is required");
   }
-  if (st == IMOE_OK) st = check_output(out_offsets, "out_offsets", &buffers[0], num_experts + 1, err);
+  if (st == IMOE_OK) st = check_output(out_offsets, "out_offsets", &buffers[0], num_experts, err);
   if (st == IMOE_OK && out_perm != NULL) st = check_output(out_perm, "out_perm", &buffers[0], n, err);
   if (st == IMOE_OK) st = imoe_check_exec(exec, err);
   if (st != IMOE_OK) return st;

@@ -378,8 +378,11 @@ imoe_status imoe_permute(const imoe_view *buffers, int32_t num_buffers, const im
  *   expert_ids   [lead..., T] I32/I64, each in [0, num_experts)
  *                (IMOE_ERR_INDEX_RANGE).
  *   num_experts  E >= 0 (E < 2^31 - 1).
- *   out_offsets  [lead..., E + 1] I32/I64, required: expert e's slots are
- *                [offsets[e], offsets[e + 1]); offsets[0] = 0, offsets[E] = T.
+ *   out_offsets  [lead..., E] I32/I64, required: expert e's slots end at
+ *                offsets[e] (the inclusive cumulative sum of the experts'
+ *                counts, as imoe_grouped_gemm and grouped_mm take it): they
+ *                are [offsets[e - 1], offsets[e]), from 0 for expert 0;
+ *                offsets[E - 1] = T when E > 0.
  *   out_perm     [lead..., T] I32/I64 or NULL: the permutation applied, in
  *                imoe_permute's convention (new slot i holds old slot
  *                perm[i]); imoe_permute(..., inverse = 1) with it ungroups.

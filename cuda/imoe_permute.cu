@@ -614,7 +614,8 @@ struct GroupParams {
 
 // One block of kPermThreads per row: a stable counting sort. Shared memory:
 // base[E + 1] (running first slot of each expert), then per-warp counts
-// wc[E][33] (padded) of the current tile of kPermThreads tokens.
+// wc[E][33] (padded) of the current tile of kPermThreads tokens. offsets[e]
+// is expert e's end (its first slot plus its count), grouped_mm's `offs`.
 __global__ void __launch_bounds__(kPermThreads) k_group(const __grid_constant__ GroupParams p) {
   extern __shared__ __align__(16) unsigned char dsm[];
   __shared__ int s_warp[33];
@@ -642,10 +643,10 @@ __global__ void __launch_bounds__(kPermThreads) k_group(const __grid_constant__ 
     const int cnt = e <= E ? base[e] : 0;
     int total;
     const int excl = perm_block_scan(cnt, &total, s_warp);  // its barriers order the reads before the writes
-    if (e <= E) {
-      base[e] = carry + excl;
+    if (e <= E) base[e] = carry + excl;
+    if (e < E) {
       store_index(orow + (int64_t)e * p.offsets.n_stride, p.offsets.dtype, p.offsets.aligned != 0,
-                  carry + excl);
+                  carry + excl + cnt);
     }
     carry += total;
   }

@@ -74,7 +74,7 @@ def _calls(device: str, quick: bool) -> dict:
     kv_idx = torch.empty(1, 8, 128, dtype=torch.int64, device=device)
     tokens = torch.randn(64, 128, generator=g).to(device, torch.float16)
     experts = torch.randint(0, 8, (64,), generator=g).to(device)
-    offsets = torch.empty(9, dtype=torch.int64, device=device)
+    offsets = torch.empty(8, dtype=torch.int64, device=device)
     perm = torch.empty(64, dtype=torch.int64, device=device)
     group_ws = torch.empty(imoe.plan_workspace_elems("group", 1, 64, cuda=device == "cuda"),
                            dtype=torch.int32, device=device)

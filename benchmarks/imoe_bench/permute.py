@@ -96,7 +96,7 @@ def _group_inputs(t: int, d: int, experts: int, gen, device: str, ws_elems: int)
     ids = torch.randint(0, experts, (t,), generator=gen)
     x0, ids = x0.to(device), ids.to(device)
     ws = torch.empty(ws_elems, dtype=torch.int32, device=device)
-    offsets = torch.empty(experts + 1, dtype=torch.int64, device=device)
+    offsets = torch.empty(experts, dtype=torch.int64, device=device)
     perm = torch.empty(t, dtype=torch.int64, device=device)
     return x0, ids, x0.clone(), ws, offsets, perm
 
@@ -107,13 +107,12 @@ def _torch_group(x, ids, experts: int):
 
 
 def _torch_order_offsets(ids, experts: int):
-    """torch's grouping by expert: the stable order and the experts' offsets."""
+    """torch's grouping by expert: the stable order and the experts' offsets
+    (each expert's end, as grouped_mm takes them)."""
     import torch
 
     order = torch.argsort(ids, stable=True)
-    offs = torch.cat([torch.zeros(1, dtype=torch.int64, device=ids.device),
-                      torch.cumsum(torch.bincount(ids, minlength=experts), 0)])
-    return order, offs
+    return order, torch.cumsum(torch.bincount(ids, minlength=experts), 0)
 
 
 def _ungroup_input(x0, ids):

@@ -33,10 +33,10 @@ default_threads = 0
 
 class Grouped(NamedTuple):
     """What `group_by_expert_` returns (x itself is grouped in place):
-    `offsets` [lead..., E + 1], the slot ranges of the experts (expert e holds
-    [offsets[e], offsets[e + 1])), and `perm` [lead..., T], the permutation
-    applied (grouped slot i holds original slot perm[i]); `ungroup_(x, perm)`
-    undoes it."""
+    `offsets` [lead..., E], each expert's end (expert e holds
+    [offsets[e - 1], offsets[e]), from 0 for expert 0: the `offs` of
+    grouped_mm), and `perm` [lead..., T], the permutation applied (grouped
+    slot i holds original slot perm[i]); `ungroup_(x, perm)` undoes it."""
 
     offsets: Any
     perm: Any
@@ -431,7 +431,7 @@ def group_by_expert(
     expert_ids = _arrays.as_index_array(expert_ids, bufs[0], "expert_ids")
     num_experts = _arrays.check_int(num_experts, "num_experts")
     # The core's bound (IMOE_MAX_SLOTS, csrc/group.c), checked here too because
-    # out_offsets [lead..., E + 1] is allocated before the core sees E.
+    # out_offsets [lead..., E] is allocated before the core sees E.
     if num_experts >= 2**31 - 1:
         raise ValueError(f"num_experts {num_experts} is outside [0, {2**31 - 1})")
     ids_shape = _arrays.shape_of(expert_ids)
@@ -441,7 +441,7 @@ def group_by_expert(
     lead = ids_shape[:-1]
     t = ids_shape[-1] if ids_shape else 0
     if out_offsets is None:
-        out_offsets = _arrays.empty_index(bufs[0], lead + (num_experts + 1,), index_dtype)
+        out_offsets = _arrays.empty_index(bufs[0], lead + (num_experts,), index_dtype)
     else:
         _arrays.check_array(out_offsets, "out_offsets")
     if out_perm is None:

@@ -285,7 +285,7 @@ def group_by_expert_(x, expert_ids, num_experts, *, dim, out_offsets, out_perm, 
     lead = tuple(expert_ids.shape[:-1])
     t = expert_ids.shape[-1] if expert_ids.dim() else 0
     if out_offsets is None:
-        out_offsets = _arrays.empty_index(bufs[0], lead + (num_experts + 1,), index_dtype)
+        out_offsets = _arrays.empty_index(bufs[0], lead + (num_experts,), index_dtype)
     if out_perm is None:
         out_perm = _arrays.empty_index(bufs[0], lead + (t,), index_dtype)
     torch.ops.idempotent_moe.group_by_expert_(bufs, expert_ids, num_experts, dim, out_offsets, out_perm,

@@ -345,8 +345,8 @@ def _per_expert(recv: torch.Tensor, local_ids: torch.Tensor, local: int, expert_
     in_place = not grad and (recv.device.type == "cpu" or (cuda_available() and local <= 1024))
     if in_place:
         grouped = group_by_expert_(recv, local_ids, local)
-        perm, offsets = grouped.perm, grouped.offsets.tolist()
-        _run_experts(recv, offsets, expert_fn, first_expert, recv)
+        perm, ends = grouped.perm, grouped.offsets.tolist()
+        _run_experts(recv, [0] + ends, expert_fn, first_expert, recv)
         ungroup_(recv, perm)
         return recv
     perm, _, counts = counting_sort(local_ids, local)

@@ -364,17 +364,19 @@ def group_by_expert_(
                  (tokens and their routing weights) moved together.
     expert_ids   [lead..., T] int32/int64, each in [0, num_experts).
     dim          the slot axis (default: expert_ids.ndim - 1).
-    out_offsets  optional [lead..., E + 1] int32/int64 output.
+    out_offsets  optional [lead..., E] int32/int64 output.
     out_perm     optional [lead..., T] int32/int64 output.
     workspace    optional int32 plan workspace of at least
                  plan_workspace_elems("group", rows, T) elements (rows x T on
                  the CPU, 7 x rows x T on CUDA); else allocated as for
                  `permute_`.
 
-    Returns Grouped(offsets, perm), a named (offsets, perm) pair: expert e's
-    tokens are x[offsets[e]:offsets[e + 1]], grouped slot i holds original
-    slot perm[i], and `ungroup_(x, perm)` puts every token back. Grouped GEMMs
-    run on the offsets directly. On CUDA offsets and perm are computed on the
+    Returns Grouped(offsets, perm), a named (offsets, perm) pair: offsets[e]
+    is where expert e's tokens end (they are x[offsets[e - 1]:offsets[e]],
+    from 0 for expert 0), grouped slot i holds original slot perm[i], and
+    `ungroup_(x, perm)` puts every token back. Grouped GEMMs run on the
+    offsets directly (grouped_mm's `offs`, grouped_gemm's `offsets`, with
+    index_dtype="int32"). On CUDA offsets and perm are computed on the
     device (histogram, scan, stable ranks; no host synchronisation; at most
     1024 experts), and ids out of range change nothing and are raised by
     `check_errors()`.

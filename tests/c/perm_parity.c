@@ -77,7 +77,8 @@ imoe_status perm_ref_status(const perm_case *c) {
   return IMOE_OK;
 }
 
-/* P of one valid map row into p[0, n); for groups also the offsets. */
+/* P of one valid map row into p[0, n); for groups also the offsets (each
+ * expert's end). */
 static void ref_row_perm(const perm_case *c, const int64_t *vals, int64_t *p, int64_t *offsets) {
   const int64_t n = c->n, k = c->map_n;
   if (c->kind == PC_PERMUTE) {
@@ -94,12 +95,11 @@ static void ref_row_perm(const perm_case *c, const int64_t *vals, int64_t *p, in
   if (c->kind == PC_GROUP) {
     int64_t m = 0;
     for (int64_t e = 0; e < c->experts; e++) {
-      offsets[e] = m;
       for (int64_t t = 0; t < n; t++) {
         if (stored(c, vals[t]) == e) p[m++] = t;
       }
+      offsets[e] = m;
     }
-    offsets[c->experts] = m;
     return;
   }
   int64_t *fwd = malloc(sizeof *fwd * (size_t)(n + 1));
@@ -146,7 +146,7 @@ int perm_parity_run(const perm_case *c, char *why, size_t why_size) {
   unsigned char *offsets_before = NULL, *perm_before = NULL;
   const int64_t out_elem = c->out_dtype == IMOE_DTYPE_I32 ? 4 : 8;
   if (c->kind == PC_GROUP) {
-    offsets = tensor_make(c->lead_ndim, c->lead_shape, c->experts + 1, out_elem, c->out_dtype,
+    offsets = tensor_make(c->lead_ndim, c->lead_shape, c->experts, out_elem, c->out_dtype,
                           c->map_layout, &seed);
     perm_out = tensor_make(c->lead_ndim, c->lead_shape, n, out_elem, c->out_dtype, 0, &seed);
     offsets_before = tensor_snapshot(&offsets);
@@ -218,7 +218,7 @@ int perm_parity_run(const perm_case *c, char *why, size_t why_size) {
     } else {
       for (int64_t r = 0; r < rows; r++) {
         ref_row_perm(c, c->values + r * c->map_n, p, offs);
-        for (int64_t e = 0; e <= c->experts; e++) {
+        for (int64_t e = 0; e < c->experts; e++) {
           const int64_t o = tensor_get_index(tensor_at(&offsets, r, e), c->out_dtype);
           if (o != offs[e]) note(&m, "row %lld offsets[%lld] = %lld, expected %lld", (long long)r,
                                  (long long)e, (long long)o, (long long)offs[e]);

@@ -59,7 +59,7 @@ OPCHECK = [
                             torch.from_numpy(g.permutation(32)), None, True, None, None)),
     ("group_by_expert_", lambda g: ([make_data((32, 8), "float32", "torch", g)],
                                     torch.from_numpy(g.integers(0, 5, 32)), 5, None,
-                                    torch.empty(6, dtype=torch.int64), torch.empty(32, dtype=torch.int64),
+                                    torch.empty(5, dtype=torch.int64), torch.empty(32, dtype=torch.int64),
                                     None, None)),
 ]
 

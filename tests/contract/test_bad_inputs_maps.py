@@ -217,7 +217,7 @@ def meta_tensor_without_a_cpp_stack_trace(fw, rng):
 
 @bad(ValueError, "num_experts", "2147483647")
 def giant_num_experts(fw, rng):
-    """out_offsets [E + 1] was allocated before the core saw E: a MemoryError
+    """out_offsets [E] was allocated before the core saw E: a MemoryError
     (NumPy) or the allocator's RuntimeError (torch) instead of this message."""
     x = make_data((16, 4), "float32", fw, rng)
     ids = to_framework(rng.integers(0, 4, size=16), fw)

@@ -1,6 +1,7 @@
 """Dropless grouping: `group_by_expert_` against a stable argsort + gather and
-bincount offsets, `ungroup_` as its exact inverse, top-1 routing end to end
-with grouped GEMMs on the offsets, and bad input."""
+the cumulative sum of bincount (each expert's end, grouped_mm's offsets),
+`ungroup_` as its exact inverse, top-1 routing end to end with grouped GEMMs
+on the offsets, and bad input."""
 
 from __future__ import annotations
 
@@ -29,16 +30,16 @@ DATA_DTYPES = PROPERTY_DTYPES
 
 
 def reference_group(ids: np.ndarray, num_experts: int):
-    """(offsets [lead..., E + 1], perm [lead..., T]) by a stable argsort."""
+    """(offsets [lead..., E], each expert's end, and perm [lead..., T]) by a
+    stable argsort."""
     ids = np.asarray(ids, dtype=np.int64)
     flat = ids.reshape(int(np.prod(ids.shape[:-1], dtype=np.int64)), ids.shape[-1])
     perm = np.stack([np.argsort(r, kind="stable") for r in flat]) if flat.shape[0] else (
         np.zeros((0, ids.shape[-1]), np.int64))
     counts = np.stack([np.bincount(r, minlength=num_experts) for r in flat]) if flat.shape[0] else (
         np.zeros((0, num_experts), np.int64))
-    offsets = np.concatenate([np.zeros((flat.shape[0], 1), np.int64), np.cumsum(counts, axis=1)],
-                             axis=1)
-    return offsets.reshape(ids.shape[:-1] + (num_experts + 1,)), perm.reshape(ids.shape)
+    offsets = np.cumsum(counts, axis=1)
+    return offsets.reshape(ids.shape[:-1] + (num_experts,)), perm.reshape(ids.shape)
 
 
 @st.composite
@@ -90,7 +91,7 @@ def test_grouping_matches_stable_argsort(p):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_top1_routing_end_to_end_with_grouped_gemms(rng, dtype):
     """Top-1 MoE: route, group the tokens in place, one matmul per expert on
-    its slice [offsets[e], offsets[e+1]) (a grouped GEMM), ungroup the
+    its slice [offsets[e - 1], offsets[e]) (a grouped GEMM), ungroup the
     outputs in place. Equal bit for bit to the same grouped GEMMs on a torch
     argsort + index_select grouping, and to per-token expert matmuls up to
     rounding."""
@@ -106,17 +107,17 @@ def test_top1_routing_end_to_end_with_grouped_gemms(rng, dtype):
     expert[expert == 5] = 4
 
     def grouped_gemm(xs, offsets):
+        """grouped_mm's contract: expert k's rows end at offsets[k]."""
         out = torch.empty(xs.shape[0], f, dtype=dt)
         for k in range(e):
-            lo, hi = int(offsets[k]), int(offsets[k + 1])
+            lo, hi = int(offsets[k - 1]) if k else 0, int(offsets[k])
             if hi > lo:
                 out[lo:hi] = xs[lo:hi] @ w[k]
         return out
 
     # torch reference pipeline: out of place
     order = torch.argsort(expert, stable=True)
-    ref_offsets = torch.cat([torch.zeros(1, dtype=torch.int64),
-                             torch.cumsum(torch.bincount(expert, minlength=e), 0)])
+    ref_offsets = torch.cumsum(torch.bincount(expert, minlength=e), 0)
     ref_grouped_out = grouped_gemm(x.index_select(0, order), ref_offsets)
     ref = torch.empty_like(ref_grouped_out)
     ref[order] = ref_grouped_out
@@ -127,12 +128,15 @@ def test_top1_routing_end_to_end_with_grouped_gemms(rng, dtype):
     g = imoe.group_by_expert_([xs, gates], expert, e)
     assert torch.equal(g.offsets, ref_offsets) and torch.equal(g.perm, order)
     y = grouped_gemm(xs, g.offsets) * gates.to(dt).unsqueeze(-1)
+    # the offsets go to the library's grouped GEMM as they are (its own rounding)
+    tol = 2e-2 if dtype == "bfloat16" else 1e-5
+    torch.testing.assert_close(imoe.grouped_gemm(xs, w, g.offsets.int()).float(),
+                               grouped_gemm(xs, g.offsets).float(), rtol=tol, atol=tol)
     imoe.ungroup_(y, g.perm)
     assert torch.equal(y.view(torch.int16 if dtype == "bfloat16" else torch.int32),
                        ref.view(torch.int16 if dtype == "bfloat16" else torch.int32))
     # and the math: each token through its own expert
     per_token = torch.stack([x[i].float() @ w[expert[i]].float() for i in range(t)]) * gate.unsqueeze(-1)
-    tol = 2e-2 if dtype == "bfloat16" else 1e-5
     torch.testing.assert_close(y.float(), per_token, rtol=tol, atol=tol)
     # the inputs come back too
     imoe.ungroup_([xs, gates], g.perm)
@@ -142,16 +146,16 @@ def test_top1_routing_end_to_end_with_grouped_gemms(rng, dtype):
 def test_grouping_edge_cases():
     x = np.zeros((0, 3), np.float32)
     g = imoe.group_by_expert_(x, np.zeros(0, np.int64), 4)
-    assert g.offsets.tolist() == [0, 0, 0, 0, 0] and g.perm.shape == (0,)
+    assert g.offsets.tolist() == [0, 0, 0, 0] and g.perm.shape == (0,)
     g = imoe.group_by_expert_(np.zeros((0, 3), np.float32), np.zeros(0, np.int64), 0)
-    assert g.offsets.tolist() == [0]
+    assert g.offsets.shape == (0,)
     x = np.arange(5, dtype=np.int16).reshape(5, 1)
     g = imoe.group_by_expert_(x, [1, 1, 1, 1, 1], 3)
-    assert g.offsets.tolist() == [0, 0, 5, 5] and x[:, 0].tolist() == [0, 1, 2, 3, 4]
-    out_offsets, out_perm = np.full(4, -1, np.int32), np.full(5, -1, np.int32)
+    assert g.offsets.tolist() == [0, 5, 5] and x[:, 0].tolist() == [0, 1, 2, 3, 4]
+    out_offsets, out_perm = np.full(3, -1, np.int32), np.full(5, -1, np.int32)
     g = imoe.group_by_expert_(x, [2, 0, 2, 1, 0], 3, out_offsets=out_offsets, out_perm=out_perm)
     assert g.offsets is out_offsets and g.perm is out_perm
-    assert out_offsets.tolist() == [0, 2, 3, 5] and out_perm.tolist() == [1, 4, 3, 0, 2]
+    assert out_offsets.tolist() == [2, 3, 5] and out_perm.tolist() == [1, 4, 3, 0, 2]
     assert x[:, 0].tolist() == [1, 4, 3, 0, 2]
 
 
@@ -160,7 +164,7 @@ def test_grouping_bad_input_changes_nothing(fw, rng):
     t, e = 10, 4
     x = make_data((2, t, 3), "float32", fw, rng)
     good = rng.integers(0, e, size=(2, t))
-    out_offsets = to_framework(np.full((2, e + 1), -7, np.int64), fw)
+    out_offsets = to_framework(np.full((2, e), -7, np.int64), fw)
     out_perm = to_framework(np.full((2, t), -7, np.int64), fw)
     cases = []
     for value, message in [(-1, r"row 1, position 6 holds -1"), (e, r"holds 4, outside \[0, num_experts")]:
@@ -177,9 +181,10 @@ def test_grouping_bad_input_changes_nothing(fw, rng):
         with pytest.raises(exc, match=message):
             imoe.group_by_expert_(x, ids, experts, dim=1, out_offsets=out_offsets, out_perm=out_perm)
         assert_unchanged(arrays, snaps)
-    bad_offsets = to_framework(np.zeros((2, e), np.int64), fw)
-    with pytest.raises(ValueError, match="out_offsets: n = 4 must be 5"):
-        imoe.group_by_expert_(x, to_framework(good, fw), e, dim=1, out_offsets=bad_offsets)
+    for bad_n in (e - 1, e + 1):  # one short, and [E + 1] (a leading 0 before the ends)
+        bad_offsets = to_framework(np.zeros((2, bad_n), np.int64), fw)
+        with pytest.raises(ValueError, match=f"out_offsets: n = {bad_n} must be {e}"):
+            imoe.group_by_expert_(x, to_framework(good, fw), e, dim=1, out_offsets=bad_offsets)
     # ungroup_ with a broken permutation
     perm = np.tile(np.arange(t), (2, 1))
     perm[0, 3] = 4
@@ -192,5 +197,5 @@ def test_grouping_bad_input_changes_nothing(fw, rng):
 def test_grouping_returns_an_offsets_perm_pair():
     x = np.arange(6, dtype=np.float32).reshape(6, 1)
     offsets, perm = imoe.group_by_expert_(x, [1, 0, 1, 0, 2, 0], 3)
-    assert offsets.dtype == np.int64 and offsets.tolist() == [0, 3, 5, 6]
+    assert offsets.dtype == np.int64 and offsets.tolist() == [3, 5, 6]
     assert perm.tolist() == [1, 3, 5, 0, 2, 4] and x[:, 0].tolist() == [1, 3, 5, 0, 2, 4]
