@@ -238,10 +238,11 @@ def gloo_results(tmp_path_factory):
     return _launch(tmp_path_factory.mktemp("ep"), "cpu")
 
 
-def _check(results, name, exact=True):
-    """The ranks' outputs against the single-process reference: fp32 bit for
-    bit on the CPU (each row's expert output does not depend on which rows
-    travel with it there), bf16 within its rounding."""
+def _check(results, name):
+    """The ranks' outputs against the single-process reference: fp32 within
+    a few roundings (a row's matmul may round differently with the rows that
+    travel beside it: the CPU's BLAS picks its kernel by the batch's size),
+    bf16 within its rounding."""
     s = _scenarios()[name]
     ref, ref_dropped = _reference(s)
     out = torch.cat([results[r][name][0] for r in range(WORLD)])
@@ -249,8 +250,7 @@ def _check(results, name, exact=True):
     if out.dtype == torch.bfloat16:
         torch.testing.assert_close(out, ref, atol=1e-2, rtol=1e-2)
     else:
-        tol = 0 if exact else 1e-6
-        torch.testing.assert_close(out, ref, atol=tol, rtol=tol)
+        torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-5)
     stats = [results[r][name][1] for r in range(WORLD)]
     assert sum(st.dropped for st in stats) == ref_dropped
     assert all(st.total_tokens == sum(s["tokens"]) for st in stats)
@@ -481,7 +481,7 @@ def test_nccl_two_gpus(tmp_path):
     results = _launch(tmp_path, "cuda")
     for name in DROPLESS + CAPACITY:
         if name in results[0]:
-            _check(results, name, exact=False)
+            _check(results, name)
 
 
 if __name__ == "__main__":
