@@ -10,6 +10,8 @@ routing:
 - `idempotent`: the library's experts implementation, default options;
 - `idempotent_small_m`: the same with `small_m_gemm=True`
   (`idempotent_small_m_gemm` on the experts' config);
+- `idempotent_experts_gemm`: the same with `experts_gemm=True` (the
+  library's tensor-core experts GEMM, `idempotent_experts_gemm`);
 - `vllm_fused_moe` (with `--vllm-path`): vLLM's Triton fused_moe with vLLM's
   tuned configs, loaded from that checkout by benchmarks/peers/vllm_fused_moe.py
   (its moe_align_block_size, silu_and_mul and moe_sum CUDA ops in torch); also
@@ -110,7 +112,9 @@ def build_experts(shape: tuple, device: str, dtype: torch.dtype, seed: int, std:
         setattr(base, name, torch.nn.Parameter(value, requires_grad=False))
     modules = {}
     for impl, attrs in (("grouped_mm", {}), ("idempotent", {imoe_hf.SMALL_M_GEMM_ATTR: False}),
-                        ("idempotent_small_m", {imoe_hf.SMALL_M_GEMM_ATTR: True})):
+                        ("idempotent_small_m", {imoe_hf.SMALL_M_GEMM_ATTR: True}),
+                        ("idempotent_experts_gemm", {imoe_hf.SMALL_M_GEMM_ATTR: False,
+                                                     imoe_hf.EXPERTS_GEMM_ATTR: True})):
         cfg = copy.deepcopy(config)
         cfg._experts_implementation = "grouped_mm" if impl == "grouped_mm" else imoe_hf.EXPERTS_IMPLEMENTATION
         for k, v in attrs.items():

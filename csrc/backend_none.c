@@ -111,6 +111,12 @@ imoe_status imoe_cuda_grouped_gemm(const imoe_view *a, const imoe_view *w, const
   return IMOE_ERR_UNSUPPORTED;
 }
 
+imoe_status imoe_cuda_experts_gemm(const imoe_view *x, const imoe_view *src, const imoe_view *w,
+                                   const imoe_view *offsets, int32_t gated, imoe_act act, const imoe_view *out,
+                                   const imoe_exec *exec, imoe_error *err) {
+  return IMOE_ERR_UNSUPPORTED;
+}
+
 imoe_status imoe_cuda_topk_softmax(const imoe_view *logits, int64_t k, int32_t renormalize,
                                    const imoe_view *out_weights, const imoe_view *out_indices,
                                    const imoe_exec *exec, imoe_error *err) {

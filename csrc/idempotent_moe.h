@@ -625,6 +625,49 @@ imoe_status imoe_grouped_gemm(const imoe_view *a, const imoe_view *w, const imoe
                               const imoe_view *out, const imoe_exec *exec, imoe_error *err);
 
 /*
+ * imoe_experts_gemm: the experts' grouped GEMM on tensor cores, each row's
+ * input read where it lies (CPU core csrc/experts_gemm.c, CUDA
+ * cuda/imoe_experts_gemm.cu). With E experts over the expert-sorted rows of
+ * a dispatch, for every row r < offsets[E - 1] (e(r) the first e with
+ * offsets[e] > r):
+ *   y[r] = x[src[r]] @ w[e(r)]   with src (x in token order: no gathered
+ *                                copy of the rows is made),
+ *   y[r] = x[r] @ w[e(r)]        without (x already in row order),
+ * written as out[r] = y[r] when not gated, else as the gated activation of
+ * that GEMM's output: out[r, i] = act(g) x u with g = y[r, i] and u =
+ * y[r, N / 2 + i] each rounded once into out's dtype, then computed as
+ * imoe_gated_act computes it (transformers' gate_up_proj: the gate first).
+ * Rows at or past offsets[E - 1] keep their bytes.
+ *   x        [T, K] (with src) or [R, K] F32/F16/BF16.
+ *   src      [R] I32 or NULL: the token of each row (imoe_moe_dispatch's
+ *            out_src); below offsets[E - 1] each in [0, T)
+ *            (IMOE_ERR_INDEX_RANGE).
+ *   w        [E, K, N], x's dtype, any strides (transformers' [E, N, K]
+ *            weights transposed: K contiguous).
+ *   offsets  [E] I32, non-decreasing, each in [0, R] (IMOE_ERR_INDEX_RANGE).
+ *   gated    0: out [R, N]; 1: out [R, N / 2] with act (N even).
+ *   out      [R, N] or [R, N / 2], x's dtype.
+ * Arithmetic: each dot product summed in F32 (on the CPU from +0.0 in
+ * increasing k with fmaf; on CUDA in the tensor cores' order), rounded once
+ * into out's dtype: grouped_mm's rounding class, not bit-identical to it or
+ * across devices. On CUDA: F16/BF16 only, x's rows and out's rows
+ * contiguous, x's base and row stride, w's base and its E and N strides
+ * multiples of 16 bytes, K a multiple of 8, out's base and row stride
+ * multiples of 4 bytes, E <= IMOE_MOE_MAX_EXPERTS, R and T < 2^31
+ * (IMOE_ERR_UNSUPPORTED otherwise); mma.sync tiles fed by cp.async from a
+ * tile plan of (rows per expert, N) (docs/cuda-design.md), one kernel (and a
+ * one-block check of src before it when src is given), no host
+ * synchronisation; bad offsets or src are a recorded data error
+ * (imoe_take_device_status) and nothing is written.
+ */
+imoe_status imoe_experts_gemm_shape(const imoe_view *x, const imoe_view *src, const imoe_view *w,
+                                    const imoe_view *offsets, int32_t gated, imoe_act act,
+                                    int64_t out_shape[2], imoe_error *err);
+imoe_status imoe_experts_gemm(const imoe_view *x, const imoe_view *src, const imoe_view *w,
+                              const imoe_view *offsets, int32_t gated, imoe_act act, const imoe_view *out,
+                              const imoe_exec *exec, imoe_error *err);
+
+/*
  * The router of a sparse-MoE block after its linear (csrc/moe_router.c,
  * cuda/imoe_router.cu): per token, p = softmax(logits[t]) in F32, the k
  * largest p in descending order, equal values in the order torch's CUDA

@@ -168,6 +168,14 @@ imoe_status imoe_cuda_moe_weight_grad(const imoe_view *a, int32_t a_by_row, cons
 imoe_status imoe_cuda_grouped_gemm(const imoe_view *a, const imoe_view *w, const imoe_view *offsets,
                                    const imoe_view *out, const imoe_exec *exec, imoe_error *err);
 
+/* ---- the experts' tensor-core GEMM (cuda/imoe_experts_gemm.cu) ---------
+ * imoe_experts_gemm on the device. The core has checked shapes, dtypes and
+ * aliasing; the launcher refuses layouts its kernel does not read
+ * (IMOE_ERR_UNSUPPORTED). Bad offsets or src are a recorded data error. */
+imoe_status imoe_cuda_experts_gemm(const imoe_view *x, const imoe_view *src, const imoe_view *w,
+                                   const imoe_view *offsets, int32_t gated, imoe_act act, const imoe_view *out,
+                                   const imoe_exec *exec, imoe_error *err);
+
 /* ---- the router (cuda/imoe_router.cu) ----------------------------------
  * imoe_topk_softmax on the device: one kernel, no data errors. */
 imoe_status imoe_cuda_topk_softmax(const imoe_view *logits, int64_t k, int32_t renormalize,

@@ -138,7 +138,7 @@ imoe_status imoe_check_matrix(const imoe_view *v, const char *name, unsigned dty
  * argument, read or written. The one exception is scores that are one of
  * the buffers slot for slot: the selection is read in full before anything
  * moves. Absent arguments are NULL. */
-#define IMOE_CALL_READS 3
+#define IMOE_CALL_READS 4
 #define IMOE_CALL_OUTS 5
 typedef struct imoe_call_args {
   const imoe_view *buffers;
@@ -160,6 +160,18 @@ imoe_status imoe_check_call(const imoe_call_args *call, int *empty, imoe_error *
 /* The `limit` of imoe_gated_act and imoe_gated_act_backward: NULL, or the
  * [E] I32/I64 offsets of imoe_moe_dispatch (moe_combine.c). */
 imoe_status imoe_check_moe_limit(const imoe_view *limit, imoe_error *err);
+/* What the experts' GEMMs share (moe_gemm.c): offsets[e]; the first e with
+ * offsets[e] > r (offsets checked, r < offsets[E - 1]); w [E, K, N] of a's
+ * dtype; the [E] I32 offsets view; its data non-decreasing in [0, R]
+ * (IMOE_ERR_INDEX_RANGE; reads the data: after the argument checks). */
+int64_t imoe_gemm_offset(const imoe_view *offsets, int64_t e);
+int64_t imoe_gemm_expert_of_row(const imoe_view *offsets, int64_t r);
+imoe_status imoe_gemm_check_weights(const imoe_view *w, const imoe_view *a, int64_t e_n, int64_t k_n,
+                                    imoe_error *err);
+imoe_status imoe_gemm_check_offsets_view(const imoe_view *offsets, imoe_error *err);
+imoe_status imoe_gemm_check_offsets(const imoe_view *offsets, int64_t r_n, imoe_error *err);
+/* act(x) in F32, the gated activation's (moe_combine.c). */
+float imoe_activate(float x, imoe_act act);
 /* A view with no element (some axis of extent 0). */
 int imoe_view_is_empty(const imoe_view *v);
 

@@ -130,7 +130,7 @@ imoe_status imoe_check_moe_limit(const imoe_view *limit, imoe_error *err) {
   return st;
 }
 
-static float activate(float x, imoe_act act) {
+float imoe_activate(float x, imoe_act act) {
   switch (act) {
     case IMOE_ACT_SILU: return x / (1.0f + expf(-x));
     case IMOE_ACT_GELU: return 0.5f * x * (1.0f + erff(x * 0.70710678118654752440f));
@@ -158,7 +158,7 @@ static imoe_status act_row(const void *vctx, int64_t r, unsigned char *mem, imoe
   const char *in = imoe_row_base(a->in, r);
   char *out = imoe_row_base(a->out, r);
   for (int64_t i = 0; i < inter; i++) {
-    const float gate = imoe_round_to(activate(imoe_load_float(in + i * size, dt), a->act), dt);
+    const float gate = imoe_round_to(imoe_activate(imoe_load_float(in + i * size, dt), a->act), dt);
     imoe_store_float(out + i * size, dt, gate * imoe_load_float(in + (inter + i) * size, dt));
   }
   return IMOE_OK;

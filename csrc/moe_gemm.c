@@ -41,16 +41,15 @@ typedef struct gemm_ctx {
   int ve;                  /* elements of a 16-byte vector */
 } gemm_ctx;
 
-static int64_t offset_at(const imoe_view *offsets, int64_t e) {
+int64_t imoe_gemm_offset(const imoe_view *offsets, int64_t e) {
   return imoe_load_index((const char *)offsets->data + e * offsets->n_stride, offsets->dtype);
 }
 
-/* The first e with offsets[e] > r (offsets checked, r < offsets[E - 1]). */
-static int64_t expert_of_row(const imoe_view *offsets, int64_t r) {
+int64_t imoe_gemm_expert_of_row(const imoe_view *offsets, int64_t r) {
   int64_t lo = 0, hi = offsets->n - 1;
   while (lo < hi) {
     const int64_t mid = lo + (hi - lo) / 2;
-    if (offset_at(offsets, mid) > r) hi = mid;
+    if (imoe_gemm_offset(offsets, mid) > r) hi = mid;
     else lo = mid + 1;
   }
   return lo;
@@ -76,7 +75,7 @@ static imoe_status gemm_item(const void *vctx, int64_t item, unsigned char *mem,
       for (int64_t k = 0; k < k_n; k++)
         rows[(r - r0) * k_n + k] = imoe_load_float(src + k * a->n_stride, (imoe_dtype)dt);
     }
-    expert[r - r0] = expert_of_row(g->offsets, r);
+    expert[r - r0] = imoe_gemm_expert_of_row(g->offsets, r);
   }
   for (int64_t n = c0; n < c1; n++) {
     int64_t loaded = -1;
@@ -95,9 +94,8 @@ static imoe_status gemm_item(const void *vctx, int64_t item, unsigned char *mem,
   return IMOE_OK;
 }
 
-/* w [E, K, N] of a's dtype. */
-static imoe_status check_weights(const imoe_view *w, const imoe_view *a, int64_t e_n, int64_t k_n,
-                                 imoe_error *err) {
+imoe_status imoe_gemm_check_weights(const imoe_view *w, const imoe_view *a, int64_t e_n, int64_t k_n,
+                                    imoe_error *err) {
   imoe_status st = imoe_check_view(w, "w", err);
   if (st == IMOE_OK) st = imoe_check_typed(w, "w", IMOE_DTYPE_BIT(a->dtype), err);
   if (st != IMOE_OK) return st;
@@ -113,11 +111,10 @@ static imoe_status check_weights(const imoe_view *w, const imoe_view *a, int64_t
   return IMOE_OK;
 }
 
-/* offsets non-decreasing in [0, R]. Reads the data: after the argument checks. */
-static imoe_status check_offsets(const imoe_view *offsets, int64_t r_n, imoe_error *err) {
+imoe_status imoe_gemm_check_offsets(const imoe_view *offsets, int64_t r_n, imoe_error *err) {
   int64_t prev = 0;
   for (int64_t e = 0; e < offsets->n; e++) {
-    const int64_t v = offset_at(offsets, e);
+    const int64_t v = imoe_gemm_offset(offsets, e);
     if (v < prev || v > r_n) {
       return imoe_fail(err, IMOE_ERR_INDEX_RANGE,
                        "offsets[%" PRId64 "] = %" PRId64 " is outside [%" PRId64 ", R = %" PRId64
@@ -129,16 +126,20 @@ static imoe_status check_offsets(const imoe_view *offsets, int64_t r_n, imoe_err
   return IMOE_OK;
 }
 
-imoe_status imoe_grouped_gemm_shape(const imoe_view *a, const imoe_view *w, const imoe_view *offsets,
-                                    int64_t out_shape[2], imoe_error *err) {
-  imoe_status st = imoe_check_matrix(a, "a", IMOE_SCORE_DTYPES, -1, -1, 0, 0, err);
-  if (st != IMOE_OK) return st;
-  st = imoe_check_view(offsets, "offsets", err);
+imoe_status imoe_gemm_check_offsets_view(const imoe_view *offsets, imoe_error *err) {
+  imoe_status st = imoe_check_view(offsets, "offsets", err);
   if (st == IMOE_OK) st = imoe_check_typed(offsets, "offsets", IMOE_DTYPE_BIT(IMOE_DTYPE_I32), err);
   if (st == IMOE_OK && (offsets->lead_ndim != 0 || offsets->n < 1)) {
     st = imoe_fail(err, IMOE_ERR_ARGUMENT, "offsets must be [E] with E >= 1 (the offsets of moe_dispatch)");
   }
-  if (st == IMOE_OK) st = check_weights(w, a, offsets->n, a->n, err);
+  return st;
+}
+
+imoe_status imoe_grouped_gemm_shape(const imoe_view *a, const imoe_view *w, const imoe_view *offsets,
+                                    int64_t out_shape[2], imoe_error *err) {
+  imoe_status st = imoe_check_matrix(a, "a", IMOE_SCORE_DTYPES, -1, -1, 0, 0, err);
+  if (st == IMOE_OK) st = imoe_gemm_check_offsets_view(offsets, err);
+  if (st == IMOE_OK) st = imoe_gemm_check_weights(w, a, offsets->n, a->n, err);
   if (st == IMOE_OK && out_shape != NULL) {
     out_shape[0] = a->lead_shape[0];
     out_shape[1] = w->n;
@@ -163,9 +164,9 @@ imoe_status imoe_grouped_gemm(const imoe_view *a, const imoe_view *w, const imoe
     if (r_n == 0 || out->n == 0) return IMOE_OK;
     return imoe_cuda_grouped_gemm(a, w, offsets, out, exec, err);
   }
-  st = check_offsets(offsets, r_n, err);
+  st = imoe_gemm_check_offsets(offsets, r_n, err);
   if (st != IMOE_OK) return st;
-  const int64_t end = offset_at(offsets, offsets->n - 1), n_n = out->n;
+  const int64_t end = imoe_gemm_offset(offsets, offsets->n - 1), n_n = out->n;
   if (end == 0 || n_n == 0) return IMOE_OK;
   const int64_t col_blocks = (n_n + GEMM_COLS - 1) / GEMM_COLS;
   const int64_t items = (end + GEMM_ROWS - 1) / GEMM_ROWS * col_blocks;

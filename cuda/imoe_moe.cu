@@ -25,6 +25,7 @@
 #include <initializer_list>
 
 #include "imoe_device.cuh"
+#include "imoe_act.cuh"
 #include "imoe_launch.cuh"
 
 namespace imoe_cu {
@@ -431,24 +432,6 @@ struct ActParams {
   int64_t R, I;
   int32_t act;
 };
-
-__device__ __forceinline__ float activate(float x, int act) {
-  switch (act) {
-    case IMOE_ACT_SILU: return x / (1.0f + expf(-x));
-    case IMOE_ACT_GELU: {
-      constexpr float kAlpha = (float)M_SQRT1_2;
-      return 0.5f * x * (1.0f + erff(x * kAlpha));
-    }
-    case IMOE_ACT_GELU_TANH: {
-      constexpr float kBeta = (float)(M_SQRT2 * M_2_SQRTPI * 0.5);
-      constexpr float kKappa = 0.044715f;
-      const float cube = x * x * x;
-      const float inner = kBeta * (x + kKappa * cube);
-      return 0.5f * x * (1.0f + tanhf(inner));
-    }
-    default: return isnan(x) ? x : fmaxf(x, 0.0f);
-  }
-}
 
 template <int DT, bool VEC>
 __global__ void __launch_bounds__(kRowThreads) k_gated_act(const __grid_constant__ ActParams p) {

@@ -159,6 +159,14 @@ def grouped_gemm(a: Any, w: Any, offsets: Any, *, out: Any = None, num_threads: 
                                  stream=_arrays.dlpack_stream(a))
 
 
+def experts_gemm(x: Any, w: Any, offsets: Any, *, src: Any = None, act: str | None = None, out: Any = None,
+                 num_threads: int | None = None) -> Any:
+    """The direct path of `moe_ops.experts_gemm` (its docstring)."""
+    return native().experts_gemm(x=x, w=w, offsets=offsets, src=src, act=act, out=out, new=empty,
+                                 num_threads=resolve_num_threads(num_threads),
+                                 stream=_arrays.dlpack_stream(x))
+
+
 def gated_act_backward(gate_up: Any, grad_act: Any, act: str = "silu", *, limit: Any = None,
                        out: Any = None, num_threads: int | None = None) -> Any:
     """The direct path of `moe_ops.gated_act_backward` (its docstring)."""

@@ -1,4 +1,4 @@
-"""moe_dispatch, moe_combine, gated_act, grouped_gemm and topk_softmax as torch custom ops
+"""moe_dispatch, moe_combine, gated_act, grouped_gemm, experts_gemm and topk_softmax as torch custom ops
 (namespace `idempotent_moe`), for torch.compile and autograd: each returns
 fresh tensors (no argument is written), whose shapes the fake implementations
 give, so a compiled experts forward is one graph and CUDA graphs capture the
@@ -68,6 +68,16 @@ if AVAILABLE:
     @_gemm_op.register_fake
     def _(a, w, offsets):
         return a.new_empty((a.shape[0], w.shape[-1]))
+
+    @torch.library.custom_op("idempotent_moe::experts_gemm", mutates_args=())
+    def _experts_gemm_op(x: T, w: T, offsets: T, src: Optional[T], act: Optional[str]) -> T:
+        x, w, offsets, src = ag.detached(x, w, offsets, src)
+        return _moe_core.experts_gemm(x, w, offsets, src=src, act=act)
+
+    @_experts_gemm_op.register_fake
+    def _(x, w, offsets, src, act):
+        rows = x.shape[0] if src is None else src.shape[0]
+        return x.new_empty((rows, w.shape[-1] // 2 if act is not None else w.shape[-1]))
 
     @torch.library.custom_op("idempotent_moe::topk_softmax", mutates_args=())
     def _router_op(logits: T, k: int, renormalize: bool, out_dtype: torch.dtype,

@@ -161,6 +161,33 @@ def grouped_gemm(a: Any, w: Any, offsets: Any, *, out: Any = None, num_threads: 
     return _moe_core.grouped_gemm(a, w, offsets, out=out, num_threads=num_threads)
 
 
+def experts_gemm(x: Any, w: Any, offsets: Any, *, src: Any = None, act: str | None = None, out: Any = None,
+                 num_threads: int | None = None) -> Any:
+    """The experts' grouped GEMM on tensor cores, each row's input read where
+    it lies: y[r] = x[src[r]] @ w[e(r)] for rows r < offsets[-1] (x [T, K]
+    in token order, src [R] int32 a dispatch's `src`: no gathered copy of
+    the rows is made), or y[r] = x[r] @ w[e(r)] without src (x [R, K]).
+    Returns y [R, N], or with `act` ("silu", "gelu", "gelu_tanh", "relu")
+    the gated activation of y ([R, N / 2]: act(gate) * up as `gated_act`
+    computes it from y rounded to x's dtype; w's first N / 2 columns the
+    gate, as transformers' gate_up_proj). Rows from offsets[-1] on are left
+    as they were (uninitialised in a new `out`). w [E, K, N] of x's dtype
+    (transformers' [E, N, K] weights transposed), offsets [E] int32.
+
+    Sums in fp32, one rounding (grouped_mm's rounding class; the CPU sums in
+    increasing k, CUDA in the tensor cores' order: close, not bit-identical).
+    On CUDA float16 and bfloat16 with K a multiple of 8. Bad offsets or src
+    are a ValueError on the CPU and a recorded error on CUDA (check_errors),
+    with nothing written. Not differentiable (x or w requiring grad is a
+    TypeError): training runs the fused experts layer, which has a backward."""
+    if _arrays.is_torch(x) and (x.requires_grad or getattr(w, "requires_grad", False)):
+        raise TypeError("experts_gemm is not differentiable: x and w must not require grad")
+    ops = _ops(x, w) if out is None and _arrays.is_torch(x) and _tracing.compiling() else None
+    if ops is not None:
+        return _op(ops.experts_gemm, x, w, offsets, src, act)
+    return _moe_core.experts_gemm(x, w, offsets, src=src, act=act, out=out, num_threads=num_threads)
+
+
 def gated_act_backward(gate_up: Any, grad_act: Any, act: str = "silu", *, limit: Any = None,
                        out: Any = None, num_threads: int | None = None) -> Any:
     """d(gate_up) [R, 2I] of `gated_act(gate_up, act, limit=limit)` given its
@@ -232,6 +259,6 @@ def topk_softmax(logits: Any, k: int, *, renormalize: bool = True, out_dtype: An
                                   index_dtype=index_dtype, num_threads=num_threads)
 
 
-__all__ = ["MoEDispatch", "dispatch_rows", "dispatch_workspace", "gated_act", "gated_act_backward",
-           "grouped_gemm", "moe_combine", "moe_dispatch", "moe_gather_rows", "moe_weight_grad",
-           "topk_softmax", "torch_outputs"]
+__all__ = ["MoEDispatch", "dispatch_rows", "dispatch_workspace", "experts_gemm", "gated_act",
+           "gated_act_backward", "grouped_gemm", "moe_combine", "moe_dispatch", "moe_gather_rows",
+           "moe_weight_grad", "topk_softmax", "torch_outputs"]

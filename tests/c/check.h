@@ -37,5 +37,6 @@ void test_permute_all(void);
 void test_moe_gemm_all(void);
 void test_router_all(void);
 void test_moe_shapes_all(void);
+void test_experts_gemm_all(void);
 
 #endif

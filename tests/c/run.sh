@@ -21,7 +21,7 @@ fi
 lib=("$root"/csrc/*.c)
 support=("$here/parity.c" "$here/perm_parity.c" "$here/ref.c" "$here/tensor.c")
 tests=("$here/test_core.c" "$here/test_status.c" "$here/test_permute.c" "$here/test_moe_gemm.c"
-       "$here/test_router.c" "$here/test_moe_shapes.c")
+       "$here/test_router.c" "$here/test_moe_shapes.c" "$here/test_experts_gemm.c")
 flags=(-std=c11 -Wall -Wextra -Werror -Wno-missing-field-initializers -O1 -g -fsanitize=address,undefined
        -fno-sanitize-recover=all -fno-omit-frame-pointer -I"$root/csrc")
 export ASAN_OPTIONS=${ASAN_OPTIONS:-detect_leaks=1:abort_on_error=1}

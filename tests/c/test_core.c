@@ -623,6 +623,7 @@ int main(void) {
   test_moe_gemm_all();
   test_router_all();
   test_moe_shapes_all();
+  test_experts_gemm_all();
   printf("%d passed, %d failed\n", checks_passed, checks_failed);
   return checks_failed == 0 ? 0 : 1;
 }

@@ -269,6 +269,7 @@ IMOE_PY_FASTCALL(imoe_py_moe_dispatch);
 IMOE_PY_FASTCALL(imoe_py_moe_combine);
 IMOE_PY_FASTCALL(imoe_py_gated_act);
 IMOE_PY_FASTCALL(imoe_py_grouped_gemm);
+IMOE_PY_FASTCALL(imoe_py_experts_gemm);
 /* moe_backward.c */
 IMOE_PY_FASTCALL(imoe_py_gated_act_backward);
 IMOE_PY_FASTCALL(imoe_py_moe_gather_rows);

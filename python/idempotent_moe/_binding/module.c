@@ -194,6 +194,11 @@ static PyMethodDef methods[] = {
      "grouped_gemm(*, a, w, offsets, out=None, new=None, num_threads, stream=None) -> out\n\n"
      "imoe_grouped_gemm: out[r] = a[r] @ w[e(r)] for r < offsets[-1] (e(r): the first e with "
      "offsets[e] > r)."},
+    {"experts_gemm", FASTCALL(imoe_py_experts_gemm),
+     "experts_gemm(*, x, w, offsets, src=None, act=None, out=None, new=None, num_threads, stream=None) "
+     "-> out\n\n"
+     "imoe_experts_gemm: y[r] = x[src[r]] @ w[e(r)] (x[r] without src) for r < offsets[-1]; out = y, "
+     "or with act the gated activation of y: act(y[:, :N/2]) * y[:, N/2:]."},
     {"topk_softmax", FASTCALL(imoe_py_topk_softmax),
      "topk_softmax(*, logits, k, renormalize=True, out_weights=None, out_indices=None, "
      "out_dtype=None, index_dtype=None, new=None, num_threads, stream=None) -> (weights, indices)\n\n"

@@ -1,7 +1,7 @@
 /*
  * moe.c: the MoE dispatch, combine, gated activation and grouped GEMM of
  * the C API (imoe_moe_dispatch, imoe_moe_combine, imoe_gated_act,
- * imoe_grouped_gemm). As in ops.c, the arguments are converted and imported
+ * imoe_grouped_gemm, imoe_experts_gemm). As in ops.c, the arguments are converted and imported
  * here and judged by the C core. Outputs not given are made by the caller's
  * `new` (binding.h) once the core has judged what the call reads; each
  * function returns its output(s): the ones given, or the ones made.
@@ -265,6 +265,49 @@ IMOE_PY_FASTCALL(imoe_py_grouped_gemm) {
       imoe_py_call_finish(c) < 0)
     goto done;
   IMOE_PY_CALL_C(c, result, imoe_grouped_gemm(&x, &w, &offsets, &outv, &c->exec, &c->err));
+  result = imoe_py_returning(result, &out);
+done:
+  imoe_py_call_free(c);
+  Py_XDECREF(out);
+  return result;
+}
+
+static imoe_py_signature experts_gemm_sig = {
+    "experts_gemm", 9, {"x", "w", "offsets", "src", "act", "out", "new", "num_threads", "stream"}};
+
+IMOE_PY_FASTCALL(imoe_py_experts_gemm) {
+  (void)self;
+  enum { X, W, OFFS, SRC, ACT, OUT, NEW, THREADS, STREAM, COUNT };
+  PyObject *a[COUNT] = {NULL, NULL, NULL, Py_None, Py_None, Py_None, Py_None, Py_None, Py_None};
+  if (imoe_py_parse(&experts_gemm_sig, args, nargs, kwnames, a) < 0) return NULL;
+  int act = IMOE_ACT_SILU;
+  const int gated = a[ACT] != Py_None;
+  if (gated && imoe_py_as_option(a[ACT], IMOE_OPTION_ACT, "act", &act) < 0) return NULL;
+  if (a[OUT] == Py_None && imoe_py_check_new_output(a[NEW], "experts_gemm", "out") < 0) return NULL;
+  imoe_py_call *c = imoe_py_call_new(a[STREAM], a[THREADS]);
+  if (c == NULL) return NULL;
+  PyObject *result = NULL, *out = imoe_py_given(a[OUT]);
+  imoe_view x, w, offsets, src, outv;
+  const int has_src = a[SRC] != Py_None;
+  if (import_typed(c, a[X], "x", 0, FLOAT_DTYPES, FLOAT_NAMES, &x) < 0 ||
+      import_typed(c, a[W], "w", 0, FLOAT_DTYPES, FLOAT_NAMES, &w) < 0 ||
+      import_typed(c, a[OFFS], "offsets", 0, INDEX_DTYPES, INDEX_NAMES, &offsets) < 0 ||
+      (has_src && import_typed(c, a[SRC], "src", 0, INDEX_DTYPES, INDEX_NAMES, &src) < 0))
+    goto done;
+  if (out == NULL) {
+    int64_t shape[2];
+    c->err.message[0] = '\0';
+    if (imoe_py_judged(c, imoe_experts_gemm_shape(&x, has_src ? &src : NULL, &w, &offsets, gated,
+                                                  (imoe_act)act, shape, &c->err)) < 0 ||
+        (out = imoe_py_call_new_array(c, a[NEW], a[X], shape, 2, NULL)) == NULL)
+      goto done;
+  }
+  if (import_typed(c, out, "out", 1, FLOAT_DTYPES, FLOAT_NAMES, &outv) < 0 ||
+      imoe_py_call_finish(c) < 0)
+    goto done;
+  IMOE_PY_CALL_C(c, result,
+                 imoe_experts_gemm(&x, has_src ? &src : NULL, &w, &offsets, gated, (imoe_act)act, &outv,
+                                   &c->exec, &c->err));
   result = imoe_py_returning(result, &out);
 done:
   imoe_py_call_free(c);

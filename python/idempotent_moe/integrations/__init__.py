@@ -26,6 +26,7 @@ import warnings
 from ..moe import InplaceMoERouter
 from .hf_experts import (
     CAPACITY_FACTOR_ATTR,
+    EXPERTS_GEMM_ATTR,
     EXPERTS_IMPLEMENTATION,
     SMALL_M_GEMM_ATTR,
     CapacityStats,
@@ -58,6 +59,7 @@ def __getattr__(name: str):
 __all__ = [
     "CAPACITY_FACTOR_ATTR",
     "SMALL_M_GEMM_ATTR",
+    "EXPERTS_GEMM_ATTR",
     "EXPERTS_IMPLEMENTATION",
     "CapacityStats",
     "EvictionPolicy",

@@ -40,6 +40,7 @@ from ..functional import cuda_available
 from ..moe_ops import (
     MoEDispatch,
     dispatch_workspace,
+    experts_gemm,
     gated_act,
     grouped_gemm,
     moe_combine,
@@ -73,6 +74,7 @@ class _Plan(NamedTuple):
     inter: int           # intermediate features I
     lean: bool           # _lean_forward applies (CUDA, grouped_mm, fused gate, no bias or norm, no EP)
     small_m: bool        # CUDA, fused gate, no bias or norm, grouped_gemm's kernel reads both weights
+    xg: bool             # small_m's conditions in float16/bfloat16: experts_gemm's kernel reads both weights
 
 
 def _plan(experts, hidden_states: torch.Tensor) -> _Plan:
@@ -104,7 +106,8 @@ def _plan(experts, hidden_states: torch.Tensor) -> _Plan:
                and not getattr(experts, "has_post_expert_norm", False)
                and _dispatch.grouped_gemm_takes(w_up, tracing)
                and _dispatch.grouped_gemm_takes(w_down, tracing))
-    plan = _Plan(key, w_up, w_down, usable, act, w_down.shape[-2], lean, small_m)
+    xg = small_m and w_up.dtype in (torch.float16, torch.bfloat16) and not tracing
+    plan = _Plan(key, w_up, w_down, usable, act, w_down.shape[-2], lean, small_m, xg)
     if not tracing:
         experts.__dict__["_idempotent_plan"] = plan
     return plan
@@ -124,6 +127,28 @@ def _small_m_on(experts, plan: _Plan, rows: int) -> bool:
     # compiled step skips while its __dict__ is unchanged (test_hf_experts_compile).
     return (plan.small_m and rows <= SMALL_M_ROWS_PER_EXPERT * experts.num_experts
             and getattr(experts.config, SMALL_M_GEMM_ATTR, False) is True)
+
+
+# The config attribute that picks the experts' GEMM: True, the library's
+# experts_gemm wherever its kernel takes the weights (eager, CUDA, fp16/bf16,
+# the fused gate); False, never; absent or None, where it is measured faster
+# (`_xg_auto`).
+EXPERTS_GEMM_ATTR = "idempotent_experts_gemm"  # hf_experts.EXPERTS_GEMM_ATTR
+
+
+def _xg_auto(rows: int, num_experts: int) -> bool:
+    """Where experts_gemm beats grouped_mm on a gathered copy by default (P1
+    on the H200: docs/moe.md). Not yet measured: off."""
+    return False
+
+
+def _xg_on(experts, plan: _Plan, rows: int) -> bool:
+    """Whether this forward's GEMMs are experts_gemm: the plan allows it and
+    the module's config asks for it, or leaves it to `_xg_auto`."""
+    if not plan.xg:
+        return False
+    choice = getattr(experts.config, EXPERTS_GEMM_ATTR, None)
+    return _xg_auto(rows, experts.num_experts) if choice is None else choice is True
 
 
 def _grouped(lib, a: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, stream: int, small_m: bool):
@@ -244,15 +269,25 @@ def _lean_forward(experts, plan: _Plan, hidden: torch.Tensor, top_k_index: torch
         return None
     lib, d = native(), sc.d
     dropped = d.dropped if capacity is None else torch.empty(1, dtype=torch.int64, device=hidden.device)
-    lib.moe_dispatch(hidden=hidden, top_k_index=top_k_index, top_k_weights=top_k_weights,
-                     num_experts=experts.num_experts, capacity=capacity, out_rows=d.rows,
-                     out_offsets=d.offsets, out_dest=d.dest, out_src=d.src, out_dropped=dropped,
+    xg = _xg_on(experts, plan, num_tokens * top_k)
+    # experts_gemm reads the tokens through src: the dispatch sorts and
+    # gathers one column only (the rows it would copy are never read).
+    lib.moe_dispatch(hidden=hidden[:, :1] if xg else hidden, top_k_index=top_k_index,
+                     top_k_weights=top_k_weights, num_experts=experts.num_experts, capacity=capacity,
+                     out_rows=d.rows[:, :1] if xg else d.rows, out_offsets=d.offsets, out_dest=d.dest,
+                     out_src=d.src, out_dropped=dropped,
                      workspace=dispatch_workspace(hidden, num_tokens * top_k, capacity, True),
                      num_threads=0, stream=stream)
-    small_m = _small_m_on(experts, plan, num_tokens * top_k)
-    h = _grouped(lib, d.rows, plan.up, d.offsets, stream, small_m)
-    lib.gated_act(gate_up=h, out=sc.act, act=plan.act, limit=d.offsets, num_threads=0, stream=stream)
-    y = _grouped(lib, sc.act, plan.down, d.offsets, stream, small_m)
+    if xg:
+        lib.experts_gemm(x=hidden, w=plan.up, offsets=d.offsets, src=d.src, act=plan.act, out=sc.act,
+                         num_threads=0, stream=stream)
+        y = hidden.new_empty((num_tokens * top_k, hidden.shape[1]))
+        lib.experts_gemm(x=sc.act, w=plan.down, offsets=d.offsets, out=y, num_threads=0, stream=stream)
+    else:
+        small_m = _small_m_on(experts, plan, num_tokens * top_k)
+        h = _grouped(lib, d.rows, plan.up, d.offsets, stream, small_m)
+        lib.gated_act(gate_up=h, out=sc.act, act=plan.act, limit=d.offsets, num_threads=0, stream=stream)
+        y = _grouped(lib, sc.act, plan.down, d.offsets, stream, small_m)
     out = hidden.new_empty((num_tokens, hidden.shape[1]))
     lib.moe_combine(rows=y, dest=d.dest, weights=top_k_weights, out=out, num_threads=0, stream=stream)
     return out, dropped
@@ -278,6 +313,21 @@ def gated_row_chunks(gemm, x: torch.Tensor, w_up: torch.Tensor, offsets: torch.T
     return h
 
 
+def _xg_forward(experts, plan: _Plan, hidden: torch.Tensor, top_k_index: torch.Tensor,
+                top_k_weights: torch.Tensor, capacity: int | None):
+    """forward()'s result on experts_gemm at any size: the dispatch sorts
+    (one column gathered), the gate/up GEMM reads the tokens through src and
+    writes act(gate) * up [S, I] (never the [S, 2I] gate/up output), the
+    down GEMM writes [S, H], the combine sums in token order."""
+    d = moe_dispatch(hidden[:, :1], top_k_index, experts.num_experts, top_k_weights=top_k_weights,
+                     capacity=capacity, skip_foreign=getattr(experts, "_is_expert_parallel", False),
+                     distinct=True)
+    h = experts_gemm(hidden, plan.up, d.offsets, src=d.src, act=plan.act)
+    y = experts_gemm(h, plan.down, d.offsets)
+    del h
+    return moe_combine(y, d.dest, top_k_weights, out_dtype=hidden.dtype), d.dropped
+
+
 def forward(experts, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
             top_k_weights: torch.Tensor, capacity: int | None):
     """The experts' output [T, H] and the dropped count ([1] int64 on the
@@ -290,6 +340,9 @@ def forward(experts, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
         result = _lean_forward(experts, plan, hidden_states, top_k_index, top_k_weights, capacity)
         if result is not None:
             return result
+    if (hidden_states.device.type == "cuda" and hidden_states.dtype is plan.up.dtype
+            and hidden_states.dim() == 2 and _xg_on(experts, plan, top_k_index.numel())):
+        return _xg_forward(experts, plan, hidden_states, top_k_index, top_k_weights, capacity)
     num_experts = experts.num_experts
     grouped = capacity is None or plan.grouped_mm
     d = moe_dispatch(hidden_states, top_k_index, num_experts, top_k_weights=top_k_weights,

@@ -31,6 +31,8 @@ EXPERTS_IMPLEMENTATION = "idempotent"
 CAPACITY_FACTOR_ATTR = "idempotent_capacity_factor"
 # The config attribute of the small-M GEMM option (_fused.SMALL_M_GEMM_ATTR).
 SMALL_M_GEMM_ATTR = "idempotent_small_m_gemm"
+# The config attribute that picks the experts' GEMM (_fused.EXPERTS_GEMM_ATTR).
+EXPERTS_GEMM_ATTR = "idempotent_experts_gemm"
 
 try:
     import torch
@@ -182,7 +184,7 @@ def _configs(model, modules) -> list:
 
 
 def use_idempotent_experts(model, capacity_factor: float | None = None, *, fuse_routers: bool = False,
-                           small_m_gemm: bool | None = None):
+                           small_m_gemm: bool | None = None, experts_gemm: bool | None = None):
     """Switch `model` to the "idempotent" experts implementation, dropless
     (capacity_factor None) or with capacity `capacity_factor`. Returns model.
 
@@ -191,9 +193,16 @@ def use_idempotent_experts(model, capacity_factor: float | None = None, *, fuse_
                   with nothing changed).
     small_m_gemm  True/False sets `idempotent_small_m_gemm` on the experts'
                   configs (the library's grouped GEMM at decode sizes; its
-                  rounding is not grouped_mm's); None leaves it as it is."""
-    if small_m_gemm is not None and type(small_m_gemm) is not bool:
-        raise TypeError(f"small_m_gemm must be True, False or None, not {small_m_gemm!r}")
+                  rounding is not grouped_mm's); None leaves it as it is.
+    experts_gemm  True/False sets `idempotent_experts_gemm` on the experts'
+                  configs: the library's tensor-core experts GEMM (reads the
+                  tokens where they lie, the gated activation in its
+                  epilogue) always / never where its kernel takes the
+                  weights (CUDA, float16/bfloat16, eager); None leaves it
+                  as it is (unset: where it is measured faster)."""
+    for name, value in (("small_m_gemm", small_m_gemm), ("experts_gemm", experts_gemm)):
+        if value is not None and type(value) is not bool:
+            raise TypeError(f"{name} must be True, False or None, not {value!r}")
     if type(fuse_routers) is not bool:
         raise TypeError(f"fuse_routers must be True or False, not {fuse_routers!r}")
     factor = check_capacity_factor(capacity_factor, CAPACITY_FACTOR_ATTR)
@@ -204,9 +213,10 @@ def use_idempotent_experts(model, capacity_factor: float | None = None, *, fuse_
 
         fuse(model)  # checks every router before it changes one
     set_capacity_factor(model, factor)
-    if small_m_gemm is not None:
-        for config in _configs(model, modules):
-            setattr(config, SMALL_M_GEMM_ATTR, small_m_gemm)
+    for attr, value in ((SMALL_M_GEMM_ATTR, small_m_gemm), (EXPERTS_GEMM_ATTR, experts_gemm)):
+        if value is not None:
+            for config in _configs(model, modules):
+                setattr(config, attr, value)
     model.set_experts_implementation(EXPERTS_IMPLEMENTATION)
     return model
 
