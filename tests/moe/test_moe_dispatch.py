@@ -462,7 +462,7 @@ def _moe_pipeline(hidden, index, weights, capacity):
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("capacity", [None, 3])
-def test_the_moe_ops_compile_into_one_graph(device, capacity):
+def test_the_moe_operations_compile_into_one_graph(device, capacity):
     """torch.compile traces moe_dispatch, gated_act and moe_combine as torch
     ops (no graph break) and the compiled function equals eager on new data."""
     torch._dynamo.reset()
