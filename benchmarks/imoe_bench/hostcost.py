@@ -80,7 +80,7 @@ def _calls(device: str, quick: bool) -> dict:
                            dtype=torch.int32, device=device)
     y = torch.empty(1024, device=device)
 
-    from idempotent_moe.moe_ops import moe_combine, moe_dispatch, torch_outputs
+    from idempotent_moe.moe import moe_combine, moe_dispatch, torch_outputs
 
     from .internals import dlpack_stream, native
 

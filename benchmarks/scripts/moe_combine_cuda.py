@@ -1,8 +1,8 @@
-"""Time the library's MoE combine (moe_ops.moe_combine, one kernel) against
-the weighted sum transformers' grouped_mm experts do (index_select of the
-rows back to token order, times the weights, summed over top-k), and the
-library's dispatch (counting sort and row gather, two kernels), at two MoE
-models' decode and prefill shapes.
+"""Time the library's MoE combine (idempotent_moe.moe.moe_combine, one
+kernel) against the weighted sum transformers' grouped_mm experts do
+(index_select of the rows back to token order, times the weights, summed
+over top-k), and the library's dispatch (counting sort and row gather, two
+kernels), at two MoE models' decode and prefill shapes.
 
 Per shape: device time (CUDA events after a device spin, both combines
 interleaved round by round, medians), the host's time per call back to back,
@@ -19,7 +19,7 @@ import json
 import sys
 
 import torch
-from idempotent_moe.moe_ops import moe_combine, moe_dispatch
+from idempotent_moe.moe import moe_combine, moe_dispatch
 from imoe_bench.internals import native
 from imoe_bench.runner import git_commit
 from imoe_bench.timing import interleaved_cuda

@@ -1,5 +1,5 @@
-"""Time the library's small-M grouped GEMM (moe_ops.grouped_gemm, one
-kernel) against torch._grouped_mm at two MoE models' decode shapes, both
+"""Time the library's small-M grouped GEMM (idempotent_moe.moe.grouped_gemm,
+one kernel) against torch._grouped_mm at two MoE models' decode shapes, both
 GEMMs of the experts (gate-up [S, H] x [E, H, 2I], down [S, I] x [E, I, H],
 weights as transformers stores them, [E, N, K] viewed as [E, K, N]).
 

@@ -26,7 +26,7 @@ import time
 import idempotent_moe.integrations as hf
 import torch
 from idempotent_moe.integrations import hf_router
-from idempotent_moe.moe_ops import gated_act, grouped_gemm, moe_combine, moe_dispatch
+from idempotent_moe.moe import gated_act, grouped_gemm, moe_combine, moe_dispatch
 from imoe_bench import runner
 from imoe_bench.internals import native
 from imoe_bench.model import raise_recompile_limit

@@ -28,8 +28,17 @@ from .functional import (
     ungroup_,
 )
 from .kv import InplaceKVCompactor, compact_kv_cache_inplace, reduce_head_scores
-from .moe import InplaceMoERouter, compact_moe_tokens_inplace, generate_idempotent_moe_map
-from .moe_ops import MoEDispatch, gated_act, grouped_gemm, moe_combine, moe_dispatch, topk_softmax
+from .moe import (
+    InplaceMoERouter,
+    MoEDispatch,
+    compact_moe_tokens_inplace,
+    gated_act,
+    generate_idempotent_moe_map,
+    grouped_gemm,
+    moe_combine,
+    moe_dispatch,
+    topk_softmax,
+)
 from .paged import PagedCompaction, apply_paged_map_, compact_paged_, paged_target_map
 
 register_when_transformers_loads()

@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from . import _moe_core
-from ._moe import combine as _torch_combine
+from ._moe_rules import combine as _torch_combine
 
 CORE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _GMM = getattr(torch, "_grouped_mm", None)

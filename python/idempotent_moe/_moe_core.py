@@ -1,6 +1,6 @@
 """The MoE operations' direct calls into the C core: the outputs made (by
 the binding, through `empty`, once it has judged the call) or given, the
-binding's call. `moe_ops` holds the public functions, which route a call
+binding's call. `moe` holds the public functions, which route a call
 that torch.compile traces or autograd records to the torch ops of
 `_moe_torch_ops`; those ops' real implementations call these functions.
 Every docstring of the public functions holds for these."""
@@ -116,7 +116,7 @@ def moe_dispatch(hidden: Any, top_k_index: Any, num_experts: int, *, top_k_weigh
                  capacity: int | None = None, layout: str = "grouped", skip_foreign: bool = False,
                  distinct: bool = False, out: MoEDispatch | None = None, num_threads: int | None = None,
                  _apart: bool = False) -> MoEDispatch:
-    """The direct path of `moe_ops.moe_dispatch` (its docstring)."""
+    """The direct path of `moe.moe_dispatch` (its docstring)."""
     if out is None:
         new_outputs = torch_outputs if _arrays.is_torch(hidden) and not _apart else separate_outputs
         return native().moe_dispatch(
@@ -137,7 +137,7 @@ def moe_dispatch(hidden: Any, top_k_index: Any, num_experts: int, *, top_k_weigh
 
 def moe_combine(rows: Any, dest: Any, weights: Any, *, out: Any = None, out_dtype: Any = None,
                 num_threads: int | None = None) -> Any:
-    """The direct path of `moe_ops.moe_combine` (its docstring)."""
+    """The direct path of `moe.moe_combine` (its docstring)."""
     return native().moe_combine(rows=rows, dest=dest, weights=weights, out=out,
                                 out_dtype=dtype_name(out_dtype), new=empty,
                                 num_threads=resolve_num_threads(num_threads),
@@ -146,14 +146,14 @@ def moe_combine(rows: Any, dest: Any, weights: Any, *, out: Any = None, out_dtyp
 
 def gated_act(gate_up: Any, act: str = "silu", *, limit: Any = None, out: Any = None,
               num_threads: int | None = None) -> Any:
-    """The direct path of `moe_ops.gated_act` (its docstring)."""
+    """The direct path of `moe.gated_act` (its docstring)."""
     return native().gated_act(gate_up=gate_up, out=out, act=act, limit=limit, new=empty,
                               num_threads=resolve_num_threads(num_threads),
                               stream=_arrays.dlpack_stream(gate_up))
 
 
 def grouped_gemm(a: Any, w: Any, offsets: Any, *, out: Any = None, num_threads: int | None = None) -> Any:
-    """The direct path of `moe_ops.grouped_gemm` (its docstring)."""
+    """The direct path of `moe.grouped_gemm` (its docstring)."""
     return native().grouped_gemm(a=a, w=w, offsets=offsets, out=out, new=empty,
                                  num_threads=resolve_num_threads(num_threads),
                                  stream=_arrays.dlpack_stream(a))
@@ -161,7 +161,7 @@ def grouped_gemm(a: Any, w: Any, offsets: Any, *, out: Any = None, num_threads: 
 
 def experts_gemm(x: Any, w: Any, offsets: Any, *, src: Any = None, act: str | None = None, out: Any = None,
                  num_threads: int | None = None) -> Any:
-    """The direct path of `moe_ops.experts_gemm` (its docstring)."""
+    """The direct path of `moe.experts_gemm` (its docstring)."""
     return native().experts_gemm(x=x, w=w, offsets=offsets, src=src, act=act, out=out, new=empty,
                                  num_threads=resolve_num_threads(num_threads),
                                  stream=_arrays.dlpack_stream(x))
@@ -169,7 +169,7 @@ def experts_gemm(x: Any, w: Any, offsets: Any, *, src: Any = None, act: str | No
 
 def gated_act_backward(gate_up: Any, grad_act: Any, act: str = "silu", *, limit: Any = None,
                        out: Any = None, num_threads: int | None = None) -> Any:
-    """The direct path of `moe_ops.gated_act_backward` (its docstring)."""
+    """The direct path of `moe.gated_act_backward` (its docstring)."""
     return native().gated_act_backward(gate_up=gate_up, grad_act=grad_act, out=out, act=act, limit=limit,
                                        new=empty, num_threads=resolve_num_threads(num_threads),
                                        stream=_arrays.dlpack_stream(gate_up))
@@ -177,7 +177,7 @@ def gated_act_backward(gate_up: Any, grad_act: Any, act: str = "silu", *, limit:
 
 def moe_gather_rows(src: Any, dest: Any, num_rows: int, *, weights: Any = None, out: Any = None,
                     out_dtype: Any = None, num_threads: int | None = None) -> Any:
-    """The direct path of `moe_ops.moe_gather_rows` (its docstring)."""
+    """The direct path of `moe.moe_gather_rows` (its docstring)."""
     return native().moe_gather_rows(src=src, dest=dest, weights=weights, out=out, num_rows=num_rows,
                                     out_dtype=dtype_name(out_dtype), new=empty,
                                     num_threads=resolve_num_threads(num_threads),
@@ -186,7 +186,7 @@ def moe_gather_rows(src: Any, dest: Any, num_rows: int, *, weights: Any = None, 
 
 def moe_weight_grad(a: Any, b: Any, dest: Any, *, a_by_row: bool = False, out: Any = None,
                     out_dtype: Any = None, num_threads: int | None = None) -> Any:
-    """The direct path of `moe_ops.moe_weight_grad` (its docstring)."""
+    """The direct path of `moe.moe_weight_grad` (its docstring)."""
     return native().moe_weight_grad(a=a, b=b, dest=dest, out=out, a_by_row=a_by_row,
                                     out_dtype=dtype_name(out_dtype), new=empty,
                                     num_threads=resolve_num_threads(num_threads),
@@ -195,7 +195,7 @@ def moe_weight_grad(a: Any, b: Any, dest: Any, *, a_by_row: bool = False, out: A
 
 def topk_softmax(logits: Any, k: int, *, renormalize: bool = True, out_dtype: Any = None,
                  index_dtype: str = "int64", num_threads: int | None = None) -> tuple[Any, Any]:
-    """The direct path of `moe_ops.topk_softmax` (its docstring)."""
+    """The direct path of `moe.topk_softmax` (its docstring)."""
     return native().topk_softmax(logits=logits, k=k, renormalize=renormalize,
                                  out_dtype=dtype_name(out_dtype), index_dtype=dtype_name(index_dtype),
                                  new=empty, num_threads=resolve_num_threads(num_threads),

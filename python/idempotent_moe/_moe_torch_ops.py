@@ -2,8 +2,8 @@
 (namespace `idempotent_moe`), for torch.compile and autograd: each returns
 fresh tensors (no argument is written), whose shapes the fake implementations
 give, so a compiled experts forward is one graph and CUDA graphs capture the
-kernels. Imported when torch.compile traces a call of moe_ops on torch tensors
-or autograd records one (moe_ops routes there); the real implementations call
+kernels. Imported when torch.compile traces a call of `moe` on torch tensors
+or autograd records one (`moe` routes there); the real implementations call
 the direct path, _moe_core (float64: the torch references of _moe_autograd).
 `fused_experts` is the fused experts layer's entry.
 

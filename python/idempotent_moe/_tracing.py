@@ -1,7 +1,7 @@
 """Whether torch.compile is tracing the caller (`compiling`): the fact a
 public operation reads to choose its route. While tracing, a public function
 on torch tensors routes to its torch custom op (_torch_ops through _routes,
-_moe_torch_ops through moe_ops); the ops' real implementations call the
+_moe_torch_ops through moe); the ops' real implementations call the
 direct paths below them (_compaction, _paged, _moe_core), never the public
 functions, so no call routes twice. Torch-free: `import idempotent_moe`
 imports no torch.

@@ -56,7 +56,7 @@ import torch
 import torch.distributed as dist
 
 from ._arrays import check_int
-from ._moe import (
+from ._moe_rules import (
     check_capacity_device,
     check_capacity_factor,
     check_top_k_index,

@@ -32,7 +32,7 @@ pytest.importorskip("torch")
 MARKER = re.compile(r"<!--\s*snippet:\s*(.+?)\s*-->")
 # The modules whose public names a synopsis may call.
 API_MODULES = ("idempotent_moe", "idempotent_moe.integrations", "idempotent_moe.distributed",
-               "idempotent_moe.paged", "idempotent_moe.kv", "idempotent_moe.moe_ops",
+               "idempotent_moe.paged", "idempotent_moe.kv", "idempotent_moe.moe",
                "idempotent_moe.kv_policies", "idempotent_moe.integrations.hf_cache")
 
 

@@ -91,9 +91,10 @@ def _imported_modules(name: str) -> set:
     return found
 
 
-# One route per operation: the public modules choose it (`_routes`), the ops
-# (`_torch_ops`) and the public functions both call the direct paths below
-# them, and nothing below imports anything above.
+# One route per operation: the public modules choose it (`_routes`; for the
+# MoE operations `moe` itself), the ops (`_torch_ops`, `_moe_torch_ops`) and
+# the public functions both call the direct paths below them, and nothing
+# below imports anything above.
 ABOVE_THE_DIRECT_PATHS = {"functional", "paged", "kv", "_routes", "_torch_ops"}
 
 
@@ -102,3 +103,5 @@ def test_the_direct_paths_and_the_ops_import_nothing_above_them():
         assert not _imported_modules(name) & ABOVE_THE_DIRECT_PATHS, name
     assert not _imported_modules("_torch_ops") & {"functional", "paged", "kv", "_routes"}
     assert _imported_modules("_routes") == {"_tracing", "_torch_ops"}
+    for name in ("_moe_core", "_moe_autograd", "_moe_torch_ops"):
+        assert not _imported_modules(name) & (ABOVE_THE_DIRECT_PATHS | {"moe", "integrations"}), name

@@ -156,7 +156,7 @@ def test_row_chunks_compute_each_chunks_fused_gate(chunks, act):
     experts that start and end inside chunks, an empty expert, and rows past
     offsets[-1] (no expert's) left unwritten."""
     from idempotent_moe.integrations import _fused
-    from idempotent_moe.moe_ops import gated_act
+    from idempotent_moe.moe import gated_act
 
     g = torch.Generator().manual_seed(5)
     x = torch.randn(40, 16, generator=g)

@@ -79,7 +79,7 @@ def test_fuse_keeps_the_original_forward_on_the_cpu_and_unfuse_restores_it(famil
     def boom(*args, **kwargs):
         raise AssertionError("the fused router ran on the CPU")
 
-    monkeypatch.setattr(hf_router.moe_ops, "topk_softmax", boom)
+    monkeypatch.setattr(hf_router.moe, "topk_softmax", boom)
     with torch.no_grad():
         assert torch.equal(model(ids).logits, before)
     assert hf.unfuse_routers(model) == 2 and not hf.routers_fused(model)
@@ -169,7 +169,7 @@ def test_gpu_fused_router_under_grad_runs_the_original(monkeypatch):
     def boom(*args, **kwargs):
         raise AssertionError("the fused router ran with a gradient recorded")
 
-    monkeypatch.setattr(hf_router.moe_ops, "topk_softmax", boom)
+    monkeypatch.setattr(hf_router.moe, "topk_softmax", boom)
     _, w, _ = routers(model)[0](hidden)
     w.sum().backward()
     assert hidden.grad is not None

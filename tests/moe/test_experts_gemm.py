@@ -1,4 +1,4 @@
-"""experts_gemm (idempotent_moe.moe_ops): the experts' grouped GEMM that reads
+"""experts_gemm (idempotent_moe.moe): the experts' grouped GEMM that reads
 each row's input through the dispatch's src and may apply the gated
 activation. The C core against a float64 reference (every dtype, gated and
 not, with and without src, rows past offsets[-1] untouched), bad inputs
@@ -15,7 +15,7 @@ torch = pytest.importorskip("torch")
 F = torch.nn.functional
 
 from idempotent_moe import check_errors  # noqa: E402
-from idempotent_moe.moe_ops import experts_gemm, gated_act, moe_dispatch  # noqa: E402
+from idempotent_moe.moe import experts_gemm, gated_act, moe_dispatch  # noqa: E402
 
 ACTS = {"silu": F.silu, "gelu": F.gelu, "relu": F.relu, "gelu_tanh": lambda v: F.gelu(v, approximate="tanh")}
 # One rounding of the output (and, gated, of gate and up first) above the

@@ -1,4 +1,4 @@
-"""Bad input to the MoE operations (moe_ops): the right exception type, a
+"""Bad input to the MoE operations (idempotent_moe.moe): the right exception type, a
 message that names the argument at fault, nothing allocated (the outputs a
 call makes come from the direct path's allocators (_moe_core), which must not run), and every
 array passed in, outputs included, bit for bit as it was.
@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from _helpers import assert_unchanged, names, read_only, requires_torch, snapshot, torch
-from idempotent_moe import _moe_core, moe_ops
+from idempotent_moe import _moe_core, moe
 
 pytestmark = requires_torch
 
@@ -40,7 +40,7 @@ class Data:
             logits=rng.standard_normal((T, E)).astype(f32), src=rng.standard_normal((T, H)).astype(f32))
         for name, value in arrays.items():
             setattr(self, name, torch.from_numpy(value) if fw == "torch" else value)
-        d = moe_ops.moe_dispatch(self.hidden, self.ids, E)
+        d = moe.moe_dispatch(self.hidden, self.ids, E)
         self.dest, self.offsets = d.dest, d.offsets
         self.fw = fw
 
@@ -51,7 +51,7 @@ class Data:
 
     def out(self, capacity=None, rows=T * K):
         """A MoEDispatch of outputs full of sentinels."""
-        return moe_ops.MoEDispatch(self.full((rows, H), 7.0), self.full((E,), -5, "int32"),
+        return moe.MoEDispatch(self.full((rows, H), 7.0), self.full((E,), -5, "int32"),
                                    self.full((T, K), -5, "int32"), self.full((rows,), -5, "int32"),
                                    self.full((1,), -5, "int64"))
 
@@ -68,7 +68,7 @@ def _huge_dispatch():
     """[2^20, 2] ids (a broadcast view) for 6 tokens of 2^20 features: the
     rows of such a dispatch would be 8 TiB, allocated before the check."""
     hidden, ids = torch.zeros(T, 1 << 20), torch.zeros(1, K, dtype=torch.int64).expand(1 << 20, K)
-    return (lambda: moe_ops.moe_dispatch(hidden, ids, E)), [hidden, ids]
+    return (lambda: moe.moe_dispatch(hidden, ids, E)), [hidden, ids]
 
 
 def no_grad(fn, *args, **kwargs):
@@ -81,8 +81,8 @@ def no_grad(fn, *args, **kwargs):
 def dispatch(d, *arrays, ids=None, experts=E, **kwargs):
     ids = d.ids if ids is None else ids
     out = kwargs.get("out")
-    outs = list(out) if isinstance(out, moe_ops.MoEDispatch) else []
-    return (lambda: moe_ops.moe_dispatch(d.hidden, ids, experts, **kwargs)), \
+    outs = list(out) if isinstance(out, moe.MoEDispatch) else []
+    return (lambda: moe.moe_dispatch(d.hidden, ids, experts, **kwargs)), \
         [d.hidden, ids, *[a for a in (kwargs.get("top_k_weights"),) if a is not None], *outs, *arrays]
 
 
@@ -129,11 +129,11 @@ case("dispatch-num-threads-float", TypeError, ["num_threads"], lambda d: dispatc
 
 # --------------------------------------------------------------------------- moe_dispatch: kinds and shapes
 case("dispatch-hidden-list", TypeError, ["hidden", "list"],
-     lambda d: ((lambda: moe_ops.moe_dispatch(d.hidden.tolist(), d.ids, E)), [d.ids]))
+     lambda d: ((lambda: moe.moe_dispatch(d.hidden.tolist(), d.ids, E)), [d.ids]))
 case("dispatch-ids-list", TypeError, ["top_k_index", "list"],
-     lambda d: ((lambda: moe_ops.moe_dispatch(d.hidden, d.ids.tolist(), E)), [d.hidden]))
+     lambda d: ((lambda: moe.moe_dispatch(d.hidden, d.ids.tolist(), E)), [d.hidden]))
 case("dispatch-weights-list", TypeError, ["top_k_weights", "list"],
-     lambda d: ((lambda: moe_ops.moe_dispatch(d.hidden, d.ids, E, top_k_weights=d.w.tolist(), capacity=2)),
+     lambda d: ((lambda: moe.moe_dispatch(d.hidden, d.ids, E, top_k_weights=d.w.tolist(), capacity=2)),
                 [d.hidden, d.ids]))
 case("dispatch-ids-float", TypeError, ["top_k_index", "int32 or int64"],
      lambda d: dispatch(d, ids=d.ids.float() if d.fw == "torch" else d.ids.astype(np.float32)), BOTH)
@@ -141,9 +141,9 @@ case("dispatch-ids-1d", ValueError, ["top_k_index"], lambda d: dispatch(d, ids=d
 case("dispatch-ids-other-tokens", ValueError, ["hidden", "rows"], lambda d: dispatch(d, ids=d.ids[:4]), BOTH)
 case("dispatch-ids-huge-tokens", ValueError, ["hidden", "1048576 rows"], lambda d: _huge_dispatch())
 case("dispatch-hidden-0d", ValueError, ["hidden"],
-     lambda d: ((lambda: moe_ops.moe_dispatch(d.hidden[0, 0], d.ids, E)), [d.hidden, d.ids]))
+     lambda d: ((lambda: moe.moe_dispatch(d.hidden[0, 0], d.ids, E)), [d.hidden, d.ids]))
 case("dispatch-hidden-requires-grad-no-grad", TypeError, ["hidden", "requires grad"],
-     lambda d: (no_grad(moe_ops.moe_dispatch, d.hidden.requires_grad_(), d.ids, E), [d.hidden, d.ids]))
+     lambda d: (no_grad(moe.moe_dispatch, d.hidden.requires_grad_(), d.ids, E), [d.hidden, d.ids]))
 case("dispatch-weights-require-grad-out", TypeError, ["top_k_weights", "requires grad"],
      lambda d: dispatch(d, top_k_weights=d.w.requires_grad_(), capacity=2, out=d.out()))
 case("dispatch-out-not-moedispatch", TypeError, ["out", "MoEDispatch"],
@@ -166,19 +166,19 @@ case("dispatch-out-rows-require-grad", TypeError, ["out_rows", "requires grad"],
 # --------------------------------------------------------------------------- moe_dispatch: aliasing
 def _hidden_in_rows(d):
     rows = d.full((T * K, H), 7.0)
-    call = lambda: moe_ops.moe_dispatch(rows[:T], d.ids, E, out=d.out()._replace(rows=rows))  # noqa: E731
+    call = lambda: moe.moe_dispatch(rows[:T], d.ids, E, out=d.out()._replace(rows=rows))  # noqa: E731
     return call, [rows, d.ids]
 
 
 def _ids_in_dest(d):
     out = d.out()._replace(dest=d.full((T, K), 1, "int64"))
-    return (lambda: moe_ops.moe_dispatch(d.hidden, out.dest, E, out=out)), [d.hidden, *out]
+    return (lambda: moe.moe_dispatch(d.hidden, out.dest, E, out=out)), [d.hidden, *out]
 
 
 def _dest_and_src_overlap(d):
     ints = d.full((T * K + 2,), -5, "int32")
     out = d.out()._replace(dest=ints[:T * K].reshape(T, K), src=ints[2:])
-    return (lambda: moe_ops.moe_dispatch(d.hidden, d.ids, E, out=out)), [d.hidden, d.ids, ints, *out]
+    return (lambda: moe.moe_dispatch(d.hidden, d.ids, E, out=out)), [d.hidden, d.ids, ints, *out]
 
 
 case("dispatch-hidden-inside-out-rows", ValueError, ["hidden", "out_rows"], _hidden_in_rows, BOTH)
@@ -191,7 +191,7 @@ def combine(d, *arrays, rows=None, dest=None, weights=None, **kwargs):
     rows, dest, weights = (d.rows if rows is None else rows), (d.dest if dest is None else dest), \
         (d.w if weights is None else weights)
     extra = [kwargs["out"]] if kwargs.get("out") is not None else []
-    return (lambda: moe_ops.moe_combine(rows, dest, weights, **kwargs)), \
+    return (lambda: moe.moe_combine(rows, dest, weights, **kwargs)), \
         [a for a in (rows, dest, weights) if not isinstance(a, list)] + extra + list(arrays)
 
 
@@ -222,19 +222,19 @@ case("combine-out-requires-grad", TypeError, [r"\bout\b", "requires grad"],
 case("combine-rows-require-grad-out", TypeError, ["rows", "requires grad"],
      lambda d: combine(d, rows=d.rows.requires_grad_(), out=d.full((T, H), 7.0)))
 case("combine-rows-require-grad-no-grad", TypeError, ["rows", "requires grad"],
-     lambda d: (no_grad(moe_ops.moe_combine, d.rows.requires_grad_(), d.dest, d.w), [d.rows, d.dest, d.w]))
+     lambda d: (no_grad(moe.moe_combine, d.rows.requires_grad_(), d.dest, d.w), [d.rows, d.dest, d.w]))
 case("combine-rows-strided", ValueError, ["rows", "contiguous"],
      lambda d: combine(d, rows=d.full((H, T * K), 1.0).T), BOTH)
 
 
 def _rows_in_out(d):
     buf = d.full((T * K, H), 7.0)
-    return (lambda: moe_ops.moe_combine(buf, d.dest, d.w, out=buf[:T])), [buf, d.dest, d.w]
+    return (lambda: moe.moe_combine(buf, d.dest, d.w, out=buf[:T])), [buf, d.dest, d.w]
 
 
 def _weights_in_out(d):
     buf = d.full((T, H), 0.5)
-    return (lambda: moe_ops.moe_combine(d.rows, d.dest, buf[:, :K], out=buf)), [buf, d.rows, d.dest]
+    return (lambda: moe.moe_combine(d.rows, d.dest, buf[:, :K], out=buf)), [buf, d.rows, d.dest]
 
 
 case("combine-rows-inside-out", ValueError, ["rows", r"\bout\b"], _rows_in_out, BOTH)
@@ -244,7 +244,7 @@ case("combine-weights-inside-out", ValueError, ["weights", r"\bout\b"], _weights
 def act(d, *arrays, gate_up=None, **kwargs):
     g = d.gate_up if gate_up is None else gate_up
     extra = [v for k, v in kwargs.items() if k in ("out", "limit") and v is not None]
-    return (lambda: moe_ops.gated_act(g, **kwargs)), \
+    return (lambda: moe.gated_act(g, **kwargs)), \
         [x for x in (g, *extra, *arrays) if not isinstance(x, list)]
 
 
@@ -261,12 +261,12 @@ case("act-out-shape", ValueError, [r"\bout\b"], lambda d: act(d, out=d.full((T *
 case("act-out-other-dtype", TypeError, [r"\bout\b", "F16"],
      lambda d: act(d, out=d.full((T * K, INTER), 7.0, "float16")), BOTH)
 case("act-gate-up-require-grad-no-grad", TypeError, ["gate_up", "requires grad"],
-     lambda d: (no_grad(moe_ops.gated_act, d.gate_up.requires_grad_()), [d.gate_up]))
+     lambda d: (no_grad(moe.gated_act, d.gate_up.requires_grad_()), [d.gate_up]))
 
 
 def _act_out_in_gate_up(d):
     g = d.full((T * K, 2 * INTER), 0.25)
-    return (lambda: moe_ops.gated_act(g, out=g[:, INTER:])), [g]
+    return (lambda: moe.gated_act(g, out=g[:, INTER:])), [g]
 
 
 case("act-out-inside-gate-up", ValueError, ["gate_up", r"\bout\b"], _act_out_in_gate_up, BOTH)
@@ -275,7 +275,7 @@ case("act-out-inside-gate-up", ValueError, ["gate_up", r"\bout\b"], _act_out_in_
 def act_bwd(d, grad_act=None, **kwargs):
     ga = d.grad_act if grad_act is None else grad_act
     extra = [kwargs["out"]] if kwargs.get("out") is not None else []
-    return (lambda: moe_ops.gated_act_backward(d.gate_up, ga, **kwargs)), \
+    return (lambda: moe.gated_act_backward(d.gate_up, ga, **kwargs)), \
         [x for x in (d.gate_up, ga, *extra) if not isinstance(x, list)]
 
 
@@ -292,7 +292,7 @@ def gemm(d, a=None, w=None, offsets=None, **kwargs):
     a, w = (d.a if a is None else a), (d.wmat if w is None else w)
     offsets = d.offsets if offsets is None else offsets
     extra = [kwargs["out"]] if kwargs.get("out") is not None else []
-    return (lambda: moe_ops.grouped_gemm(a, w, offsets, **kwargs)), \
+    return (lambda: moe.grouped_gemm(a, w, offsets, **kwargs)), \
         [x for x in (a, w, offsets, *extra) if not isinstance(x, list)]
 
 
@@ -321,7 +321,7 @@ case("gemm-out-inside-a", ValueError, [r"\ba\b", r"\bout\b"],
 # --------------------------------------------------------------------------- topk_softmax
 def topk(d, logits=None, k=2, **kwargs):
     x = d.logits if logits is None else logits
-    return (lambda: moe_ops.topk_softmax(x, k, **kwargs)), [x] if not isinstance(x, list) else []
+    return (lambda: moe.topk_softmax(x, k, **kwargs)), [x] if not isinstance(x, list) else []
 
 
 for value in (0, -1, E + 1, 2**40):
@@ -347,7 +347,7 @@ def gather(d, num_rows=T * K, dest=None, **kwargs):
     dest = d.dest if dest is None else dest
     extra = [v for k, v in kwargs.items()
              if k in ("out", "weights") and v is not None and not isinstance(v, list)]
-    return (lambda: moe_ops.moe_gather_rows(d.src, dest, num_rows, **kwargs)), [d.src, dest, *extra]
+    return (lambda: moe.moe_gather_rows(d.src, dest, num_rows, **kwargs)), [d.src, dest, *extra]
 
 
 for value in (-1, 2**40):
@@ -366,19 +366,19 @@ case("gather-out-other-rows", ValueError, [r"\bout\b", "num_rows"],
 case("gather-out-dtype-not-out-s", ValueError, ["out_dtype", "bfloat16"],
      lambda d: gather(d, out=d.full((T * K, H), 7.0), out_dtype=torch.bfloat16))
 case("gather-src-list", TypeError, ["src", "list"],
-     lambda d: ((lambda: moe_ops.moe_gather_rows(d.src.tolist(), d.dest, T * K)), [d.dest]))
+     lambda d: ((lambda: moe.moe_gather_rows(d.src.tolist(), d.dest, T * K)), [d.dest]))
 
 # --------------------------------------------------------------------------- moe_weight_grad
 def wgrad(d, a=None, dest=None, **kwargs):
     a, dest = (d.src if a is None else a), (d.dest if dest is None else dest)
     extra = [kwargs["out"]] if kwargs.get("out") is not None else []
-    return (lambda: moe_ops.moe_weight_grad(a, d.rows, dest, **kwargs)), [a, d.rows, dest, *extra]
+    return (lambda: moe.moe_weight_grad(a, d.rows, dest, **kwargs)), [a, d.rows, dest, *extra]
 
 
 case("wgrad-a-other-tokens", ValueError, [r"\ba\b"], lambda d: wgrad(d, a=d.src[:4]), BOTH)
 case("wgrad-a-by-row-other-rows", ValueError, [r"\ba\b"], lambda d: wgrad(d, a_by_row=True), BOTH)
 case("wgrad-b-list", TypeError, [r"\bb\b", "list"],
-     lambda d: ((lambda: moe_ops.moe_weight_grad(d.src, d.rows.tolist(), d.dest)), [d.src, d.dest]))
+     lambda d: ((lambda: moe.moe_weight_grad(d.src, d.rows.tolist(), d.dest)), [d.src, d.dest]))
 case("wgrad-dest-out-of-range", ValueError, [r"dest\["],
      lambda d: wgrad(d, dest=_with(d, "dest", 99), out=d.full((T, K), 7.0)), BOTH)
 case("wgrad-out-dtype-not-a-dtype", TypeError, ["out_dtype"], lambda d: wgrad(d, out_dtype=3))
@@ -393,31 +393,31 @@ def graded(d, fn, *args, **kwargs):
 
 
 case("grad-dispatch-num-experts-negative", ValueError, ["num_experts"],
-     lambda d: graded(d, moe_ops.moe_dispatch, d.hidden, d.ids, -3))
+     lambda d: graded(d, moe.moe_dispatch, d.hidden, d.ids, -3))
 case("grad-dispatch-num-experts-float", TypeError, ["num_experts", "int"],
-     lambda d: graded(d, moe_ops.moe_dispatch, d.hidden, d.ids, 4.0))
+     lambda d: graded(d, moe.moe_dispatch, d.hidden, d.ids, 4.0))
 case("grad-dispatch-ids-list", TypeError, ["top_k_index", "list"],
-     lambda d: graded(d, moe_ops.moe_dispatch, d.hidden, d.ids.tolist(), E))
+     lambda d: graded(d, moe.moe_dispatch, d.hidden, d.ids.tolist(), E))
 case("grad-dispatch-capacity-negative", ValueError, ["capacity"],
-     lambda d: graded(d, moe_ops.moe_dispatch, d.hidden, d.ids, E, top_k_weights=d.w, capacity=-1))
+     lambda d: graded(d, moe.moe_dispatch, d.hidden, d.ids, E, top_k_weights=d.w, capacity=-1))
 case("grad-combine-dest-list", TypeError, ["dest", "list"],
-     lambda d: graded(d, moe_ops.moe_combine, d.rows, d.dest.tolist(), d.w))
+     lambda d: graded(d, moe.moe_combine, d.rows, d.dest.tolist(), d.w))
 case("grad-combine-weights-shape", ValueError, ["weights"],
-     lambda d: graded(d, moe_ops.moe_combine, d.rows, d.dest, d.w[:, :1]))
+     lambda d: graded(d, moe.moe_combine, d.rows, d.dest, d.w[:, :1]))
 case("grad-combine-out-dtype-unknown", ValueError, ["out_dtype", "float17"],
-     lambda d: graded(d, moe_ops.moe_combine, d.rows, d.dest, d.w, out_dtype="float17"))
+     lambda d: graded(d, moe.moe_combine, d.rows, d.dest, d.w, out_dtype="float17"))
 case("grad-combine-out-dtype-int", ValueError, ["out_dtype", "int32"],
-     lambda d: graded(d, moe_ops.moe_combine, d.rows, d.dest, d.w, out_dtype=torch.int32))
+     lambda d: graded(d, moe.moe_combine, d.rows, d.dest, d.w, out_dtype=torch.int32))
 case("grad-combine-out-dtype-not-a-dtype", TypeError, ["out_dtype"],
-     lambda d: graded(d, moe_ops.moe_combine, d.rows, d.dest, d.w, out_dtype=3))
-case("grad-act-not-str", TypeError, ["act", "str"], lambda d: graded(d, moe_ops.gated_act, d.gate_up, 1))
-case("grad-act-unknown", ValueError, ["act"], lambda d: graded(d, moe_ops.gated_act, d.gate_up, "swish"))
+     lambda d: graded(d, moe.moe_combine, d.rows, d.dest, d.w, out_dtype=3))
+case("grad-act-not-str", TypeError, ["act", "str"], lambda d: graded(d, moe.gated_act, d.gate_up, 1))
+case("grad-act-unknown", ValueError, ["act"], lambda d: graded(d, moe.gated_act, d.gate_up, "swish"))
 case("grad-gemm-offsets-list", TypeError, ["offsets", "list"],
-     lambda d: graded(d, moe_ops.grouped_gemm, d.a, d.wmat, d.offsets.tolist()))
+     lambda d: graded(d, moe.grouped_gemm, d.a, d.wmat, d.offsets.tolist()))
 case("grad-gather-num-rows-float", TypeError, ["num_rows", "int"],
-     lambda d: graded(d, moe_ops.moe_gather_rows, d.src, d.dest, 2.0))
+     lambda d: graded(d, moe.moe_gather_rows, d.src, d.dest, 2.0))
 case("grad-gather-num-rows-negative", ValueError, ["num_rows"],
-     lambda d: graded(d, moe_ops.moe_gather_rows, d.src, d.dest, -1))
+     lambda d: graded(d, moe.moe_gather_rows, d.src, d.dest, -1))
 
 
 # --------------------------------------------------------------------------- the test
@@ -447,20 +447,20 @@ def test_empty_calls_are_good_calls(fw):
     """No token: every operation returns empty outputs of the right shapes."""
     d = Data(fw)
     hidden, ids, w = d.hidden[:0], d.ids[:0], d.w[:0]
-    out = moe_ops.moe_dispatch(hidden, ids, E, top_k_weights=w, capacity=0)
+    out = moe.moe_dispatch(hidden, ids, E, top_k_weights=w, capacity=0)
     assert tuple(out.rows.shape) == (0, H) and tuple(out.dest.shape) == (0, K)
-    assert tuple(moe_ops.moe_combine(d.rows, out.dest, w).shape) == (0, H)
-    assert tuple(moe_ops.gated_act(d.gate_up[:0]).shape) == (0, INTER)
-    assert tuple(moe_ops.topk_softmax(d.logits[:0], 2)[1].shape) == (0, 2)
-    assert tuple(moe_ops.moe_gather_rows(d.src[:0], out.dest, 0).shape) == (0, H)
+    assert tuple(moe.moe_combine(d.rows, out.dest, w).shape) == (0, H)
+    assert tuple(moe.gated_act(d.gate_up[:0]).shape) == (0, INTER)
+    assert tuple(moe.topk_softmax(d.logits[:0], 2)[1].shape) == (0, 2)
+    assert tuple(moe.moe_gather_rows(d.src[:0], out.dest, 0).shape) == (0, H)
 
 
 def test_dtypes_are_taken_as_objects_and_names():
     d = Data("torch")
     for dtype, want in ((torch.bfloat16, torch.bfloat16), ("bfloat16", torch.bfloat16),
                         (np.float16, torch.float16), (np.dtype("float32"), torch.float32)):
-        assert moe_ops.moe_combine(d.rows, d.dest, d.w, out_dtype=dtype).dtype == want
-    w, i = moe_ops.topk_softmax(d.logits, 2, out_dtype=torch.float16, index_dtype=torch.int32)
+        assert moe.moe_combine(d.rows, d.dest, d.w, out_dtype=dtype).dtype == want
+    w, i = moe.topk_softmax(d.logits, 2, out_dtype=torch.float16, index_dtype=torch.int32)
     assert w.dtype == torch.float16 and i.dtype == torch.int32
 
 
@@ -468,7 +468,7 @@ def test_a_repeated_expert_is_two_assignments_without_distinct():
     d = Data("torch")
     ids = d.ids.clone()
     ids[2, 1] = ids[2, 0]
-    out = moe_ops.moe_dispatch(d.hidden, ids, E)
+    out = moe.moe_dispatch(d.hidden, ids, E)
     assert out.dest[2, 0] != out.dest[2, 1] and int(out.offsets[-1]) == T * K
 
 
@@ -479,7 +479,7 @@ def test_distinct_takes_a_repeat_of_weight_zero(fw):
     refuses it."""
     d = Data(fw)
     ids, w = _with(d, "ids", 2), _with(d, "w", 0.0)
-    out = moe_ops.moe_dispatch(d.hidden, ids, E, top_k_weights=w, distinct=True)
+    out = moe.moe_dispatch(d.hidden, ids, E, top_k_weights=w, distinct=True)
     assert int(out.offsets[2]) - int(out.offsets[1]) == 4  # expert 2: tokens 1, 2 (twice), 4
     with pytest.raises(ValueError, match="distinct"):
-        moe_ops.moe_dispatch(d.hidden, ids, E, top_k_weights=_with(d, "w", 0.5), distinct=True)
+        moe.moe_dispatch(d.hidden, ids, E, top_k_weights=_with(d, "w", 0.5), distinct=True)

@@ -1,4 +1,4 @@
-"""grouped_gemm (idempotent_moe.moe_ops): the C core against a NumPy model of
+"""grouped_gemm (idempotent_moe.moe): the C core against a NumPy model of
 the documented summation order (bit for bit, every dtype) and a float64
 reference on the CPU; the CUDA kernel against the C core bit for bit, and
 the experts forward with `idempotent_small_m_gemm` against the fp32
@@ -13,7 +13,7 @@ torch = pytest.importorskip("torch")
 
 import idempotent_moe as imoe  # noqa: E402
 from idempotent_moe import check_errors  # noqa: E402
-from idempotent_moe.moe_ops import grouped_gemm  # noqa: E402
+from idempotent_moe.moe import grouped_gemm  # noqa: E402
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
@@ -321,4 +321,4 @@ def test_the_switch_is_off_by_default():
     from idempotent_moe.integrations import hf_experts
 
     assert hf_experts.SMALL_M_GEMM_ATTR == "idempotent_small_m_gemm"
-    assert imoe.moe_ops.grouped_gemm is grouped_gemm
+    assert imoe.moe.grouped_gemm is grouped_gemm

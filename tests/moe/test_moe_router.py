@@ -1,4 +1,4 @@
-"""topk_softmax (idempotent_moe.moe_ops): the C core against torch's CPU
+"""topk_softmax (idempotent_moe.moe): the C core against torch's CPU
 routing (softmax, topk, renormalisation; a few ulp apart, as torch's CPU exp
 and summation order are not CUDA's), ties, NaN rows, the argument checks;
 equal probabilities in torch's CUDA order, against a pure-Python
@@ -19,7 +19,7 @@ torch = pytest.importorskip("torch")
 
 from _helpers import ulps  # noqa: E402
 from idempotent_moe import _C  # noqa: E402
-from idempotent_moe.moe_ops import topk_softmax  # noqa: E402
+from idempotent_moe.moe import topk_softmax  # noqa: E402
 
 SHAPES = [(8, 1), (8, 2), (60, 4), (64, 8), (128, 8), (3, 3), (1, 1), (1024, 32), (33, 5)]
 

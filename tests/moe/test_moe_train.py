@@ -10,7 +10,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from idempotent_moe import _moe_autograd as ag  # noqa: E402
-from idempotent_moe import _moe_torch_ops, moe_ops  # noqa: E402
+from idempotent_moe import _moe_torch_ops, moe  # noqa: E402
 
 ACTS = ["silu", "gelu", "gelu_tanh", "relu"]
 T, H, E, K, INTER = 7, 8, 4, 2, 6
@@ -64,7 +64,7 @@ def test_gated_act_backward_matches_the_float64_derivative(act, dtype):
     gate_up = (torch.randn(9, 2 * 5, generator=g) * 2).to(dtype)
     grad = torch.randn(9, 5, generator=g).to(dtype)
     limit = torch.tensor([3, 3, 7], dtype=torch.int32)
-    out = moe_ops.gated_act_backward(gate_up, grad, act, limit=limit)
+    out = moe.gated_act_backward(gate_up, grad, act, limit=limit)
     x = gate_up.double().requires_grad_()
     y = ag._ACT[act](x[:, :5]) * x[:, 5:]
     (truth,) = torch.autograd.grad(y, x, grad.double())
@@ -83,7 +83,7 @@ def test_gather_rows_writes_each_assignment_row_and_zeros_elsewhere(weighted, dt
     dest = torch.tensor([[0, 5], [2, -1], [-1, -1], [3, 1]], dtype=torch.int32)
     w = torch.rand(4, 2, generator=torch.Generator().manual_seed(2)) if weighted else None
     out = torch.full((7, 5), float("nan"), dtype=dtype)
-    moe_ops.moe_gather_rows(src, dest, 7, weights=w, out=out)
+    moe.moe_gather_rows(src, dest, 7, weights=w, out=out)
     assert torch.equal(out, ag.ref_gather_rows(src, dest, 7, w, dtype))
     assert (out[[4, 6]] == 0).all()
 
@@ -92,7 +92,7 @@ def test_weight_grad_is_the_dot_product_in_the_documented_order():
     g = torch.Generator().manual_seed(4)
     a, b = torch.randn(3, 70, generator=g), torch.randn(5, 70, generator=g)
     dest = torch.tensor([[4, -1], [0, 2], [1, 3]], dtype=torch.int64)
-    out = moe_ops.moe_weight_grad(a, b, dest)
+    out = moe.moe_weight_grad(a, b, dest)
     lanes = torch.zeros(3, 2, 32)
     for h in range(70):  # lane h mod 32, in increasing h, each product rounded
         prod = a[:, None, h] * b[dest.clamp(min=0), h]
@@ -103,26 +103,26 @@ def test_weight_grad_is_the_dot_product_in_the_documented_order():
         s //= 2
     truth = lanes[..., 0].masked_fill(dest < 0, 0)
     assert torch.equal(out, truth)
-    by_row = moe_ops.moe_weight_grad(b, b, dest, a_by_row=True)
+    by_row = moe.moe_weight_grad(b, b, dest, a_by_row=True)
     assert torch.allclose(by_row, (b[dest.clamp(min=0)] ** 2).sum(-1).masked_fill(dest < 0, 0), atol=1e-5)
 
 
 def test_bad_arguments_are_named_and_leave_out_untouched():
     out = torch.full((4, 3), 7.0)
     with pytest.raises(ValueError, match=r"dest\[0, 1\] = 5 is outside"):
-        moe_ops.moe_gather_rows(torch.ones(2, 3), torch.tensor([[0, 5], [1, 2]]), 4, out=out)
+        moe.moe_gather_rows(torch.ones(2, 3), torch.tensor([[0, 5], [1, 2]]), 4, out=out)
     with pytest.raises(ValueError, match="names a row an earlier entry named"):
-        moe_ops.moe_gather_rows(torch.ones(2, 3), torch.tensor([[0, 1], [1, 2]]), 4, out=out)
+        moe.moe_gather_rows(torch.ones(2, 3), torch.tensor([[0, 1], [1, 2]]), 4, out=out)
     assert (out == 7).all()
     with pytest.raises(ValueError, match="grad_act"):
-        moe_ops.gated_act_backward(torch.ones(2, 6), torch.ones(2, 2))
+        moe.gated_act_backward(torch.ones(2, 6), torch.ones(2, 2))
     with pytest.raises(ValueError, match="even"):
-        moe_ops.gated_act_backward(torch.ones(2, 5), torch.ones(2, 2))
+        moe.gated_act_backward(torch.ones(2, 5), torch.ones(2, 2))
     with pytest.raises(TypeError, match="dest"):
-        moe_ops.moe_weight_grad(torch.ones(2, 3), torch.ones(4, 3), torch.zeros(2, 2))
+        moe.moe_weight_grad(torch.ones(2, 3), torch.ones(4, 3), torch.zeros(2, 2))
     wg = torch.full((2, 2), 7.0)
     with pytest.raises(ValueError, match="outside"):
-        moe_ops.moe_weight_grad(torch.ones(2, 3), torch.ones(4, 3), torch.tensor([[0, 4], [1, 2]]), out=wg)
+        moe.moe_weight_grad(torch.ones(2, 3), torch.ones(4, 3), torch.tensor([[0, 4], [1, 2]]), out=wg)
     assert (wg == 7).all()
 
 
@@ -136,10 +136,10 @@ def test_gradcheck_of_the_composed_ops(act):
     w = w.double().requires_grad_()
 
     def layer(hidden, w, w_up, w_down):
-        d = moe_ops.moe_dispatch(hidden, idx, E, top_k_weights=w)
-        h = moe_ops.grouped_gemm(d.rows, w_up, d.offsets)
-        a = moe_ops.gated_act(h, act, limit=d.offsets)
-        return moe_ops.moe_combine(moe_ops.grouped_gemm(a, w_down, d.offsets), d.dest, w)
+        d = moe.moe_dispatch(hidden, idx, E, top_k_weights=w)
+        h = moe.grouped_gemm(d.rows, w_up, d.offsets)
+        a = moe.gated_act(h, act, limit=d.offsets)
+        return moe.moe_combine(moe.grouped_gemm(a, w_down, d.offsets), d.dest, w)
 
     inputs = (hidden, w, w_up, w_down)
     if act == "relu":  # keep finite differences off the kink
@@ -152,11 +152,11 @@ def test_gradcheck_of_the_composed_ops(act):
 def test_ops_route_to_autograd_only_when_a_gradient_is_recorded():
     w, idx = routing()
     hidden = torch.randn(T, H)
-    d = moe_ops.moe_dispatch(hidden, idx, E)
+    d = moe.moe_dispatch(hidden, idx, E)
     assert d.rows.grad_fn is None and not d.rows.requires_grad
-    d = moe_ops.moe_dispatch(hidden.requires_grad_(), idx, E)
+    d = moe.moe_dispatch(hidden.requires_grad_(), idx, E)
     assert d.rows.grad_fn is not None
-    out = moe_ops.moe_combine(d.rows, d.dest, w)
+    out = moe.moe_combine(d.rows, d.dest, w)
     (g,) = torch.autograd.grad(out.sum(), hidden)
     assert torch.allclose(g, torch.full_like(g, 1.0) * w.sum(-1, keepdim=True), atol=1e-6)
 
@@ -222,7 +222,7 @@ def test_dropped_assignments_get_exactly_zero_gradient_and_are_counted():
     hidden, w_up, w_down = layer_inputs(torch.float32, seed=3)
     w = w.requires_grad_()
     out, dropped = fused(hidden, idx, w, w_up, w_down, "silu", 1)
-    d = moe_ops.moe_dispatch(hidden.detach(), idx, E, top_k_weights=w.detach(), capacity=1)
+    d = moe.moe_dispatch(hidden.detach(), idx, E, top_k_weights=w.detach(), capacity=1)
     kept = d.dest >= 0
     assert int(dropped) == int((~kept).sum()) > 0
     gh, gw = torch.autograd.grad(out.square().sum(), (hidden, w))
@@ -256,10 +256,10 @@ def test_the_fused_layer_saves_no_rows_by_hidden_copy(capacity):
     assert (rows, 2 * INTER) in shapes  # the gate/up output
     assert (16, 24) in shapes  # hidden, for dW_up only
     # the torch path of the same layer keeps [rows, H] tensors
-    composed, _ = saved_tensors(lambda: moe_ops.moe_combine(
-        moe_ops.grouped_gemm(moe_ops.gated_act(moe_ops.grouped_gemm(
+    composed, _ = saved_tensors(lambda: moe.moe_combine(
+        moe.grouped_gemm(moe.gated_act(moe.grouped_gemm(
             d.rows, w_up, d.offsets), "silu", limit=d.offsets), w_down, d.offsets), d.dest, w)
-        if (d := moe_ops.moe_dispatch(hidden, idx, E)) else None)
+        if (d := moe.moe_dispatch(hidden, idx, E)) else None)
     assert (rows, 24) in composed
 
 
@@ -340,21 +340,21 @@ def test_cuda_backward_kernels_match_the_cpu(act, dtype):
     gate_up = torch.randn(33, 2 * 40, generator=g).to(dtype)
     grad = torch.randn(33, 40, generator=g).to(dtype)
     limit = torch.tensor([5, 20, 29], dtype=torch.int32)
-    cpu = moe_ops.gated_act_backward(gate_up, grad, act, limit=limit)
-    gpu = moe_ops.gated_act_backward(gate_up.cuda(), grad.cuda(), act, limit=limit.cuda()).cpu()
+    cpu = moe.gated_act_backward(gate_up, grad, act, limit=limit)
+    gpu = moe.gated_act_backward(gate_up.cuda(), grad.cuda(), act, limit=limit.cuda()).cpu()
     ulp = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-3}[dtype]
     assert ((cpu.double() - gpu.double()).abs() <= ulp * (cpu.double().abs() + 1)).all()
     assert (gpu[29:] == 0).all()
     src = torch.randn(6, 40, generator=g).to(dtype)
     dest = torch.tensor([[0, 9], [3, -1], [-1, -1], [4, 1], [2, 5], [7, 8]], dtype=torch.int32)
     w = torch.rand(6, 2, generator=g)
-    rows_cpu = moe_ops.moe_gather_rows(src, dest, 11, weights=w)
-    rows_gpu = moe_ops.moe_gather_rows(src.cuda(), dest.cuda(), 11, weights=w.cuda()).cpu()
+    rows_cpu = moe.moe_gather_rows(src, dest, 11, weights=w)
+    rows_gpu = moe.moe_gather_rows(src.cuda(), dest.cuda(), 11, weights=w.cuda()).cpu()
     assert torch.equal(rows_cpu, rows_gpu)  # the same bits
     b = torch.randn(11, 40, generator=g).to(dtype)
-    assert torch.equal(moe_ops.moe_weight_grad(src, b, dest), moe_ops.moe_weight_grad(
+    assert torch.equal(moe.moe_weight_grad(src, b, dest), moe.moe_weight_grad(
         src.cuda(), b.cuda(), dest.cuda()).cpu())
-    assert torch.equal(moe_ops.moe_weight_grad(b, b, dest, a_by_row=True), moe_ops.moe_weight_grad(
+    assert torch.equal(moe.moe_weight_grad(b, b, dest, a_by_row=True), moe.moe_weight_grad(
         b.cuda(), b.cuda(), dest.cuda(), a_by_row=True).cpu())
 
 
@@ -363,7 +363,7 @@ def test_cuda_bad_dest_is_a_recorded_error_and_writes_nothing():
     import idempotent_moe as imoe
 
     out = torch.full((4, 3), 7.0, device="cuda")
-    moe_ops.moe_gather_rows(torch.ones(2, 3, device="cuda"), torch.tensor([[0, 5], [1, 2]], device="cuda"), 4,
+    moe.moe_gather_rows(torch.ones(2, 3, device="cuda"), torch.tensor([[0, 5], [1, 2]], device="cuda"), 4,
                             out=out)
     with pytest.raises(ValueError, match="outside|range"):
         imoe.check_errors(out)

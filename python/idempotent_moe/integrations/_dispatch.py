@@ -1,8 +1,8 @@
 """The torch side of an experts layer: routing assignments sorted by expert
 (counting sort), grouped GEMMs over the sorted buffer, per-expert capacity
 with idempotent_moe.compact_, and the combine back to token order (the
-capacity rule, the sort and the combine are idempotent_moe._moe's, shared
-with the expert-parallel dispatcher; shapes are named there).
+capacity rule, the sort and the combine come from idempotent_moe._moe_rules,
+shared with the expert-parallel dispatcher; shapes are named there).
 
 No function here synchronises the host with the device, except the per-expert
 loop that stands in for grouped_mm where torch has none (it reads the group
@@ -20,7 +20,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .. import _tracing
-from .._moe import (
+from .._moe_rules import (
     check_capacity_device,
     check_top_k_index,
     combine,
@@ -29,7 +29,7 @@ from .._moe import (
     order_by_expert,
 )
 from ..functional import compact_
-from ..moe_ops import grouped_gemm
+from ..moe import grouped_gemm
 
 
 class SortedDispatch(NamedTuple):

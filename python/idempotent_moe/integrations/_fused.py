@@ -1,5 +1,5 @@
 """The experts forward over the library's fused dispatch and combine
-(idempotent_moe.moe_ops): from top_k_index / top_k_weights to the combined
+(idempotent_moe.moe): from top_k_index / top_k_weights to the combined
 output in eight kernels at decode sizes on CUDA (the sort and the gather of
 the dispatch, the gate-up grouped GEMM, act(gate) * up, the down grouped
 GEMM, the combine; torch's grouped_mm launches two kernels per GEMM), with
@@ -34,10 +34,10 @@ import torch
 import torch.nn.functional as F
 
 from .. import _tracing
-from .._moe import expert_capacity
+from .._moe_rules import expert_capacity
 from .._native import native
 from ..functional import cuda_available
-from ..moe_ops import (
+from ..moe import (
     MoEDispatch,
     dispatch_workspace,
     experts_gemm,

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import torch
 
-from .._moe import check_capacity_factor
+from .._moe_rules import check_capacity_factor
 from ..distributed import ExpertParallelDispatcher
 from .hf_experts import CAPACITY_FACTOR_ATTR, experts_forward
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from .._moe import check_capacity_factor
+from .._moe_rules import check_capacity_factor
 
 EXPERTS_IMPLEMENTATION = "idempotent"
 CAPACITY_FACTOR_ATTR = "idempotent_capacity_factor"

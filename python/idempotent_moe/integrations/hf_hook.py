@@ -24,7 +24,7 @@ import re
 from typing import Any, NamedTuple
 
 from .. import _arrays
-from .._moe import check_expert_buffer, combine_slots, expert_scores
+from .._moe_rules import check_expert_buffer, combine_slots, expert_scores
 from ..functional import apply_map_, compact_, idempotent_map, restore_
 
 

@@ -35,7 +35,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 
-from .. import moe_ops
+from .. import moe
 
 # A fused router class carries `_idempotent_fused_from` (the class it was made
 # from) and its SUPPORTED_ROUTERS entry as two plain values,
@@ -79,7 +79,7 @@ def _route(router: torch.nn.Module, hidden_states, renormalize_attr: str | None,
     hidden_states = hidden_states.reshape(-1, router.hidden_dim)
     router_logits = F.linear(hidden_states, router.weight)
     renormalize = True if renormalize_attr is None else bool(getattr(router, renormalize_attr))
-    weights, indices = moe_ops.topk_softmax(
+    weights, indices = moe.topk_softmax(
         router_logits, router.top_k, renormalize=renormalize,
         out_dtype=router_logits.dtype if cast else torch.float32)
     return router_logits, weights, indices

@@ -1,4 +1,4 @@
-"""What the MoE front ends share: the capacity rule, the checks of routing
+"""The MoE rules the front ends share: the capacity rule, the checks of routing
 inputs and per-expert buffers, the order of assignments by expert, and the
 weighted combine back to token order.
 

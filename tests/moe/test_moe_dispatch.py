@@ -1,4 +1,4 @@
-"""moe_dispatch, moe_combine and gated_act (idempotent_moe.moe_ops): the C
+"""moe_dispatch, moe_combine and gated_act (idempotent_moe.moe): the C
 core against plain reference implementations on the CPU, and the CUDA
 kernels against the C core (and torch's activations) bit for bit."""
 
@@ -13,8 +13,8 @@ torch = pytest.importorskip("torch")
 
 import idempotent_moe as imoe  # noqa: E402
 from idempotent_moe import check_errors  # noqa: E402
-from idempotent_moe._moe import combine as torch_combine  # noqa: E402
-from idempotent_moe.moe_ops import gated_act, moe_combine, moe_dispatch  # noqa: E402
+from idempotent_moe._moe_rules import combine as torch_combine  # noqa: E402
+from idempotent_moe.moe import gated_act, moe_combine, moe_dispatch  # noqa: E402
 
 
 def routing(tokens, top_k, experts, seed, *, dtype=torch.int64, weight_dtype=torch.float32,
@@ -157,7 +157,7 @@ def test_bad_arguments_are_refused_before_anything_is_written():
 def test_dispatch_into_given_outputs(capacity):
     """out=: the same bytes as the allocating call, written into the given
     arrays (returned as they are), for torch and NumPy."""
-    from idempotent_moe.moe_ops import MoEDispatch, torch_outputs
+    from idempotent_moe.moe import MoEDispatch, torch_outputs
 
     index, weights = routing(12, 2, 5, seed=8)
     hidden = torch.randn(12, 6)
@@ -175,7 +175,7 @@ def test_dispatch_into_given_outputs(capacity):
 
 
 def test_dispatch_into_bad_outputs_raises_and_writes_nothing():
-    from idempotent_moe.moe_ops import MoEDispatch
+    from idempotent_moe.moe import MoEDispatch
 
     index, _ = routing(12, 2, 5, seed=8)
     hidden = torch.randn(12, 6)
@@ -462,7 +462,7 @@ def _moe_pipeline(hidden, index, weights, capacity):
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("capacity", [None, 3])
-def test_the_moe_ops_compile_into_one_graph(device, capacity):
+def test_the_moe_operations_compile_into_one_graph(device, capacity):
     """torch.compile traces moe_dispatch, gated_act and moe_combine as torch
     ops (no graph break) and the compiled function equals eager on new data."""
     torch._dynamo.reset()
