@@ -19,7 +19,7 @@ else
 fi
 
 lib=("$root"/csrc/*.c)
-support=("$here/parity.c" "$here/perm_parity.c" "$here/ref.c" "$here/tensor.c")
+support=("$here/gemm_support.c" "$here/parity.c" "$here/perm_parity.c" "$here/ref.c" "$here/tensor.c")
 tests=("$here/test_core.c" "$here/test_status.c" "$here/test_permute.c" "$here/test_moe_gemm.c"
        "$here/test_router.c" "$here/test_moe_shapes.c" "$here/test_experts_gemm.c")
 flags=(-std=c11 -Wall -Wextra -Werror -Wno-missing-field-initializers -O1 -g -fsanitize=address,undefined

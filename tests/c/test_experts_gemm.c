@@ -22,18 +22,9 @@
 
 #include "check.h"
 #include "floats.h"
+#include "gemm_support.h"
 #include "idempotent_moe.h"
 #include "tensor.h"
-
-#define SENTINEL 0xA5
-
-static const imoe_dtype xg_dtypes[3] = {IMOE_DTYPE_F32, IMOE_DTYPE_F16, IMOE_DTYPE_BF16};
-
-static int64_t elem_size(imoe_dtype dt) { return dt == IMOE_DTYPE_F32 ? 4 : 2; }
-
-static const char *dt_name(imoe_dtype dt) {
-  return dt == IMOE_DTYPE_F32 ? "f32" : dt == IMOE_DTYPE_F16 ? "f16" : "bf16";
-}
 
 static const char *act_name(imoe_act act) {
   return act == IMOE_ACT_SILU ? "silu" : act == IMOE_ACT_GELU ? "gelu" : act == IMOE_ACT_GELU_TANH ? "gelu_tanh"
@@ -56,62 +47,12 @@ static float ref_act(float x, imoe_act act) {
   return x;
 }
 
-/* ---- weights [E, K, N] in three layouts ---------------------------------- */
-
-enum {
-  W_N_CONTIG, /* row-major [E, K, N] */
-  W_K_CONTIG, /* stored [E, N, K] with a gap after each expert, seen as [E, K, N] */
-  W_STRIDED,  /* padded, negative N and E strides, E innermost of the lead axes */
-  W_LAYOUTS
-};
-
-static const char *w_layout_name[W_LAYOUTS] = {"N-contiguous", "K-contiguous", "strided"};
-
-static tensor weights_make(int64_t e_n, int64_t k_n, int64_t n_n, imoe_dtype dt, int layout, uint64_t *seed) {
-  const int64_t lead[2] = {e_n, k_n}, size = elem_size(dt);
-  if (layout == W_N_CONTIG) return tensor_make(2, lead, n_n, size, dt, 0, seed);
-  if (layout == W_STRIDED)
-    return tensor_make(2, lead, n_n, size, dt, T_PAD | T_NEG_SLOTS | T_NEG_LEAD | T_LEAD_REVERSED, seed);
-  tensor t;
-  memset(&t, 0, sizeof t);
-  imoe_view *v = &t.view;
-  const int64_t kk = k_n > 0 ? k_n : 1, nn = n_n > 0 ? n_n : 1, ee = e_n > 0 ? e_n : 1;
-  v->lead_ndim = 2;
-  v->lead_shape[0] = e_n;
-  v->lead_shape[1] = k_n;
-  v->lead_stride[1] = size;
-  v->n_stride = kk * size;
-  v->lead_stride[0] = nn * kk * size + 16;
-  v->n = n_n;
-  v->row_bytes = size;
-  v->dtype = dt;
-  t.bytes = (size_t)(ee * v->lead_stride[0] + 64);
-  t.alloc = malloc(t.bytes);
-  for (size_t i = 0; i < t.bytes; i++) t.alloc[i] = (unsigned char)rng_next(seed);
-  v->data = t.alloc + 32;
-  return t;
-}
-
-/* Uniform in [-2, 2], rounded to dtype by the store. */
-static void fill_values(tensor *t, int64_t rows, int64_t n, uint64_t *rng) {
-  for (int64_t r = 0; r < rows; r++) {
-    for (int64_t s = 0; s < n; s++) {
-      const double u = (double)(rng_next(rng) >> 11) * ldexp(1.0, -53);
-      imoe_store_float((char *)tensor_at(t, r, s), t->view.dtype, (float)(4.0 * u - 2.0));
-    }
-  }
-}
-
-static float load_at(const tensor *t, int64_t row, int64_t slot) {
-  return imoe_load_float((const char *)tensor_at(t, row, slot), t->view.dtype);
-}
-
 /* ---- the definition ------------------------------------------------------ */
 
 /* y = sum over k of a[k] w[e, k, n] in F32 from +0.0, increasing k, fmaf. */
 static float ref_dot(const float *a, const tensor *w, int64_t k_n, int64_t e, int64_t n) {
   float acc = 0.0f;
-  for (int64_t k = 0; k < k_n; k++) acc = fmaf(a[k], load_at(w, e * k_n + k, n), acc);
+  for (int64_t k = 0; k < k_n; k++) acc = fmaf(a[k], gemm_load_at(w, e * k_n + k, n), acc);
   return acc;
 }
 
@@ -127,7 +68,7 @@ static unsigned char *expected_bytes(const tensor *x, const tensor *src, const t
   for (int64_t r = 0, e = 0; r < end; r++) {
     while (offsets[e] <= r) e++;
     const int64_t token = src ? tensor_get_index(tensor_at(src, 0, r), IMOE_DTYPE_I32) : r;
-    for (int64_t k = 0; k < k_n; k++) arow[k] = load_at(x, token, k);
+    for (int64_t k = 0; k < k_n; k++) arow[k] = gemm_load_at(x, token, k);
     for (int64_t n = 0; n < n_out; n++) {
       float v;
       if (gated) {
@@ -176,10 +117,10 @@ static int32_t unread_src(uint64_t *rng, int64_t t_n) {
 
 static void run_case(const xg_case *c, uint64_t *rng, const char *label) {
   const imoe_dtype dt = c->dtype;
-  const int64_t size = elem_size(dt), x_rows = c->with_src ? c->t : c->r;
+  const int64_t size = gemm_elem_size(dt), x_rows = c->with_src ? c->t : c->r;
   const int64_t n_out = c->gated ? c->n / 2 : c->n, end = c->offsets[c->e - 1];
   tensor x = tensor_make(1, &x_rows, c->k, size, dt, c->x_layout, rng);
-  tensor w = weights_make(c->e, c->k, c->n, dt, c->w_layout, rng);
+  tensor w = gemm_weights_make(c->e, c->k, c->n, dt, c->w_layout, rng);
   tensor offs = tensor_make(0, NULL, c->e, 4, IMOE_DTYPE_I32, c->offsets_layout, rng);
   tensor out = tensor_make(1, &c->r, n_out, size, dt, c->out_layout, rng);
   tensor src;
@@ -190,12 +131,12 @@ static void run_case(const xg_case *c, uint64_t *rng, const char *label) {
       tensor_put_index(tensor_at(&src, 0, r), IMOE_DTYPE_I32,
                        r < end ? rng_range(rng, 0, c->t - 1) : unread_src(rng, c->t));
   }
-  fill_values(&x, x_rows, c->k, rng);
+  gemm_fill_values(&x, x_rows, c->k, rng);
   for (int64_t t = 1; c->neg_zero_rows && t < x_rows; t += 3) /* each sum +0.0 only when it starts from +0.0 */
     for (int64_t k = 0; k < c->k; k++) imoe_store_float((char *)tensor_at(&x, t, k), dt, -0.0f);
-  fill_values(&w, c->e * c->k, c->n, rng);
+  gemm_fill_values(&w, c->e * c->k, c->n, rng);
   for (int64_t e = 0; e < c->e; e++) tensor_put_index(tensor_at(&offs, 0, e), IMOE_DTYPE_I32, c->offsets[e]);
-  memset(out.alloc, SENTINEL, out.bytes);
+  memset(out.alloc, GEMM_SENTINEL, out.bytes);
   unsigned char *snap_x = tensor_snapshot(&x), *snap_w = tensor_snapshot(&w);
   unsigned char *snap_offs = tensor_snapshot(&offs), *sentinel = tensor_snapshot(&out);
   unsigned char *snap_src = c->with_src ? tensor_snapshot(&src) : NULL;
@@ -221,9 +162,9 @@ static void run_case(const xg_case *c, uint64_t *rng, const char *label) {
     CHECK(first < 0,
           "%s (%s, %s, T %lld R %lld K %lld N %lld E %lld end %lld, w %s, gated %d %s, run %d): out differs "
           "from the definition at byte %lld",
-          label, dt_name(dt), c->with_src ? "src" : "no src", (long long)c->t, (long long)c->r, (long long)c->k,
-          (long long)c->n, (long long)c->e, (long long)end, w_layout_name[c->w_layout], (int)c->gated,
-          act_name(c->act), run, (long long)first);
+          label, gemm_dtype_name(dt), c->with_src ? "src" : "no src", (long long)c->t, (long long)c->r,
+          (long long)c->k, (long long)c->n, (long long)c->e, (long long)end, gemm_w_layout_name[c->w_layout],
+          (int)c->gated, act_name(c->act), run, (long long)first);
     CHECK(tensor_same(&x, snap_x) && tensor_same(&w, snap_w) && tensor_same(&offs, snap_offs) &&
               (!c->with_src || tensor_same(&src, snap_src)),
           "%s: an input changed", label);
@@ -241,25 +182,8 @@ static void run_case(const xg_case *c, uint64_t *rng, const char *label) {
   if (c->with_src) tensor_free(&src);
 }
 
-/* Offsets of E experts over [0, end]: random cuts, sometimes all rows in
- * one expert. */
-static void random_offsets(uint64_t *rng, xg_case *c, int64_t end) {
-  const int kind = (int)(rng_next(rng) % 4);
-  const int64_t one = rng_range(rng, 0, c->e - 1);
-  for (int64_t e = 0; e < c->e - 1; e++)
-    c->offsets[e] = (int32_t)(kind == 0 ? (e < one ? 0 : end) : rng_range(rng, 0, end));
-  c->offsets[c->e - 1] = (int32_t)end;
-  for (int64_t i = 1; i < c->e; i++) /* insertion sort */
-    for (int64_t j = i; j > 0 && c->offsets[j - 1] > c->offsets[j]; j--) {
-      const int32_t t = c->offsets[j];
-      c->offsets[j] = c->offsets[j - 1];
-      c->offsets[j - 1] = t;
-    }
-}
-
 static const int64_t k_sizes[] = {0, 1, 2, 3, 5, 7, 8, 9, 16, 17, 33, 64, 100};
 static const int64_t n_sizes[] = {1, 2, 3, 4, 7, 8, 63, 64, 65, 66, 128, 130, 200};
-static const unsigned view_layouts[] = {0, T_PAD, T_NEG_SLOTS, T_NEG_LEAD | T_PAD, T_NEG_SLOTS | T_NEG_LEAD};
 
 static void test_random_cases(uint64_t seed, int cases) {
   uint64_t rng = seed;
@@ -267,7 +191,7 @@ static void test_random_cases(uint64_t seed, int cases) {
   for (int i = 0; i < cases; i++) {
     xg_case c;
     memset(&c, 0, sizeof c);
-    c.dtype = xg_dtypes[i % 3];
+    c.dtype = gemm_dtypes[i % 3];
     c.w_layout = (i / 3) % W_LAYOUTS;
     c.gated = (i / 9) % 2;
     c.act = (imoe_act)(IMOE_ACT_SILU + (int)(rng_next(&rng) % 4));
@@ -281,11 +205,11 @@ static void test_random_cases(uint64_t seed, int cases) {
     c.e = rng_range(&rng, 1, 12);
     int64_t end = rng_next(&rng) % 2 ? c.r : rng_range(&rng, 0, c.r);
     if (c.with_src && c.t == 0) end = 0; /* no token to point at */
-    random_offsets(&rng, &c, end);
-    c.x_layout = view_layouts[rng_next(&rng) % 5];
-    c.out_layout = view_layouts[rng_next(&rng) % 5];
-    c.src_layout = view_layouts[rng_next(&rng) % 3];
-    c.offsets_layout = view_layouts[rng_next(&rng) % 3];
+    gemm_random_offsets(&rng, c.offsets, c.e, end);
+    c.x_layout = gemm_view_layouts[rng_next(&rng) % 5];
+    c.out_layout = gemm_view_layouts[rng_next(&rng) % 5];
+    c.src_layout = gemm_view_layouts[rng_next(&rng) % 3];
+    c.offsets_layout = gemm_view_layouts[rng_next(&rng) % 3];
     snprintf(label, sizeof label, "random case %d", i);
     run_case(&c, &rng, label);
   }
@@ -317,7 +241,7 @@ static void named(imoe_dtype dt, int w_layout, int with_src, int32_t gated, imoe
 
 static void test_named_shapes(void) {
   for (int d = 0; d < 3; d++) {
-    const imoe_dtype dt = xg_dtypes[d];
+    const imoe_dtype dt = gemm_dtypes[d];
     for (int wl = 0; wl < W_LAYOUTS; wl++) {
       for (int s = 0; s < 2; s++) {
         for (int32_t gated = 0; gated < 2; gated++) {
@@ -352,8 +276,8 @@ static void test_k_zero(void) {
       for (int32_t gated = 0; gated < 2; gated++) {
         for (int a = IMOE_ACT_SILU; a <= IMOE_ACT_RELU; a++) {
           if (!gated && a > IMOE_ACT_SILU) continue;
-          const imoe_dtype dt = xg_dtypes[d];
-          const int64_t size = elem_size(dt), t_n = 3, r_n = 5, n_n = 6, n_out = gated ? 3 : 6, e_n = 2;
+          const imoe_dtype dt = gemm_dtypes[d];
+          const int64_t size = gemm_elem_size(dt), t_n = 3, r_n = 5, n_n = 6, n_out = gated ? 3 : 6, e_n = 2;
           const int64_t lead[2] = {e_n, 0}, x_rows = s ? t_n : r_n;
           uint64_t rng = 5;
           tensor x = tensor_make(1, &x_rows, 0, size, dt, 0, &rng);
@@ -367,7 +291,7 @@ static void test_k_zero(void) {
           tensor_put_index(tensor_at(&offs, 0, 1), IMOE_DTYPE_I32, 4);
           x.view.data = NULL;
           w.view.data = NULL;
-          memset(out.alloc, SENTINEL, out.bytes);
+          memset(out.alloc, GEMM_SENTINEL, out.bytes);
           unsigned char *want = tensor_snapshot(&out);
           for (int64_t r = 0; r < 4; r++)
             for (int64_t n = 0; n < n_out; n++) memset(want + (tensor_at(&out, r, n) - out.alloc), 0, (size_t)size);
@@ -377,11 +301,11 @@ static void test_k_zero(void) {
           const imoe_status st =
               imoe_experts_gemm(&x.view, s ? &src.view : NULL, &w.view, &offs.view, gated, (imoe_act)a, &out.view,
                                 &exec, &err);
-          CHECK(st == IMOE_OK, "K = 0 %s src %d gated %d: status %d (%s)", dt_name(dt), s, (int)gated, (int)st,
-                err.message);
+          CHECK(st == IMOE_OK, "K = 0 %s src %d gated %d: status %d (%s)", gemm_dtype_name(dt), s, (int)gated,
+                (int)st, err.message);
           CHECK(tensor_same(&out, want),
                 "K = 0 %s src %d gated %d act %d: out is not +0.0 below offsets[E - 1] and untouched past it",
-                dt_name(dt), s, (int)gated, a);
+                gemm_dtype_name(dt), s, (int)gated, a);
           free(want);
           tensor_free(&x);
           tensor_free(&w);
@@ -487,10 +411,10 @@ static void world_init(xg_world *g) {
   g->t[G_OFFS] = tensor_make(0, NULL, GE, 4, IMOE_DTYPE_I32, 0, &seed);
   g->t[G_OUT] = tensor_make(1, &r_n, GN, 4, IMOE_DTYPE_F32, T_NEG_SLOTS, &seed);
   g->t[G_OUT_GATED] = tensor_make(1, &r_n, GN / 2, 4, IMOE_DTYPE_F32, T_PAD, &seed);
-  fill_values(&g->t[G_X], GT, GK, &seed);
-  fill_values(&g->t[G_W], GE * GK, GN, &seed);
-  memset(g->t[G_OUT].alloc, SENTINEL, g->t[G_OUT].bytes);
-  memset(g->t[G_OUT_GATED].alloc, SENTINEL, g->t[G_OUT_GATED].bytes);
+  gemm_fill_values(&g->t[G_X], GT, GK, &seed);
+  gemm_fill_values(&g->t[G_W], GE * GK, GN, &seed);
+  memset(g->t[G_OUT].alloc, GEMM_SENTINEL, g->t[G_OUT].bytes);
+  memset(g->t[G_OUT_GATED].alloc, GEMM_SENTINEL, g->t[G_OUT_GATED].bytes);
   for (int i = 0; i < G_COUNT; i++) g->snap[i] = tensor_snapshot(&g->t[i]);
   set_offsets(g, 2, 2, 5);
   set_src(g, -1, 0);

@@ -16,18 +16,9 @@
 
 #include "check.h"
 #include "floats.h"
+#include "gemm_support.h"
 #include "idempotent_moe.h"
 #include "tensor.h"
-
-#define SENTINEL 0xA5
-
-static const imoe_dtype gemm_dtypes[3] = {IMOE_DTYPE_F32, IMOE_DTYPE_F16, IMOE_DTYPE_BF16};
-
-static int64_t elem_size(imoe_dtype dt) { return dt == IMOE_DTYPE_F32 ? 4 : 2; }
-
-static const char *dt_name(imoe_dtype dt) {
-  return dt == IMOE_DTYPE_F32 ? "f32" : dt == IMOE_DTYPE_F16 ? "f16" : "bf16";
-}
 
 /* Unit roundoff of the dtype, and half its smallest subnormal (the absolute
  * error of a rounding into it near zero). */
@@ -37,57 +28,6 @@ static double unit_roundoff(imoe_dtype dt) {
 
 static double tiny_error(imoe_dtype dt) {
   return dt == IMOE_DTYPE_F16 ? ldexp(1.0, -25) : ldexp(1.0, -150);
-}
-
-/* ---- weights [E, K, N] in three layouts ---------------------------------- */
-
-enum {
-  W_N_CONTIG, /* row-major [E, K, N] */
-  W_K_CONTIG, /* stored [E, N, K] with a gap after each expert, seen as [E, K, N] */
-  W_STRIDED,  /* padded, negative N and E strides, E innermost of the lead axes */
-  W_LAYOUTS
-};
-
-static const char *w_layout_name[W_LAYOUTS] = {"N-contiguous", "K-contiguous", "strided"};
-
-static tensor weights_make(int64_t e_n, int64_t k_n, int64_t n_n, imoe_dtype dt, int layout,
-                           uint64_t *seed) {
-  const int64_t lead[2] = {e_n, k_n}, size = elem_size(dt);
-  if (layout == W_N_CONTIG) return tensor_make(2, lead, n_n, size, dt, 0, seed);
-  if (layout == W_STRIDED)
-    return tensor_make(2, lead, n_n, size, dt, T_PAD | T_NEG_SLOTS | T_NEG_LEAD | T_LEAD_REVERSED, seed);
-  tensor t;
-  memset(&t, 0, sizeof t);
-  imoe_view *v = &t.view;
-  const int64_t kk = k_n > 0 ? k_n : 1, nn = n_n > 0 ? n_n : 1, ee = e_n > 0 ? e_n : 1;
-  v->lead_ndim = 2;
-  v->lead_shape[0] = e_n;
-  v->lead_shape[1] = k_n;
-  v->lead_stride[1] = size;
-  v->n_stride = kk * size;
-  v->lead_stride[0] = nn * kk * size + 16;
-  v->n = n_n;
-  v->row_bytes = size;
-  v->dtype = dt;
-  t.bytes = (size_t)(ee * v->lead_stride[0] + 64);
-  t.alloc = malloc(t.bytes);
-  for (size_t i = 0; i < t.bytes; i++) t.alloc[i] = (unsigned char)rng_next(seed);
-  v->data = t.alloc + 32;
-  return t;
-}
-
-/* Uniform in [-2, 2], rounded to dtype by the store. */
-static void fill_values(tensor *t, int64_t rows, int64_t n, uint64_t *rng) {
-  for (int64_t r = 0; r < rows; r++) {
-    for (int64_t s = 0; s < n; s++) {
-      const double u = (double)(rng_next(rng) >> 11) * ldexp(1.0, -53);
-      imoe_store_float((char *)tensor_at(t, r, s), t->view.dtype, (float)(4.0 * u - 2.0));
-    }
-  }
-}
-
-static float load_at(const tensor *t, int64_t row, int64_t slot) {
-  return imoe_load_float((const char *)tensor_at(t, row, slot), t->view.dtype);
 }
 
 /* The documented order, written from the header: element k to partial sum
@@ -116,15 +56,15 @@ typedef struct gemm_case {
 
 static void run_case(const gemm_case *c, uint64_t *rng, const char *label) {
   const imoe_dtype dt = c->dtype;
-  const int64_t size = elem_size(dt), v = 16 / size;
+  const int64_t size = gemm_elem_size(dt), v = 16 / size;
   tensor a = tensor_make(1, &c->r, c->k, size, dt, c->a_layout, rng);
-  tensor w = weights_make(c->e, c->k, c->n, dt, c->w_layout, rng);
+  tensor w = gemm_weights_make(c->e, c->k, c->n, dt, c->w_layout, rng);
   tensor offs = tensor_make(0, NULL, c->e, 4, IMOE_DTYPE_I32, c->offsets_layout, rng);
   tensor out = tensor_make(1, &c->r, c->n, size, dt, c->out_layout, rng);
-  fill_values(&a, c->r, c->k, rng);
-  fill_values(&w, c->e * c->k, c->n, rng);
+  gemm_fill_values(&a, c->r, c->k, rng);
+  gemm_fill_values(&w, c->e * c->k, c->n, rng);
   for (int64_t e = 0; e < c->e; e++) tensor_put_index(tensor_at(&offs, 0, e), IMOE_DTYPE_I32, c->offsets[e]);
-  memset(out.alloc, SENTINEL, out.bytes);
+  memset(out.alloc, GEMM_SENTINEL, out.bytes);
   unsigned char *snap_a = tensor_snapshot(&a), *snap_w = tensor_snapshot(&w);
   unsigned char *snap_offs = tensor_snapshot(&offs), *sentinel = tensor_snapshot(&out);
 
@@ -138,11 +78,11 @@ static void run_case(const gemm_case *c, uint64_t *rng, const char *label) {
   int64_t bound_fail = 0;
   for (int64_t r = 0, e = 0; r < end; r++) {
     while (c->offsets[e] <= r) e++;
-    for (int64_t k = 0; k < c->k; k++) arow[k] = load_at(&a, r, k);
+    for (int64_t k = 0; k < c->k; k++) arow[k] = gemm_load_at(&a, r, k);
     for (int64_t n = 0; n < c->n; n++) {
       double ref = 0.0, mag = 0.0;
       for (int64_t k = 0; k < c->k; k++) {
-        wcol[k] = load_at(&w, e * c->k + k, n);
+        wcol[k] = gemm_load_at(&w, e * c->k + k, n);
         ref += (double)arow[k] * (double)wcol[k]; /* each product exact in double */
         mag += fabs((double)arow[k] * (double)wcol[k]);
       }
@@ -158,7 +98,7 @@ static void run_case(const gemm_case *c, uint64_t *rng, const char *label) {
     }
   }
   CHECK(bound_fail == 0, "%s: %lld elements outside the K-epsilon bound (worst %.3g of it), %s K %lld",
-        label, (long long)bound_fail, worst, dt_name(dt), (long long)c->k);
+        label, (long long)bound_fail, worst, gemm_dtype_name(dt), (long long)c->k);
 
   /* threads 1, then 4, then exec NULL: each from the sentinel, each the expected bytes. */
   const imoe_exec execs[2] = {{IMOE_DEVICE_CPU, 0, 1, NULL}, {IMOE_DEVICE_CPU, 0, 4, NULL}};
@@ -174,8 +114,8 @@ static void run_case(const gemm_case *c, uint64_t *rng, const char *label) {
       if (out.alloc[i] != want[i]) first = (int64_t)i;
     CHECK(first < 0, "%s (%s, R %lld K %lld N %lld E %lld end %lld, w %s, run %d): out differs from the "
           "documented order at byte %lld",
-          label, dt_name(dt), (long long)c->r, (long long)c->k, (long long)c->n, (long long)c->e,
-          (long long)end, w_layout_name[c->w_layout], x, (long long)first);
+          label, gemm_dtype_name(dt), (long long)c->r, (long long)c->k, (long long)c->n, (long long)c->e,
+          (long long)end, gemm_w_layout_name[c->w_layout], x, (long long)first);
     CHECK(tensor_same(&a, snap_a) && tensor_same(&w, snap_w) && tensor_same(&offs, snap_offs),
           "%s: an input changed", label);
   }
@@ -192,26 +132,9 @@ static void run_case(const gemm_case *c, uint64_t *rng, const char *label) {
   tensor_free(&out);
 }
 
-/* Offsets of E experts over [0, end]: random cuts, sometimes all rows in
- * one expert. */
-static void random_offsets(uint64_t *rng, gemm_case *c, int64_t end) {
-  const int kind = (int)(rng_next(rng) % 4);
-  const int64_t one = rng_range(rng, 0, c->e - 1);
-  for (int64_t e = 0; e < c->e - 1; e++)
-    c->offsets[e] = (int32_t)(kind == 0 ? (e < one ? 0 : end) : rng_range(rng, 0, end));
-  c->offsets[c->e - 1] = (int32_t)end;
-  for (int64_t i = 1; i < c->e; i++) /* insertion sort */
-    for (int64_t j = i; j > 0 && c->offsets[j - 1] > c->offsets[j]; j--) {
-      const int32_t t = c->offsets[j];
-      c->offsets[j] = c->offsets[j - 1];
-      c->offsets[j - 1] = t;
-    }
-}
-
 static const int64_t k_sizes[] = {1, 2, 3, 4, 5, 7, 8, 9, 13, 16, 17, 31, 33, 64, 127,
                                   128, 129, 255, 256, 257, 260, 511, 1031};
 static const int64_t n_sizes[] = {1, 2, 3, 7, 63, 64, 65, 130};
-static const unsigned view_layouts[] = {0, T_PAD, T_NEG_SLOTS, T_NEG_LEAD | T_PAD, T_NEG_SLOTS | T_NEG_LEAD};
 
 static void test_random_cases(uint64_t seed, int cases) {
   uint64_t rng = seed;
@@ -226,10 +149,10 @@ static void test_random_cases(uint64_t seed, int cases) {
     c.r = rng_range(&rng, 0, c.k * c.n > 20000 ? 12 : 40);
     c.e = rng_range(&rng, 1, 9);
     const int64_t end = rng_next(&rng) % 2 ? c.r : rng_range(&rng, 0, c.r);
-    random_offsets(&rng, &c, end);
-    c.a_layout = view_layouts[rng_next(&rng) % 5];
-    c.out_layout = view_layouts[rng_next(&rng) % 5];
-    c.offsets_layout = view_layouts[rng_next(&rng) % 3];
+    gemm_random_offsets(&rng, c.offsets, c.e, end);
+    c.a_layout = gemm_view_layouts[rng_next(&rng) % 5];
+    c.out_layout = gemm_view_layouts[rng_next(&rng) % 5];
+    c.offsets_layout = gemm_view_layouts[rng_next(&rng) % 3];
     snprintf(label, sizeof label, "random case %d", i);
     run_case(&c, &rng, label);
   }
@@ -303,7 +226,7 @@ static void test_order_matters(void) {
 static void test_k_zero(void) {
   for (int t = 0; t < 3; t++) {
     const imoe_dtype dt = gemm_dtypes[t];
-    const int64_t size = elem_size(dt), r_n = 5, n_n = 3, e_n = 2, lead[2] = {e_n, 0};
+    const int64_t size = gemm_elem_size(dt), r_n = 5, n_n = 3, e_n = 2, lead[2] = {e_n, 0};
     uint64_t rng = 5;
     tensor a = tensor_make(1, &r_n, 0, size, dt, 0, &rng);
     tensor w = tensor_make(2, lead, n_n, size, dt, 0, &rng);
@@ -313,7 +236,7 @@ static void test_k_zero(void) {
     tensor_put_index(tensor_at(&offs, 0, 1), IMOE_DTYPE_I32, 4);
     a.view.data = NULL;
     w.view.data = NULL;
-    memset(out.alloc, SENTINEL, out.bytes);
+    memset(out.alloc, GEMM_SENTINEL, out.bytes);
     unsigned char *want = tensor_snapshot(&out);
     for (int64_t r = 0; r < 4; r++)
       for (int64_t n = 0; n < n_n; n++)
@@ -322,9 +245,9 @@ static void test_k_zero(void) {
     memset(&err, 0, sizeof err);
     const imoe_exec exec = {IMOE_DEVICE_CPU, 0, 2, NULL};
     const imoe_status st = imoe_grouped_gemm(&a.view, &w.view, &offs.view, &out.view, &exec, &err);
-    CHECK(st == IMOE_OK, "K = 0 %s: status %d (%s)", dt_name(dt), (int)st, err.message);
+    CHECK(st == IMOE_OK, "K = 0 %s: status %d (%s)", gemm_dtype_name(dt), (int)st, err.message);
     CHECK(tensor_same(&out, want), "K = 0 %s: out is not +0.0 below offsets[E - 1] and untouched past it",
-          dt_name(dt));
+          gemm_dtype_name(dt));
     free(want);
     tensor_free(&a);
     tensor_free(&w);
@@ -354,11 +277,11 @@ static void gemm_world_init(gemm_world *g) {
   g->t[G_W] = tensor_make(2, w_lead, GN, 4, IMOE_DTYPE_F32, 0, &seed);
   g->t[G_OFFS] = tensor_make(0, NULL, GE, 4, IMOE_DTYPE_I32, 0, &seed);
   g->t[G_OUT] = tensor_make(1, &r_n, GN, 4, IMOE_DTYPE_F32, T_NEG_SLOTS, &seed);
-  fill_values(&g->t[G_A], GR, GK, &seed);
-  fill_values(&g->t[G_W], GE * GK, GN, &seed);
+  gemm_fill_values(&g->t[G_A], GR, GK, &seed);
+  gemm_fill_values(&g->t[G_W], GE * GK, GN, &seed);
   const int32_t offsets[GE] = {2, 2, 5};
   for (int e = 0; e < GE; e++) tensor_put_index(tensor_at(&g->t[G_OFFS], 0, e), IMOE_DTYPE_I32, offsets[e]);
-  memset(g->t[G_OUT].alloc, SENTINEL, g->t[G_OUT].bytes);
+  memset(g->t[G_OUT].alloc, GEMM_SENTINEL, g->t[G_OUT].bytes);
   for (int i = 0; i < G_COUNT; i++) g->snap[i] = tensor_snapshot(&g->t[i]);
 }
 
