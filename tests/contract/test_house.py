@@ -105,3 +105,37 @@ def test_the_direct_paths_and_the_ops_import_nothing_above_them():
     assert _imported_modules("_routes") == {"_tracing", "_torch_ops"}
     for name in ("_moe_core", "_moe_autograd", "_moe_torch_ops"):
         assert not _imported_modules(name) & (ABOVE_THE_DIRECT_PATHS | {"moe", "integrations"}), name
+
+
+# The public modules whose every exported name docs/architecture.md must
+# place in a file (its "Python half" table): one hop from the doc to the code.
+PUBLIC_MODULES = ("idempotent_moe", "idempotent_moe.moe", "idempotent_moe.distributed",
+                  "idempotent_moe.kv_policies", "idempotent_moe.integrations")
+
+
+def unplaced_names(doc: str, modules=PUBLIC_MODULES) -> list:
+    """(module, name) of each `__all__` name that no backquoted span of
+    `doc` names."""
+    import importlib
+    import re
+
+    spans = " ".join(re.findall(r"`([^`]+)`", doc))
+    missing = []
+    for dotted in modules:
+        module = importlib.import_module(dotted)
+        for name in module.__all__:
+            if not re.search(r"(?<![\w.])" + re.escape(name) + r"(?!\w)", spans):
+                missing.append((dotted, name))
+    return missing
+
+
+def test_architecture_md_places_every_public_name():
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    with open(os.path.join(root, "docs", "architecture.md")) as f:
+        doc = f.read()
+    assert unplaced_names(doc) == []
+
+
+def test_the_placement_rule_catches_a_missing_name():
+    assert unplaced_names("`fuse_routers_extra`, `unfuse_routers`", ("idempotent_moe.integrations",)) \
+        .count(("idempotent_moe.integrations", "fuse_routers")) == 1
