@@ -435,7 +435,7 @@ def main(argv: list | None = None) -> int:
     elif args.command == "model":
         _run_model(args)
     elif args.command == "readme":
-        from .report import readme_from_json
+        from .model_report import readme_from_json
 
         for path in args.json:
             readme_from_json(args.readme, path)

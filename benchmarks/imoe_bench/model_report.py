@@ -353,3 +353,15 @@ def plot(data: dict, path: str) -> str:
     fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
     return path
+
+
+def readme_from_json(readme: str, json_path: str) -> None:
+    """The table of `json_path` in `readme`: the main job's table, or for the
+    model benchmark's JSON (M1, M2) the headline, with W1-W3 from the main
+    job's JSON beside it."""
+    with open(json_path) as f:
+        data = json.load(f)
+    if "m1" in data:
+        headline_from_json(readme, json_path)
+    else:
+        report.update_readme(readme, data)

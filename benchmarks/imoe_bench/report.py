@@ -188,17 +188,3 @@ def _plot(data: dict, path: str) -> str:
 def update_readme(readme: str, data: dict) -> None:
     """Replace the table between <!-- bench:DEVICE --> and <!-- /bench:DEVICE -->."""
     replace_section(readme, f"bench:{data['machine']['device']}", lambda: table(data))
-
-
-def readme_from_json(readme: str, json_path: str) -> None:
-    """The table of `json_path` in `readme`: the main job's table, or for the
-    model benchmark's JSON (M1, M2) the headline, with W1-W3 from the main
-    job's JSON beside it (bench/model_report.py)."""
-    with open(json_path) as f:
-        data = json.load(f)
-    if "m1" in data:
-        from .model_report import headline_from_json
-
-        headline_from_json(readme, json_path)
-    else:
-        update_readme(readme, data)

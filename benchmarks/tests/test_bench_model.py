@@ -16,7 +16,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 pytest.importorskip("matplotlib")
 
-from imoe_bench import model_agreement, model_m1, model_report, model_timing, report  # noqa: E402
+from imoe_bench import model_agreement, model_m1, model_report, model_timing  # noqa: E402
 from imoe_bench.cli import main  # noqa: E402
 from imoe_bench.hostcost import TINY_SHAPE  # noqa: E402
 from imoe_bench.model_families import IMPLS, MOE_FAMILIES  # noqa: E402
@@ -325,7 +325,7 @@ def test_headline_from_a_synthetic_json(tmp_path):
     assert "old" not in text and text.endswith("tail\n")
     copy_ = tmp_path / "README2.md"
     copy_.write_text("# t\n<!-- headline:cuda -->\n<!-- /headline:cuda -->\ntail\n")
-    report.readme_from_json(str(copy_), str(results / "model-cuda.json"))
+    model_report.readme_from_json(str(copy_), str(results / "model-cuda.json"))
     assert copy_.read_text() == text
 
     section = text.split("<!-- headline:cuda -->")[1].split("<!-- /headline:cuda -->")[0]
@@ -362,7 +362,7 @@ def test_headline_needs_the_main_json(tmp_path):
     readme = tmp_path / "README.md"
     readme.write_text("<!-- headline:cuda -->\n<!-- /headline:cuda -->\n")
     with pytest.raises(SystemExit, match="main-cuda.json"):
-        report.readme_from_json(str(readme), str(path))
+        model_report.readme_from_json(str(readme), str(path))
     assert readme.read_text() == "<!-- headline:cuda -->\n<!-- /headline:cuda -->\n"
 
 

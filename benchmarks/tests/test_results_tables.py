@@ -41,8 +41,8 @@ def _q1_docs(path: str, json_path: str) -> None:
 
 # (document, result JSON, the renderer that rewrites the document's section)
 TABLES = [
-    ("docs/results.md", "main-cpu.json", report.readme_from_json),
-    ("docs/results.md", "main-cuda.json", report.readme_from_json),
+    ("docs/results.md", "main-cpu.json", model_report.readme_from_json),
+    ("docs/results.md", "main-cuda.json", model_report.readme_from_json),
     ("docs/results.md", "permute-cpu.json", permute.doc_from_json),
     ("docs/results.md", "permute-cuda.json", permute.doc_from_json),
     ("docs/kv.md", "kv-cpu.json", kv.doc_from_json),
@@ -56,7 +56,7 @@ TABLES = [
 # then the README has no headline section, which test_every_table_has_its_json
 # holds it to.
 if os.path.exists(os.path.join(RESULTS, "model-cuda.json")):
-    TABLES.append(("README.md", "model-cuda.json", report.readme_from_json))
+    TABLES.append(("README.md", "model-cuda.json", model_report.readme_from_json))
     TABLES.append(("docs/results.md", "model-cuda.json", model_report.doc_from_json))
 
 

@@ -68,3 +68,17 @@ PyObject *imoe_py_reraise_as(PyObject *type, const char *name, const char *what)
 #endif
   return NULL;
 }
+
+/* A C API status as the binding's result: None, or the exception set
+ * (IMOE_ERR_UNSUPPORTED: NotImplementedError). */
+PyObject *imoe_py_done(imoe_status status, const imoe_error *err) {
+  if (status == IMOE_ERR_UNSUPPORTED) {
+    /* What this build or device does not do (e.g. grouping more than 1024
+     * experts on CUDA). */
+    PyErr_SetString(PyExc_NotImplementedError,
+                    err->message[0] ? err->message : imoe_status_string(status));
+    return NULL;
+  }
+  if (status != IMOE_OK) return imoe_py_raise_status(status, err);
+  Py_RETURN_NONE;
+}

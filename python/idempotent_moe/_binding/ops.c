@@ -11,17 +11,6 @@
 #include <string.h>
 
 
-PyObject *imoe_py_done(imoe_status status, const imoe_error *err) {
-  if (status == IMOE_ERR_UNSUPPORTED) {
-    /* What this build or device does not do (e.g. grouping more than 1024
-     * experts on CUDA). */
-    PyErr_SetString(PyExc_NotImplementedError,
-                    err->message[0] ? err->message : imoe_status_string(status));
-    return NULL;
-  }
-  if (status != IMOE_OK) return imoe_py_raise_status(status, err);
-  Py_RETURN_NONE;
-}
 
 /* An optional typed array: None leaves *view unused and returns 0 with
  * *present = 0. */

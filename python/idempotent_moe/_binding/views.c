@@ -8,6 +8,27 @@
 #include <stdio.h>
 #include <string.h>
 
+/* An import's dtype as messages name it (DLPack's code and bits). */
+void imoe_py_dtype_name(const imoe_import *im, char *out, size_t size) {
+  static const char *const names[] = {"int",           "uint",
+                                      "float",         "opaque",
+                                      "bfloat",        "complex",
+                                      "bool",          "float8_e3m4",
+                                      "float8_e4m3",   "float8_e4m3b11fnuz",
+                                      "float8_e4m3fn", "float8_e4m3fnuz",
+                                      "float8_e5m2",   "float8_e5m2fnuz",
+                                      "float8_e8m0fnu"};
+  const int code = im->dtype_code;
+  const long long bits = (long long)im->dtype_bits;
+  const char *swapped = im->dtype_swapped ? " (byte-swapped)" : "";
+  if (code >= kDLFloat8_e3m4 && code <= kDLFloat8_e8m0fnu)
+    snprintf(out, size, "%s%s", names[code], swapped);
+  else if (code >= 0 && code < (int)(sizeof names / sizeof names[0]))
+    snprintf(out, size, "%s%lld%s", names[code], bits, swapped);
+  else
+    snprintf(out, size, "DLPack code %d (%lld bits)%s", code, bits, swapped);
+}
+
 static int is_empty(const imoe_import *im) {
   for (int i = 0; i < im->ndim; ++i)
     if (im->shape[i] == 0) return 1;
