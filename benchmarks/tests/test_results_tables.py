@@ -28,15 +28,20 @@ def _ep_docs(path: str, json_path: str) -> None:
         ep.replace_docs(path, json.load(f))
 
 
-def _q1_docs(path: str, json_path: str) -> None:
-    """benchmarks/q1_kv_quality.py's tables of docs/kv.md."""
+def _q1_docs(path: str, json_path: str, key: str = "q1:tables") -> None:
+    """benchmarks/q1_kv_quality.py's tables of docs/kv.md (section `key`)."""
     spec = importlib.util.spec_from_file_location(
         "q1_kv_quality", os.path.join(ROOT, "benchmarks", "q1_kv_quality.py"))
     q1 = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(q1)
     with open(json_path) as f:
         text = q1.markdown_tables(json.load(f))
-    report.replace_section(path, "q1:tables", lambda: text.rstrip("\n"))
+    report.replace_section(path, key, lambda: text.rstrip("\n"))
+
+
+def _q1_passkey512_docs(path: str, json_path: str) -> None:
+    """The 40 more passkey trials at budget 512 (docs/kv.md)."""
+    _q1_docs(path, json_path, "q1:passkey512")
 
 
 # (document, result JSON, the renderer that rewrites the document's section)
@@ -50,6 +55,7 @@ TABLES = [
     ("docs/results.md", "w4-cuda.json", w4.doc_from_json),
     ("docs/distributed.md", "ep-cuda.json", _ep_docs),
     ("docs/kv.md", "q1-kv-quality-cpu.json", _q1_docs),
+    ("docs/kv.md", "q1-passkey-512-cpu.json", _q1_passkey512_docs),
 ]
 # The README headline (M1, M2 and W1-W3 beside them; imoe_bench/model_report.py) is
 # rendered from the model benchmark's GPU JSON once one is committed; until
