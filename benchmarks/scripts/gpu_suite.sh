@@ -97,7 +97,7 @@ if [ "$sanitizer" = 1 ]; then
   for tool in memcheck racecheck; do
     step "compute-sanitizer --tool $tool over the GPU tests"
     PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout "${SANITIZER_SECONDS:-300}" compute-sanitizer --tool "$tool" \
-      --error-exitcode 99 python -m pytest -q -p no:cacheprovider -m gpu ${SANITIZER_FILES:-tests/core/test_compact_gpu.py} \
+      --error-exitcode 99 python -m pytest -q -p no:cacheprovider -m gpu ${SANITIZER_FILES:-tests/core/test_compact_gpu.py tests/moe/test_experts_gemm.py tests/moe/test_moe_train.py} \
       -k "${SANITIZER_TESTS:-not allocates_nothing and not graph}" 2>&1 | tail -8 | tee -a "$log"
     [ "${PIPESTATUS[0]}" = 0 ] || status=1
   done
