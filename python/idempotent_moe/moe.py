@@ -199,7 +199,7 @@ def experts_gemm(x: Any, w: Any, offsets: Any, *, src: Any = None, act: str | No
     TypeError): training runs the fused experts layer, which has a backward."""
     if _arrays.is_torch(x) and (x.requires_grad or getattr(w, "requires_grad", False)):
         raise TypeError("experts_gemm is not differentiable: x and w must not require grad")
-    ops = _ops(x, w) if out is None and _arrays.is_torch(x) and _tracing.compiling() else None
+    ops = _ops(x, w) if out is None else None  # refused above when recorded: traced only
     if ops is not None:
         return _op(ops.experts_gemm, x, w, offsets, src, act)
     return _moe_core.experts_gemm(x, w, offsets, src=src, act=act, out=out, num_threads=num_threads)

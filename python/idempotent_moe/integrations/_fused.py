@@ -131,24 +131,14 @@ def _small_m_on(experts, plan: _Plan, rows: int) -> bool:
 
 # The config attribute that picks the experts' GEMM: True, the library's
 # experts_gemm wherever its kernel takes the weights (eager, CUDA, fp16/bf16,
-# the fused gate); False, never; absent or None, where it is measured faster
-# (`_xg_auto`).
+# the fused gate); anything else (the default), grouped_mm.
 EXPERTS_GEMM_ATTR = "idempotent_experts_gemm"  # hf_experts.EXPERTS_GEMM_ATTR
 
 
-def _xg_auto(rows: int, num_experts: int) -> bool:
-    """Where experts_gemm beats grouped_mm on a gathered copy by default (P1
-    on the H200: docs/moe.md). Not yet measured: off."""
-    return False
-
-
-def _xg_on(experts, plan: _Plan, rows: int) -> bool:
+def _xg_on(experts, plan: _Plan) -> bool:
     """Whether this forward's GEMMs are experts_gemm: the plan allows it and
-    the module's config asks for it, or leaves it to `_xg_auto`."""
-    if not plan.xg:
-        return False
-    choice = getattr(experts.config, EXPERTS_GEMM_ATTR, None)
-    return _xg_auto(rows, experts.num_experts) if choice is None else choice is True
+    the module's config asks for it (read every forward: it may be switched)."""
+    return plan.xg and getattr(experts.config, EXPERTS_GEMM_ATTR, False) is True
 
 
 def _grouped(lib, a: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, stream: int, small_m: bool):
@@ -269,7 +259,7 @@ def _lean_forward(experts, plan: _Plan, hidden: torch.Tensor, top_k_index: torch
         return None
     lib, d = native(), sc.d
     dropped = d.dropped if capacity is None else torch.empty(1, dtype=torch.int64, device=hidden.device)
-    xg = _xg_on(experts, plan, num_tokens * top_k)
+    xg = _xg_on(experts, plan)
     # experts_gemm reads the tokens through src: the dispatch sorts and
     # gathers one column only (the rows it would copy are never read).
     lib.moe_dispatch(hidden=hidden[:, :1] if xg else hidden, top_k_index=top_k_index,
@@ -341,7 +331,7 @@ def forward(experts, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
         if result is not None:
             return result
     if (hidden_states.device.type == "cuda" and hidden_states.dtype is plan.up.dtype
-            and hidden_states.dim() == 2 and _xg_on(experts, plan, top_k_index.numel())):
+            and hidden_states.dim() == 2 and _xg_on(experts, plan)):
         return _xg_forward(experts, plan, hidden_states, top_k_index, top_k_weights, capacity)
     num_experts = experts.num_experts
     grouped = capacity is None or plan.grouped_mm

@@ -199,7 +199,7 @@ def use_idempotent_experts(model, capacity_factor: float | None = None, *, fuse_
                   tokens where they lie, the gated activation in its
                   epilogue) always / never where its kernel takes the
                   weights (CUDA, float16/bfloat16, eager); None leaves it
-                  as it is (unset: where it is measured faster)."""
+                  as it is (unset: off)."""
     for name, value in (("small_m_gemm", small_m_gemm), ("experts_gemm", experts_gemm)):
         if value is not None and type(value) is not bool:
             raise TypeError(f"{name} must be True, False or None, not {value!r}")
