@@ -432,6 +432,15 @@ def parse_args(argv):
     return args
 
 
+def row_line(row: dict) -> str:
+    """Each implementation's device time (ms) and, where checked, its relative error."""
+    parts = []
+    for name, e in row["impls"].items():
+        err = f" ({e['rel_err']:.1e})" if "rel_err" in e else ""
+        parts.append(f"{name} {e['device_ms']:.4f}{err}")
+    return "  ".join(parts)
+
+
 def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     shapes = QUICK_SHAPES if args.quick else SHAPES
@@ -480,8 +489,7 @@ def main(argv=None) -> int:
         for t in tokens:
             row = one_row(shape_name, shape, t, base, modules, peer, timer, rates, args, device, dtype)
             result["rows"].append(row)
-            line = "  ".join(f"{n} {e['device_ms']:.4f}" for n, e in row["impls"].items())
-            print(f"{shape_name:15s} T={t:5d} floor {row['floor_ms']:.4f} ms  {line}", flush=True)
+            print(f"{shape_name:15s} T={t:5d} floor {row['floor_ms']:.4f} ms  {row_line(row)}", flush=True)
         del base, modules
         if device == "cuda":
             torch.cuda.empty_cache()

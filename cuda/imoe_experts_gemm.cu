@@ -39,6 +39,7 @@ using namespace imoe_cu;
 
 constexpr int kBK = 64;     // K per stage: rows of 128 bytes, 8 chunks of 16 bytes
 constexpr int kGroupM = 8;  // m-slots per group of the block order
+constexpr size_t kStaticSmem = 128;  // at least k_xg's static shared memory (its block scan's), bytes
 
 struct XgParams {
   const char *x;
@@ -334,19 +335,22 @@ struct XgShape {
 };
 constexpr XgShape kXgShapes[kXgConfigs] = {{16, 128, 128, 6}, {16, 64, 128, 8}, {64, 128, 256, 4}, {128, 128, 256, 3}};
 
+size_t xg_smem(int cfg) { return (size_t)(kXgShapes[cfg].bm + kXgShapes[cfg].bn) * kBK * 2 * kXgShapes[cfg].stages; }
+
 // The configuration for R rows over E experts, N out columns (gated: N
-// features, 2N columns of w), on a device of `sms` multiprocessors.
-int xg_plan(int64_t R, int64_t E, int64_t N, bool gated, int sms) {
+// features, 2N columns of w), on a device of `sms` multiprocessors whose
+// blocks may opt in to `smem_optin` bytes of shared memory (BM 16 x BN 128's
+// 108 KiB exceeds the 99 KiB of sm_86 and sm_89: BN 64 there).
+int xg_plan(int64_t R, int64_t E, int64_t N, bool gated, int sms, int smem_optin) {
   const int64_t active = E < R ? E : R;
   const int64_t per_expert = active > 0 ? (R + active - 1) / active : 0;
   if (per_expert > 64) return kXg128x128;
   if (per_expert > 16) return kXg64x128;
   const int64_t cols = gated ? 2 * N : N;
   const int64_t blocks128 = active * ((cols + 127) / 128);
-  return blocks128 < 2 * (int64_t)sms ? kXg16x64 : kXg16x128;
+  const bool fits128 = xg_smem(kXg16x128) + kStaticSmem <= (size_t)smem_optin;
+  return blocks128 < 2 * (int64_t)sms || !fits128 ? kXg16x64 : kXg16x128;
 }
-
-size_t xg_smem(int cfg) { return (size_t)(kXgShapes[cfg].bm + kXgShapes[cfg].bn) * kBK * 2 * kXgShapes[cfg].stages; }
 
 namespace {
 
@@ -411,7 +415,10 @@ extern "C" imoe_status imoe_cuda_experts_gemm(const imoe_view *x, const imoe_vie
   DevInfo *di = nullptr;
   imoe_status s = enter(exec, fn, err, &guard, &di);
   if (s != IMOE_OK) return s;
-  const int cfg = xg_plan(R, E, N, gated != 0, di->sms);
+  const int cfg = xg_plan(R, E, N, gated != 0, di->sms, di->smem_optin);
+  if (xg_smem(cfg) + kStaticSmem > (size_t)di->smem_optin)
+    return fail(err, IMOE_ERR_UNSUPPORTED, "%s: this device's blocks take %d bytes of shared memory, the kernel %zu", fn,
+                di->smem_optin, xg_smem(cfg) + kStaticSmem);
   const XgShape &xs = kXgShapes[cfg];
   const int64_t cols = gated ? xs.bn / 2 : xs.bn;
   const int64_t tiles_n = (N + cols - 1) / cols, active = E < R ? E : R;
