@@ -935,18 +935,30 @@ def update_merged(base: dict, paths: list) -> dict:
                         [k for k in measured if row[k]]
                 else:
                     old.update({k: row[k] for k in measured})
+            table = merged[f"{key}_table"]
             for k in measured:
-                merged[f"{key}_table"][k] = {"passed": sum(bool(r[k]) for r in new), "trials": len(new)}
+                table[k] = {"passed": sum(bool(r[k]) for r in new), "trials": len(new)}
+            order = ["full", *PASSKEY_POLICIES]  # rows in the script's order
+            merged[f"{key}_table"] = dict(sorted(table.items(), key=lambda kv: _rank(order, kv[0])))
             pk["policies"] += [p for p in dict.fromkeys(k.rsplit("@", 1)[0] for k in measured)
                                if p not in pk["policies"]]
         if "check" in run:
             merged["check"] = {k: v for k, v in run["check"].items() if k != "nll"}
-    for setting in ("prefill", "decode"):
+    prefill_order = [label for label, _ in PREFILL_POLICIES]
+    for setting, order in (("prefill", prefill_order), ("decode", DECODE_POLICIES)):
         if raw[setting]:
             table = merged[f"{setting}_ppl_ratio"]
             for label, per in ppl_ratios(raw[setting]).items():
                 table.setdefault(label, {}).update({str(b): v for b, v in per.items()})
+            merged[f"{setting}_ppl_ratio"] = dict(sorted(table.items(), key=lambda kv: _rank(order, kv[0])))
     return merged
+
+
+def _rank(order: list, key: str) -> int:
+    """Where a row (a label, or label@budget) sorts: its label's place in
+    `order`, rows of other labels after them in their own order."""
+    label = key.rsplit("@", 1)[0]
+    return order.index(label) if label in order else len(order)
 
 
 def dumps(result: dict) -> str:
