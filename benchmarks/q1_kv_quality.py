@@ -71,11 +71,11 @@ PREFILL_POLICIES = (
     ("observed_attention", "observed_attention"), ("h2o_sum", "h2o_sum"), ("snapkv", "snapkv"),
     ("expected_attention", "expected_attention"),
     ("observed_attention_nosinks", "observed_attention_nosinks"), ("vatp", "vatp"),
-    ("vatp_recent4", "vatp_recent4"), ("auto", "auto"),
+    ("vatp_recent4", "vatp_recent4"), ("vatp_recent8", "vatp_recent8"), ("auto", "auto"),
 )
 DECODE_POLICIES = ("streaming_llm", "auto", "observed_attention", "tova")
-PASSKEY_POLICIES = ("auto", "streaming_llm", "snapkv", "tova", "observed_attention", "expected_attention",
-                    "keydiff")
+PASSKEY_POLICIES = ("auto", "vatp_recent8", "streaming_llm", "snapkv", "tova", "observed_attention",
+                    "expected_attention", "keydiff")
 PASSKEY_DECODE_POLICIES = ("auto", "streaming_llm")
 KVPRESS_PRESSES = ("ObservedAttentionPress", "TOVAPress", "SnapKVPress", "ExpectedAttentionPress",
                    "StreamingLLMPress", "KnormPress", "KeyDiffPress")
@@ -158,8 +158,10 @@ def library_policy(name: str, budget: int | None = None):
     """A policy of the tables by its label. Besides kv_policies' names:
     "h2o_sum" (ObservedAttention's plain sum), "auto" (the cache's default),
     "vatp" (ObservedAttention weighted by the values' L1 norm, what "auto"
-    scores with), "vatp_recentK" (that, with the newest budget // K kept) and
-    "observed_attention_nosinks" (no sink kept: see `sinks_of`)."""
+    scores with), "vatp_recentK" (that, with the newest budget // K kept:
+    "vatp_recent8" is "auto" compressing a prompt without its question),
+    "observed_attention_nosinks" (no sink kept: see `sinks_of`) and the
+    question-aware candidates "qa..." (`question_aware`)."""
     import math
 
     from idempotent_moe.kv_policies import ObservedAttention, as_policy, get_policy
@@ -176,7 +178,46 @@ def library_policy(name: str, budget: int | None = None):
                                                  vatp.score(obs)), needs=("attention",), name=name)
     if name == "observed_attention_nosinks":
         return get_policy("observed_attention")
+    if name.startswith("qa"):
+        return question_aware(name, budget)
     return get_policy(name)
+
+
+def question_aware(name: str, budget: int):
+    """The question-aware candidates measured for "auto" compressing a prompt:
+    VATP with the newest budget // 8 kept, plus the attention of the prompt's
+    last W queries (the observation window, where the question is), averaged
+    over them and over the query heads of each KV head ("_L": over every head
+    of the layer). "qamax_wW": the larger of the two scores, each normalised
+    to sum 1 over the tokens not protected (sinks, the newest); "qatopK_wW":
+    the budget // K tokens the window attends to most kept, VATP filling the
+    rest ("auto" is "qatop4_w8_L")."""
+    import math
+
+    from idempotent_moe.kv_policies import ObservedAttention, as_policy
+    from idempotent_moe.kv_policies.base import group_mean
+
+    m = re.fullmatch(r"qa(max|top(\d+))_w(\d+)(_L)?", name)
+    if m is None:
+        raise ValueError(f"unknown candidate {name!r}")
+    top = int(m.group(2)) if m.group(2) else None
+    w, layer_mean = int(m.group(3)), bool(m.group(4))
+    vatp = ObservedAttention(value_norm=1)
+
+    def score(obs):
+        v = vatp.score(obs)
+        a = obs.window_attention(last=w).mean(2)
+        a = a.mean(1, keepdim=True).expand_as(v) if layer_mean else group_mean(a, v.shape[1])
+        recent = obs.positions >= obs.seen - budget // 8
+        protect = recent | (obs.positions < 4)
+        if top is None:
+            v, a = v.masked_fill(protect, 0), a.masked_fill(protect, 0)
+            s = torch.maximum(v / v.sum(-1, keepdim=True), a / a.sum(-1, keepdim=True))
+        else:
+            s = v.scatter(-1, a.masked_fill(protect, -1).topk(budget // top, dim=-1).indices, math.inf)
+        return torch.where(recent, math.inf, s)
+
+    return as_policy(score, needs=("attention", "queries"), window=w, name=name)
 
 
 def sinks_of(label: str) -> int:
@@ -663,6 +704,9 @@ def main(argv=None) -> int:
     p.add_argument("--kvpress-json", nargs="+", help="kvpress's JSON (one or more) to merge into --out")
     p.add_argument("--merge", nargs="+",
                    help="combine the settings of these runs' JSON into --out: figures only")
+    p.add_argument("--update", nargs="+",
+                   help="replace the figures of --out (a merged result) with these runs' where both "
+                        "measured (update_merged)")
     p.add_argument("--resume", action="store_true", help="keep the decode runs already in --out")
     p.add_argument("--tables", action="store_true", help="print the markdown tables of --out and exit")
     args = p.parse_args(argv)
@@ -671,6 +715,10 @@ def main(argv=None) -> int:
         return 0
     if args.merge:
         Path(args.out).write_text(dumps(merge_runs(args.merge, args.kvpress_json)))
+        return 0
+    if args.update:
+        base = json.loads(Path(args.out).read_text())
+        Path(args.out).write_text(dumps(update_merged(base, args.update)))
         return 0
     torch.set_num_threads(args.threads)
     budgets = [int(b) for b in args.budgets.split(",")]
@@ -848,6 +896,69 @@ def merge_runs(paths: list, kvpress_json: list | None) -> dict:
             merged["kvpress_passkey_table"] = passkey_table(kv_raw["passkey"])
             merged["kvpress"]["passkey"] = compact_trials(kv_raw["passkey"])
     return merged
+
+
+def update_merged(base: dict, paths: list) -> dict:
+    """A merged result (`--merge`'s) with the figures of newer runs of this
+    script replacing its own where both measured: a perplexity row (label
+    and budget), a run's outcome in each passkey trial (the new run must
+    cover every trial of the base, with the same prompts: its full cache
+    must pass the same trials), the check. The new runs are listed after
+    the base's, each with its commit."""
+    merged = copy.deepcopy(base)
+    raw: dict = {"prefill": {}, "decode": {}}
+    for path in paths:
+        run = json.loads(Path(path).read_text())
+        merged["runs"].append({"file": Path(path).name, "settings": run.get("settings"),
+                               "commit": run.get("commit"), "dirty": run.get("dirty"),
+                               "started": run.get("started"), "finished": run.get("finished"),
+                               "updates": "the rows it measured"})
+        for setting in ("prefill", "decode"):
+            for doc, row in run.get(setting, {}).items():
+                raw[setting].setdefault(doc, {}).update(row)
+        for key in ("passkey", "passkey_decode"):
+            new = run.get(key, {}).get("trials")
+            if not new:
+                continue
+            pk = merged[key]
+            at = {row.get("trial", i): row for i, row in enumerate(pk["trials"])}
+            if sorted(at) != sorted(row["trial"] for row in new):
+                raise SystemExit(f"{path}: {key} trials {[r['trial'] for r in new]} are not the base's")
+            measured = [k for k in new[0] if "@" in k]
+            for row in new:
+                old = at[row["trial"]]
+                full = "full" in old["passed"] if "passed" in old else old["full"]
+                if (old["key"], full) != (row["key"], row["full"]):
+                    raise SystemExit(f"{path}: trial {row['trial']} is not the base's")
+                if "passed" in old:
+                    old["passed"] = [k for k in old["passed"] if k not in measured] + \
+                        [k for k in measured if row[k]]
+                else:
+                    old.update({k: row[k] for k in measured})
+            table = merged[f"{key}_table"]
+            for k in measured:
+                table[k] = {"passed": sum(bool(r[k]) for r in new), "trials": len(new)}
+            order = ["full", *PASSKEY_POLICIES]  # rows in the script's order
+            merged[f"{key}_table"] = dict(sorted(table.items(), key=lambda kv: _rank(order, kv[0])))
+            pk["policies"] += [p for p in dict.fromkeys(k.rsplit("@", 1)[0] for k in measured)
+                               if p not in pk["policies"]]
+        if "check" in run:
+            merged["check"] = {k: v for k, v in run["check"].items() if k != "nll"}
+    prefill_order = [label for label, _ in PREFILL_POLICIES]
+    for setting, order in (("prefill", prefill_order), ("decode", DECODE_POLICIES)):
+        if raw[setting]:
+            table = merged[f"{setting}_ppl_ratio"]
+            for label, per in ppl_ratios(raw[setting]).items():
+                table.setdefault(label, {}).update({str(b): v for b, v in per.items()})
+            merged[f"{setting}_ppl_ratio"] = dict(sorted(table.items(), key=lambda kv: _rank(order, kv[0])))
+    return merged
+
+
+def _rank(order: list, key: str) -> int:
+    """Where a row (a label, or label@budget) sorts: its label's place in
+    `order`, rows of other labels after them in their own order."""
+    label = key.rsplit("@", 1)[0]
+    return order.index(label) if label in order else len(order)
 
 
 def dumps(result: dict) -> str:

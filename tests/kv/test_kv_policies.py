@@ -427,6 +427,54 @@ def test_gpu_layer_by_layer_prefill_peak():
     assert layer < whole - 4 * per_layer, (layer, whole)
 
 
+def auto_prompt_reference(budget, sinks, window=8):
+    """score="auto" compressing a prompt, written out: VATP; the newest
+    budget // 8 kept; and the budget // 4 others (no sink) that the last
+    `window` queries attend to most, averaged over those queries and every
+    query head of the layer."""
+    vatp = ObservedAttention(value_norm=1)
+
+    def score(obs):
+        s = vatp.score(obs)
+        recent = obs.positions >= obs.seen - budget // 8
+        b, hkv, n = s.shape
+        attn = obs.window_attention()  # [B, Hq, window, n]
+        assert attn.shape[2] == window
+        question = attn.mean(dim=(1, 2))  # [B, n]
+        for i in range(b):
+            for h in range(hkv):
+                free = [j for j in range(n) if not recent[i, h, j] and obs.positions[i, h, j] >= sinks]
+                free.sort(key=lambda j: -float(question[i, j]))
+                for j in free[: budget // 4]:
+                    s[i, h, j] = math.inf
+        return torch.where(recent, math.inf, s)
+
+    return as_policy(score, needs=("attention", "queries"), window=window, name="auto_prompt")
+
+
+def test_auto_keeps_what_the_prompts_question_attends_to():
+    """A prompt compressed by "auto": the tokens the prompt's last queries
+    attend to most are kept, where VATP alone would evict some of them."""
+    model, config = tiny_llama(attn="eager")
+    tokens = ids(70, seed=5)
+    prompt = tokens[:, :-1]
+    caches = {
+        "auto": InplaceEvictionCache(24, sink_tokens=2, config=config),
+        "ref": InplaceEvictionCache(24, sink_tokens=2, config=config, score=auto_prompt_reference(24, 2)),
+        "vatp": InplaceEvictionCache(24, sink_tokens=2, recent_window=3, config=config,
+                                     score=ObservedAttention(value_norm=1)),
+    }
+    held = {}
+    for name, cache in caches.items():
+        cache.attach(model)
+        with torch.no_grad():
+            model(input_ids=prompt, **{CACHE_ARG: cache})
+        held[name] = [set(layer.positions[0, h].tolist()) for layer in cache.layers for h in range(2)]
+    assert caches["auto"].layers[0].evictions == 1
+    assert held["auto"] == held["ref"]
+    assert held["auto"] != held["vatp"]  # the question decided some of what is kept
+
+
 def test_auto_is_vatp_with_a_recent_window_when_attached_else_the_window():
     model, config = tiny_llama(attn="eager")
     tokens = ids(50)
@@ -435,14 +483,15 @@ def test_auto_is_vatp_with_a_recent_window_when_attached_else_the_window():
     held = window.layers[0].positions[0, 0].sort().values.tolist()
     assert held[:16] == [0, 1] + list(range(34, 48))
 
-    def pair(ref_recent, **kw):
+    def pair(ref_recent, score=None, **kw):
         auto = InplaceEvictionCache(16, sink_tokens=2, config=config, **kw).attach(model)
         ref = InplaceEvictionCache(16, sink_tokens=2, recent_window=ref_recent, config=config,
-                                   score=ObservedAttention(value_norm=1), **kw).attach(model)
+                                   score=score or ObservedAttention(value_norm=1), **kw).attach(model)
         return auto, ref
 
-    # a prompt compressed: the newest budget // 8 = 2 kept
-    auto, ref = pair(2)
+    # a prompt compressed: the newest budget // 8 = 2 kept, the budget // 4 = 4 that the prompt's
+    # last 8 queries attend to most, then VATP
+    auto, ref = pair(0, auto_prompt_reference(16, sinks=2))
     a, b = run(model, auto, tokens, steps=6), run(model, ref, tokens, steps=6)
     assert auto.layers[0].evictions == 1
     torch.testing.assert_close(a, b, rtol=0, atol=0)

@@ -21,8 +21,10 @@ first `sink_tokens` and the last `recent_window` logical positions plus the
 best-scoring others, `budget` in all. Scores: "auto" (the default, where
 `cache.attach(model)` hooks eager attention: the mean attention each token
 received times its value's L1 norm (ObservedAttention(value_norm=1), VATP),
-with the newest eighth of the budget kept when a prompt is compressed and
-the newest quarter while decoding; the window otherwise), any policy of
+with the newest eighth of the budget kept when a prompt is compressed, and a
+quarter of it given to the tokens the prompt's last 8 queries (its question)
+attend to most, and the newest quarter while decoding; the window otherwise;
+the cache records the last 8 queries for it), any policy of
 `kv_policies` by name or instance (a user's `ScoringPolicy` included: the
 cache keeps the running statistics it names, attention totals and the
 observation window's queries, in place), "key_norm", "attention" (H2O's
@@ -103,11 +105,15 @@ class EvictionPolicy:
         scorer = self.scorer
         if scorer is not None:
             return tuple(scorer.needs)
-        return ("attention",) if self.score in ("attention", "auto") else ()
+        if self.score == "auto":
+            return ("attention", "queries")
+        return ("attention",) if self.score == "attention" else ()
 
     @property
     def query_window(self) -> int:
         scorer = self.scorer
+        if self.score == "auto":
+            return AUTO_WINDOW
         return scorer.window if scorer is not None and "queries" in scorer.needs else 0
 
     def check(self) -> None:
@@ -178,8 +184,12 @@ def check_score(score: Any) -> None:
 _NAMED = {name: cls() for name, cls in POLICIES.items()}
 # score="auto" with attention weights: VATP's score, and the newest budget // AUTO_RECENT_PROMPT
 # tokens kept when a prompt is compressed, budget // AUTO_RECENT_DECODE while decoding (Q1).
+# When a prompt is compressed, the budget // AUTO_QUESTION tokens that the prompt's last
+# AUTO_WINDOW queries (the observation window, where a question sits) attend to most are kept
+# too, before VATP fills the rest (Q1).
 _AUTO = ObservedAttention(value_norm=1)
 AUTO_RECENT_PROMPT, AUTO_RECENT_DECODE = 8, 4
+AUTO_WINDOW, AUTO_QUESTION = 8, 4
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -547,14 +557,29 @@ class InplaceEvictionLayer(CacheLayerMixin):
         attention), ObservedAttention weighted by the values' L1 norm (VATP)
         with the newest budget // 8 tokens kept when a prompt is compressed
         and the newest budget // 4 while decoding; without them, the window
-        (the newest tokens). Q1 in docs/kv.md measures each choice."""
+        (the newest tokens). When a prompt is compressed, the budget // 4
+        tokens (besides the sinks and the newest) that the prompt's last
+        AUTO_WINDOW queries attend to most, averaged over those queries and
+        every query head of the layer (as TOVA's paper averages), are kept
+        as well: the question at a prompt's end picks what it asks about,
+        VATP the rest. Q1 in docs/kv.md measures each choice."""
         pos = self._written_positions()[:, :, :n]
         if self._acc is None or not self._attention_hooked:
             return pos.float()
+        obs = self.observation(AUTO_WINDOW)
         s = _AUTO.score(Observation(self._k[:, :, :n], self._v[:, :, :n], pos, self.seen,
                                     attention_totals=self._acc[:, :, :n]))
-        recent = budget // AUTO_RECENT_PROMPT if self.compressing_prompt() else budget // AUTO_RECENT_DECODE
-        return torch.where(pos >= self.seen - recent, math.inf, s)
+        if not self.compressing_prompt():
+            return torch.where(pos >= self.seen - budget // AUTO_RECENT_DECODE, math.inf, s)
+        recent = pos >= self.seen - budget // AUTO_RECENT_PROMPT
+        k = min(budget // AUTO_QUESTION,
+                budget - self.policy.sink_tokens - budget // AUTO_RECENT_PROMPT - self.policy.recent_window)
+        if obs.queries is not None and k > 0:
+            # [B, Hq, w, n] -> [B, n] (equal groups: the mean over KV heads of their groups' means)
+            attn = obs.window_attention().mean(dim=(1, 2))
+            attn = attn[:, None].expand_as(s).masked_fill(recent | (pos < self.policy.sink_tokens), -1.0)
+            s = s.scatter(-1, attn.topk(k, dim=-1).indices, math.inf)
+        return torch.where(recent, math.inf, s)
 
     def evict(self, budget: int | None = None, score: Any = None) -> int:
         """Compact the valid slots down to `budget` (the policy's by default)
@@ -674,9 +699,11 @@ class InplaceEvictionCache(Cache):
                    the mean attention each token received times its value's
                    L1 norm (ObservedAttention(value_norm=1), VATP), with the
                    newest budget // 8 tokens kept when a prompt is compressed
-                   (the last forward cached more than evict_every tokens) and
-                   budget // 4 while decoding; otherwise the window (sinks +
-                   the newest tokens). Or a policy: a name of
+                   (the last forward cached more than evict_every tokens),
+                   with the budget // 4 tokens that the prompt's last 8
+                   queries attend to most (its question), and budget // 4
+                   while decoding; otherwise the window (sinks + the newest
+                   tokens). Or a policy: a name of
                    kv_policies.POLICIES ("streaming_llm",
                    "knorm", "keydiff", "tova", "observed_attention",
                    "snapkv", "expected_attention"), a kv_policies.ScoringPolicy
@@ -865,13 +892,13 @@ class InplaceEvictionCache(Cache):
                    if isinstance(getattr(m, "layer_idx", None), int) and hasattr(m, "num_key_value_groups")]
         if not modules:
             raise ValueError("found no attention module with layer_idx in the model")
-        if wants_queries:
+        if wants_queries and self.policy.score != "auto":  # "auto" does without queries
             for module in modules:
                 if not hasattr(module, "q_proj"):
                     raise ValueError(f"policy needs queries, but {type(module).__name__} has no q_proj")
         self.detach()
         for module in modules:
-            if wants_queries:
+            if wants_queries and hasattr(module, "q_proj"):
                 self._hooks.append(module.register_forward_pre_hook(self._query_hook, with_kwargs=True))
             self._hooks.append(module.register_forward_hook(self._attention_hook, with_kwargs=True))
         self._attached = True
