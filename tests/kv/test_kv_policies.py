@@ -475,6 +475,32 @@ def test_auto_keeps_what_the_prompts_question_attends_to():
     assert held["auto"] != held["vatp"]  # the question decided some of what is kept
 
 
+def test_auto_projects_no_queries_while_decoding():
+    """"auto" reads the recorded queries only when it compresses a prompt:
+    the hook projects the prompt's last queries, and a decode step runs no
+    q_proj beyond the attention's own (SnapKV, which scores from them while
+    decoding, still records them every step)."""
+    model, config = tiny_llama(attn="eager")
+    tokens = ids(50)
+    layers = config.num_hidden_layers
+    calls = []
+    handles = [m.q_proj.register_forward_hook(lambda *a: calls.append(1))
+               for m in model.modules() if hasattr(m, "q_proj")]
+    try:
+        for score, per_step in (("auto", layers), ("snapkv", 2 * layers)):
+            cache = InplaceEvictionCache(16, sink_tokens=2, evict_every=4, score=score, config=config)
+            cache.attach(model)
+            with torch.no_grad():
+                model(input_ids=tokens[:, :40], **{CACHE_ARG: cache})
+                del calls[:]
+                model(input_ids=tokens[:, 40:41], **{CACHE_ARG: cache})
+            cache.detach()
+            assert len(calls) == per_step, score
+    finally:
+        for h in handles:
+            h.remove()
+
+
 def test_auto_is_vatp_with_a_recent_window_when_attached_else_the_window():
     model, config = tiny_llama(attn="eager")
     tokens = ids(50)

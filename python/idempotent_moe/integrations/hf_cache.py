@@ -934,6 +934,8 @@ class InplaceEvictionCache(Cache):
                 self.layers.append(InplaceEvictionLayer(self.policy, len(self.layers)))
                 self.layers[-1]._attached = True
         hidden = kwargs.get("hidden_states", args[0] if args else None)
+        if self.policy.score == "auto" and hidden.shape[1] <= (self.policy.evict_every or 1):
+            return  # a decode step: "auto" reads the queries only when it compresses a prompt
         w = self.policy.query_window
         h = hidden[:, -w:]
         head_dim = getattr(module, "head_dim", None) or module.q_proj.out_features // (
