@@ -8,7 +8,8 @@ config's defaults shrunk by name (hidden and intermediate sizes, 1-2 layers
 with at least one MoE layer, heads, experts 8, top-k 2, a small vocabulary).
 Then, on one seeded input, "idempotent" must match transformers' grouped_mm
 (the logits, or the last hidden state of a model without a head, and the
-gradient of one backward w.r.t. the input embeddings) within a tolerance
+gradients of one backward w.r.t. the input embeddings and the experts'
+weights: the training path) within a tolerance
 taken from transformers' own spread on that input (eager's and batched_mm's
 difference from grouped_mm),
 with as many calls of our experts function as grouped_mm makes of its own.
@@ -366,8 +367,8 @@ def _fill_hash_tables(model) -> None:
 def build_family(family: str):
     """(model, description) for the family: the first candidate class and
     config that builds a model with an experts module; Unbuildable otherwise.
-    Seeded, float32, eval mode, parameters frozen (the gradient checked is
-    the input embeddings')."""
+    Seeded, float32, eval mode, parameters frozen (run_model unfreezes the
+    experts' own for the gradients it checks)."""
     errors = []
     for cls in _model_classes(family):
         for kwargs in _shrunk_configs(cls.config_class, inspect.getsource(inspect.getmodule(cls))):
@@ -439,12 +440,19 @@ def _output(out):
     return out[0]
 
 
+def experts_weights(model) -> list:
+    """The experts modules' own parameters (weights, biases), in module order."""
+    return [p for m in experts_modules(model) for p in m.parameters(recurse=False)]
+
+
 def run_model(model, impl: str, ids: torch.Tensor, probe: torch.Tensor | None):
     """(output without gradient, output with gradient, gradient w.r.t. the
-    input embeddings) of `model` under experts implementation `impl`. The
-    embedding module's output is made the leaf that requires grad (the
-    parameters are frozen): the experts see hidden states that record a
-    gradient, as in training."""
+    input embeddings, the probe, gradient w.r.t. the experts' weights, all
+    flattened into one vector) of `model` under experts implementation
+    `impl`. The embedding module's output is made a leaf that requires grad,
+    and so are the experts' own parameters (the others stay frozen): the
+    experts see hidden states and weights that record a gradient, as in
+    training."""
     model.set_experts_implementation(impl)
     with torch.no_grad():
         plain = _output(model(input_ids=ids, use_cache=False)).float()
@@ -454,15 +462,22 @@ def run_model(model, impl: str, ids: torch.Tensor, probe: torch.Tensor | None):
         leaf["embeds"] = out.detach().requires_grad_(True)
         return leaf["embeds"]
 
+    weights = experts_weights(model)
     handle = model.get_input_embeddings().register_forward_hook(hook)
     try:
+        for w in weights:
+            w.requires_grad_(True)
         out = _output(model(input_ids=ids, use_cache=False)).float()
+        if probe is None:
+            probe = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
+        grads = torch.autograd.grad((out * probe).sum(), [leaf["embeds"], *weights], allow_unused=True)
     finally:
         handle.remove()
-    if probe is None:
-        probe = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
-    (grad,) = torch.autograd.grad((out * probe).sum(), leaf["embeds"])
-    return plain, out.detach(), grad, probe
+        for w in weights:
+            w.requires_grad_(False)
+    grad_w = torch.cat([(torch.zeros_like(w) if g is None else g).flatten()
+                        for w, g in zip(weights, grads[1:])])
+    return plain, out.detach(), grads[0], probe, grad_w
 
 
 def _diff(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -539,9 +554,10 @@ def check_family(family: str, mode: str) -> str:
         assert all(s.dropped == 0 and s.capacity == tokens[name] for name, s in stats.items()), \
             f"{description}: capacity E/k is not C = T (the call's tokens, {tokens}) " \
             f"with nothing dropped: {stats}"
-    names = ("output (no grad)", "output (grad)", "d output / d embeddings")
+    names = {0: "output (no grad)", 1: "output (grad)", 2: "d output / d embeddings",
+             4: "d output / d experts' weights"}
     lines = []
-    for i, name in enumerate(names):
+    for i, name in names.items():
         ref, got = grouped[i], ours[i]
         assert torch.isfinite(ref).all(), f"{description}: grouped_mm's {name} is not finite"
         spread = max(_diff(ref, other[i]) for other in others)
