@@ -432,6 +432,14 @@ def parse_args(argv):
     return args
 
 
+def write_json(result: dict, path: str) -> None:
+    """The result as it stands, replacing the file whole (no half-written JSON)."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path + ".tmp", "w") as f:
+        json.dump(result, f, indent=1)
+    os.replace(path + ".tmp", path)
+
+
 def row_line(row: dict) -> str:
     """Each implementation's device time (ms) and, where checked, its relative error."""
     parts = []
@@ -490,6 +498,7 @@ def main(argv=None) -> int:
             row = one_row(shape_name, shape, t, base, modules, peer, timer, rates, args, device, dtype)
             result["rows"].append(row)
             print(f"{shape_name:15s} T={t:5d} floor {row['floor_ms']:.4f} ms  {row_line(row)}", flush=True)
+            write_json(result, args.out)  # the rows so far: a run cut short keeps them
         del base, modules
         if device == "cuda":
             torch.cuda.empty_cache()
@@ -500,10 +509,8 @@ def main(argv=None) -> int:
         for row in result["rows"]:
             ratios = "  ".join(f"{row['impls'][n]['device_over_vllm']:.2f}" for n in names)
             print(f"{row['shape']:15s} T={row['tokens']:5d}  {ratios}")
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     result["plot"] = plot(result, os.path.splitext(args.out)[0] + ".png")
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
+    write_json(result, args.out)
     print(f"wrote {args.out} ({result['wall_s']:.1f} s)")
     return 0
 

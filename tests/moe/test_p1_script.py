@@ -76,6 +76,28 @@ def test_quick_mode_writes_every_figure(tmp_path):
         assert r["plot"] == str(out.with_suffix(".png")) and out.with_suffix(".png").stat().st_size > 0
 
 
+def test_a_run_cut_short_keeps_its_rows(tmp_path):
+    """The JSON is rewritten after every row: a run stopped in its second
+    row (a time limit) leaves the first on disk, whole."""
+    script = _module(SCRIPT, "p1_experts_cut")
+    out = tmp_path / "p1.json"
+    real, calls = script.one_row, []
+
+    def one_row(*args):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(*args)
+
+    script.one_row = one_row
+    with pytest.raises(KeyboardInterrupt):
+        script.main(["--quick", "--out", str(out), "--tokens", "1,8", "--rounds", "1",
+                     "--shapes", "tiny-qwen3"])
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["shape"], r["tokens"]) for r in rows] == [("tiny-qwen3", 1)]
+    assert not os.path.exists(str(out) + ".tmp")
+
+
 def test_bad_arguments_are_refused(tmp_path, capsys):
     script = _module(SCRIPT, "p1_experts_script")
     out = str(tmp_path / "x.json")
