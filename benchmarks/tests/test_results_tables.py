@@ -44,6 +44,17 @@ def _q1_passkey512_docs(path: str, json_path: str) -> None:
     _q1_docs(path, json_path, "q1:passkey512")
 
 
+def _q1_cost_docs(path: str, json_path: str) -> None:
+    """benchmarks/q1_kv_cost.py's tables of docs/kv.md (the scoring cost)."""
+    spec = importlib.util.spec_from_file_location(
+        "q1_kv_cost", os.path.join(ROOT, "benchmarks", "q1_kv_cost.py"))
+    cost = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cost)
+    with open(json_path) as f:
+        text = cost.markdown_tables(json.load(f))
+    report.replace_section(path, "q1:cost", lambda: text.rstrip("\n"))
+
+
 # (document, result JSON, the renderer that rewrites the document's section)
 TABLES = [
     ("docs/results.md", "main-cpu.json", model_report.readme_from_json),
@@ -56,6 +67,7 @@ TABLES = [
     ("docs/distributed.md", "ep-cuda.json", _ep_docs),
     ("docs/kv.md", "q1-kv-quality-cpu.json", _q1_docs),
     ("docs/kv.md", "q1-passkey-512-cpu.json", _q1_passkey512_docs),
+    ("docs/kv.md", "q1-kv-cost-cpu.json", _q1_cost_docs),
 ]
 # The README headline (M1, M2 and W1-W3 beside them; imoe_bench/model_report.py) is
 # rendered from the model benchmark's GPU JSON once one is committed; until
