@@ -28,31 +28,19 @@ def _ep_docs(path: str, json_path: str) -> None:
         ep.replace_docs(path, json.load(f))
 
 
-def _q1_docs(path: str, json_path: str, key: str = "q1:tables") -> None:
-    """benchmarks/q1_kv_quality.py's tables of docs/kv.md (section `key`)."""
-    spec = importlib.util.spec_from_file_location(
-        "q1_kv_quality", os.path.join(ROOT, "benchmarks", "q1_kv_quality.py"))
-    q1 = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(q1)
-    with open(json_path) as f:
-        text = q1.markdown_tables(json.load(f))
-    report.replace_section(path, key, lambda: text.rstrip("\n"))
+def _script_tables(script: str, key: str):
+    """The renderer of docs/kv.md's section `key` from benchmarks/`script`'s
+    JSON (the script's own markdown_tables)."""
+    def render(path: str, json_path: str) -> None:
+        name = os.path.splitext(script)[0]
+        spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "benchmarks", script))
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        with open(json_path) as f:
+            text = module.markdown_tables(json.load(f))
+        report.replace_section(path, key, lambda: text.rstrip("\n"))
 
-
-def _q1_passkey512_docs(path: str, json_path: str) -> None:
-    """The 40 more passkey trials at budget 512 (docs/kv.md)."""
-    _q1_docs(path, json_path, "q1:passkey512")
-
-
-def _q1_cost_docs(path: str, json_path: str) -> None:
-    """benchmarks/q1_kv_cost.py's tables of docs/kv.md (the scoring cost)."""
-    spec = importlib.util.spec_from_file_location(
-        "q1_kv_cost", os.path.join(ROOT, "benchmarks", "q1_kv_cost.py"))
-    cost = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(cost)
-    with open(json_path) as f:
-        text = cost.markdown_tables(json.load(f))
-    report.replace_section(path, "q1:cost", lambda: text.rstrip("\n"))
+    return render
 
 
 # (document, result JSON, the renderer that rewrites the document's section)
@@ -65,9 +53,10 @@ TABLES = [
     ("docs/kv.md", "kv-cuda.json", kv.doc_from_json),
     ("docs/results.md", "w4-cuda.json", w4.doc_from_json),
     ("docs/distributed.md", "ep-cuda.json", _ep_docs),
-    ("docs/kv.md", "q1-kv-quality-cpu.json", _q1_docs),
-    ("docs/kv.md", "q1-passkey-512-cpu.json", _q1_passkey512_docs),
-    ("docs/kv.md", "q1-kv-cost-cpu.json", _q1_cost_docs),
+    ("docs/kv.md", "q1-kv-quality-cpu.json", _script_tables("q1_kv_quality.py", "q1:tables")),
+    # the 40 more passkey trials at budget 512
+    ("docs/kv.md", "q1-passkey-512-cpu.json", _script_tables("q1_kv_quality.py", "q1:passkey512")),
+    ("docs/kv.md", "q1-kv-cost-cpu.json", _script_tables("q1_kv_cost.py", "q1:cost")),
 ]
 # The README headline (M1, M2 and W1-W3 beside them; imoe_bench/model_report.py) is
 # rendered from the model benchmark's GPU JSON once one is committed; until
