@@ -109,6 +109,12 @@ class EvictionPolicy:
             return ("attention", "queries")
         return ("attention",) if self.score == "attention" else ()
 
+    def is_prompt(self, tokens: int) -> bool:
+        """Whether a forward of `tokens` tokens is a prompt rather than decode
+        steps: more than `evict_every` (any number above one without it; a
+        chunk of `evict_every` evicts as that many decode steps do)."""
+        return tokens > (self.evict_every or 1)
+
     @property
     def query_window(self) -> int:
         scorer = self.scorer
@@ -548,9 +554,8 @@ class InplaceEvictionLayer(CacheLayerMixin):
     def compressing_prompt(self) -> bool:
         """Whether an eviction now compresses a prompt: the last forward cached
         more tokens than `evict_every` (any number above one without it),
-        rather than decode steps (or chunks of `evict_every` tokens, which
-        evict as decoding one token at a time does)."""
-        return self._last_forward > (self.policy.evict_every or 1)
+        rather than decode steps (EvictionPolicy.is_prompt)."""
+        return self.policy.is_prompt(self._last_forward)
 
     def _auto_scores(self, n: int, budget: int) -> torch.Tensor:
         """score="auto": with the attention weights (attach(model), eager
@@ -563,12 +568,10 @@ class InplaceEvictionLayer(CacheLayerMixin):
         every query head of the layer (as TOVA's paper averages), are kept
         as well: the question at a prompt's end picks what it asks about,
         VATP the rest. Q1 in docs/kv.md measures each choice."""
-        pos = self._written_positions()[:, :, :n]
         if self._acc is None or not self._attention_hooked:
-            return pos.float()
+            return self._written_positions()[:, :, :n].float()
         obs = self.observation(AUTO_WINDOW)
-        s = _AUTO.score(Observation(self._k[:, :, :n], self._v[:, :, :n], pos, self.seen,
-                                    attention_totals=self._acc[:, :, :n]))
+        pos, s = obs.positions, _AUTO.score(obs)
         if not self.compressing_prompt():
             return torch.where(pos >= self.seen - budget // AUTO_RECENT_DECODE, math.inf, s)
         recent = pos >= self.seen - budget // AUTO_RECENT_PROMPT
@@ -934,7 +937,7 @@ class InplaceEvictionCache(Cache):
                 self.layers.append(InplaceEvictionLayer(self.policy, len(self.layers)))
                 self.layers[-1]._attached = True
         hidden = kwargs.get("hidden_states", args[0] if args else None)
-        if self.policy.score == "auto" and hidden.shape[1] <= (self.policy.evict_every or 1):
+        if self.policy.score == "auto" and not self.policy.is_prompt(hidden.shape[1]):
             return  # a decode step: "auto" reads the queries only when it compresses a prompt
         w = self.policy.query_window
         h = hidden[:, -w:]
