@@ -140,7 +140,10 @@ ext = Extension(
                         "-Wall", "-Wextra", "-Wno-unused-parameter", "-Wno-missing-field-initializers",
                         # products rounded before they are summed (csrc/moe_combine.c)
                         "-ffp-contract=off"],
-    depends=_rel("csrc/*.h") + _rel("python/idempotent_moe/_binding/*.h") + _rel("cuda/*.cuh"),
+    # The CUDA sources too: their objects are linked in, so a changed kernel
+    # must relink the module even when no C source changed.
+    depends=(_rel("csrc/*.h") + _rel("python/idempotent_moe/_binding/*.h")
+             + _rel("cuda/*.cuh") + _rel("cuda/*.cu")),
 )
 
 if sys.platform == "win32":

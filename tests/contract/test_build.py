@@ -134,3 +134,28 @@ def test_glibc_compat_refuses_functions_older_glibcs_lack(tmp_path):
     result = _glibc_compat().lower(so, (2, 17))
     assert ("arc4random", "GLIBC_2.36") in result["blocked"]
     assert open(so, "rb").read() == before
+
+
+def test_an_in_place_build_relinks_when_any_source_changes():
+    """setuptools relinks only when a source or a `depends` entry is newer than
+    the module: the CUDA kernels are linked in as prebuilt objects, so a kernel
+    left out of `depends` would keep a stale module after its source changed."""
+    import glob
+    import runpy
+    from unittest import mock
+
+    import setuptools
+
+    captured = {}
+    with mock.patch.object(setuptools, "setup", lambda **kw: captured.update(kw)):
+        cwd = os.getcwd()
+        try:
+            os.chdir(ROOT)
+            runpy.run_path(os.path.join(ROOT, "setup.py"), run_name="setup")
+        finally:
+            os.chdir(cwd)
+    (ext,) = captured["ext_modules"]
+    watched = {os.path.normpath(p) for p in [*ext.sources, *ext.depends]}
+    for pattern in ("csrc/*.c", "csrc/*.h", "cuda/*.cu", "cuda/*.cuh", "python/idempotent_moe/_binding/*"):
+        for path in glob.glob(pattern, root_dir=ROOT):
+            assert os.path.normpath(path) in watched, f"a change to {path} would not relink the module"
