@@ -38,10 +38,26 @@ one layer) is not sampled.
 kvpress (transformers < 5.3) runs in its own environment with
 `--kvpress-run --out kv.json`; `--kvpress-json kv.json` merges it into --out.
 
+On a GPU (`--device cuda`, bf16 unless `--dtype float32`) the model and
+inputs live on the device and every timed boundary (the whole forward, each
+wrapped call, the statistics) synchronises the device before the clock is
+read: the host cannot run ahead of the GPU inside a timed forward, alike for
+both libraries and the full cache. The memory setting adds the peak of
+torch's CUDA allocations during the prefill, above what was allocated before
+it (the K/V, activations and the compactions' transient buffers).
+`--random-weights` builds SmolLM2-135M's architecture (`SMOLLM2_135M`) with
+seeded random weights and feeds seeded pseudo-random token ids of the same
+length, where the GGUF file (and its tokenizer) is not at hand: the times do
+not depend on the weights or ids. `--prompt-len` sets the prefill prompt
+(2,048 by default; the decode setting's prompt stays 1,024 tokens); past
+SmolLM2's 8,192 positions it needs `--random-weights`, whose config then
+extends `max_position_embeddings` to the prompt.
+
     taskset -c 1 python benchmarks/q1_kv_cost.py --out cost.json          # the library
     taskset -c 1 .../venv-kvpress/bin/python benchmarks/q1_kv_cost.py --kvpress-run --out kv.json
     python benchmarks/q1_kv_cost.py --out cost.json --kvpress-json kv.json  # merge
     python benchmarks/q1_kv_cost.py --quick --out q.json                   # seconds: a tiny model
+    python benchmarks/q1_kv_cost.py --device cuda --random-weights --prompt-len 8192 --out gpu.json
 """
 
 from __future__ import annotations
@@ -68,6 +84,14 @@ LIB_POLICIES = ("streaming_llm", "knorm", "keydiff", "tova", "observed_attention
 KVPRESS_PRESSES = ("StreamingLLMPress", "KnormPress", "KeyDiffPress", "TOVAPress",
                    "ObservedAttentionPress", "SnapKVPress", "ExpectedAttentionPress")
 MEMORY_POLICY = {"library": "snapkv", "kvpress": "SnapKVPress"}
+# SmolLM2-135M-Instruct's architecture for --random-weights, read from the GGUF file's config the
+# way q1_kv_quality.load_model loads it (AutoConfig.from_pretrained(gguf_dir(), gguf_file=GGUF),
+# transformers 5.25); rms_norm_eps is the file's float32 1e-5.
+SMOLLM2_135M = {"vocab_size": 49152, "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
+                "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64,
+                "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "tie_word_embeddings": True,
+                "rope_parameters": {"rope_type": "default", "rope_theta": 100000.0},
+                "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2}
 
 
 # --------------------------------------------------------------------------- timers
@@ -80,6 +104,7 @@ class Timers:
         self.on = False
         self.t: dict = {}
         self._undo: list = []
+        self.sync = None  # torch.cuda.synchronize on a GPU: called before each clock reading
 
     def reset(self):
         self.t = {}
@@ -91,10 +116,14 @@ class Timers:
         def timed(*args, **kwargs):
             if not self.on:
                 return orig(*args, **kwargs)
+            if self.sync:
+                self.sync()
             t0 = time.perf_counter()
             try:
                 return orig(*args, **kwargs)
             finally:
+                if self.sync:
+                    self.sync()
                 per = self.t.setdefault(name, {})
                 layer = layer_of(args)
                 per[layer] = per.get(layer, 0.0) + time.perf_counter() - t0
@@ -139,10 +168,14 @@ def timed(run) -> dict:
     gc.collect()
     TIMERS.reset()
     TIMERS.on = True
+    if TIMERS.sync:
+        TIMERS.sync()
     t0 = time.perf_counter()
     try:
         run()
     finally:
+        if TIMERS.sync:
+            TIMERS.sync()
         wall = time.perf_counter() - t0
         TIMERS.on = False
     out = {"wall_ms": wall * 1e3}
@@ -254,7 +287,8 @@ def kv_decode(model, ids, press_name, budget, context, steps) -> dict:
     pos = [0]
 
     def step(lo, hi):
-        p = torch.arange(pos[0], pos[0] + hi - lo)[None]  # positions count on from the tokens seen
+        # positions count on from the tokens seen
+        p = torch.arange(pos[0], pos[0] + hi - lo, device=ids.device)[None]
         model(input_ids=ids[:, lo:hi], past_key_values=cache, position_ids=p, use_cache=True,
               logits_to_keep=1)
         pos[0] += hi - lo
@@ -306,7 +340,8 @@ def kv_bytes(cache) -> int:
 
 def memory_run(model, ids, lib: str, policy: str, budget: int | None) -> dict:
     """Peak K/V bytes of one prefill, sampled before and after each layer's
-    compression (see the module's docstring)."""
+    compression (see the module's docstring); on a GPU also the peak of
+    torch's allocations during it, above what was allocated before."""
     from transformers import DynamicCache
 
     samples = []
@@ -330,6 +365,10 @@ def memory_run(model, ids, lib: str, policy: str, budget: int | None) -> dict:
 
         cache = DynamicCache()
         press = getattr(kvpress, policy)(compression_ratio=1 - (budget + 0.5) / ids.shape[1])
+    if ids.is_cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
     try:
         hooks += hook_all()  # before the compression's own hook
         with torch.no_grad():
@@ -347,8 +386,12 @@ def memory_run(model, ids, lib: str, policy: str, budget: int | None) -> dict:
             h.remove()
         if lib == "library" and policy != "full":
             cache.detach()
-    return {"lib": lib, "policy": policy, "budget": budget, "peak_kv_bytes": max(samples),
-            "final_kv_bytes": kv_bytes(cache)}
+    out = {"lib": lib, "policy": policy, "budget": budget, "peak_kv_bytes": max(samples),
+           "final_kv_bytes": kv_bytes(cache)}
+    if ids.is_cuda:
+        torch.cuda.synchronize()
+        out["cuda_peak_bytes"] = torch.cuda.max_memory_allocated() - base
+    return out
 
 
 # --------------------------------------------------------------------------- rounds
@@ -411,10 +454,40 @@ def run_rounds(lib: str, model, ids, budgets, policies, settings, rounds, contex
     return rows
 
 
+# --------------------------------------------------------------------------- the model
+
+
+def random_config(prompt: int):
+    """SmolLM2-135M's config, its positions extended to the prompt where that
+    is longer than SmolLM2's 8,192; eager attention, as Q1 loads the model."""
+    from transformers import LlamaConfig
+
+    arch = dict(SMOLLM2_135M)
+    arch["max_position_embeddings"] = max(arch["max_position_embeddings"], prompt)
+    config = LlamaConfig(**arch)
+    config._attn_implementation = "eager"
+    return config
+
+
+def random_model(prompt: int, device, dtype):
+    """SmolLM2-135M's architecture with seeded random weights."""
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = LlamaForCausalLM(random_config(prompt))
+    return model.to(dtype).eval()
+
+
+def random_ids(n: int, vocab: int) -> list:
+    """Seeded pseudo-random token ids (the times do not depend on them)."""
+    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(3)).tolist()
+
+
 # --------------------------------------------------------------------------- output
 
 
-def machine() -> dict:
+def machine(device: torch.device) -> dict:
     cpu = platform.processor()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -426,7 +499,10 @@ def machine() -> dict:
     import os
 
     affinity = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
-    return {"cpu": cpu, "cpu_affinity": affinity, "threads": torch.get_num_threads(),
+    gpu = {}
+    if device.type == "cuda":
+        gpu = {"gpu": torch.cuda.get_device_name(device), "cuda": torch.version.cuda}
+    return {"cpu": cpu, "cpu_affinity": affinity, "threads": torch.get_num_threads(), **gpu,
             "torch": torch.__version__, "transformers": q1._version("transformers"),
             "python": platform.python_version(), **q1.git_commit()}
 
@@ -447,6 +523,9 @@ def dumps(result: dict) -> str:
 def merge(result: dict, kv: dict) -> dict:
     if kv.get("tokens_sha256") != result.get("tokens_sha256"):
         raise SystemExit("kvpress ran on other token ids than the library")
+    for k in ("device", "dtype", "prompt_tokens", "random_weights"):
+        if k in kv and k in result and kv[k] != result[k]:
+            raise SystemExit(f"kvpress ran with {k} {kv[k]!r}, the library with {result[k]!r}")
     result = dict(result)
     result["kvpress"] = {k: kv[k] for k in ("kvpress_version", "started", "finished", "rounds")
                          if k in kv} | kv["machine"]
@@ -465,6 +544,9 @@ def markdown_tables(result: dict) -> str:
     rows = {(r["lib"], r["setting"], r["policy"], r["budget"]): r for r in result["rows"]}
     libs = [lib for lib in ("library", "kvpress") if any(k[0] == lib for k in rows)]
     text = ""
+    if result.get("device", "cpu") != "cpu":
+        text += (f"{result['machine'].get('gpu', result['device'])}, {result['dtype']}, "
+                 f"{result['model']}:\n\n")
     for setting in ("prefill", "decode"):
         if not any(k[1] == setting for k in rows):
             continue
@@ -504,18 +586,24 @@ def markdown_tables(result: dict) -> str:
                 label = "full cache" if name == "full" else name
                 text += f"| {lib}: {label} | " + " | ".join(cells) + " |\n"
         text += "\n"
-    if result.get("memory"):
-        text += (f"Peak K/V bytes of a {result['prompt_tokens']:,}-token prefill, MiB (sampled "
-                 "before and after each layer's compression):\n\n| cache | " +
+    memory = result.get("memory") or []
+    for field, what in (("peak_kv_bytes", "Peak K/V bytes of a {:,}-token prefill, MiB (sampled before "
+                                          "and after each layer's compression)"),
+                        ("cuda_peak_bytes", "Peak CUDA allocation during a {:,}-token prefill above what "
+                                            "was allocated before it, MiB")):
+        if not any(field in m for m in memory):
+            continue
+        text += (what.format(result["prompt_tokens"]) + ":\n\n| cache | " +
                  " | ".join(f"budget {b}" for b in budgets) + " |\n|---|" + "---|" * len(budgets) + "\n")
-        mem = {(m["lib"], m["policy"], m["budget"]): m for m in result["memory"]}
-        for lib, pol in dict.fromkeys((m["lib"], m["policy"]) for m in result["memory"]):
+        mem = {(m["lib"], m["policy"], m["budget"]): m for m in memory}
+        for lib, pol in dict.fromkeys((m["lib"], m["policy"]) for m in memory):
             cells = []
             for b in budgets:
-                m = mem.get((lib, pol, None if pol == "full" else b))
-                cells.append(f"{m['peak_kv_bytes'] / 2**20:.1f}" if m else "")
+                m = mem.get((lib, pol, None if pol == "full" else b), {})
+                cells.append(f"{m[field] / 2**20:.1f}" if field in m else "")
             label = "full cache" if pol == "full" else pol
             text += f"| {lib}: {label} | " + " | ".join(cells) + " |\n"
+        text += "\n"
     return text.rstrip("\n") + "\n"
 
 
@@ -533,6 +621,12 @@ def main(argv=None) -> int:
     p.add_argument("--kvpress-presses", default=",".join(KVPRESS_PRESSES))
     p.add_argument("--kvpress-json", help="kvpress's JSON to merge into --out")
     p.add_argument("--tables", action="store_true", help="print the markdown tables of --out and exit")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
+                   help="float32 on the CPU, bfloat16 on cuda unless given")
+    p.add_argument("--random-weights", action="store_true",
+                   help="SmolLM2-135M's architecture with random weights, pseudo-random token ids")
+    p.add_argument("--prompt-len", type=int, default=2048, help="the prefill prompt's tokens")
     args = p.parse_args(argv)
     out = Path(args.out)
     if args.tables:
@@ -542,9 +636,17 @@ def main(argv=None) -> int:
         out.write_text(dumps(merge(json.loads(out.read_text()),
                                    json.loads(Path(args.kvpress_json).read_text()))))
         return 0
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error(f"--device cuda: torch {torch.__version__} sees no CUDA device")
+    positions = SMOLLM2_135M["max_position_embeddings"]
+    if args.prompt_len > positions and not (args.quick or args.random_weights):
+        p.error(f"--prompt-len past SmolLM2's {positions} positions needs --random-weights")
+    device = torch.device(args.device)
+    dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
+    TIMERS.sync = torch.cuda.synchronize if device.type == "cuda" else None
     torch.set_num_threads(args.threads)
     budgets = [int(b) for b in args.budgets.split(",")]
-    context, steps = CONTEXT, EVICT_EVERY
+    PROMPT, context, steps = args.prompt_len, CONTEXT, EVICT_EVERY
     if args.quick:
         PROMPT, context, steps = 192, 96, 8
         budgets = [16, 64]
@@ -555,17 +657,29 @@ def main(argv=None) -> int:
     lib = "kvpress" if args.kvpress_run else "library"
     if lib == "library":
         wrap_library()
-    model, tok = q1.load_model(args.quick)
-    ids = next(iter(q1.documents(tok, args.quick, PROMPT).values()))
-    ids_t = torch.tensor([ids])
+    n_ids = max(PROMPT, context + 2 * steps)  # the decode setting reads past its prompt
+    if args.random_weights and not args.quick:
+        model = random_model(PROMPT, device, dtype)
+        ids = random_ids(n_ids, SMOLLM2_135M["vocab_size"])
+        name = "SmolLM2-135M-Instruct's architecture, random weights (seed 0)"
+    else:
+        model, tok = q1.load_model(args.quick, device)
+        model = model.to(dtype)
+        ids = next(iter(q1.documents(tok, args.quick, n_ids).values()))
+        name = "random tiny Llama" if args.quick else f"SmolLM2-135M-Instruct ({q1.GGUF})"
+    ids_t = torch.tensor([ids], device=device)
     settings = args.settings.split(",")
-    result = {"measurement": "Q1 scoring cost",
-              "model": "random tiny Llama" if args.quick else f"SmolLM2-135M-Instruct ({q1.GGUF})",
-              "quick": args.quick, "dtype": "float32", "device": "cpu", "budgets": budgets,
+    result = {"measurement": "Q1 scoring cost", "model": name, "quick": args.quick,
+              "random_weights": args.quick or args.random_weights,
+              "dtype": str(dtype).replace("torch.", ""), "device": device.type, "budgets": budgets,
               "prompt_tokens": PROMPT, "context_tokens": context, "evict_every": steps,
               "rounds": args.rounds, "settings": settings,
               "tokens_sha256": hashlib.sha256(json.dumps(ids).encode()).hexdigest()[:16],
-              "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "machine": machine()}
+              "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "machine": machine(device)}
+    if lib == "library" and device.type == "cuda":
+        import idempotent_moe
+
+        result["machine"]["idempotent_moe_cuda"] = idempotent_moe.cuda_available()
     if lib == "kvpress":
         import kvpress
 

