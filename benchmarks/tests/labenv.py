@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 import os
+import sys
 
 import idempotent_moe
 import imoe_bench
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPTS = os.path.join(ROOT, "benchmarks", "scripts")
+# The Q1 package (benchmarks/q1/) runs from a checkout and is never installed: the tests import it
+# from its folder, after whatever PYTHONPATH gives.
+BENCHMARKS = os.path.join(ROOT, "benchmarks")
+if BENCHMARKS not in sys.path:
+    sys.path.append(BENCHMARKS)
 
 
 def package_env() -> dict:

@@ -1,7 +1,8 @@
-"""The lab uses the library's public names only: no module of imoe_bench and
-no script imports a private module of idempotent_moe (a name starting with
-`_` at any level) or reads a private attribute of one, except through
-imoe_bench/internals.py, the one door, which says what it takes and why. And
+"""The lab uses the library's public names only: no module of imoe_bench or
+of the Q1 package (q1/) and no script imports a private module of
+idempotent_moe (a name starting with `_` at any level) or reads a private
+attribute of one, except through imoe_bench/internals.py, the one door,
+which says what it takes and why. And
 the library's wheel carries no benchmark code: idempotent_moe has no `bench`
 subpackage and its `python -m` entry is the self-check."""
 
@@ -19,6 +20,7 @@ LIBRARY_ALIASES = ("idempotent_moe", "imoe", "hf", "F")
 def _lab_files() -> list:
     files = glob.glob(os.path.join(LAB, "imoe_bench", "*.py"))
     files += glob.glob(os.path.join(LAB, "scripts", "*.py"))
+    files += glob.glob(os.path.join(LAB, "*.py")) + glob.glob(os.path.join(LAB, "q1", "*.py"))
     assert len(files) > 20, files
     return sorted(f for f in files if f != DOOR)
 

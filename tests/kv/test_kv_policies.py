@@ -7,8 +7,9 @@
   cache's for every policy; the queries it records and the attention totals
   it keeps equal the model's own (eager attention weights); a prompt
   compressed layer by layer gives the logits of whole-cache compression at a
-  lower peak; teacher-forcing in chunks of evict_every equals decoding one
-  token at a time;
+  lower peak, and those of a prompt cached whole and evicted afterwards
+  (`evict(budget, score=...)`); teacher-forcing in chunks of evict_every
+  equals decoding one token at a time;
 - a user's policy through the protocol, and the dense, paged and vLLM-style
   entry points fed by a policy.
 """
@@ -16,7 +17,6 @@
 from __future__ import annotations
 
 import math
-import os
 
 import pytest
 
@@ -357,32 +357,31 @@ def test_paged_pools_scored_by_a_policy(layout):
     assert res.seq_lens == ref.seq_lens == [6, 6] and torch.equal(res.target_map, ref.target_map)
 
 
-def test_q1_benchmark_quick(tmp_path):
-    import importlib.util
-
-    from _helpers import ROOT
-
-    path = os.path.join(ROOT, "benchmarks", "q1_kv_quality.py")
-    spec = importlib.util.spec_from_file_location("q1_kv_quality", path)
-    q1 = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(q1)
-    out = tmp_path / "q1.json"
-    assert q1.main(["--quick", "--out", str(out), "--trials", "2"]) == 0
-    import json
-
-    result = json.loads(out.read_text())
-    assert result["check"]["max_abs_nll_diff_vs_shared"] < 1e-4  # the shared prompt is the user's path
-    assert set(result["prefill_ppl_ratio"]["snapkv"]) == {"16", "32"}
-    assert result["memory"]["peak_kv_bytes_layer"] < result["memory"]["peak_kv_bytes_whole"]
-    assert len(result["passkey"]["trials"]) == 2 and "decode_ppl_ratio" in result
-    assert len(result["passkey_decode"]["trials"]) == 2 and "auto@16" in result["passkey_decode_table"]
-    assert "| library: tova |" in q1.markdown_tables(result)
-    merged = tmp_path / "merged.json"  # the committed form: figures, no token ids or losses
-    assert q1.main(["--out", str(merged), "--merge", str(out)]) == 0
-    compact = json.loads(merged.read_text())
-    assert "tokens" not in compact and "prefill" not in compact and "nll" not in compact["check"]
-    assert compact["prefill_ppl_ratio"] == json.loads(json.dumps(result["prefill_ppl_ratio"]))
-    assert q1.markdown_tables(compact) == q1.markdown_tables(result)
+@pytest.mark.parametrize("name", ["auto", "tova", "snapkv", "observed_attention", "expected_attention"])
+def test_a_recorded_prompt_evicted_later_equals_compression_during_its_forward(name):
+    """A prompt cached whole with every statistic the policies read (the last
+    64 queries, the attention totals), then evicted with `evict(budget,
+    score=name)`, continues as a cache with that policy that compressed the
+    prompt layer by layer during its forward: the prompt's forward is the
+    full cache's either way, so one recorded prompt serves every (policy,
+    budget)."""
+    model, config = tiny_llama(attn="eager")
+    tokens = ids(120)
+    prompt, cont = tokens[:, :96], tokens[:, 96:]
+    record = as_policy(lambda obs: obs.keys.new_zeros(obs.keys.shape[:3]), needs=("queries", "attention"),
+                       window=64, name="record")
+    with torch.no_grad():
+        recorded = InplaceEvictionCache(96, score=record, config=config).attach(model)
+        model(input_ids=prompt, **{CACHE_ARG: recorded})
+        recorded.detach()
+        recorded.evict(16, score=name)
+        assert {layer.length for layer in recorded.layers} == {16}
+        later = model(input_ids=cont, **{CACHE_ARG: recorded}).logits
+        users = InplaceEvictionCache(16, score=name, config=config).attach(model)
+        model(input_ids=prompt, **{CACHE_ARG: users})
+        during = model(input_ids=cont, **{CACHE_ARG: users}).logits
+        users.detach()
+    torch.testing.assert_close(later, during, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.gpu
