@@ -13,12 +13,16 @@ come through here:
 - `fuse_routers_on_cpu`: scripts/guard_check.py runs the fused routers on
   the CPU (they run on CUDA only otherwise), to count a CPU step's guards;
 - `_compaction` (compact_'s direct path) and `_tracing`'s compiling check:
-  scripts/host_cost_floor.py times each step of compact_'s Python path.
+  scripts/host_cost_floor.py times each step of compact_'s Python path;
+- `KV_TIMED_STEPS` and `kv_layer_tensors`: Q1's scoring cost (q1/cost_library.py,
+  q1/cost_memory.py) times InplaceEvictionLayer's private steps by wrapping
+  them, and reads the K and V storage a layer of the cache holds.
 These names are the library's internals and may change with it."""
 
 from idempotent_moe import _arrays, _compaction, _tracing
 from idempotent_moe._native import native
 from idempotent_moe._sorting import counting_sort
+from idempotent_moe.integrations.hf_cache import InplaceEvictionCache, InplaceEvictionLayer
 
 dlpack_stream = _arrays.dlpack_stream
 
@@ -30,5 +34,24 @@ def fuse_routers_on_cpu() -> None:
 
     hf_router._FUSED_ON_CPU = True
 
-__all__ = ["_arrays", "_compaction", "_tracing", "counting_sort", "dlpack_stream", "fuse_routers_on_cpu",
-           "native"]
+
+# (class, private method, timer label): the eviction's judging and scoring, its
+# in-place compaction, and the statistics the cache keeps during a forward.
+KV_TIMED_STEPS = (
+    (InplaceEvictionLayer, "_eviction", "score"),
+    (InplaceEvictionLayer, "_compact", "compact"),
+    (InplaceEvictionLayer, "accumulate_attention", "stats"),
+    (InplaceEvictionCache, "_query_hook", "stats"),
+)
+
+
+def kv_layer_tensors(layer) -> tuple:
+    """The K and V tensors a cache layer holds: InplaceEvictionLayer's own
+    buffers, or a transformers layer's `keys` and `values`."""
+    if isinstance(layer, InplaceEvictionLayer):
+        return layer._k, layer._v
+    return getattr(layer, "keys", None), getattr(layer, "values", None)
+
+
+__all__ = ["KV_TIMED_STEPS", "_arrays", "_compaction", "_tracing", "counting_sort", "dlpack_stream",
+           "fuse_routers_on_cpu", "kv_layer_tensors", "native"]

@@ -7,7 +7,8 @@ during the forward (`accumulate_attention`, the query hook: "stats")."""
 from __future__ import annotations
 
 import torch
-from idempotent_moe.integrations.hf_cache import InplaceEvictionCache, InplaceEvictionLayer
+from idempotent_moe.integrations.hf_cache import InplaceEvictionCache
+from imoe_bench.internals import KV_TIMED_STEPS
 from transformers import DynamicCache
 
 from .cost import TIMERS, timed
@@ -16,10 +17,9 @@ from .steps import forward
 
 
 def wrap_library() -> None:
-    TIMERS.wrap(InplaceEvictionLayer, "_eviction", "score", lambda a: a[0].layer_idx)
-    TIMERS.wrap(InplaceEvictionLayer, "_compact", "compact", lambda a: a[0].layer_idx)
-    TIMERS.wrap(InplaceEvictionLayer, "accumulate_attention", "stats", lambda a: a[0].layer_idx)
-    TIMERS.wrap(InplaceEvictionCache, "_query_hook", "stats", lambda a: a[1].layer_idx)
+    for cls, method, label in KV_TIMED_STEPS:  # a layer's method gets the layer first, the cache's second
+        TIMERS.wrap(cls, method, label, (lambda a: a[1].layer_idx) if cls is InplaceEvictionCache
+                    else (lambda a: a[0].layer_idx))
 
 
 

@@ -17,12 +17,17 @@ from transformers import DynamicCache
 from .steps import forward
 
 
-def kv_bytes(cache) -> int:
-    """Bytes of the distinct storages behind the K and V tensors a cache holds."""
+def public_tensors(layer) -> tuple:
+    """A transformers cache layer's K and V."""
+    return getattr(layer, "keys", None), getattr(layer, "values", None)
+
+
+def kv_bytes(cache, tensors_of=public_tensors) -> int:
+    """Bytes of the distinct storages behind the K and V tensors a cache
+    holds (`tensors_of(layer)` gives them)."""
     seen, total = set(), 0
     for layer in cache.layers:
-        for name in ("_k", "_v") if hasattr(layer, "_k") else ("keys", "values"):
-            t = getattr(layer, name, None)
+        for t in tensors_of(layer):
             if isinstance(t, torch.Tensor) and t.numel():
                 s = t.untyped_storage()
                 if s.data_ptr() not in seen:
@@ -41,12 +46,14 @@ def memory_run(model, ids, lib: str, policy: str, budget: int | None) -> dict:
     hooks = []
 
     def sample(*_):
-        samples.append(kv_bytes(cache))
+        samples.append(kv_bytes(cache, tensors_of))
 
     def hook_all():
         return [m.register_forward_hook(sample) for m in modules]
 
-    press = None
+    press, tensors_of = None, public_tensors
+    if lib == "library":  # its layers' whole buffers, not only the published views
+        from imoe_bench.internals import kv_layer_tensors as tensors_of
     if policy == "full":
         cache = DynamicCache(config=model.config) if lib == "library" else DynamicCache()
     elif lib == "library":
@@ -80,7 +87,7 @@ def memory_run(model, ids, lib: str, policy: str, budget: int | None) -> dict:
         if lib == "library" and policy != "full":
             cache.detach()
     out = {"lib": lib, "policy": policy, "budget": budget, "peak_kv_bytes": max(samples),
-           "final_kv_bytes": kv_bytes(cache)}
+           "final_kv_bytes": kv_bytes(cache, tensors_of)}
     if ids.is_cuda:
         torch.cuda.synchronize()
         out["cuda_peak_bytes"] = torch.cuda.max_memory_allocated() - base
