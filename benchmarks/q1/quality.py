@@ -188,7 +188,7 @@ def passkey_decode_setting(model, tok, trials, budgets, policies, evict_every, r
             prompt = torch.tensor([trial["prompt"]])
             t0 = time.time()
             n = len(trial["key"]) + 1
-            row = {"depth": trial["depth"], "key": trial["key_text"]}
+            row = {"trial": i, "depth": trial["depth"], "key": trial["key_text"]}
             for pname in policies:
                 for budget in budgets:
                     if budget >= prompt.shape[1]:

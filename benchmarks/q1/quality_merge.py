@@ -120,14 +120,17 @@ def update_merged(base: dict, paths: list) -> dict:
             if not new:
                 continue
             pk = merged[key]
+            # rows of the decode setting's older runs carry no index: their place is it
             at = {row.get("trial", i): row for i, row in enumerate(pk["trials"])}
+            new = [{"trial": i, **row} for i, row in enumerate(new)]
             if sorted(at) != sorted(row["trial"] for row in new):
                 raise SystemExit(f"{path}: {key} trials {[r['trial'] for r in new]} are not the base's")
             measured = [k for k in new[0] if "@" in k]
             for row in new:
                 old = at[row["trial"]]
-                full = "full" in old["passed"] if "passed" in old else old["full"]
-                if (old["key"], full) != (row["key"], row["full"]):
+                # the full cache's outcome, where the setting measures one (the decode setting does not)
+                full = ("full" in old["passed"]) if "passed" in old else old.get("full")
+                if old["key"] != row["key"] or ("full" in row and full != row["full"]):
                     raise SystemExit(f"{path}: trial {row['trial']} is not the base's")
                 if "passed" in old:
                     old["passed"] = [k for k in old["passed"] if k not in measured] + \

@@ -32,6 +32,19 @@ def test_q1_kv_quality_quick(tmp_path):
     assert "tokens" not in compact and "prefill" not in compact and "nll" not in compact["check"]
     assert compact["prefill_ppl_ratio"] == json.loads(json.dumps(result["prefill_ppl_ratio"]))
     assert quality_tables.markdown_tables(compact) == quality_tables.markdown_tables(result)
+    # a later run's figures replace the merged ones, both passkey settings included
+    rerun = json.loads(out.read_text())
+    for setting in ("passkey", "passkey_decode"):
+        for row in rerun[setting]["trials"]:
+            row["auto@16"] = not row["auto@16"]
+    for row in rerun["passkey_decode"]["trials"]:
+        row.pop("trial")  # as runs before the decode rows carried their index
+    (tmp_path / "rerun.json").write_text(json.dumps(rerun))
+    assert cli_quality.main(["--out", str(merged), "--update", str(tmp_path / "rerun.json")]) == 0
+    updated = json.loads(merged.read_text())
+    for setting in ("passkey", "passkey_decode"):
+        flipped = sum(not r["auto@16"] for r in result[setting]["trials"])
+        assert updated[f"{setting}_table"]["auto@16"] == {"passed": flipped, "trials": 2}
 
 
 def test_the_scripts_print_the_packages_tables():
