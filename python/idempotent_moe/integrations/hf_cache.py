@@ -52,7 +52,6 @@ from the tokens the cache has seen.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -63,139 +62,24 @@ from transformers.cache_utils import (
     get_layer_types_and_kwargs,
 )
 
-from .._native import native
 from ..functional import compact_
-from ..kv import HEAD_REDUCTIONS, reduce_head_scores
-from ..kv_policies import POLICIES, Observation, ObservedAttention, ScoringPolicy, check_policy
+from ..kv import reduce_head_scores
+from ..kv_policies import POLICIES, Observation, ScoringPolicy
+from ._eviction_policy import (
+    AUTO_QUESTION,
+    AUTO_RECENT_DECODE,
+    AUTO_RECENT_PROMPT,
+    AUTO_SCORER,
+    AUTO_WINDOW,
+    NAMED_POLICIES,
+    PREFILL_EVICTIONS,
+    SCORES,
+    EvictionPolicy,
+    check_count,
+    check_score,
+)
 
-SCORES = ("auto", "key_norm", "attention", *POLICIES)
-PREFILL_EVICTIONS = ("layer", "whole")
 _FLOAT32_MAX = float(torch.finfo(torch.float32).max)
-
-
-@dataclass(frozen=True)
-class EvictionPolicy:
-    """What every layer of one InplaceEvictionCache does."""
-
-    budget: int
-    sink_tokens: int = 4
-    recent_window: int = 0
-    evict_every: int | None = None
-    score: Any = "auto"
-    head_reduce: str = "mean"
-    per_head: bool = True
-    mode: str = "move"
-    order: str = "inplace"
-    slots: int = 0  # steady buffer size per layer
-    prefill_eviction: str = "layer"
-
-    @property
-    def scorer(self) -> ScoringPolicy | None:
-        """The ScoringPolicy behind `score` (a name of kv_policies.POLICIES or
-        a policy), None for "key_norm", "attention" and a plain callable."""
-        score = self.score
-        if isinstance(score, ScoringPolicy):
-            return score
-        if isinstance(score, str) and score in POLICIES:
-            return _NAMED[score]
-        return None
-
-    @property
-    def needs(self) -> tuple:
-        scorer = self.scorer
-        if scorer is not None:
-            return tuple(scorer.needs)
-        if self.score == "auto":
-            return ("attention", "queries")
-        return ("attention",) if self.score == "attention" else ()
-
-    def is_prompt(self, tokens: int) -> bool:
-        """Whether a forward of `tokens` tokens is a prompt rather than decode
-        steps: more than `evict_every` (any number above one without it; a
-        chunk of `evict_every` evicts as that many decode steps do)."""
-        return tokens > (self.evict_every or 1)
-
-    @property
-    def query_window(self) -> int:
-        scorer = self.scorer
-        if self.score == "auto":
-            return AUTO_WINDOW
-        return scorer.window if scorer is not None and "queries" in scorer.needs else 0
-
-    def check(self) -> None:
-        """TypeError for a kind (a non-int count, a bool or float among them;
-        an option that is not a str; a score that is neither a name, a
-        policy nor a callable; per_head not a bool), ValueError for a value."""
-        _count(self.budget, "budget", 1)
-        _count(self.sink_tokens, "sink_tokens", 0)
-        _count(self.recent_window, "recent_window", 0)
-        if self.sink_tokens + self.recent_window > self.budget:
-            raise ValueError(
-                f"sink_tokens ({self.sink_tokens}) + recent_window ({self.recent_window}) must "
-                f"not exceed budget ({self.budget})"
-            )
-        if self.evict_every is not None:
-            _count(self.evict_every, "evict_every", 1)
-        _count(self.slots, "max_cache_len", 0)
-        if self.slots < self.budget + 1:
-            raise ValueError(f"max_cache_len ({self.slots}) must exceed budget ({self.budget})")
-        if self.slots > native().MAX_SLOTS:
-            raise ValueError(f"max_cache_len ({self.slots}) exceeds the {native().MAX_SLOTS} slots a "
-                             "compaction takes")
-        check_score(self.score)
-        _option(self.prefill_eviction, "prefill_eviction", PREFILL_EVICTIONS)
-        _option(self.head_reduce, "head_reduce", HEAD_REDUCTIONS)
-        # Checked here, when the cache is made, against the C API's names.
-        _option(self.mode, "mode", native().MODES)
-        _option(self.order, "order", native().ORDERS)
-        if type(self.per_head) is not bool:
-            raise TypeError(f"per_head must be True or False, got {self.per_head!r}")
-
-
-def _count(value: Any, name: str, minimum: int) -> int:
-    """An int >= minimum: TypeError for another kind (bool and float
-    included), ValueError below the minimum."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return value
-
-
-def _option(value: Any, name: str, accepted: tuple) -> str:
-    """One of `accepted`: TypeError for a non-str, ValueError for another name."""
-    if not isinstance(value, str):
-        raise TypeError(f"{name} must be a str, one of {tuple(accepted)}, got {type(value).__name__}")
-    if value not in accepted:
-        raise ValueError(f"{name} must be one of {tuple(accepted)}, got {value!r}")
-    return value
-
-
-def check_score(score: Any) -> None:
-    """A score the cache takes: a name of SCORES, a kv_policies.ScoringPolicy
-    (checked) or a callable; TypeError for another kind, ValueError for
-    another name."""
-    if isinstance(score, ScoringPolicy):
-        check_policy(score)
-    elif isinstance(score, str):
-        if score not in SCORES:
-            raise ValueError(f"score must be one of {SCORES}, a kv_policies.ScoringPolicy or a callable, "
-                             f"got {score!r}")
-    elif not callable(score):
-        raise TypeError(f"score must be a name of {SCORES}, a kv_policies.ScoringPolicy or a callable, "
-                        f"got {type(score).__name__}")
-
-
-# One instance per named policy, with its defaults (policies hold no state).
-_NAMED = {name: cls() for name, cls in POLICIES.items()}
-# score="auto" with attention weights: VATP's score, and the newest budget // AUTO_RECENT_PROMPT
-# tokens kept when a prompt is compressed, budget // AUTO_RECENT_DECODE while decoding (Q1).
-# When a prompt is compressed, the budget // AUTO_QUESTION tokens that the prompt's last
-# AUTO_WINDOW queries (the observation window, where a question sits) attend to most are kept
-# too, before VATP fills the rest (Q1).
-_AUTO = ObservedAttention(value_norm=1)
-AUTO_RECENT_PROMPT, AUTO_RECENT_DECODE = 8, 4
-AUTO_WINDOW, AUTO_QUESTION = 8, 4
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -516,7 +400,7 @@ class InplaceEvictionLayer(CacheLayerMixin):
         heads = self._k.shape[1]
         score = self.policy.score if score is None else score
         if isinstance(score, str) and score in POLICIES:
-            score = _NAMED[score]
+            score = NAMED_POLICIES[score]
         if score == "auto":
             s = self._auto_scores(n, self.policy.budget if budget is None else budget)
         elif score == "key_norm":
@@ -571,7 +455,7 @@ class InplaceEvictionLayer(CacheLayerMixin):
         if self._acc is None or not self._attention_hooked:
             return self._written_positions()[:, :, :n].float()
         obs = self.observation(AUTO_WINDOW)
-        pos, s = obs.positions, _AUTO.score(obs)
+        pos, s = obs.positions, AUTO_SCORER.score(obs)
         if not self.compressing_prompt():
             return torch.where(pos >= self.seen - budget // AUTO_RECENT_DECODE, math.inf, s)
         recent = pos >= self.seen - budget // AUTO_RECENT_PROMPT
@@ -597,7 +481,7 @@ class InplaceEvictionLayer(CacheLayerMixin):
         """Everything an eviction needs, judged and scored, nothing changed:
         (budget, n, scores [B, H or 1, n] with the protected slots +inf), or
         (budget, n, None) when nothing is evicted."""
-        budget = self.policy.budget if budget is None else _count(budget, "budget", 0)
+        budget = self.policy.budget if budget is None else check_count(budget, "budget", 0)
         if score is not None:
             check_score(score)
         if budget < self.policy.sink_tokens + self.policy.recent_window:
@@ -758,9 +642,9 @@ class InplaceEvictionCache(Cache):
     ):
         if max_cache_len is None:
             # The default's terms judged first: its sum must not hide them.
-            _count(budget, "budget", 1)
+            check_count(budget, "budget", 1)
             if evict_every is not None:
-                _count(evict_every, "evict_every", 1)
+                check_count(evict_every, "evict_every", 1)
             max_cache_len = budget + (128 if evict_every is None else evict_every)
         self.policy = EvictionPolicy(budget, sink_tokens, recent_window, evict_every, score,
                                      head_reduce, per_head, mode, order, max_cache_len,
@@ -789,7 +673,7 @@ class InplaceEvictionCache(Cache):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
                *args, **kwargs) -> tuple:
-        _count(layer_idx, "layer_idx", 0)
+        check_count(layer_idx, "layer_idx", 0)
         fresh = []  # the layers made on first use: kept once the call is judged
         while len(self.layers) + len(fresh) <= layer_idx:
             fresh.append(InplaceEvictionLayer(self.policy, len(self.layers) + len(fresh)))
@@ -852,7 +736,7 @@ class InplaceEvictionCache(Cache):
         super().batch_select_indices(indices)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        _count(repeats, "repeats", 1)
+        check_count(repeats, "repeats", 1)
         super().batch_repeat_interleave(repeats)
 
     def _sample_peak(self) -> None:
@@ -976,3 +860,8 @@ class InplaceEvictionCache(Cache):
         if layer._pending_prefill and self.policy.prefill_eviction == "layer":
             layer.evict()  # the layer's forward is done: compress its prompt now
             self._sample_peak()
+
+
+# EvictionPolicy and the scores it takes live in _eviction_policy.py; the
+# cache's module is where users find them.
+__all__ = ["PREFILL_EVICTIONS", "SCORES", "EvictionPolicy", "InplaceEvictionCache", "InplaceEvictionLayer"]
