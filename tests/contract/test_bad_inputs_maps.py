@@ -197,6 +197,23 @@ def float_capacity_of_the_vllm_hook(fw, rng):
     return (lambda: VLLMInplaceCompactionHook(capacity=3.5)), [x]
 
 
+@bad(TypeError, "recent_window", frameworks=("numpy",))
+def float_recent_window_of_the_vllm_hook(fw, rng):
+    """A float window used to pass the hook and reach the compaction."""
+    from idempotent_moe.integrations import VLLMInplaceCompactionHook
+
+    x, _, _ = setup(fw, rng)
+    return (lambda: VLLMInplaceCompactionHook(capacity=8, recent_window=2.0)), [x]
+
+
+@bad(ValueError, "protected_prefix_len must be >= 0", frameworks=("numpy",))
+def negative_prefix_of_the_vllm_hook(fw, rng):
+    from idempotent_moe.integrations import VLLMInplaceCompactionHook
+
+    x, _, _ = setup(fw, rng)
+    return (lambda: VLLMInplaceCompactionHook(capacity=8, protected_prefix_len=-1)), [x]
+
+
 @bad(BufferError, "buffers", frameworks=("torch",))
 def meta_tensor_without_a_cpp_stack_trace(fw, rng):
     """The producer's message comes through on one line."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from .._arrays import check_int
 from ..kv import compact_kv_cache_inplace
 from ..paged import PagedCompaction, compact_paged_, paged_policy_scores
 
@@ -62,12 +63,9 @@ class VLLMInplaceCompactionHook:
         nan: str = "raise",
         policy: Any = None,
     ) -> None:
-        if isinstance(capacity, bool) or not isinstance(capacity, int):
-            raise TypeError(f"capacity must be an int, got {type(capacity).__name__}")
-        if capacity < 0:
-            raise ValueError(f"capacity must be >= 0, got {capacity}")
-        if protected_prefix_len < 0 or recent_window < 0:
-            raise ValueError("protected_prefix_len and recent_window must be >= 0")
+        capacity = check_int(capacity, "capacity")
+        protected_prefix_len = check_int(protected_prefix_len, "protected_prefix_len")
+        recent_window = check_int(recent_window, "recent_window")
         if protected_prefix_len + recent_window > capacity:
             raise ValueError(
                 f"protected_prefix_len ({protected_prefix_len}) + recent_window ({recent_window}) "
