@@ -35,13 +35,14 @@ def fuse_routers_on_cpu() -> None:
     hf_router._FUSED_ON_CPU = True
 
 
-# (class, private method, timer label): the eviction's judging and scoring, its
-# in-place compaction, and the statistics the cache keeps during a forward.
+# (class, private method, timer label, the argument that is the layer or its
+# attention module): the eviction's judging and scoring, its in-place
+# compaction, and the statistics the cache keeps during a forward.
 KV_TIMED_STEPS = (
-    (InplaceEvictionLayer, "_eviction", "score"),
-    (InplaceEvictionLayer, "_compact", "compact"),
-    (InplaceEvictionLayer, "accumulate_attention", "stats"),
-    (InplaceEvictionCache, "_query_hook", "stats"),
+    (InplaceEvictionLayer, "_eviction", "score", 0),
+    (InplaceEvictionLayer, "_compact", "compact", 0),
+    (InplaceEvictionLayer, "accumulate_attention", "stats", 0),
+    (InplaceEvictionCache, "_query_hook", "stats", 1),
 )
 
 

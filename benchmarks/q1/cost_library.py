@@ -17,9 +17,8 @@ from .steps import forward
 
 
 def wrap_library() -> None:
-    for cls, method, label in KV_TIMED_STEPS:  # a layer's method gets the layer first, the cache's second
-        TIMERS.wrap(cls, method, label, (lambda a: a[1].layer_idx) if cls is InplaceEvictionCache
-                    else (lambda a: a[0].layer_idx))
+    for cls, method, label, at in KV_TIMED_STEPS:
+        TIMERS.wrap(cls, method, label, lambda a, at=at: a[at].layer_idx)
 
 
 

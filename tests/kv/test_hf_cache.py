@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -192,6 +193,10 @@ POLICIES = {
                               head_reduce="max"),
                          dict(budget=9, sinks=1, every=3, per_head=False, head_reduce="max")),
     "prompt_fits_the_buffer": (dict(budget=12, evict_every=20), dict(budget=12, every=20)),
+    # NumPy integers count as ints, as everywhere in the library (_arrays.check_int)
+    "numpy_counts": (dict(budget=np.int64(12), sink_tokens=np.int32(2), recent_window=np.int64(3),
+                          evict_every=np.int64(4)),
+                     dict(budget=12, sinks=2, recent=3, every=4)),
 }
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from .._arrays import check_int
 from .._native import native
 from ..kv import HEAD_REDUCTIONS
 from ..kv_policies import POLICIES, ObservedAttention, ScoringPolicy, check_policy
@@ -71,17 +72,17 @@ class EvictionPolicy:
         """TypeError for a kind (a non-int count, a bool or float among them;
         an option that is not a str; a score that is neither a name, a
         policy nor a callable; per_head not a bool), ValueError for a value."""
-        check_count(self.budget, "budget", 1)
-        check_count(self.sink_tokens, "sink_tokens", 0)
-        check_count(self.recent_window, "recent_window", 0)
+        check_int(self.budget, "budget", 1)
+        check_int(self.sink_tokens, "sink_tokens", 0)
+        check_int(self.recent_window, "recent_window", 0)
         if self.sink_tokens + self.recent_window > self.budget:
             raise ValueError(
                 f"sink_tokens ({self.sink_tokens}) + recent_window ({self.recent_window}) must "
                 f"not exceed budget ({self.budget})"
             )
         if self.evict_every is not None:
-            check_count(self.evict_every, "evict_every", 1)
-        check_count(self.slots, "max_cache_len", 0)
+            check_int(self.evict_every, "evict_every", 1)
+        check_int(self.slots, "max_cache_len", 0)
         if self.slots < self.budget + 1:
             raise ValueError(f"max_cache_len ({self.slots}) must exceed budget ({self.budget})")
         if self.slots > native().MAX_SLOTS:
@@ -95,16 +96,6 @@ class EvictionPolicy:
         check_option(self.order, "order", native().ORDERS)
         if type(self.per_head) is not bool:
             raise TypeError(f"per_head must be True or False, got {self.per_head!r}")
-
-
-def check_count(value: Any, name: str, minimum: int) -> int:
-    """An int >= minimum: TypeError for another kind (bool and float
-    included), ValueError below the minimum."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return value
 
 
 def check_option(value: Any, name: str, accepted: tuple) -> str:

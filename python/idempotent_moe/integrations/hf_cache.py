@@ -62,6 +62,7 @@ from transformers.cache_utils import (
     get_layer_types_and_kwargs,
 )
 
+from .._arrays import check_int
 from ..functional import compact_
 from ..kv import reduce_head_scores
 from ..kv_policies import POLICIES, Observation, ScoringPolicy
@@ -75,7 +76,6 @@ from ._eviction_policy import (
     PREFILL_EVICTIONS,
     SCORES,
     EvictionPolicy,
-    check_count,
     check_score,
 )
 
@@ -481,7 +481,7 @@ class InplaceEvictionLayer(CacheLayerMixin):
         """Everything an eviction needs, judged and scored, nothing changed:
         (budget, n, scores [B, H or 1, n] with the protected slots +inf), or
         (budget, n, None) when nothing is evicted."""
-        budget = self.policy.budget if budget is None else check_count(budget, "budget", 0)
+        budget = self.policy.budget if budget is None else check_int(budget, "budget", 0)
         if score is not None:
             check_score(score)
         if budget < self.policy.sink_tokens + self.policy.recent_window:
@@ -642,9 +642,9 @@ class InplaceEvictionCache(Cache):
     ):
         if max_cache_len is None:
             # The default's terms judged first: its sum must not hide them.
-            check_count(budget, "budget", 1)
+            check_int(budget, "budget", 1)
             if evict_every is not None:
-                check_count(evict_every, "evict_every", 1)
+                check_int(evict_every, "evict_every", 1)
             max_cache_len = budget + (128 if evict_every is None else evict_every)
         self.policy = EvictionPolicy(budget, sink_tokens, recent_window, evict_every, score,
                                      head_reduce, per_head, mode, order, max_cache_len,
@@ -673,7 +673,7 @@ class InplaceEvictionCache(Cache):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
                *args, **kwargs) -> tuple:
-        check_count(layer_idx, "layer_idx", 0)
+        check_int(layer_idx, "layer_idx", 0)
         fresh = []  # the layers made on first use: kept once the call is judged
         while len(self.layers) + len(fresh) <= layer_idx:
             fresh.append(InplaceEvictionLayer(self.policy, len(self.layers) + len(fresh)))
@@ -736,7 +736,7 @@ class InplaceEvictionCache(Cache):
         super().batch_select_indices(indices)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        check_count(repeats, "repeats", 1)
+        check_int(repeats, "repeats", 1)
         super().batch_repeat_interleave(repeats)
 
     def _sample_peak(self) -> None:
