@@ -124,6 +124,9 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--reps", type=_count, default=0, help="timed steps per mode and round (default 3)")
     train.add_argument("--only", choices=("model", "layer"), default=None, help="one half of T1")
     train.add_argument("--quick", action="store_true", help="tiny shapes on the CPU, for a smoke test")
+    train.add_argument("--profile", action="store_true",
+                       help="the layer half taken apart instead: per kernel time and per saved tensor bytes "
+                            "(--reps profiled steps; no table, plot or doc)")
     _doc_outputs(train, "regenerate the T1 table of this file (docs/moe.md) from the new JSON")
     kv = sub.add_parser("kv", help="W2 through the KV hook, the paged hook and the HF cache")
     kv.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
@@ -336,6 +339,9 @@ def _check(args) -> None:
             raise SystemExit("w4: the full-size block at 4096 tokens is sized for a GPU and this run "
                              "would be on the CPU; add --quick (a reduced block) or name the sizes "
                              "with --tokens")
+    if args.command == "train" and args.profile and (args.doc or args.from_json or args.only or args.rounds):
+        raise SystemExit("train --profile takes --device, --reps, --quick and --out only (it profiles "
+                         "the layer half, one round)")
     if args.command == "train" and not args.quick and _cpu_run(args.device):
         raise SystemExit("train: T1's models and 16,384-token layers are sized for a GPU and this run "
                          "would be on the CPU; add --quick (tiny shapes)")
@@ -385,6 +391,15 @@ def main(argv: list | None = None) -> int:
     elif args.command == "train":
         from . import train as t1
 
+        if args.profile:
+            from . import train_profile
+
+            data = train_profile.run(device="cpu" if args.quick and args.device == "auto" else args.device,
+                                     quick=args.quick, reps=args.reps)
+            print(train_profile.tables(data))
+            for path in train_profile.write(data, output_dir(args.out, None)):
+                print("wrote", path)
+            return 0
         if args.from_json:
             t1.doc_from_json(args.doc, args.from_json)
             return 0

@@ -61,3 +61,34 @@ def test_capacity_keep_is_the_rule_ties_by_token():
     # expert 0: weights 0.5 (t0), 0.5 (t1), 0.7 (t2), 0.4 (t3) -> t2, then t0 (tie with t1, lower token)
     # expert 1: 0.5 (t0), 0.5 (t1), 0.6 (t3) -> t3, t0; expert 2: t2 alone
     assert keep.tolist() == [[True, True], [False, False], [True, True], [True, False]]
+
+
+def test_profile_names_every_saved_tensor_and_the_fused_layer_keeps_no_row_copy(tmp_path):
+    from imoe_bench import train_profile
+
+    assert cli.main(["train", "--profile", "--quick", "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "t1-profile-cpu-quick.json").read_text())
+    rows = report["results"]
+    assert {(r["implementation"], r["capacity"]) for r in rows} == set(train_profile.MODES)
+    for r in rows:
+        k = r["kernels"]
+        assert k["top"] and k["total_s"] > 0 and k["wall_s"] > 0, r
+        assert abs(sum(e["s"] for e in k["top"]) - k["total_s"]) <= 1e-9 * max(1.0, k["total_s"])
+        assert r["saved_bytes"] == sum(s["bytes"] for s in r["saved"]) > 0
+        names = [s["name"] for s in r["saved"]]
+        if r["implementation"] == "idempotent":
+            # what the layer may keep: the hidden states, the gate/up output, the routing, the int dispatch
+            assert "[T k, H] assignment rows" not in names and "[T k, I] intermediate" not in names, r
+            assert "[T k, 2I] gate/up output" in names, r
+        else:
+            assert "[T k, H] assignment rows" in names, r
+    for shape in ("mixtral_8x7b", "qwen3_30b_a3b"):
+        saved = {(r["implementation"], r["capacity"]): r["saved_bytes"] for r in rows
+                 if r["shape"] == shape and not r["skewed"]}
+        assert saved[("idempotent", None)] <= 0.5 * saved[("grouped_mm", None)]
+
+
+def test_profile_refuses_the_flags_it_does_not_take(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["train", "--profile", "--quick", "--only", "layer"])
+    assert "--profile" in str(e.value)

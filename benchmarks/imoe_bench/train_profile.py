@@ -1,0 +1,193 @@
+"""T1's layer step taken apart: where one forward + backward of the experts
+layer spends its time, kernel by kernel, and what autograd keeps for the
+backward, tensor by tensor.
+
+For each layer shape of T1 (balanced and skewed router) and each of
+grouped_mm, the library's dropless mode and its capacity 1.0, on the same
+weights and routing as `train`:
+
+- kernels: torch.profiler over `reps` steps after a warm-up step; on a GPU
+  each CUDA kernel's device time per step, on the CPU each operator's own CPU
+  time per step; the top ones, the rest summed, their total beside the
+  step's wall time (the gap is the host's and the launch queue's);
+- saved: every tensor autograd saves inside the layer (parameters excluded),
+  one line per storage however often it is saved, named by its shape against
+  the layer's (T tokens, k assignments each, R = T k rows, H, I).
+
+    python -m imoe_bench train --profile             # the GPU: tables and JSON
+    python -m imoe_bench train --profile --quick     # tiny shapes on the CPU
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import idempotent_moe.integrations as imoe_hf
+import torch
+
+from . import report
+from .model_timing import log
+from .train import FULL, QUICK, _sync, make_experts, set_mode
+
+MODES = [("grouped_mm", None), ("idempotent", None), ("idempotent", 1.0)]
+TOP = 12
+
+
+def _label(impl: str, cap) -> str:
+    if impl != "idempotent":
+        return impl
+    return "idempotent dropless" if cap is None else f"idempotent capacity {cap}"
+
+
+def tensor_name(shape: tuple, dtype: torch.dtype, dims: dict) -> str:
+    """What a saved tensor of this shape is in a layer of dims (T, k, H, I)."""
+    t, k, h, i = dims["T"], dims["k"], dims["H"], dims["I"]
+    r = t * k
+    floating = dtype.is_floating_point
+    names = {(t, h): "[T, H] token rows (the hidden states)", (r, h): "[T k, H] assignment rows",
+             (r, 2 * i): "[T k, 2I] gate/up output", (r, i): "[T k, I] intermediate",
+             (t, k): "[T, k] routing weights" if floating else "[T, k] routing index"}
+    if len(shape) == 2 and tuple(shape) in names:
+        return names[tuple(shape)]
+    if not floating:
+        return f"int {list(shape)} (dispatch)"
+    return f"{list(shape)}"
+
+
+def saved_tensors(experts, hidden, idx, w, dims: dict) -> list:
+    """One line per storage autograd saves in one forward (parameters
+    excluded): name, shape, dtype, bytes and how often it is saved."""
+    params = {p.data_ptr() for p in experts.parameters()}
+    seen: dict = {}
+
+    def pack(t):
+        if t.data_ptr() not in params:
+            key = (t.data_ptr(), tuple(t.shape), t.dtype)
+            if key in seen:
+                seen[key]["times"] += 1
+            else:
+                seen[key] = dict(name=tensor_name(tuple(t.shape), t.dtype, dims), shape=list(t.shape),
+                                 dtype=str(t.dtype).removeprefix("torch."),
+                                 bytes=t.numel() * t.element_size(), times=1)
+        return t
+
+    h = hidden.detach().requires_grad_()
+    ww = w.detach().requires_grad_()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = experts(h, idx, ww)
+    del out
+    return sorted(seen.values(), key=lambda s: -s["bytes"])
+
+
+def kernel_times(step, device, reps: int) -> dict:
+    """Per step: each kernel's (GPU) or operator's own (CPU) time in seconds,
+    and the step's median wall time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step()
+    _sync(device)
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    walls = []
+    with profile(activities=acts) as prof:
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            step()
+            _sync(device)
+            walls.append(time.perf_counter() - t0)
+    cuda = device.type == "cuda"
+    rows = []
+    for e in prof.key_averages():
+        if cuda and e.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        us = e.self_device_time_total if cuda else e.self_cpu_time_total
+        if us > 0:
+            rows.append(dict(name=e.key, calls=e.count / reps, s=us / reps * 1e-6))
+    rows.sort(key=lambda r: -r["s"])
+    total = sum(r["s"] for r in rows)
+    top = rows[:TOP]
+    rest = rows[TOP:]
+    if rest:
+        top.append(dict(name=f"{len(rest)} more", calls=sum(r["calls"] for r in rest),
+                        s=sum(r["s"] for r in rest)))
+    return dict(kind="cuda kernels" if cuda else "cpu operators (self time)", total_s=total,
+                wall_s=statistics.median(walls), top=top)
+
+
+def run(device: str = "auto", quick: bool = False, reps: int = 0) -> dict:
+    from .w4 import _machine
+
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() and not quick else "cpu"
+    dev = torch.device(device)
+    cfg = QUICK if quick else FULL
+    dtype = torch.float32 if quick else torch.bfloat16
+    reps = reps or (1 if quick else 3)
+    imoe_hf.register()
+    tokens = cfg["layer_tokens"]
+    results = []
+    for name, shape in cfg["layer"].items():
+        experts = make_experts(shape, dev, dtype)
+        dims = dict(T=tokens, k=shape["top_k"], H=shape["hidden"], I=shape["inter"])
+        g = torch.Generator(device=dev).manual_seed(3)
+        hidden = torch.randn(tokens, shape["hidden"], device=dev, dtype=dtype, generator=g)
+        logits = torch.randn(tokens, shape["experts"], device=dev, generator=g)
+        grad = torch.randn(tokens, shape["hidden"], device=dev, dtype=dtype, generator=g)
+        for skew in (False, True):
+            lg = logits.clone()
+            if skew:
+                lg[:, 0] += 3.0
+            w, idx = torch.softmax(lg, -1).topk(shape["top_k"], -1)
+            w = (w / w.sum(-1, keepdim=True)).to(dtype)
+            for impl, cap in MODES:
+                log(f"T1 profile {name}{' skewed' if skew else ''}: {_label(impl, cap)}")
+                set_mode(experts, experts.config, impl, cap)
+
+                def step(experts=experts, hidden=hidden, w=w, idx=idx, grad=grad):
+                    experts.zero_grad(set_to_none=True)
+                    experts(hidden.detach().requires_grad_(), idx, w.detach().requires_grad_()).backward(grad)
+
+                saved = saved_tensors(experts, hidden, idx, w, dims)
+                results.append(dict(shape=name, skewed=skew, implementation=impl, capacity=cap,
+                                    tokens=tokens, saved=saved,
+                                    saved_bytes=sum(s["bytes"] for s in saved),
+                                    kernels=kernel_times(step, dev, reps)))
+        del experts
+    return dict(workload="T1 profile", machine=_machine(device), quick=quick,
+                dtype=str(dtype).removeprefix("torch."), reps=reps, config=cfg, results=results)
+
+
+def tables(data: dict) -> str:
+    """Per (shape, router, mode): its saved tensors, then its top kernels."""
+    out = []
+    for r in data["results"]:
+        k = r["kernels"]
+        out.append(f"### {r['shape']}, {'skewed' if r['skewed'] else 'balanced'} router, "
+                   f"{_label(r['implementation'], r['capacity'])}")
+        out.append("")
+        out.append(f"saved for backward: {r['saved_bytes'] / 2**20:,.1f} MiB")
+        out.append("")
+        out.append("| saved tensor | shape | dtype | MiB | saved |")
+        out.append("|---|---|---|---|---|")
+        for s in r["saved"]:
+            out.append(f"| {s['name']} | {s['shape']} | {s['dtype']} | {s['bytes'] / 2**20:,.2f} | "
+                       f"{s['times']}x |")
+        out.append("")
+        out.append(f"{k['kind']}: {k['total_s'] * 1e3:.3f} ms per step, wall {k['wall_s'] * 1e3:.3f} ms")
+        out.append("")
+        out.append("| kernel | calls per step | ms per step | share |")
+        out.append("|---|---|---|---|")
+        for e in k["top"]:
+            share = e["s"] / k["total_s"] if k["total_s"] else 0.0
+            out.append(f"| {e['name'][:90]} | {e['calls']:g} | {e['s'] * 1e3:.3f} | {share:.0%} |")
+        out.append("")
+    m = data["machine"]
+    out.append(f"{m.get('gpu') or m.get('cpu')}; torch {m['torch']}; {data['dtype']}; "
+               f"{data['reps']} profiled steps after one warm-up; {m['date']}"
+               + (" (quick sizes)" if data["quick"] else ""))
+    return "\n".join(out)
+
+
+def write(data: dict, out_dir: str) -> list:
+    stem = f"t1-profile-{data['machine']['device']}" + ("-quick" if data.get("quick") else "")
+    return report.write_results(data, out_dir, stem)
