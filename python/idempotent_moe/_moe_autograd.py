@@ -7,7 +7,8 @@ ops (`experts_forward` / `experts_backward`):
 
     forward   d = dispatch(hidden); gate_up = d.rows @ W_up[e];
               A = act(gate) * up; Y = A @ W_down[e]; out = combine(Y, w)
-    saved     gate_up [R, 2I], offsets, dest (int32), the routing weights,
+    saved     gate_up [M, 2I] (M = kept_rows: R, or E C with a capacity C
+              that keeps fewer), offsets, dest (int32), the routing weights,
               the weights (parameters), and hidden only when W_up needs a
               gradient (it is alive anyway: the layer's input). Never the
               gathered rows [R, H] nor the expert outputs Y [R, H].
@@ -240,9 +241,19 @@ def row_weights(dest: torch.Tensor, weights: torch.Tensor, num_rows: int, dtype)
     return w[:num_rows].unsqueeze(-1)
 
 
+def kept_rows(assignments: int, num_experts: int, capacity: int | None) -> int:
+    """The rows of the gate/up output the layer keeps: every assignment's
+    (R = T k), or with a capacity C at most E C (each expert keeps at most C),
+    so what a capacity saves for the backward is bounded whatever the routing.
+    At least one row where there are assignments: capacity 0 drops them all
+    and keeps one unread row, so no kernel meets an empty operand that a
+    dropless call of the same T never gives it."""
+    return assignments if capacity is None else min(assignments, max(1, num_experts * capacity))
+
+
 def experts_forward_direct(hidden, top_k_index, top_k_weights, w_up, w_down, act, num_experts,
                            capacity, skip_foreign):
-    """(out [T, H], gate_up [R, 2I], offsets, dest, dropped); see the module."""
+    """(out [T, H], gate_up [M, 2I], offsets, dest, dropped); see the module."""
     hidden, top_k_index, top_k_weights, w_up, w_down = detached(hidden, top_k_index, top_k_weights, w_up,
                                                               w_down)
     # Read for the capacity's selection; and for the check that each
@@ -253,6 +264,7 @@ def experts_forward_direct(hidden, top_k_index, top_k_weights, w_up, w_down, act
                                capacity=capacity, skip_foreign=skip_foreign, distinct=True, _apart=True)
     x, offsets, dest, dropped = d.rows, d.offsets, d.dest, d.dropped
     del d
+    x = x[:kept_rows(x.shape[0], num_experts, capacity)]  # the kept rows lie below offsets[-1] <= E C
     gate_up = grouped_mm(x if x.dtype == w_up.dtype else x.to(w_up.dtype), w_up, offsets)
     del x
     a = gated_act_direct(gate_up, act, offsets)

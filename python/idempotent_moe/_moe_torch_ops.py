@@ -145,7 +145,7 @@ if AVAILABLE:
     def _(hidden, top_k_index, top_k_weights, w_up, w_down, act, num_experts, capacity, skip_foreign):
         ints = dict(dtype=torch.int32, device=hidden.device)
         return (hidden.new_empty(tuple(hidden.shape)),
-                w_up.new_empty((top_k_index.numel(), w_up.shape[-1])),
+                w_up.new_empty((ag.kept_rows(top_k_index.numel(), num_experts, capacity), w_up.shape[-1])),
                 torch.empty(num_experts, **ints), torch.empty(tuple(top_k_index.shape), **ints),
                 torch.empty(1, dtype=torch.int64, device=hidden.device))
 

@@ -253,7 +253,9 @@ def test_the_fused_layer_saves_no_rows_by_hidden_copy(capacity):
     rows = 16 * K
     shapes, (out, _) = saved_tensors(lambda: fused(hidden, idx, w, w_up, w_down, "silu", capacity))
     assert (rows, 24) not in shapes  # never the gathered rows nor the expert outputs
-    assert (rows, 2 * INTER) in shapes  # the gate/up output
+    kept = rows if capacity is None else E * capacity  # the gate/up output: 8 of 32 rows with capacity 2
+    assert (kept, 2 * INTER) in shapes
+    assert capacity is None or (rows, 2 * INTER) not in shapes
     assert (16, 24) in shapes  # hidden, for dW_up only
     # the torch path of the same layer keeps [rows, H] tensors
     composed, _ = saved_tensors(lambda: moe.moe_combine(
@@ -261,6 +263,30 @@ def test_the_fused_layer_saves_no_rows_by_hidden_copy(capacity):
             d.rows, w_up, d.offsets), "silu", limit=d.offsets), w_down, d.offsets), d.dest, w)
         if (d := moe.moe_dispatch(hidden, idx, E)) else None)
     assert (rows, 24) in composed
+
+
+@pytest.mark.parametrize("capacity", [0, 1, 3, 9])
+def test_what_a_capacity_keeps_is_bounded_by_it_whatever_the_routing(capacity):
+    """The gate/up output saved for the backward has min(T k, max(1, E C))
+    rows, the same for a balanced and a skewed router, and the gradients
+    of the layer with that bound are the reference's (its float64 loop over
+    the kept assignments)."""
+    hidden, w_up, w_down = layer_inputs(torch.float64, seed=8)
+    found = []
+    for skew in (False, True):
+        w, idx = routing(seed=9, skew=skew)
+        shapes, (out, dropped) = saved_tensors(
+            lambda w=w, idx=idx: fused(hidden, idx, w, w_up, w_down, "silu", capacity))
+        found.append(sorted(s for s in shapes if len(s) == 2 and s[-1] == 2 * INTER))
+        ref = reference_layer(hidden, idx, w, w_up, w_down, "silu", capacity=capacity)
+        got = torch.autograd.grad(out.sum(), (hidden, w_up, w_down))
+        want = ([torch.zeros_like(t) for t in (hidden, w_up, w_down)] if capacity == 0  # all dropped
+                else torch.autograd.grad(ref.sum(), (hidden, w_up, w_down)))
+        for a, b in zip(got, want):
+            assert torch.allclose(a, b, atol=1e-10), (skew, capacity)
+        over = torch.bincount(idx.reshape(-1), minlength=E) - capacity
+        assert int(dropped) == int(over.clamp(min=0).sum())
+    assert found[0] == found[1] == [(min(T * K, max(1, E * capacity)), 2 * INTER)]
 
 
 def test_frozen_experts_compute_no_weight_gradient_and_keep_no_hidden():
