@@ -139,16 +139,28 @@ def set_mode(target, config, implementation: str, capacity):
 
 
 class SavedBytes:
-    """Bytes autograd saves inside the experts modules, parameters excluded."""
+    """What autograd saves inside the experts modules while `active`,
+    parameters excluded: one entry per tensor however often it is saved
+    (`tensors`: (data_ptr, shape, dtype) -> [tensor's bytes, times saved]),
+    and their bytes. `reset()` before each step."""
 
     def __init__(self, params):
         self.params = {p.data_ptr() for p in params}
-        self.bytes = 0
         self.active = False
+        self.reset()
+
+    def reset(self):
+        self.tensors: dict = {}
+
+    @property
+    def bytes(self) -> int:
+        return sum(size for size, _ in self.tensors.values())
 
     def pack(self, t):
         if self.active and t.data_ptr() not in self.params:
-            self.bytes += t.numel() * t.element_size()
+            entry = self.tensors.setdefault((t.data_ptr(), tuple(t.shape), t.dtype),
+                                            [t.numel() * t.element_size(), 0])
+            entry[1] += 1
         return t
 
 
@@ -273,7 +285,7 @@ def run_models(cfg, device, dtype, rounds, reps, rate):
 
                     def step(model=model, counter=counter, ids=ids):
                         model.zero_grad(set_to_none=True)
-                        counter.bytes = 0
+                        counter.reset()
                         with torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t):
                             loss = model(ids, labels=ids).loss
                         loss.backward()
@@ -353,7 +365,7 @@ def run_layers(cfg, device, dtype, rounds, reps, rate):
                         experts.zero_grad(set_to_none=True)
                         h = hidden.detach().requires_grad_()
                         ww = w.detach().requires_grad_()
-                        counter.bytes = 0
+                        counter.reset()
                         counter.active = True
                         with torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t):
                             out = experts(h, idx, ww)

@@ -28,7 +28,7 @@ import torch
 
 from . import report
 from .model_timing import log
-from .train import FULL, QUICK, _sync, make_experts, set_mode
+from .train import FULL, QUICK, SavedBytes, _sync, make_experts, set_mode
 
 MODES = [("grouped_mm", None), ("idempotent", None), ("idempotent", 1.0)]
 TOP = 12
@@ -56,28 +56,20 @@ def tensor_name(shape: tuple, dtype: torch.dtype, dims: dict) -> str:
 
 
 def saved_tensors(experts, hidden, idx, w, dims: dict) -> list:
-    """One line per storage autograd saves in one forward (parameters
-    excluded): name, shape, dtype, bytes and how often it is saved."""
-    params = {p.data_ptr() for p in experts.parameters()}
-    seen: dict = {}
-
-    def pack(t):
-        if t.data_ptr() not in params:
-            key = (t.data_ptr(), tuple(t.shape), t.dtype)
-            if key in seen:
-                seen[key]["times"] += 1
-            else:
-                seen[key] = dict(name=tensor_name(tuple(t.shape), t.dtype, dims), shape=list(t.shape),
-                                 dtype=str(t.dtype).removeprefix("torch."),
-                                 bytes=t.numel() * t.element_size(), times=1)
-        return t
-
+    """One line per tensor autograd saves in one forward (T1's SavedBytes):
+    name, shape, dtype, bytes and how often it is saved."""
+    counter = SavedBytes(experts.parameters())
     h = hidden.detach().requires_grad_()
     ww = w.detach().requires_grad_()
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    counter.active = True
+    with torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t):
         out = experts(h, idx, ww)
+    counter.active = False
     del out
-    return sorted(seen.values(), key=lambda s: -s["bytes"])
+    lines = [dict(name=tensor_name(shape, dtype, dims), shape=list(shape),
+                  dtype=str(dtype).removeprefix("torch."), bytes=size, times=times)
+             for (_, shape, dtype), (size, times) in counter.tensors.items()]
+    return sorted(lines, key=lambda s: -s["bytes"])
 
 
 def kernel_times(step, device, reps: int) -> dict:
