@@ -338,22 +338,34 @@ def check_layer(experts, hidden, idx, w, grad, skew) -> dict:
     return checks
 
 
+def layer_inputs(shape: dict, tokens: int, device, dtype):
+    """The layer's seeded (hidden [T, H], router logits [T, E], output gradient [T, H])."""
+    g = torch.Generator(device=device).manual_seed(3)
+    hidden = torch.randn(tokens, shape["hidden"], device=device, dtype=dtype, generator=g)
+    logits = torch.randn(tokens, shape["experts"], device=device, generator=g)
+    grad = torch.randn(tokens, shape["hidden"], device=device, dtype=dtype, generator=g)
+    return hidden, logits, grad
+
+
+def layer_routing(logits: torch.Tensor, top_k: int, skew: bool, dtype):
+    """(weights, index) [T, k]: softmax top-k, renormalised; skewed: +3 on
+    expert 0's logit."""
+    lg = logits.clone()
+    if skew:
+        lg[:, 0] += 3.0
+    w, idx = torch.softmax(lg, -1).topk(top_k, -1)
+    return (w / w.sum(-1, keepdim=True)).to(dtype), idx
+
+
 def run_layers(cfg, device, dtype, rounds, reps, rate):
     results = []
     tokens = cfg["layer_tokens"]
     for name, shape in cfg["layer"].items():
         experts = make_experts(shape, device, dtype)
-        g = torch.Generator(device=device).manual_seed(3)
-        hidden = torch.randn(tokens, shape["hidden"], device=device, dtype=dtype, generator=g)
-        logits = torch.randn(tokens, shape["experts"], device=device, generator=g)
-        grad = torch.randn(tokens, shape["hidden"], device=device, dtype=dtype, generator=g)
+        hidden, logits, grad = layer_inputs(shape, tokens, device, dtype)
         times, info, checks = {}, {}, {}
         for skew in (False, True):
-            lg = logits.clone()
-            if skew:
-                lg[:, 0] += 3.0
-            w, idx = torch.softmax(lg, -1).topk(shape["top_k"], -1)
-            w = (w / w.sum(-1, keepdim=True)).to(dtype)
+            w, idx = layer_routing(logits, shape["top_k"], skew, dtype)
             for r in range(rounds):
                 log(f"T1 {name}{' skewed' if skew else ''}: round {r + 1} of {rounds}")
                 for impl, cap in round_order(MODES, r):
@@ -389,27 +401,32 @@ def run_layers(cfg, device, dtype, rounds, reps, rate):
     return results
 
 
+def setup(device: str, quick: bool):
+    """(device, sizes, dtype) of a T1 run, "idempotent" registered: "auto" is
+    the GPU when there is one (the CPU with quick), quick sizes in float32."""
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() and not quick else "cpu"
+    imoe_hf.register()
+    return torch.device(device), QUICK if quick else FULL, torch.float32 if quick else torch.bfloat16
+
+
 def run(device: str = "auto", quick: bool = False, rounds: int = 0, reps: int = 0,
         only: str | None = None) -> dict:
     """T1 on `device` ("auto": the GPU when there is one); the JSON's data."""
     from .w4 import _machine
 
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() and not quick else "cpu"
-    dev = torch.device(device)
-    cfg = QUICK if quick else FULL
-    dtype = torch.float32 if quick else torch.bfloat16
+    dev, cfg, dtype = setup(device, quick)
     rounds = rounds or (1 if quick else 3)
     reps = reps or (1 if quick else 3)
-    imoe_hf.register()
     rate = bf16_rate(dev, quick)
     results = []
     if only in (None, "model"):
         results += run_models(cfg, dev, dtype, rounds, reps, rate)
     if only in (None, "layer"):
         results += run_layers(cfg, dev, dtype, rounds, reps, rate)
-    return dict(workload="T1", machine=_machine(device), quick=quick, dtype=str(dtype).removeprefix("torch."),
-                gemm_flops_per_s=rate, rounds=rounds, reps=reps, config=cfg, results=results)
+    return dict(workload="T1", machine=_machine(dev.type), quick=quick,
+                dtype=str(dtype).removeprefix("torch."), gemm_flops_per_s=rate, rounds=rounds, reps=reps,
+                config=cfg, results=results)
 
 
 def _label(r: dict) -> str:

@@ -23,12 +23,11 @@ from __future__ import annotations
 import statistics
 import time
 
-import idempotent_moe.integrations as imoe_hf
 import torch
 
 from . import report
 from .model_timing import log
-from .train import FULL, QUICK, SavedBytes, _sync, make_experts, set_mode
+from .train import SavedBytes, _sync, layer_inputs, layer_routing, make_experts, set_mode, setup
 
 MODES = [("grouped_mm", None), ("idempotent", None), ("idempotent", 1.0)]
 TOP = 12
@@ -109,28 +108,16 @@ def kernel_times(step, device, reps: int) -> dict:
 def run(device: str = "auto", quick: bool = False, reps: int = 0) -> dict:
     from .w4 import _machine
 
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() and not quick else "cpu"
-    dev = torch.device(device)
-    cfg = QUICK if quick else FULL
-    dtype = torch.float32 if quick else torch.bfloat16
+    dev, cfg, dtype = setup(device, quick)
     reps = reps or (1 if quick else 3)
-    imoe_hf.register()
     tokens = cfg["layer_tokens"]
     results = []
     for name, shape in cfg["layer"].items():
         experts = make_experts(shape, dev, dtype)
         dims = dict(T=tokens, k=shape["top_k"], H=shape["hidden"], I=shape["inter"])
-        g = torch.Generator(device=dev).manual_seed(3)
-        hidden = torch.randn(tokens, shape["hidden"], device=dev, dtype=dtype, generator=g)
-        logits = torch.randn(tokens, shape["experts"], device=dev, generator=g)
-        grad = torch.randn(tokens, shape["hidden"], device=dev, dtype=dtype, generator=g)
+        hidden, logits, grad = layer_inputs(shape, tokens, dev, dtype)
         for skew in (False, True):
-            lg = logits.clone()
-            if skew:
-                lg[:, 0] += 3.0
-            w, idx = torch.softmax(lg, -1).topk(shape["top_k"], -1)
-            w = (w / w.sum(-1, keepdim=True)).to(dtype)
+            w, idx = layer_routing(logits, shape["top_k"], skew, dtype)
             for impl, cap in MODES:
                 log(f"T1 profile {name}{' skewed' if skew else ''}: {_label(impl, cap)}")
                 set_mode(experts, experts.config, impl, cap)
@@ -145,7 +132,7 @@ def run(device: str = "auto", quick: bool = False, reps: int = 0) -> dict:
                                     saved_bytes=sum(s["bytes"] for s in saved),
                                     kernels=kernel_times(step, dev, reps)))
         del experts
-    return dict(workload="T1 profile", machine=_machine(device), quick=quick,
+    return dict(workload="T1 profile", machine=_machine(dev.type), quick=quick,
                 dtype=str(dtype).removeprefix("torch."), reps=reps, config=cfg, results=results)
 
 
