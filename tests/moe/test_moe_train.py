@@ -289,6 +289,21 @@ def test_what_a_capacity_keeps_is_bounded_by_it_whatever_the_routing(capacity):
     assert found[0] == found[1] == [(min(T * K, max(1, E * capacity)), 2 * INTER)]
 
 
+@pytest.mark.parametrize("capacity", [None, 3, 1, 0])
+def test_opcheck_of_the_fused_layer_op(capacity):
+    """torch's checks of experts_forward: schema, autograd registration, and
+    a fake implementation whose outputs match the real ones (the gate/up
+    output's kept rows included). AOT dispatch is left out: the rows past
+    offsets[-1] are never written, so two runs need not agree there."""
+    w, idx = routing()
+    hidden, w_up, w_down = layer_inputs(torch.float32, seed=7)
+    result = torch.library.opcheck(
+        torch.ops.idempotent_moe.experts_forward.default,
+        (hidden, idx, w.requires_grad_(), w_up, w_down, "silu", E, capacity, False),
+        test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+    assert set(result.values()) == {"SUCCESS"}, result
+
+
 def test_frozen_experts_compute_no_weight_gradient_and_keep_no_hidden():
     w, idx = routing()
     hidden, w_up, w_down = layer_inputs(torch.float32, seed=6)
