@@ -11,7 +11,7 @@ weights and routing as `train`:
   time per step; the top ones, the rest summed, their total beside the
   step's wall time (the gap is the host's and the launch queue's);
 - saved: every tensor autograd saves inside the layer (parameters excluded),
-  one line per storage however often it is saved, named by its shape against
+  one line per tensor however often it is saved, named by its shape against
   the layer's (T tokens, k assignments each, R = T k rows, H, I).
 
     python -m imoe_bench train --profile             # the GPU: tables and JSON
@@ -28,15 +28,14 @@ import torch
 from . import report
 from .model_timing import log
 from .train import SavedBytes, _sync, layer_inputs, layer_routing, make_experts, set_mode, setup
+from .train import _label as train_label
 
 MODES = [("grouped_mm", None), ("idempotent", None), ("idempotent", 1.0)]
 TOP = 12
 
 
 def _label(impl: str, cap) -> str:
-    if impl != "idempotent":
-        return impl
-    return "idempotent dropless" if cap is None else f"idempotent capacity {cap}"
+    return train_label(dict(implementation=impl, capacity=cap))
 
 
 def tensor_name(shape: tuple, dtype: torch.dtype, dims: dict) -> str:
