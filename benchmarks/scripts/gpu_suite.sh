@@ -82,6 +82,8 @@ if [ "$models" = 1 ]; then
   run python benchmarks/scripts/decode_profile.py --cache static --batch 1 --out "$out/decode-profile-cuda.json"
   step "T1: training steps and the experts layer alone"
   run python -m imoe_bench train --out "$out" --doc docs/moe.md
+  step "T1's layer taken apart: time per kernel, bytes per saved tensor"
+  run python -m imoe_bench train --profile --out "$out"
   step "P1: the experts forward, routing given (with vLLM's fused_moe where VLLM_PATH names a checkout)"
   run python benchmarks/p1_experts.py --out "$out/p1-cuda.json" ${VLLM_PATH:+--vllm-path "$VLLM_PATH"}
 fi
