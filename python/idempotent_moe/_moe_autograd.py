@@ -247,8 +247,9 @@ def kept_rows(assignments: int, num_experts: int, capacity: int | None) -> int:
     so what a capacity saves for the backward is bounded whatever the routing.
     At least one row where there are assignments: capacity 0 drops them all
     and keeps one unread row, so no kernel meets an empty operand that a
-    dropless call of the same T never gives it."""
-    return assignments if capacity is None else min(assignments, max(1, num_experts * capacity))
+    dropless call of the same T never gives it. (sym_min: no guard on T
+    where a compiled step's T is symbolic.)"""
+    return assignments if capacity is None else torch.sym_min(assignments, max(1, num_experts * capacity))
 
 
 def experts_forward_direct(hidden, top_k_index, top_k_weights, w_up, w_down, act, num_experts,
