@@ -5,7 +5,8 @@ The backward formulas that `_moe_torch_ops` registers with torch.library
 grouped_gemm, and the fused experts layer as one differentiable pair of
 ops (`experts_forward` / `experts_backward`):
 
-    forward   d = dispatch(hidden); gate_up = d.rows @ W_up[e];
+    forward   d = dispatch(hidden) (where M < R: a sort, then a gather of
+              the M kept rows); gate_up = d.rows @ W_up[e];
               A = act(gate) * up; Y = A @ W_down[e]; out = combine(Y, w)
     saved     gate_up [M, 2I] (M = kept_rows: R, or E C with a capacity C
               that keeps fewer), offsets, dest (int32), the routing weights,
@@ -261,11 +262,17 @@ def experts_forward_direct(hidden, top_k_index, top_k_weights, w_up, w_down, act
     # token's local experts of nonzero weight are distinct (on the CPU),
     # as on every path of the experts implementation.
     select = top_k_weights if top_k_weights.dtype in CORE_DTYPES else top_k_weights.float()
-    d = _moe_core.moe_dispatch(hidden, top_k_index, num_experts, top_k_weights=select,
-                               capacity=capacity, skip_foreign=skip_foreign, distinct=True, _apart=True)
-    x, offsets, dest, dropped = d.rows, d.offsets, d.dest, d.dropped
+    assignments = top_k_index.numel()
+    rows = kept_rows(assignments, num_experts, capacity)  # the kept rows lie below offsets[-1] <= E C
+    # A capacity that keeps fewer rows than there are assignments: the
+    # dispatch sorts only (one column), and the kept rows alone are gathered.
+    sort_only = rows < assignments
+    d = _moe_core.moe_dispatch(hidden[:, :1] if sort_only else hidden, top_k_index, num_experts,
+                               top_k_weights=select, capacity=capacity, skip_foreign=skip_foreign,
+                               distinct=True, _apart=True)
+    offsets, dest, dropped = d.offsets, d.dest, d.dropped
+    x = gather_rows_direct(hidden, dest, None, rows, w_up.dtype) if sort_only else d.rows
     del d
-    x = x[:kept_rows(x.shape[0], num_experts, capacity)]  # the kept rows lie below offsets[-1] <= E C
     gate_up = grouped_mm(x if x.dtype == w_up.dtype else x.to(w_up.dtype), w_up, offsets)
     del x
     a = gated_act_direct(gate_up, act, offsets)

@@ -290,6 +290,24 @@ def test_what_a_capacity_keeps_is_bounded_by_it_whatever_the_routing(capacity):
 
 
 @pytest.mark.parametrize("capacity", [None, 3, 1, 0])
+def test_a_capacity_gathers_only_the_rows_it_keeps(capacity, monkeypatch):
+    """Where E C < T k, the forward never makes a row per assignment: the
+    dispatch sorts (one column), and only the kept rows are gathered."""
+    made = []  # the shape of every row array the forward makes
+    dispatch, gather = ag._moe_core.moe_dispatch, ag.gather_rows_direct
+    monkeypatch.setattr(ag._moe_core, "moe_dispatch",
+                        lambda *a, **k: made.append(tuple((d := dispatch(*a, **k)).rows.shape)) or d)
+    monkeypatch.setattr(ag, "gather_rows_direct",
+                        lambda *a: made.append(tuple((x := gather(*a)).shape)) or x)
+    w, idx = routing(seed=9, skew=True)
+    hidden, w_up, w_down = layer_inputs(torch.float32, seed=8)
+    with torch.no_grad():
+        fused(hidden, idx, w, w_up, w_down, "silu", capacity)
+    keeps = T * K if capacity is None else min(T * K, max(1, E * capacity))
+    assert [s for s in made if s[1] == H] == [(keeps, H)], (capacity, made)
+
+
+@pytest.mark.parametrize("capacity", [None, 3, 1, 0])
 def test_opcheck_of_the_fused_layer_op(capacity):
     """torch's checks of experts_forward: schema, autograd registration, and
     a fake implementation whose outputs match the real ones (the gate/up
