@@ -394,11 +394,32 @@ def experts_setup(ctx, inputs, output):
                           dest)
 
 
-def experts_backward(ctx, grad_out, *_):
+def experts_backward(ctx, grad_out, *_, backward=None):
+    """The layer's gradients: `backward` (default: the experts_backward op,
+    which torch.compile traces; eager: experts_backward_direct)."""
     hidden, top_k_weights, w_up, w_down, gate_up, offsets, dest = ctx.saved_tensors
     n_hidden, n_weights, n_up, n_down = ctx.needs
-    d = torch.ops.idempotent_moe.experts_backward(grad_out.contiguous(), hidden, top_k_weights, w_up, w_down,
-                                                  gate_up, offsets, dest, ctx.act, n_hidden, n_weights, n_up,
-                                                  n_down)
+    d = (backward or torch.ops.idempotent_moe.experts_backward)(
+        grad_out.contiguous(), hidden, top_k_weights, w_up, w_down, gate_up, offsets, dest, ctx.act, n_hidden,
+        n_weights, n_up, n_down)
     d_hidden, d_weights, d_up, d_down = (t if need else None for t, need in zip(d, ctx.needs))
     return d_hidden, None, d_weights, d_up, d_down, None, None, None, None
+
+
+class EagerExperts(torch.autograd.Function):
+    """The fused experts layer in eager mode: the op pair's formulas
+    (experts_setup, experts_backward) over the direct paths, without the
+    custom ops' dispatch (torch.compile, fake tensors and functorch take the
+    ops: `_moe_torch_ops.fused_experts` chooses)."""
+
+    @staticmethod
+    def forward(ctx, hidden, top_k_index, top_k_weights, w_up, w_down, act, num_experts, capacity,
+                skip_foreign):
+        inputs = (hidden, top_k_index, top_k_weights, w_up, w_down, act, num_experts, capacity, skip_foreign)
+        output = experts_forward_direct(*inputs)
+        experts_setup(ctx, inputs, output)
+        return output
+
+    @staticmethod
+    def backward(ctx, grad_out, *_):
+        return experts_backward(ctx, grad_out, backward=experts_backward_direct)

@@ -17,9 +17,10 @@ experts_backward are the fused experts layer.
 from typing import Optional
 
 import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode as _dispatch_mode
 
 from . import _moe_autograd as ag
-from . import _moe_core
+from . import _moe_core, _tracing
 
 AVAILABLE = hasattr(torch.library, "custom_op")  # torch 2.4 on
 T = torch.Tensor
@@ -178,7 +179,19 @@ def fused_experts(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights
                   w_up: torch.Tensor, w_down: torch.Tensor, act: str, num_experts: int,
                   capacity: Optional[int] = None, skip_foreign: bool = False):
     """The experts layer as one differentiable unit: (out [T, H], dropped [1]).
-    w_up [E, H, 2I] and w_down [E, I, H] in GEMM layout (views are fine)."""
-    out, _, _, _, dropped = torch.ops.idempotent_moe.experts_forward(
-        hidden, top_k_index, top_k_weights, w_up, w_down, act, num_experts, capacity, skip_foreign)
+    w_up [E, H, 2I] and w_down [E, I, H] in GEMM layout (views are fine).
+    Eager calls run the op pair's formulas as an autograd.Function (no
+    custom-op dispatch: less host time per step); torch.compile, fake or
+    meta tensors, torch dispatch modes and functorch transforms take the ops."""
+    layer = torch.ops.idempotent_moe.experts_forward if _traced(hidden) else ag.EagerExperts.apply
+    out, _, _, _, dropped = layer(hidden, top_k_index, top_k_weights, w_up, w_down, act, num_experts,
+                                  capacity, skip_foreign)
     return out, dropped
+
+
+def _traced(x: torch.Tensor) -> bool:
+    """Whether x's call must go through the custom ops: torch.compile is
+    tracing, x has no storage the kernels can read (meta, fake), or a torch
+    dispatch mode or functorch transform is active."""
+    return (_tracing.compiling() or x.device.type == "meta" or _dispatch_mode() is not None
+            or torch._C._are_functorch_transforms_active())

@@ -164,13 +164,33 @@ def test_ops_route_to_autograd_only_when_a_gradient_is_recorded():
 # --------------------------------------------------------------------------- the fused layer
 
 
-def fused(hidden, idx, w, w_up, w_down, act="silu", capacity=None):
+def fused(hidden, idx, w, w_up, w_down, act="silu", capacity=None, route="entry"):
+    """The fused layer through its entry (eager: the autograd.Function), or
+    through the op pair that torch.compile traces (route "op")."""
+    if route == "op":
+        out, _, _, _, dropped = torch.ops.idempotent_moe.experts_forward(hidden, idx, w, w_up, w_down, act, E,
+                                                                          capacity, False)
+        return out, dropped
     return _moe_torch_ops.fused_experts(hidden, idx, w, w_up, w_down, act, E, capacity)
 
 
+def test_eager_calls_skip_the_op_dispatch_and_meta_tensors_take_the_ops():
+    w, idx = routing()
+    hidden, w_up, w_down = layer_inputs(torch.float32, seed=5)
+    out, _ = fused(hidden, idx, w, w_up, w_down)
+    assert type(out.grad_fn).__name__ == "EagerExpertsBackward"
+    out, _ = fused(hidden, idx, w, w_up, w_down, route="op")
+    assert type(out.grad_fn).__name__ != "EagerExpertsBackward"
+    meta = [t.detach().to("meta").requires_grad_(t.requires_grad) for t in (hidden, w, w_up, w_down)]
+    out, _ = fused(meta[0], idx.to("meta"), *meta[1:])  # the fake implementation: shapes only
+    assert out.device.type == "meta" and out.shape == (T, H)
+    assert type(out.grad_fn).__name__ != "EagerExpertsBackward"
+
+
+@pytest.mark.parametrize("route", ["entry", "op"])
 @pytest.mark.parametrize("capacity", [None, 2, 0])
 @pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
-def test_gradcheck_of_the_fused_layer(capacity, act):
+def test_gradcheck_of_the_fused_layer(capacity, act, route):
     w, idx = routing(skew=True)  # expert 0 overloaded, some experts empty
     w = w.double()
     w[1] = w[2]  # equal weights: ties go to the lower token
@@ -180,7 +200,7 @@ def test_gradcheck_of_the_fused_layer(capacity, act):
     inputs = (hidden, w, w_up, w_down)
 
     def layer(hidden, w, w_up, w_down):
-        return fused(hidden, idx, w, w_up, w_down, act, capacity)[0]
+        return fused(hidden, idx, w, w_up, w_down, act, capacity, route)[0]
     if capacity is None:
         assert torch.autograd.gradcheck(layer, inputs, fast_mode=True)
     else:  # a nudged weight may change the selection at a tie: w held fixed there
@@ -199,15 +219,16 @@ def test_gradcheck_of_the_fused_layer(capacity, act):
         assert torch.allclose(a, b, atol=1e-10)
 
 
+@pytest.mark.parametrize("route", ["entry", "op"])
 @pytest.mark.parametrize("capacity", [None, 3])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_layer_gradients_against_float64(capacity, dtype):
+def test_fused_layer_gradients_against_float64(capacity, dtype, route):
     w, idx = routing(skew=True)
     grads = {}
     for dt in (torch.float64, dtype):
         hidden, w_up, w_down = layer_inputs(dt, seed=2)
         ww = w.to(dt).requires_grad_()
-        out, _ = fused(hidden, idx, ww, w_up, w_down, "silu", capacity)
+        out, _ = fused(hidden, idx, ww, w_up, w_down, "silu", capacity, route)
         probe = torch.linspace(-1, 1, out.numel(), dtype=torch.float64).view_as(out).to(dt)
         grads[dt] = [out] + list(torch.autograd.grad((out * probe).sum(), (hidden, ww, w_up, w_down)))
     # bf16 tolerance: a few bf16 ulps of each value's scale (the same bound as
