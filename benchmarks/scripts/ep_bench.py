@@ -720,7 +720,12 @@ def main(argv: list | None = None) -> int:
         return 0
     if "RANK" in os.environ:
         worker(args)
-        return 0
+        # The group is destroyed and the results written: the rank leaves
+        # without interpreter finalization, where gloo's worker threads can
+        # still be torn down and abort the process (pytorch/pytorch#179291).
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     return launch(argv, args.world_size, args.timeout)
 
 
