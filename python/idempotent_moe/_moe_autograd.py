@@ -3,7 +3,8 @@
 The backward formulas that `_moe_torch_ops` registers with torch.library
 (`register_autograd`) on moe_dispatch, moe_combine, gated_act and
 grouped_gemm, and the fused experts layer as one differentiable pair of
-ops (`experts_forward` / `experts_backward`):
+ops (`experts_forward` / `experts_backward`; an eager call runs the same
+formulas as `EagerExperts`, an autograd.Function without the ops' dispatch):
 
     forward   d = dispatch(hidden) (where M < R: a sort, then a gather of
               the M kept rows); gate_up = d.rows @ W_up[e];

@@ -5,7 +5,8 @@ give, so a compiled experts forward is one graph and CUDA graphs capture the
 kernels. Imported when torch.compile traces a call of `moe` on torch tensors
 or autograd records one (`moe` routes there); the real implementations call
 the direct path, _moe_core (float64: the torch references of _moe_autograd).
-`fused_experts` is the fused experts layer's entry.
+`fused_experts` is the fused experts layer's entry (an eager call takes
+`_moe_autograd.EagerExperts`, the same formulas without the ops' dispatch).
 
 Backward: moe_dispatch, moe_combine, gated_act and grouped_gemm have
 formulas registered with `register_autograd` (_moe_autograd), over the
