@@ -42,6 +42,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import types
 
 FUSED_MOE_PY = os.path.join("vllm", "model_executor", "layers", "fused_moe", "fused_moe.py")
 CONFIG_DIR = os.path.join("vllm", "model_executor", "layers", "fused_moe", "configs")
@@ -120,6 +121,8 @@ def extract_plain_functions(source: str, names: tuple) -> dict:
         raise NotImplementedError("a quantized path of vLLM's config functions was reached")
 
     namespace = {"current_platform": _Platform, "vllm_is_batch_invariant": lambda: False,
+                 "get_device_name_as_file_name": lambda: _Platform.get_device_name().replace(" ", "_"),
+                 "envs": types.SimpleNamespace(VLLM_BATCH_INVARIANT=False, VLLM_TUNED_CONFIG_FOLDER=None),
                  "should_moe_wna16_use_cuda": _not_reached, "torch": torch, "os": os, "json": json}
     module = ast.Module(body=found, type_ignores=[])
     exec(compile(module, FUSED_MOE_PY, "exec", flags=_future.annotations.compiler_flag, dont_inherit=True),
@@ -269,6 +272,10 @@ class VllmFusedMoe:
             "use_fp8_w8a8": False, "use_int8_w8a8": False, "use_int8_w8a16": False, "use_int4_w4a16": False,
             "per_channel_quant": False, "HAS_BIAS": False, "SPLIT_K": 1,
             "even_Ks": B.size(2) % config["BLOCK_SIZE_K"] == 0,
+            # later checkouts: TMA descriptors, the swapped and tensor-descriptor
+            # layouts (quantized or opt-in paths) off, as the unquantized call has them
+            "a_desc": None, "b_desc": None, "naive_block_assignment": False, "SWAP_AB": False,
+            "USE_TD": False, "USE_TMA_A": False, "USE_TMA_B": False, "C_IS_SORTED": False,
         }
         options = {}
         for key, value in config.items():
