@@ -161,9 +161,22 @@ def grouped_mm_nt(g: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> to
     return grouped_mm(g, w.transpose(-2, -1), offsets)
 
 
-def grouped_mm_dw(a: torch.Tensor, g: torch.Tensor, offsets: torch.Tensor, num_experts: int) -> torch.Tensor:
+def transposed(w: torch.Tensor) -> bool:
+    """Whether w [E, K, N] is the transposed view of a contiguous [E, N, K]
+    (transformers' weights as the experts' GEMMs take them)."""
+    return w.dim() == 3 and w.stride(-2) == 1 and w.stride(-1) == w.shape[-2] and w.shape[-2] > 1
+
+
+def grouped_mm_dw(a: torch.Tensor, g: torch.Tensor, offsets: torch.Tensor, num_experts: int,
+                  like: torch.Tensor | None = None) -> torch.Tensor:
     """dW[e] = a[rows of e]^T @ g[rows of e] [E, K, N] (zero for an expert
-    without rows): a grouped GEMM's weight gradient."""
+    without rows): a grouped GEMM's weight gradient, laid out as the weight
+    `like` is. A transposed weight gets its gradient as the transposed view
+    of a contiguous [E, N, K], so the parameter's .grad arrives contiguous
+    and autograd keeps it instead of copying it (a transient of the whole
+    weight's size)."""
+    if like is not None and transposed(like):
+        return grouped_mm_dw(g, a, offsets, num_experts).transpose(-2, -1)
     if _GMM is not None and a.dtype == g.dtype and a.dtype in CORE_DTYPES:
         try:
             return _GMM(a.t(), g, offs=offsets)
@@ -301,7 +314,7 @@ def experts_backward_direct(grad_out, hidden, top_k_weights, w_up, w_down, gate_
             d_weights = weight_grad_direct(g, a, dest, True, top_k_weights.dtype)
     w_row = row_weights(dest, top_k_weights, rows, torch.float32 if dt in CORE_DTYPES else dt)
     if need_down:
-        d_down = grouped_mm_dw(a.mul_(w_row.to(dt)), gdo, offsets, num_experts)
+        d_down = grouped_mm_dw(a.mul_(w_row.to(dt)), gdo, offsets, num_experts, like=w_down)
     if need_weights or need_down:
         del a
     del gdo
@@ -310,7 +323,7 @@ def experts_backward_direct(grad_out, hidden, top_k_weights, w_up, w_down, gate_
     d_up, d_hidden = none(), none()
     if need_up:
         x = gather_rows_direct(hidden, dest, None, rows, dt)
-        d_up = grouped_mm_dw(x, d_gate_up, offsets, num_experts)
+        d_up = grouped_mm_dw(x, d_gate_up, offsets, num_experts, like=w_up)
         del x
     if need_hidden:
         d_rows = grouped_mm_nt(d_gate_up, w_up, offsets)
@@ -373,6 +386,7 @@ def act_backward(ctx, grad):
 def gemm_setup(ctx, inputs, output):
     a, w, offsets = inputs
     ctx.save_for_backward(a if _needs(ctx, 1) else None, w if _needs(ctx, 0) else None, offsets)
+    ctx.num_experts, ctx.w_transposed = w.shape[0], transposed(w)
 
 
 def gemm_backward(ctx, grad):
@@ -380,7 +394,10 @@ def gemm_backward(ctx, grad):
     ops = torch.ops.idempotent_moe
     grad = grad.contiguous()
     d_a = ops.grouped_mm_nt(grad, w, offsets) if ctx.needs_input_grad[0] else None
-    d_w = ops.grouped_mm_dw(a, grad, offsets, w.shape[0]) if ctx.needs_input_grad[1] else None
+    d_w = None
+    if ctx.needs_input_grad[1]:  # in w's layout (grouped_mm_dw's like)
+        d_w = (ops.grouped_mm_dw(grad, a, offsets, ctx.num_experts).transpose(-2, -1) if ctx.w_transposed
+               else ops.grouped_mm_dw(a, grad, offsets, ctx.num_experts))
     return d_a, d_w, None
 
 

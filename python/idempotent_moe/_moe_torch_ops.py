@@ -163,9 +163,14 @@ if AVAILABLE:
           need_weights, need_up, need_down):
         def shaped(need, shape, like):
             return like.new_empty(shape if need else (0,), dtype=like.dtype if need else grad_out.dtype)
+
+        def weight_grad(need, w):  # grouped_mm_dw's layout: the weight's own
+            if need and ag.transposed(w):
+                return w.new_empty((w.shape[0], w.shape[2], w.shape[1])).transpose(-2, -1)
+            return shaped(need, tuple(w.shape), w)
         return (shaped(need_hidden, tuple(grad_out.shape), grad_out),
                 shaped(need_weights, tuple(dest.shape), top_k_weights),
-                shaped(need_up, tuple(w_up.shape), w_up), shaped(need_down, tuple(w_down.shape), w_down))
+                weight_grad(need_up, w_up), weight_grad(need_down, w_down))
 
     # ---- autograd ----
 

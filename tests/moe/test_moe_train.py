@@ -328,6 +328,58 @@ def test_a_capacity_gathers_only_the_rows_it_keeps(capacity, monkeypatch):
     assert [s for s in made if s[1] == H] == [(keeps, H)], (capacity, made)
 
 
+@pytest.mark.parametrize("route", ["entry", "op"])
+def test_weight_gradients_arrive_in_the_parameters_layout(route):
+    """transformers keeps the experts' weights as [E, N, K] and passes their
+    transposed views: the weight gradients come back as the transposed views
+    of contiguous tensors, so each parameter's incoming gradient is
+    contiguous and autograd keeps it instead of copying it (a transient the
+    size of the weight). The values are those of contiguous weights."""
+    w, idx = routing(skew=True)
+    hidden, w_up, w_down = layer_inputs(torch.float32, seed=4)
+    params = [t.detach().transpose(-2, -1).contiguous().requires_grad_() for t in (w_up, w_down)]
+    incoming = []
+    for p in params:
+        p.register_hook(lambda g: incoming.append(g.is_contiguous()))
+    out, _ = fused(hidden, idx, w, *(p.transpose(-2, -1) for p in params), route=route)
+    out.square().sum().backward()
+    assert incoming == [True, True]
+    want = torch.autograd.grad(fused(hidden, idx, w, w_up, w_down)[0].square().sum(), (w_up, w_down))
+    for p, g in zip(params, want):
+        assert torch.allclose(p.grad.transpose(-2, -1), g, atol=1e-5)
+
+
+def test_grouped_gemm_weight_gradient_arrives_in_the_parameters_layout():
+    a = torch.randn(9, H, dtype=torch.float64, requires_grad=True)
+    param = torch.randn(E, 5, H, dtype=torch.float64, requires_grad=True)  # [E, N, K]
+    offsets = torch.tensor([2, 2, 6, 9], dtype=torch.int32)
+    incoming = []
+    param.register_hook(lambda g: incoming.append(g.is_contiguous()))
+    moe.grouped_gemm(a, param.transpose(-2, -1), offsets).square().sum().backward()
+    assert incoming == [True]
+    w = param.detach().transpose(-2, -1).contiguous().requires_grad_()
+    moe.grouped_gemm(a.detach(), w, offsets).square().sum().backward()
+    assert torch.allclose(param.grad.transpose(-2, -1), w.grad)
+
+
+def test_opcheck_of_the_fused_layer_backward_op_with_transposed_weights():
+    """The backward op's fake implementation gives the weight gradients the
+    strides the real one does (the weights' own layout)."""
+    w, idx = routing()
+    hidden, w_up, w_down = layer_inputs(torch.float32, seed=6, grad=False)
+    w_up, w_down = (t.transpose(-2, -1).contiguous().transpose(-2, -1) for t in (w_up, w_down))
+    out, gate_up, offsets, dest, _ = torch.ops.idempotent_moe.experts_forward(hidden, idx, w, w_up, w_down,
+                                                                              "silu", E, None, False)
+    result = torch.library.opcheck(
+        torch.ops.idempotent_moe.experts_backward.default,
+        (torch.ones_like(out), hidden, w, w_up, w_down, gate_up, offsets, dest, "silu", True, True, True, True),
+        test_utils=("test_schema", "test_faketensor"))
+    assert set(result.values()) == {"SUCCESS"}, result
+    grads = torch.ops.idempotent_moe.experts_backward(torch.ones_like(out), hidden, w, w_up, w_down, gate_up,
+                                                      offsets, dest, "silu", True, True, True, True)
+    assert grads[2].stride() == w_up.stride() and grads[3].stride() == w_down.stride()
+
+
 @pytest.mark.parametrize("capacity", [None, 3, 1, 0])
 def test_opcheck_of_the_fused_layer_op(capacity):
     """torch's checks of experts_forward: schema, autograd registration, and
