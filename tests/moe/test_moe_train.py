@@ -370,13 +370,12 @@ def test_opcheck_of_the_fused_layer_backward_op_with_transposed_weights():
     w_up, w_down = (t.transpose(-2, -1).contiguous().transpose(-2, -1) for t in (w_up, w_down))
     out, gate_up, offsets, dest, _ = torch.ops.idempotent_moe.experts_forward(hidden, idx, w, w_up, w_down,
                                                                               "silu", E, None, False)
-    result = torch.library.opcheck(
-        torch.ops.idempotent_moe.experts_backward.default,
-        (torch.ones_like(out), hidden, w, w_up, w_down, gate_up, offsets, dest, "silu", True, True, True, True),
-        test_utils=("test_schema", "test_faketensor"))
+    needs = (True, True, True, True)
+    args = (torch.ones_like(out), hidden, w, w_up, w_down, gate_up, offsets, dest, "silu", *needs)
+    result = torch.library.opcheck(torch.ops.idempotent_moe.experts_backward.default, args,
+                                   test_utils=("test_schema", "test_faketensor"))
     assert set(result.values()) == {"SUCCESS"}, result
-    grads = torch.ops.idempotent_moe.experts_backward(torch.ones_like(out), hidden, w, w_up, w_down, gate_up,
-                                                      offsets, dest, "silu", True, True, True, True)
+    grads = torch.ops.idempotent_moe.experts_backward(*args)
     assert grads[2].stride() == w_up.stride() and grads[3].stride() == w_down.stride()
 
 
