@@ -84,6 +84,8 @@ if [ "$models" = 1 ]; then
   run python -m imoe_bench train --out "$out" --doc docs/moe.md
   step "T1's layer taken apart: time per kernel, bytes per saved tensor"
   run python -m imoe_bench train --profile --out "$out"
+  step "T1's models taken apart: what is alive at a step's memory peak"
+  run python -m imoe_bench train --memory --out "$out"
   step "P1: the experts forward, routing given (with vLLM's fused_moe where VLLM_PATH names a checkout)"
   run python benchmarks/p1_experts.py --out "$out/p1-cuda.json" ${VLLM_PATH:+--vllm-path "$VLLM_PATH"}
 fi

@@ -92,3 +92,50 @@ def test_profile_refuses_the_flags_it_does_not_take(capsys):
     with pytest.raises(SystemExit) as e:
         cli.main(["train", "--profile", "--quick", "--only", "layer"])
     assert "--profile" in str(e.value)
+
+
+def _event(action, addr, size, *frames):
+    return dict(action=action, addr=addr, size=size,
+                frames=[dict(filename=f, line=n, name="fn") for f, n in frames])
+
+
+def test_memory_peak_replays_the_trace_and_names_the_live_blocks_by_site():
+    from imoe_bench import train_memory as tm
+
+    lib = ("/x/site-packages/idempotent_moe/_moe_autograd.py", 7)
+    torch_frame = ("/x/site-packages/torch/autograd/graph.py", 3)
+    events = [
+        _event("free_completed", 99, 1000),                  # allocated before the trace: not counted
+        _event("alloc", 1, 100, torch_frame, lib),
+        _event("alloc", 2, 50, lib),
+        _event("free_requested", 1, 100),
+        _event("free_completed", 1, 100),                    # one free per block
+        _event("alloc", 3, 120, ("/x/site-packages/transformers/m.py", 9)),
+        _event("alloc", 4, 10, torch_frame),                 # the peak: 50 + 120 + 10
+        _event("free_completed", 3, 120),
+        _event("alloc", 5, 60, lib),
+    ]
+    peak, alive = tm.peak_of(events)
+    assert peak == 180
+    assert sorted(size for size, _ in alive) == [10, 50, 120]
+    sites = tm.by_site(alive)
+    assert [(s["site"], s["bytes"], s["blocks"]) for s in sites] == [
+        ("transformers/m.py:9 fn", 120, 1), ("idempotent_moe/_moe_autograd.py:7 fn", 50, 1),
+        ("torch/autograd/graph.py:3 fn", 10, 1)]
+    assert sites[0]["inner"] == "transformers/m.py:9 fn"
+    many = [(1, [dict(filename=f"/a/f{i}.py", line=i, name="g")]) for i in range(tm.TOP + 3)]
+    rows = tm.by_site(many)
+    assert len(rows) == tm.TOP + 1 and rows[-1]["site"] == "3 more sites" and rows[-1]["blocks"] == 3
+
+
+def test_memory_quick_run_reports_each_models_peak(tmp_path):
+    from imoe_bench import train_memory
+
+    assert cli.main(["train", "--memory", "--quick", "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "t1-memory-cpu-quick.json").read_text())
+    rows = report["results"]
+    assert {(r["family"], r["implementation"], r["capacity"]) for r in rows} == {
+        (f, i, c) for f in train.QUICK["model"] for i, c in train_memory.MODES}
+    assert all(r["peak_bytes"] > 0 and r["sites"] == [] for r in rows)
+    with pytest.raises(SystemExit, match="--memory"):
+        cli.main(["train", "--memory", "--quick", "--only", "model"])

@@ -1,0 +1,177 @@
+"""T1's model step taken apart by memory: what is alive at the peak of one
+training step, and who allocated it.
+
+For each model family of T1 and each of grouped_mm, eager and the library's
+dropless and capacity 1.0 modes, on the same model and tokens as `train`:
+one warm-up step, then one step recorded by the CUDA caching allocator's
+history (`torch.cuda.memory._record_memory_history`, Python stacks). The
+recorded alloc and free events are replayed: the peak is the most bytes
+that blocks allocated during the step hold at once (blocks allocated
+before it are left out, also where the step frees them, as it does the
+warm-up's gradients), and the blocks alive at that moment are summed by
+the code that allocated them (the innermost frame outside torch, and the
+innermost frame). On the CPU (--quick) only the peak of torch.profiler's
+memory events is reported, attributed to nothing.
+
+    python -m imoe_bench train --memory              # the GPU: tables and JSON
+    python -m imoe_bench train --memory --quick      # tiny shapes on the CPU
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import report
+from .model_timing import log
+from .train import _label as train_label
+from .train import make_model, set_mode, setup
+
+MODES = [("grouped_mm", None), ("eager", None), ("idempotent", None), ("idempotent", 1.0)]
+TOP = 12
+FREES = ("free_requested", "free_completed")
+
+
+def _site(frames: list, skip: tuple = ("/torch/",)) -> str:
+    """`file:line name` of the innermost frame outside `skip` (or the
+    innermost frame), file names from their package directory on."""
+    for f in frames:
+        if not any(s in f["filename"] for s in skip):
+            break
+    else:
+        f = frames[0] if frames else {"filename": "?", "line": 0, "name": "?"}
+    name = f["filename"]
+    for root in ("site-packages/", "python/", "benchmarks/"):
+        if root in name:
+            name = name.split(root, 1)[1]
+            break
+    return f"{name}:{f['line']} {f['name']}"
+
+
+def peak_of(events: list) -> tuple[int, list]:
+    """(peak bytes, the allocations alive then [(bytes, frames)]) of a CUDA
+    allocator trace: `alloc` adds a block, the first `free_requested` or
+    `free_completed` of its address removes it (a block freed that was
+    allocated before the trace began is not counted either way)."""
+    live: dict = {}
+    total = peak = 0
+    at = -1
+    for i, e in enumerate(events):
+        if e["action"] == "alloc":
+            live[e["addr"]] = e["size"]
+            total += e["size"]
+            if total > peak:
+                peak, at = total, i
+        elif e["action"] in FREES and e["addr"] in live:
+            total -= live.pop(e["addr"])
+    alive: dict = {}
+    for e in events[:at + 1]:
+        if e["action"] == "alloc":
+            alive[e["addr"]] = (e["size"], e.get("frames", []))
+        elif e["action"] in FREES:
+            alive.pop(e["addr"], None)
+    return peak, sorted(alive.values(), key=lambda a: -a[0])
+
+
+def by_site(alive: list, top: int = TOP) -> list:
+    """The allocations alive at the peak summed by allocating site (outside
+    torch), largest first: [{site, inner, bytes, blocks}], the rest summed."""
+    sites: dict = {}
+    for size, frames in alive:
+        key = (_site(frames), _site(frames, skip=()))
+        s = sites.setdefault(key, [0, 0])
+        s[0] += size
+        s[1] += 1
+    rows = [dict(site=k[0], inner=k[1], bytes=v[0], blocks=v[1])
+            for k, v in sorted(sites.items(), key=lambda kv: -kv[1][0])]
+    rest = rows[top:]
+    rows = rows[:top]
+    if rest:
+        rows.append(dict(site=f"{len(rest)} more sites", inner="", bytes=sum(r["bytes"] for r in rest),
+                         blocks=sum(r["blocks"] for r in rest)))
+    return rows
+
+
+def cpu_peak(step) -> int:
+    """The peak bytes of one step from torch.profiler's CPU memory events."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
+                    if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU)
+    total = peak = 0
+    for _, nbytes in events:
+        total += nbytes
+        peak = max(peak, total)
+    return peak
+
+
+def cuda_peak(step) -> tuple[int, list]:
+    torch.cuda.synchronize()
+    torch.cuda.memory._record_memory_history(enabled="all", context="alloc", stacks="python",
+                                             max_entries=1_000_000)
+    try:
+        step()
+        torch.cuda.synchronize()
+        snapshot = torch.cuda.memory._snapshot()
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    device = torch.cuda.current_device()
+    events = snapshot["device_traces"][device]
+    return peak_of(events)
+
+
+def run(device: str = "auto", quick: bool = False) -> dict:
+    from .w4 import _machine
+
+    dev, cfg, dtype = setup(device, quick)
+    results = []
+    for family, shape in cfg["model"].items():
+        model = make_model(family, shape, cfg, dev, dtype)
+        ids = torch.randint(1, cfg["vocab"], (cfg["batch"], cfg["seq"]),
+                            generator=torch.Generator().manual_seed(1)).to(dev)
+        for impl, cap in MODES:
+            label = train_label(dict(implementation=impl, capacity=cap))
+            log(f"T1 memory {family}: {label}")
+            set_mode(model, model.config, impl, cap)
+
+            def step(model=model, ids=ids):
+                model.zero_grad(set_to_none=True)
+                model(ids, labels=ids).loss.backward()
+
+            step()
+            if dev.type == "cuda":
+                peak, alive = cuda_peak(step)
+                sites = by_site(alive)
+            else:
+                peak, sites = cpu_peak(step), []
+            results.append(dict(family=family, implementation=impl, capacity=cap, peak_bytes=peak,
+                                sites=sites))
+        model.zero_grad(set_to_none=True)
+        del model
+    return dict(workload="T1 memory", machine=_machine(dev.type), quick=quick,
+                dtype=str(dtype).removeprefix("torch."), config=cfg, results=results)
+
+
+def tables(data: dict) -> str:
+    """Per (family, mode): the step's peak, then what is alive at it by site."""
+    out = []
+    for r in data["results"]:
+        out.append(f"### {r['family']}, {train_label(r)}: peak {r['peak_bytes'] / 2**20:,.1f} MiB "
+                   "of the step's blocks")
+        out.append("")
+        if r["sites"]:
+            out.append("| allocated at (outside torch) | innermost frame | MiB | blocks |")
+            out.append("|---|---|---|---|")
+            for s in r["sites"]:
+                out.append(f"| {s['site']} | {s['inner']} | {s['bytes'] / 2**20:,.1f} | {s['blocks']} |")
+            out.append("")
+    m = data["machine"]
+    out.append(f"{m.get('gpu') or m.get('cpu')}; torch {m['torch']}; {data['dtype']}; one recorded step "
+               f"after one warm-up; {m['date']}" + (" (quick sizes)" if data["quick"] else ""))
+    return "\n".join(out)
+
+
+def write(data: dict, out_dir: str) -> list:
+    stem = f"t1-memory-{data['machine']['device']}" + ("-quick" if data.get("quick") else "")
+    return report.write_results(data, out_dir, stem)
