@@ -3,15 +3,18 @@ training step, and who allocated it.
 
 For each model family of T1 and each of grouped_mm, eager and the library's
 dropless and capacity 1.0 modes, on the same model and tokens as `train`:
-one warm-up step, then one step recorded by the CUDA caching allocator's
-history (`torch.cuda.memory._record_memory_history`, Python stacks). The
-recorded alloc and free events are replayed: the peak is the most bytes
-that blocks allocated during the step hold at once (blocks allocated
-before it are left out, also where the step frees them, as it does the
-warm-up's gradients), and the blocks alive at that moment are summed by
-the code that allocated them (the innermost frame outside torch, and the
-innermost frame). On the CPU (--quick) only the peak of torch.profiler's
-memory events is reported, attributed to nothing.
+one warm-up step, then one step, both recorded by the CUDA caching
+allocator's history (`torch.cuda.memory._record_memory_history`, Python
+stacks). The step's alloc and free events are replayed: the peak is the
+most bytes that blocks allocated during the step hold at once (blocks
+allocated before it are left out, also where the step frees them, as it
+does the warm-up's gradients), and the blocks alive at that moment are
+summed by the code that allocated them (the innermost frame outside torch,
+and the innermost frame). Beside it: torch's allocated bytes before the
+step and its max_memory_allocated during it (T1's "peak"), and the blocks
+still held after the step by site (a cache kept between steps shows there).
+On the CPU (--quick) only the peak of torch.profiler's memory events is
+reported, attributed to nothing.
 
     python -m imoe_bench train --memory              # the GPU: tables and JSON
     python -m imoe_bench train --memory --quick      # tiny shapes on the CPU
@@ -33,12 +36,15 @@ FREES = ("free_requested", "free_completed")
 
 def _site(frames: list, skip: tuple = ("/torch/",)) -> str:
     """`file:line name` of the innermost frame outside `skip` (or the
-    innermost frame), file names from their package directory on."""
+    innermost frame), file names from their package directory on; a block
+    without frames was allocated before the recording began."""
+    if not frames:
+        return "(before the recording)"
     for f in frames:
         if not any(s in f["filename"] for s in skip):
             break
     else:
-        f = frames[0] if frames else {"filename": "?", "line": 0, "name": "?"}
+        f = frames[0]
     name = f["filename"]
     for root in ("site-packages/", "python/", "benchmarks/"):
         if root in name:
@@ -106,19 +112,40 @@ def cpu_peak(step) -> int:
     return peak
 
 
-def cuda_peak(step) -> tuple[int, list]:
+def held_blocks(snapshot: dict, top: int = TOP) -> list:
+    """The blocks a snapshot shows in use (`active_allocated`), summed by
+    allocating site as by_site does (blocks allocated before the recording
+    began carry no frames and sum as one site)."""
+    alive = [(b["size"], b.get("frames") or []) for seg in snapshot["segments"] for b in seg["blocks"]
+             if b["state"] == "active_allocated"]
+    return by_site(alive, top)
+
+
+def cuda_peak(step) -> dict:
+    """One warm-up step and one step, both recorded by the allocator's
+    history: the step's peak and the blocks alive at it (peak_of, by_site),
+    torch's allocated bytes before the step and its max_memory_allocated
+    during it (T1's peak), and the blocks held after it (held_blocks: a cache
+    kept between steps shows there, attributed to the warm-up that made it)."""
+    device = torch.cuda.current_device()
     torch.cuda.synchronize()
     torch.cuda.memory._record_memory_history(enabled="all", context="alloc", stacks="python",
                                              max_entries=1_000_000)
     try:
         step()
         torch.cuda.synchronize()
+        start = len(torch.cuda.memory._snapshot()["device_traces"][device])
+        before = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        step()
+        torch.cuda.synchronize()
+        most = torch.cuda.max_memory_allocated(device)
         snapshot = torch.cuda.memory._snapshot()
     finally:
         torch.cuda.memory._record_memory_history(enabled=None)
-    device = torch.cuda.current_device()
-    events = snapshot["device_traces"][device]
-    return peak_of(events)
+    peak, alive = peak_of(snapshot["device_traces"][device][start:])
+    return dict(peak_bytes=peak, allocated_before=before, max_allocated=most, sites=by_site(alive),
+                held_after=held_blocks(snapshot))
 
 
 def run(device: str = "auto", quick: bool = False) -> dict:
@@ -139,14 +166,13 @@ def run(device: str = "auto", quick: bool = False) -> dict:
                 model.zero_grad(set_to_none=True)
                 model(ids, labels=ids).loss.backward()
 
-            step()
+            row = dict(family=family, implementation=impl, capacity=cap)
             if dev.type == "cuda":
-                peak, alive = cuda_peak(step)
-                sites = by_site(alive)
+                row.update(cuda_peak(step))
             else:
-                peak, sites = cpu_peak(step), []
-            results.append(dict(family=family, implementation=impl, capacity=cap, peak_bytes=peak,
-                                sites=sites))
+                step()
+                row.update(peak_bytes=cpu_peak(step), sites=[])
+            results.append(row)
         model.zero_grad(set_to_none=True)
         del model
     return dict(workload="T1 memory", machine=_machine(dev.type), quick=quick,
@@ -160,10 +186,16 @@ def tables(data: dict) -> str:
         out.append(f"### {r['family']}, {train_label(r)}: peak {r['peak_bytes'] / 2**20:,.1f} MiB "
                    "of the step's blocks")
         out.append("")
-        if r["sites"]:
-            out.append("| allocated at (outside torch) | innermost frame | MiB | blocks |")
+        if "max_allocated" in r:
+            out.append(f"allocated before the step {r['allocated_before'] / 2**20:,.1f} MiB, "
+                       f"max_memory_allocated during it {r['max_allocated'] / 2**20:,.1f} MiB")
+            out.append("")
+        for title, rows in (("alive at the peak", r["sites"]), ("held after the step", r.get("held_after"))):
+            if not rows:
+                continue
+            out.append(f"| {title}: allocated at (outside torch) | innermost frame | MiB | blocks |")
             out.append("|---|---|---|---|")
-            for s in r["sites"]:
+            for s in rows:
                 out.append(f"| {s['site']} | {s['inner']} | {s['bytes'] / 2**20:,.1f} | {s['blocks']} |")
             out.append("")
     m = data["machine"]

@@ -128,6 +128,21 @@ def test_memory_peak_replays_the_trace_and_names_the_live_blocks_by_site():
     assert len(rows) == tm.TOP + 1 and rows[-1]["site"] == "3 more sites" and rows[-1]["blocks"] == 3
 
 
+def test_memory_held_blocks_sum_the_blocks_in_use_by_site():
+    from imoe_bench import train_memory as tm
+
+    frames = [dict(filename="/x/site-packages/idempotent_moe/moe.py", line=4, name="fn")]
+    snapshot = {"segments": [
+        {"blocks": [dict(size=64, state="active_allocated", frames=frames),
+                    dict(size=32, state="inactive", frames=frames),
+                    dict(size=16, state="active_awaiting_free", frames=frames)]},
+        {"blocks": [dict(size=8, state="active_allocated", frames=frames),
+                    dict(size=128, state="active_allocated")]}]}  # allocated before the recording
+    rows = tm.held_blocks(snapshot)
+    assert [(r["site"], r["bytes"], r["blocks"]) for r in rows] == [
+        ("(before the recording)", 128, 1), ("idempotent_moe/moe.py:4 fn", 72, 2)]
+
+
 def test_memory_quick_run_reports_each_models_peak(tmp_path):
     from imoe_bench import train_memory
 
