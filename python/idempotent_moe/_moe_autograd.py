@@ -167,16 +167,22 @@ def transposed(w: torch.Tensor) -> bool:
     return w.dim() == 3 and w.stride(-2) == 1 and w.stride(-1) == w.shape[-2] and w.shape[-2] > 1
 
 
-def grouped_mm_dw(a: torch.Tensor, g: torch.Tensor, offsets: torch.Tensor, num_experts: int,
-                  like: torch.Tensor | None = None) -> torch.Tensor:
-    """dW[e] = a[rows of e]^T @ g[rows of e] [E, K, N] (zero for an expert
-    without rows): a grouped GEMM's weight gradient, laid out as the weight
-    `like` is. A transposed weight gets its gradient as the transposed view
-    of a contiguous [E, N, K], so the parameter's .grad arrives contiguous
+def grouped_mm_dw_as(w_transposed: bool, a: torch.Tensor, g: torch.Tensor, offsets: torch.Tensor,
+                     num_experts: int, dw=None) -> torch.Tensor:
+    """grouped_mm_dw(a, g) [E, K, N] (or `dw`, the op of that name) laid out
+    as its weight is: for a transposed weight (`transposed`), the transposed
+    view of dw(g, a) [E, N, K], so the parameter's .grad arrives contiguous
     and autograd keeps it instead of copying it (a transient of the whole
     weight's size)."""
-    if like is not None and transposed(like):
-        return grouped_mm_dw(g, a, offsets, num_experts).transpose(-2, -1)
+    dw = dw or grouped_mm_dw
+    if w_transposed:
+        return dw(g, a, offsets, num_experts).transpose(-2, -1)
+    return dw(a, g, offsets, num_experts)
+
+
+def grouped_mm_dw(a: torch.Tensor, g: torch.Tensor, offsets: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """dW[e] = a[rows of e]^T @ g[rows of e] [E, K, N] (zero for an expert
+    without rows): a grouped GEMM's weight gradient."""
     if _GMM is not None and a.dtype == g.dtype and a.dtype in CORE_DTYPES:
         try:
             return _GMM(a.t(), g, offs=offsets)
@@ -314,7 +320,7 @@ def experts_backward_direct(grad_out, hidden, top_k_weights, w_up, w_down, gate_
             d_weights = weight_grad_direct(g, a, dest, True, top_k_weights.dtype)
     w_row = row_weights(dest, top_k_weights, rows, torch.float32 if dt in CORE_DTYPES else dt)
     if need_down:
-        d_down = grouped_mm_dw(a.mul_(w_row.to(dt)), gdo, offsets, num_experts, like=w_down)
+        d_down = grouped_mm_dw_as(transposed(w_down), a.mul_(w_row.to(dt)), gdo, offsets, num_experts)
     if need_weights or need_down:
         del a
     del gdo
@@ -323,7 +329,7 @@ def experts_backward_direct(grad_out, hidden, top_k_weights, w_up, w_down, gate_
     d_up, d_hidden = none(), none()
     if need_up:
         x = gather_rows_direct(hidden, dest, None, rows, dt)
-        d_up = grouped_mm_dw(x, d_gate_up, offsets, num_experts, like=w_up)
+        d_up = grouped_mm_dw_as(transposed(w_up), x, d_gate_up, offsets, num_experts)
         del x
     if need_hidden:
         d_rows = grouped_mm_nt(d_gate_up, w_up, offsets)
@@ -394,10 +400,8 @@ def gemm_backward(ctx, grad):
     ops = torch.ops.idempotent_moe
     grad = grad.contiguous()
     d_a = ops.grouped_mm_nt(grad, w, offsets) if ctx.needs_input_grad[0] else None
-    d_w = None
-    if ctx.needs_input_grad[1]:  # in w's layout (grouped_mm_dw's like)
-        d_w = (ops.grouped_mm_dw(grad, a, offsets, ctx.num_experts).transpose(-2, -1) if ctx.w_transposed
-               else ops.grouped_mm_dw(a, grad, offsets, ctx.num_experts))
+    d_w = (grouped_mm_dw_as(ctx.w_transposed, a, grad, offsets, ctx.num_experts, ops.grouped_mm_dw)
+           if ctx.needs_input_grad[1] else None)
     return d_a, d_w, None
 
 

@@ -164,7 +164,7 @@ if AVAILABLE:
         def shaped(need, shape, like):
             return like.new_empty(shape if need else (0,), dtype=like.dtype if need else grad_out.dtype)
 
-        def weight_grad(need, w):  # grouped_mm_dw's layout: the weight's own
+        def weight_grad(need, w):  # grouped_mm_dw_as's layout: the weight's own
             if need and ag.transposed(w):
                 return w.new_empty((w.shape[0], w.shape[2], w.shape[1])).transpose(-2, -1)
             return shaped(need, tuple(w.shape), w)
