@@ -12,13 +12,17 @@
 //   k_bwd_weight_grad one warp per assignment: the dot product in the core's
 //                     order (lane l sums h = l mod 32 in increasing h, then
 //                     p[l] += p[l + s], s = 16 .. 1), the CPU's bits;
-//   k_bwd_gated_act   d(gate), d(up) per element, rows past the limit zero.
+//   k_bwd_gated_act   one warp per row, 16-byte chunks where aligned:
+//                     d(gate), d(up), and when asked the forward's value
+//                     times the row's scale and the row's dot product with
+//                     grad (the core's order); rows past the limit zero.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 #include <math.h>
 #include <string.h>
 
+#include "imoe_act.cuh"
 #include "imoe_device.cuh"
 #include "imoe_launch.cuh"
 
@@ -37,6 +41,12 @@ __device__ __forceinline__ void st(char *p, int dt, float v) {
   if (dt == IMOE_DTYPE_F32) *reinterpret_cast<float *>(p) = v;
   else if (dt == IMOE_DTYPE_F16) *reinterpret_cast<__half *>(p) = __float2half_rn(v);
   else *reinterpret_cast<__nv_bfloat16 *>(p) = __float2bfloat16_rn(v);
+}
+
+__device__ __forceinline__ float round_to(float v, int dt) {
+  if (dt == IMOE_DTYPE_F16) return __half2float(__float2half_rn(v));
+  if (dt == IMOE_DTYPE_BF16) return __bfloat162float(__float2bfloat16_rn(v));
+  return v;
 }
 
 __device__ __forceinline__ int esize(int dt) { return dt == IMOE_DTYPE_F32 ? 4 : 2; }
@@ -121,14 +131,14 @@ __global__ void __launch_bounds__(kThreads) k_bwd_weight_grad(const __grid_const
 }
 
 struct ActBwdParams {
-  const char *in, *grad;
-  int64_t in_row, grad_row;
-  char *out;
-  int64_t out_row;
+  const char *in, *grad, *scale;
+  int64_t in_row, grad_row, scale_row;
+  char *out, *act_out, *dot;  // act_out, dot: null when not asked for
+  int64_t out_row, act_row, dot_row;
   InView limit;  // [E] offsets, or data null
   int64_t limit_last;
   int64_t R, I;
-  int32_t act, dt, gdt;
+  int32_t act, dt, gdt, sdt;
 };
 
 // act(x) and act'(x) in F32 (the CPU core's formulas).
@@ -158,30 +168,100 @@ __device__ __forceinline__ float act_slope(float x, int act, float *slope) {
   }
 }
 
-__global__ void __launch_bounds__(kThreads) k_bwd_gated_act(const __grid_constant__ ActBwdParams p) {
+constexpr int kChunk = 8;  // features per lane and step: 16 bytes of a 2-byte dtype
+
+// n <= kChunk elements of dtype dt from p into x: one 16-byte load when VEC.
+template <bool VEC>
+__device__ __forceinline__ void load_chunk(const char *p, int dt, int n, float *x) {
+  if (VEC) {
+    const uint4 v = *reinterpret_cast<const uint4 *>(p);
+    const char *b = reinterpret_cast<const char *>(&v);
+#pragma unroll
+    for (int e = 0; e < kChunk; ++e) x[e] = ld(b + 2 * e, dt);
+  } else {
+    const int size = esize(dt);
+#pragma unroll
+    for (int e = 0; e < kChunk; ++e) x[e] = e < n ? ld(p + e * size, dt) : 0.0f;
+  }
+}
+
+template <bool VEC>
+__device__ __forceinline__ void store_chunk(char *p, int dt, int n, const float *x) {
+  if (VEC) {
+    uint4 v;
+    char *b = reinterpret_cast<char *>(&v);
+#pragma unroll
+    for (int e = 0; e < kChunk; ++e) st(b + 2 * e, dt, x[e]);
+    *reinterpret_cast<uint4 *>(p) = v;
+  } else {
+    const int size = esize(dt);
+#pragma unroll
+    for (int e = 0; e < kChunk; ++e)
+      if (e < n) st(p + e * size, dt, x[e]);
+  }
+}
+
+// One warp per row (grid-stride); lane l takes the chunks of 8 features
+// c = l, l + 32, ...: d(gate), d(up), and when asked the forward's value
+// times the row's scale (act_out) and the dot product in the core's order
+// (lane l sums feature i with (i / 8) mod 32 = l in increasing i, then
+// p[l] += p[l + s], s = 16 .. 1). VEC: 2-byte dtypes, I % 8 == 0, every
+// row 16-byte aligned. act_out may be grad: a lane loads its chunk of grad
+// before it stores act_out's.
+template <bool VEC>
+__global__ void __launch_bounds__(kThreads, 4) k_bwd_gated_act(const __grid_constant__ ActBwdParams p) {
   int64_t rows = p.R;
   if (p.limit.data) {
     const int64_t end = load_index(p.limit.data + p.limit_last * p.limit.n_stride, p.limit.dtype,
                                    p.limit.aligned != 0);
     rows = end < 0 ? 0 : end < p.R ? end : p.R;
   }
+  const int lane = threadIdx.x & 31, warps = blockDim.x / 32;
   const int size = esize(p.dt), gsize = esize(p.gdt);
-  for (int64_t item = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; item < p.R * p.I;
-       item += (int64_t)gridDim.x * blockDim.x) {
-    const int64_t r = item / p.I, i = item - r * p.I;
+  const int64_t chunks = (p.I + kChunk - 1) / kChunk;
+  const bool fwd = p.act_out != nullptr || p.dot != nullptr;
+  for (int64_t r = (int64_t)blockIdx.x * warps + threadIdx.x / 32; r < p.R; r += (int64_t)gridDim.x * warps) {
     char *out = p.out + r * p.out_row;
-    if (r >= rows) {
-      st(out + i * size, p.dt, 0.0f);
-      st(out + (p.I + i) * size, p.dt, 0.0f);
-      continue;
+    char *ao = p.act_out ? p.act_out + r * p.act_row : nullptr;
+    const bool live = r < rows;
+    const float w = live && p.scale ? ld(p.scale + r * p.scale_row, p.sdt) : 1.0f;
+    const char *in = p.in + r * p.in_row, *grad = p.grad + r * p.grad_row;
+    float sum = 0.0f;
+    for (int64_t c = lane; c < chunks; c += 32) {
+      const int64_t i0 = c * kChunk;
+      const int n = p.I - i0 < kChunk ? (int)(p.I - i0) : kChunk;
+      float dg[kChunk], du[kChunk], a[kChunk];
+      if (live) {
+        float g[kChunk], u[kChunk], d[kChunk];
+        load_chunk<VEC>(in + i0 * size, p.dt, n, g);
+        load_chunk<VEC>(in + (p.I + i0) * size, p.dt, n, u);
+        load_chunk<VEC>(grad + i0 * gsize, p.gdt, n, d);
+#pragma unroll
+        for (int e = 0; e < kChunk; ++e) {
+          float slope;
+          const float b = act_slope(g[e], p.act, &slope);
+          const float ds = p.scale ? __fmul_rn(d[e], w) : d[e];
+          dg[e] = ds * u[e] * slope;
+          du[e] = ds * b;
+          if (fwd) {
+            const float f = round_to(__fmul_rn(round_to(activate(g[e], p.act), p.dt), u[e]), p.dt);
+            if (e < n) sum = __fadd_rn(sum, __fmul_rn(d[e], f));
+            a[e] = p.scale ? __fmul_rn(f, w) : f;
+          }
+        }
+      } else {
+#pragma unroll
+        for (int e = 0; e < kChunk; ++e) dg[e] = du[e] = a[e] = 0.0f;
+      }
+      store_chunk<VEC>(out + i0 * size, p.dt, n, dg);
+      store_chunk<VEC>(out + (p.I + i0) * size, p.dt, n, du);
+      if (ao) store_chunk<VEC>(ao + i0 * size, p.dt, n, a);
     }
-    const char *in = p.in + r * p.in_row;
-    const float g = ld(in + i * size, p.dt), u = ld(in + (p.I + i) * size, p.dt);
-    const float d = ld(p.grad + r * p.grad_row + i * gsize, p.gdt);
-    float slope;
-    const float a = act_slope(g, p.act, &slope);
-    st(out + i * size, p.dt, d * u * slope);
-    st(out + (p.I + i) * size, p.dt, d * a);
+    if (p.dot) {
+#pragma unroll
+      for (int o = 16; o >= 1; o >>= 1) sum = __fadd_rn(sum, __shfl_down_sync(0xFFFFFFFFu, sum, o));
+      if (lane == 0) *reinterpret_cast<float *>(p.dot + r * p.dot_row) = sum;
+    }
   }
 }
 
@@ -288,8 +368,9 @@ imoe_status imoe_cuda_moe_weight_grad(const imoe_view *a, int32_t a_by_row, cons
 }
 
 imoe_status imoe_cuda_gated_act_backward(const imoe_view *gate_up, const imoe_view *grad_act, imoe_act act,
-                                         const imoe_view *limit, const imoe_view *grad_gate_up,
-                                         const imoe_exec *exec, imoe_error *err) {
+                                         const imoe_view *limit, const imoe_view *row_scale,
+                                         const imoe_view *grad_gate_up, const imoe_view *act_out,
+                                         const imoe_view *row_dot, const imoe_exec *exec, imoe_error *err) {
   const char *fn = "imoe_cuda_gated_act_backward";
   DeviceGuard guard;
   DevInfo *di = nullptr;
@@ -304,6 +385,19 @@ imoe_status imoe_cuda_gated_act_backward(const imoe_view *gate_up, const imoe_vi
   p.grad_row = grad_act->lead_stride[0];
   p.out = static_cast<char *>(grad_gate_up->data);
   p.out_row = grad_gate_up->lead_stride[0];
+  if (row_scale) {
+    p.scale = static_cast<const char *>(row_scale->data);
+    p.scale_row = row_scale->lead_stride[0];
+    p.sdt = row_scale->dtype;
+  }
+  if (act_out) {
+    p.act_out = static_cast<char *>(act_out->data);
+    p.act_row = act_out->lead_stride[0];
+  }
+  if (row_dot) {
+    p.dot = static_cast<char *>(row_dot->data);
+    p.dot_row = row_dot->lead_stride[0];
+  }
   if (limit) {
     p.limit.data = static_cast<char *>(limit->data);
     p.limit.n_stride = limit->n_stride;
@@ -317,8 +411,14 @@ imoe_status imoe_cuda_gated_act_backward(const imoe_view *gate_up, const imoe_vi
   p.act = act;
   p.dt = gate_up->dtype;
   p.gdt = grad_act->dtype;
-  const cudaError_t e =
-      launch(k_bwd_gated_act, shape(grid_of((p.R * p.I + kThreads - 1) / kThreads, di), kThreads), stream, p);
+  // 16-byte chunks: a 2-byte dtype throughout, every row start 16-byte aligned.
+  const auto at16 = [](const void *ptr, int64_t row) { return (uintptr_t)ptr % 16 == 0 && row % 16 == 0; };
+  const bool vec = p.dt != IMOE_DTYPE_F32 && p.gdt == p.dt && p.I % kChunk == 0 && at16(p.in, p.in_row) &&
+                   at16(p.grad, p.grad_row) && at16(p.out, p.out_row) && (!p.act_out || at16(p.act_out, p.act_row));
+  const int warps = kThreads / 32;
+  const unsigned grid = grid_of((p.R + warps - 1) / warps, di);
+  const cudaError_t e = vec ? launch(k_bwd_gated_act<true>, shape(grid, kThreads), stream, p)
+                            : launch(k_bwd_gated_act<false>, shape(grid, kThreads), stream, p);
   if (e != cudaSuccess) return cuda_fail(err, fn, "launch of k_bwd_gated_act", e);
   return IMOE_OK;
 }
