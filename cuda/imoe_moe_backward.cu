@@ -6,9 +6,13 @@
 //   k_bwd_dest_check  one block: dest checked against [-1, R); a bad entry is
 //                     a recorded IMOE_ERR_INDEX_RANGE and the call's verdict,
 //                     which the kernels after it read (nothing is written);
-//   k_bwd_zero_rows   the gather's output zeroed (grid-stride);
+//   k_bwd_zero_rows   the gather's output zeroed (grid-stride; 16-byte
+//                     stores where out's rows are whole aligned 16-byte
+//                     chunks);
 //   k_bwd_gather      one block per assignment (grid-stride): its token's row
-//                     times its weight into its row;
+//                     times its weight into its row (16-byte chunks where
+//                     src and out also share a dtype and align: a copy, or
+//                     each element's product rounded as one at a time);
 //   k_bwd_weight_grad one warp per assignment: the dot product in the core's
 //                     order (lane l sums h = l mod 32 in increasing h, then
 //                     p[l] += p[l + s], s = 16 .. 1), the CPU's bits;
@@ -70,6 +74,7 @@ struct BwdParams {
   int64_t out_row, out_col;
   int64_t T, R, H;
   int32_t k, adt, bdt, wdt, odt, a_by_row;
+  int32_t out_vec, gather_vec;  // 16-byte chunks: out's rows (zeroing); src's and out's rows (gather)
   uint32_t token;
   StatusWords words;
 };
@@ -85,12 +90,31 @@ __global__ void __launch_bounds__(1024) k_bwd_dest_check(const __grid_constant__
 
 __global__ void __launch_bounds__(kThreads) k_bwd_zero_rows(const __grid_constant__ BwdParams p) {
   if (call_aborted(p.words, p.token, 1)) return;
+  if (p.out_vec) {  // 16-byte stores: rows of whole 16-byte chunks, 16-byte aligned
+    const int64_t per_row = p.H * esize(p.odt) / 16;
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < p.R * per_row;
+         i += (int64_t)gridDim.x * blockDim.x) {
+      const int64_t r = i / per_row, c = i - r * per_row;
+      reinterpret_cast<uint4 *>(p.out + r * p.out_row)[c] = make_uint4(0u, 0u, 0u, 0u);
+    }
+    return;
+  }
   const int size = esize(p.odt);
   for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < p.R * p.H;
        i += (int64_t)gridDim.x * blockDim.x) {
     const int64_t r = i / p.H, h = i - r * p.H;
     st(p.out + r * p.out_row + h * size, p.odt, 0.0f);
   }
+}
+
+// One 16-byte chunk of a row (16 / size elements of dtype dt) times w, each
+// product rounded as the scalar path rounds it (w == 1 and no weights: the
+// values themselves, whose conversion round trip is exact).
+__device__ __forceinline__ uint4 scale_chunk(uint4 v, int dt, float w) {
+  char *b = reinterpret_cast<char *>(&v);
+  const int size = esize(dt);
+  for (int e = 0; e < 16; e += size) st(b + e, dt, __fmul_rn(w, ld(b + e, dt)));
+  return v;
 }
 
 __global__ void __launch_bounds__(kThreads) k_bwd_gather(const __grid_constant__ BwdParams p) {
@@ -103,6 +127,14 @@ __global__ void __launch_bounds__(kThreads) k_bwd_gather(const __grid_constant__
     const float w = p.w ? ld(p.w + t * p.w_row + j * p.w_col, p.wdt) : 1.0f;
     const char *src = p.a + t * p.a_row;
     char *out = p.out + d * p.out_row;
+    if (p.gather_vec) {  // src and out of one dtype, both rows of whole aligned 16-byte chunks
+      const int64_t chunks = p.H * osize / 16;
+      for (int64_t c = threadIdx.x; c < chunks; c += blockDim.x) {
+        const uint4 v = reinterpret_cast<const uint4 *>(src)[c];
+        reinterpret_cast<uint4 *>(out)[c] = p.w ? scale_chunk(v, p.odt, w) : v;
+      }
+      continue;
+    }
     for (int64_t h = threadIdx.x; h < p.H; h += blockDim.x) {
       const float v = ld(src + h * asize, p.adt);
       st(out + h * osize, p.odt, p.w ? __fmul_rn(w, v) : v);
@@ -284,6 +316,8 @@ unsigned grid_of(int64_t items, const DevInfo *di) {
 }
 
 // The params every dest-reading call shares, and its check kernel launched.
+bool aligned16(const void *ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15u) == 0; }
+
 cudaError_t begin(const imoe_view *dest, int64_t rows, DevInfo *di, cudaStream_t s, BwdParams *p) {
   memset(p, 0, sizeof *p);
   p->dest = idx_of(dest);
@@ -326,8 +360,13 @@ imoe_status imoe_cuda_moe_gather_rows(const imoe_view *src, const imoe_view *des
   p.out_row = out->lead_stride[0];
   p.odt = out->dtype;
   p.H = out->n;
+  // Whole, aligned 16-byte chunks (rows contiguous: the core checked it).
+  const int64_t row_bytes = p.H * (p.odt == IMOE_DTYPE_F32 ? 4 : 2);
+  p.out_vec = row_bytes % 16 == 0 && (p.R < 2 || p.out_row % 16 == 0) && aligned16(p.out);
+  p.gather_vec = p.out_vec && p.adt == p.odt && (p.T < 2 || p.a_row % 16 == 0) && aligned16(p.a);
   if (p.R * p.H > 0) {
-    e = launch(k_bwd_zero_rows, shape(grid_of((p.R * p.H + kThreads - 1) / kThreads, di), kThreads), stream, p);
+    const int64_t items = p.out_vec ? p.R * (row_bytes / 16) : p.R * p.H;
+    e = launch(k_bwd_zero_rows, shape(grid_of((items + kThreads - 1) / kThreads, di), kThreads), stream, p);
     if (e != cudaSuccess) return cuda_fail(err, fn, "launch of k_bwd_zero_rows", e);
   }
   if (p.T * p.k > 0 && p.H > 0) {

@@ -565,6 +565,33 @@ def test_cuda_fused_activation_backward_matches_the_cpu(act, dtype, inter):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("weighted", [False, True])
+@pytest.mark.parametrize("case", ["chunks", "odd_width", "offset_rows", "other_out_dtype"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_cuda_gather_rows_in_16_byte_chunks_and_one_at_a_time_match_the_cpu(dtype, case, weighted):
+    """The CUDA gather copies whole aligned 16-byte chunks where it can (rows
+    of 64 features) and one element at a time elsewhere (an odd width, rows
+    at an offset of 2 elements, another out dtype): the CPU's bits either
+    way, and the rows no assignment names zeroed over NaN."""
+    g = torch.Generator().manual_seed(11)
+    width = 6 if case == "odd_width" else 64
+    cols = slice(2, None) if case == "offset_rows" else slice(0, width)
+    src = torch.randn(9, width + 2, generator=g).to(dtype)[:, cols]
+    dest = torch.tensor([[0, 9], [3, -1], [-1, -1], [4, 1], [2, 5], [7, 8], [10, 11], [-1, 12], [13, 6]],
+                        dtype=torch.int32)
+    w = torch.rand(9, 2, generator=g) if weighted else None
+    out_dtype = torch.float32 if case == "other_out_dtype" and dtype != torch.float32 else dtype
+    want = torch.full((16, width + 2), float("nan"), dtype=out_dtype)
+    got = want.cuda()
+    moe.moe_gather_rows(src, dest, 15, weights=w, out=want[:15, cols])
+    w_gpu = None if w is None else w.cuda()
+    moe.moe_gather_rows(src.cuda(), dest.cuda(), 15, weights=w_gpu, out=got[:15, cols])
+    assert torch.equal(want[:15, cols], ag.ref_gather_rows(src, dest, 15, w, out_dtype))
+    assert torch.equal(got.cpu().nan_to_num(7.0), want.nan_to_num(7.0))
+    assert (want[14, cols] == 0).all()
+
+
+@pytest.mark.gpu
 def test_cuda_bad_dest_is_a_recorded_error_and_writes_nothing():
     import idempotent_moe as imoe
 
