@@ -237,11 +237,13 @@ __device__ __forceinline__ void store_chunk(char *p, int dt, int n, const float 
 // c = l, l + 32, ...: d(gate), d(up), and when asked the forward's value
 // times the row's scale (act_out) and the dot product in the core's order
 // (lane l sums feature i with (i / 8) mod 32 = l in increasing i, then
-// p[l] += p[l + s], s = 16 .. 1). VEC: 2-byte dtypes, I % 8 == 0, every
-// row 16-byte aligned. act_out may be grad: a lane loads its chunk of grad
-// before it stores act_out's.
-template <bool VEC>
+// p[l] += p[l + s], s = 16 .. 1). VEC: a 2-byte dtype DT throughout, I % 8
+// == 0, every row 16-byte aligned; DT and ACT fixed at compile time there
+// (no per-element switch), read from p elsewhere (DT, ACT = -1). act_out
+// may be grad: a lane loads its chunk of grad before it stores act_out's.
+template <int DT, int ACT, bool VEC>
 __global__ void __launch_bounds__(kThreads, 4) k_bwd_gated_act(const __grid_constant__ ActBwdParams p) {
+  const int dt = DT >= 0 ? DT : p.dt, gdt = DT >= 0 ? DT : p.gdt, act = ACT >= 0 ? ACT : p.act;
   int64_t rows = p.R;
   if (p.limit.data) {
     const int64_t end = load_index(p.limit.data + p.limit_last * p.limit.n_stride, p.limit.dtype,
@@ -249,7 +251,7 @@ __global__ void __launch_bounds__(kThreads, 4) k_bwd_gated_act(const __grid_cons
     rows = end < 0 ? 0 : end < p.R ? end : p.R;
   }
   const int lane = threadIdx.x & 31, warps = blockDim.x / 32;
-  const int size = esize(p.dt), gsize = esize(p.gdt);
+  const int size = esize(dt), gsize = esize(gdt);
   const int64_t chunks = (p.I + kChunk - 1) / kChunk;
   const bool fwd = p.act_out != nullptr || p.dot != nullptr;
   for (int64_t r = (int64_t)blockIdx.x * warps + threadIdx.x / 32; r < p.R; r += (int64_t)gridDim.x * warps) {
@@ -265,18 +267,18 @@ __global__ void __launch_bounds__(kThreads, 4) k_bwd_gated_act(const __grid_cons
       float dg[kChunk], du[kChunk], a[kChunk];
       if (live) {
         float g[kChunk], u[kChunk], d[kChunk];
-        load_chunk<VEC>(in + i0 * size, p.dt, n, g);
-        load_chunk<VEC>(in + (p.I + i0) * size, p.dt, n, u);
-        load_chunk<VEC>(grad + i0 * gsize, p.gdt, n, d);
+        load_chunk<VEC>(in + i0 * size, dt, n, g);
+        load_chunk<VEC>(in + (p.I + i0) * size, dt, n, u);
+        load_chunk<VEC>(grad + i0 * gsize, gdt, n, d);
 #pragma unroll
         for (int e = 0; e < kChunk; ++e) {
           float slope;
-          const float b = act_slope(g[e], p.act, &slope);
+          const float b = act_slope(g[e], act, &slope);
           const float ds = p.scale ? __fmul_rn(d[e], w) : d[e];
           dg[e] = ds * u[e] * slope;
           du[e] = ds * b;
           if (fwd) {
-            const float f = round_to(__fmul_rn(round_to(activate(g[e], p.act), p.dt), u[e]), p.dt);
+            const float f = round_to(__fmul_rn(round_to(activate(g[e], act), dt), u[e]), dt);
             if (e < n) sum = __fadd_rn(sum, __fmul_rn(d[e], f));
             a[e] = p.scale ? __fmul_rn(f, w) : f;
           }
@@ -285,9 +287,9 @@ __global__ void __launch_bounds__(kThreads, 4) k_bwd_gated_act(const __grid_cons
 #pragma unroll
         for (int e = 0; e < kChunk; ++e) dg[e] = du[e] = a[e] = 0.0f;
       }
-      store_chunk<VEC>(out + i0 * size, p.dt, n, dg);
-      store_chunk<VEC>(out + (p.I + i0) * size, p.dt, n, du);
-      if (ao) store_chunk<VEC>(ao + i0 * size, p.dt, n, a);
+      store_chunk<VEC>(out + i0 * size, dt, n, dg);
+      store_chunk<VEC>(out + (p.I + i0) * size, dt, n, du);
+      if (ao) store_chunk<VEC>(ao + i0 * size, dt, n, a);
     }
     if (p.dot) {
 #pragma unroll
@@ -313,6 +315,22 @@ Idx idx_of(const imoe_view *v) {
 unsigned grid_of(int64_t items, const DevInfo *di) {
   const int64_t cap = (int64_t)di->sms * 8;
   return (unsigned)(items < 1 ? 1 : items < cap ? items : cap);
+}
+
+template <int DT>
+cudaError_t launch_act_bwd(int act, unsigned grid, cudaStream_t s, const ActBwdParams &p) {
+  switch (act) {
+    case IMOE_ACT_SILU: return launch(k_bwd_gated_act<DT, IMOE_ACT_SILU, true>, shape(grid, kThreads), s, p);
+    case IMOE_ACT_GELU: return launch(k_bwd_gated_act<DT, IMOE_ACT_GELU, true>, shape(grid, kThreads), s, p);
+    case IMOE_ACT_GELU_TANH:
+      return launch(k_bwd_gated_act<DT, IMOE_ACT_GELU_TANH, true>, shape(grid, kThreads), s, p);
+    default: return launch(k_bwd_gated_act<DT, IMOE_ACT_RELU, true>, shape(grid, kThreads), s, p);
+  }
+}
+
+// The 16-byte kernel of a 2-byte dtype, its activation fixed.
+cudaError_t launch_act_bwd(bool bf16, int act, unsigned grid, cudaStream_t s, const ActBwdParams &p) {
+  return bf16 ? launch_act_bwd<IMOE_DTYPE_BF16>(act, grid, s, p) : launch_act_bwd<IMOE_DTYPE_F16>(act, grid, s, p);
 }
 
 // The params every dest-reading call shares, and its check kernel launched.
@@ -456,8 +474,8 @@ imoe_status imoe_cuda_gated_act_backward(const imoe_view *gate_up, const imoe_vi
                    at16(p.grad, p.grad_row) && at16(p.out, p.out_row) && (!p.act_out || at16(p.act_out, p.act_row));
   const int warps = kThreads / 32;
   const unsigned grid = grid_of((p.R + warps - 1) / warps, di);
-  const cudaError_t e = vec ? launch(k_bwd_gated_act<true>, shape(grid, kThreads), stream, p)
-                            : launch(k_bwd_gated_act<false>, shape(grid, kThreads), stream, p);
+  const cudaError_t e = vec ? launch_act_bwd(p.dt == IMOE_DTYPE_BF16, act, grid, stream, p)
+                            : launch(k_bwd_gated_act<-1, -1, false>, shape(grid, kThreads), stream, p);
   if (e != cudaSuccess) return cuda_fail(err, fn, "launch of k_bwd_gated_act", e);
   return IMOE_OK;
 }
