@@ -124,8 +124,9 @@ imoe_status imoe_cuda_topk_softmax(const imoe_view *logits, int64_t k, int32_t r
 }
 
 imoe_status imoe_cuda_gated_act_backward(const imoe_view *gate_up, const imoe_view *grad_act, imoe_act act,
-                                         const imoe_view *limit, const imoe_view *grad_gate_up,
-                                         const imoe_exec *exec, imoe_error *err) {
+                                         const imoe_view *limit, const imoe_view *row_scale,
+                                         const imoe_view *grad_gate_up, const imoe_view *act_out,
+                                         const imoe_view *row_dot, const imoe_exec *exec, imoe_error *err) {
   return IMOE_ERR_UNSUPPORTED;
 }
 

@@ -506,7 +506,9 @@ int64_t imoe_moe_workspace_elems(imoe_device_type device, int64_t assignments, i
  *   imoe_moe_dispatch_rows        R, the rows of out_rows and out_src.
  *   imoe_moe_combine_shape        out [T, H].
  *   imoe_gated_act_shape          out [R, I].
- *   imoe_gated_act_backward_shape grad_gate_up [R, 2I].
+ *   imoe_gated_act_backward_shape grad_gate_up [R, 2I] (act_out and row_dot,
+ *                                 outputs a caller gave, judged with the
+ *                                 rest).
  *   imoe_moe_gather_rows_shape    out [num_rows, H]; num_rows in
  *                                 [0, 2^31 - 1].
  *   imoe_moe_weight_grad_shape    out [T, k].
@@ -548,7 +550,22 @@ imoe_status imoe_gated_act(const imoe_view *gate_up, const imoe_view *out, imoe_
  * gate_up's dtype. Rows at or past the limit are written +0.0.
  *   gate_up       [R, 2I] F32/F16/BF16, rows contiguous.
  *   grad_act      [R, I] F32/F16/BF16, rows contiguous.
+ *   row_scale     [R, 1] F32/F16/BF16 or NULL: d = grad_act[r, i] x
+ *                 row_scale[r] in F32, unrounded (the fused experts
+ *                 layer's routing weight per row).
  *   grad_gate_up  [R, 2I], gate_up's dtype, rows contiguous.
+ *   act_out       [R, I], gate_up's dtype, rows contiguous, or NULL: the
+ *                 forward's value a = imoe_gated_act's (act(g) rounded, x u,
+ *                 rounded) x row_scale[r] (1 without), rounded once. It may
+ *                 be grad_act itself (the same view): each element is read
+ *                 before it is written.
+ *   row_dot       [R, 1] F32 or NULL: <grad_act[r], a> unscaled, in F32: 32
+ *                 lane sums, element i added to lane (i / 8) mod 32 in
+ *                 increasing i, then p[l] += p[l + s] for l < s, s = 16, 8,
+ *                 4, 2, 1 (the fused layer's d(top_k_weights) per row).
+ *                 act_out and row_dot are +0.0 past the limit.
+ * One pass over gate_up and grad_act writes all three, so the fused layer's
+ * backward neither recomputes the activation nor scales its operands apart.
  *
  * imoe_moe_gather_rows: out[dest[t, j]] = weights[t, j] x src[t] (weights
  * NULL: src[t]) for every dest[t, j] >= 0, rounded once into out's dtype;
@@ -573,21 +590,23 @@ imoe_status imoe_gated_act(const imoe_view *gate_up, const imoe_view *out, imoe_
  *   dest  [T, k] I32/I64, each in [-1, R).
  *   out   [T, k] F32/F16/BF16.
  * On CUDA, on the stream, no host synchronisation: the activation's backward
- * one kernel; the gather and the dot products a one-block check of dest,
+ * one kernel (a warp per row); the gather and the dot products a one-block check of dest,
  * then their kernel (the gather: zeros, then rows). dest out of range is a
  * recorded data error (imoe_take_device_status) and nothing is written.
  */
 imoe_status imoe_gated_act_backward_shape(const imoe_view *gate_up, const imoe_view *grad_act,
-                                          imoe_act act, const imoe_view *limit, int64_t out_shape[2],
-                                          imoe_error *err);
+                                          imoe_act act, const imoe_view *limit, const imoe_view *row_scale,
+                                          const imoe_view *act_out, const imoe_view *row_dot,
+                                          int64_t out_shape[2], imoe_error *err);
 imoe_status imoe_moe_gather_rows_shape(const imoe_view *src, const imoe_view *dest,
                                        const imoe_view *weights, int64_t num_rows, int64_t out_shape[2],
                                        imoe_error *err);
 imoe_status imoe_moe_weight_grad_shape(const imoe_view *a, int32_t a_by_row, const imoe_view *b,
                                        const imoe_view *dest, int64_t out_shape[2], imoe_error *err);
 imoe_status imoe_gated_act_backward(const imoe_view *gate_up, const imoe_view *grad_act, imoe_act act,
-                                    const imoe_view *limit, const imoe_view *grad_gate_up,
-                                    const imoe_exec *exec, imoe_error *err);
+                                    const imoe_view *limit, const imoe_view *row_scale,
+                                    const imoe_view *grad_gate_up, const imoe_view *act_out,
+                                    const imoe_view *row_dot, const imoe_exec *exec, imoe_error *err);
 imoe_status imoe_moe_gather_rows(const imoe_view *src, const imoe_view *dest, const imoe_view *weights,
                                  const imoe_view *out, const imoe_exec *exec, imoe_error *err);
 imoe_status imoe_moe_weight_grad(const imoe_view *a, int32_t a_by_row, const imoe_view *b,

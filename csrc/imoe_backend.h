@@ -153,8 +153,9 @@ imoe_status imoe_cuda_gated_act(const imoe_view *gate_up, const imoe_view *out, 
 /* ---- MoE backward (cuda/imoe_moe_backward.cu): the core has checked
  * shapes and dtypes; data errors are recorded on the device. */
 imoe_status imoe_cuda_gated_act_backward(const imoe_view *gate_up, const imoe_view *grad_act, imoe_act act,
-                                         const imoe_view *limit, const imoe_view *grad_gate_up,
-                                         const imoe_exec *exec, imoe_error *err);
+                                         const imoe_view *limit, const imoe_view *row_scale,
+                                         const imoe_view *grad_gate_up, const imoe_view *act_out,
+                                         const imoe_view *row_dot, const imoe_exec *exec, imoe_error *err);
 imoe_status imoe_cuda_moe_gather_rows(const imoe_view *src, const imoe_view *dest, const imoe_view *weights,
                                       const imoe_view *out, const imoe_exec *exec, imoe_error *err);
 imoe_status imoe_cuda_moe_weight_grad(const imoe_view *a, int32_t a_by_row, const imoe_view *b,

@@ -73,42 +73,106 @@ static float act_and_slope(float x, imoe_act act, float *slope) {
 }
 
 typedef struct act_bwd_ctx {
-  const imoe_view *in, *grad, *out;
+  const imoe_view *in, *grad, *scale, *out, *act_out, *dot;
   int64_t rows; /* rows below the limit; the others are zeroed */
   imoe_act act;
 } act_bwd_ctx;
 
+static void act_bwd_zero_row(const act_bwd_ctx *a, int64_t r) {
+  const int64_t inter = a->grad->n, size = a->in->row_bytes;
+  const imoe_dtype dt = a->in->dtype;
+  char *out = imoe_row_base(a->out, r);
+  for (int64_t i = 0; i < 2 * inter; i++) imoe_store_float(out + i * size, dt, 0.0f);
+  if (a->act_out != NULL) {
+    char *ao = imoe_row_base(a->act_out, r);
+    for (int64_t i = 0; i < inter; i++) imoe_store_float(ao + i * a->act_out->row_bytes, dt, 0.0f);
+  }
+  if (a->dot != NULL) imoe_store_float(imoe_row_base(a->dot, r), IMOE_DTYPE_F32, 0.0f);
+}
+
+/* One row. Each grad element is loaded before act_out's element of the same
+ * index is stored (act_out may be grad itself). */
 static imoe_status act_bwd_row(const void *vctx, int64_t r, unsigned char *mem, imoe_error *err) {
   const act_bwd_ctx *a = vctx;
   (void)mem;
   (void)err;
+  if (r >= a->rows) {
+    act_bwd_zero_row(a, r);
+    return IMOE_OK;
+  }
   const int64_t inter = a->grad->n;
   const imoe_dtype dt = a->in->dtype, gd = a->grad->dtype;
   const int64_t size = a->in->row_bytes, gsize = a->grad->row_bytes;
-  char *out = imoe_row_base(a->out, r);
-  if (r >= a->rows) {
-    for (int64_t i = 0; i < 2 * inter; i++) imoe_store_float(out + i * size, dt, 0.0f);
-    return IMOE_OK;
-  }
+  const float w = a->scale != NULL ? imoe_load_float(imoe_row_base(a->scale, r), a->scale->dtype) : 1.0f;
+  char *out = imoe_row_base(a->out, r), *ao = a->act_out != NULL ? imoe_row_base(a->act_out, r) : NULL;
   const char *in = imoe_row_base(a->in, r), *grad = imoe_row_base(a->grad, r);
+  float p[32] = {0};
   for (int64_t i = 0; i < inter; i++) {
     const float g = imoe_load_float(in + i * size, dt), u = imoe_load_float(in + (inter + i) * size, dt);
-    const float d = imoe_load_float(grad + i * gsize, gd);
+    const float d = imoe_load_float(grad + i * gsize, gd), ds = a->scale != NULL ? d * w : d;
     float slope;
     const float act = act_and_slope(g, a->act, &slope);
-    imoe_store_float(out + i * size, dt, d * u * slope);
-    imoe_store_float(out + (inter + i) * size, dt, d * act);
+    if (ao != NULL || a->dot != NULL) {
+      const float fwd = imoe_round_to(imoe_round_to(imoe_activate(g, a->act), dt) * u, dt);
+      p[(i >> 3) & 31] += d * fwd;
+      if (ao != NULL) imoe_store_float(ao + i * a->act_out->row_bytes, dt, a->scale != NULL ? fwd * w : fwd);
+    }
+    imoe_store_float(out + i * size, dt, ds * u * slope);
+    imoe_store_float(out + (inter + i) * size, dt, ds * act);
+  }
+  if (a->dot != NULL) {
+    for (int s = 16; s >= 1; s >>= 1)
+      for (int l = 0; l < s; l++) p[l] += p[l + s];
+    imoe_store_float(imoe_row_base(a->dot, r), IMOE_DTYPE_F32, p[0]);
   }
   return IMOE_OK;
 }
 
-imoe_status imoe_gated_act_backward_shape(const imoe_view *gate_up, const imoe_view *grad_act,
-                                          imoe_act act, const imoe_view *limit, int64_t out_shape[2],
-                                          imoe_error *err) {
+/* act_out given as grad_act itself: the same bytes, element for element. */
+static int same_view(const imoe_view *a, const imoe_view *b) {
+  return a->data == b->data && a->dtype == b->dtype && a->n == b->n && a->n_stride == b->n_stride &&
+         a->lead_ndim == b->lead_ndim && a->lead_shape[0] == b->lead_shape[0] &&
+         a->lead_stride[0] == b->lead_stride[0];
+}
+
+/* Every check of the call but exec's; out (grad_gate_up) may be NULL (the
+ * shape function: the outputs a caller gave are judged before it allocates
+ * the others). *empty as imoe_check_call's. */
+static imoe_status check_act_bwd(const imoe_view *gate_up, const imoe_view *grad_act, imoe_act act,
+                                 const imoe_view *limit, const imoe_view *row_scale, const imoe_view *out,
+                                 const imoe_view *act_out, const imoe_view *row_dot, int *empty,
+                                 imoe_error *err) {
   imoe_status st = imoe_gated_act_shape(gate_up, act, limit, NULL, err);
   if (st != IMOE_OK) return st;
-  st = imoe_check_matrix(grad_act, "grad_act", IMOE_SCORE_DTYPES, gate_up->lead_shape[0], gate_up->n / 2,
-                         0, 1, err);
+  const int64_t r_n = gate_up->lead_shape[0], inter = gate_up->n / 2;
+  const unsigned own = IMOE_DTYPE_BIT(gate_up->dtype);
+  st = imoe_check_matrix(grad_act, "grad_act", IMOE_SCORE_DTYPES, r_n, inter, 0, 1, err);
+  if (st == IMOE_OK && row_scale != NULL)
+    st = imoe_check_matrix(row_scale, "row_scale", IMOE_SCORE_DTYPES, r_n, 1, 0, 0, err);
+  /* Named as the Python API names them. */
+  if (st == IMOE_OK && out != NULL) st = imoe_check_matrix(out, "out", own, r_n, gate_up->n, 1, 1, err);
+  if (st == IMOE_OK && act_out != NULL) st = imoe_check_matrix(act_out, "act_out", own, r_n, inter, 1, 1, err);
+  if (st == IMOE_OK && row_dot != NULL)
+    st = imoe_check_matrix(row_dot, "row_dot", IMOE_DTYPE_BIT(IMOE_DTYPE_F32), r_n, 1, 1, 0, err);
+  if (st != IMOE_OK) return st;
+  /* act_out in place of grad_act (checked above as act_out) stands for
+   * both: it must share no byte with any other argument. */
+  const int in_place = act_out != NULL && same_view(act_out, grad_act);
+  const imoe_call_args call = {NULL, 0, NULL,
+                               {gate_up, in_place ? NULL : grad_act, limit, row_scale},
+                               {"gate_up", "grad_act", "limit", "row_scale"},
+                               {out, act_out, row_dot},
+                               {"out", in_place ? "grad_act" : "act_out", "row_dot"}, NULL, 0};
+  return imoe_check_call(&call, empty, err);
+}
+
+imoe_status imoe_gated_act_backward_shape(const imoe_view *gate_up, const imoe_view *grad_act,
+                                          imoe_act act, const imoe_view *limit, const imoe_view *row_scale,
+                                          const imoe_view *act_out, const imoe_view *row_dot,
+                                          int64_t out_shape[2], imoe_error *err) {
+  int empty;
+  const imoe_status st =
+      check_act_bwd(gate_up, grad_act, act, limit, row_scale, NULL, act_out, row_dot, &empty, err);
   if (st == IMOE_OK && out_shape != NULL) {
     out_shape[0] = gate_up->lead_shape[0];
     out_shape[1] = gate_up->n;
@@ -117,23 +181,20 @@ imoe_status imoe_gated_act_backward_shape(const imoe_view *gate_up, const imoe_v
 }
 
 imoe_status imoe_gated_act_backward(const imoe_view *gate_up, const imoe_view *grad_act, imoe_act act,
-                                    const imoe_view *limit, const imoe_view *grad_gate_up,
-                                    const imoe_exec *exec, imoe_error *err) {
-  imoe_status st = imoe_gated_act_backward_shape(gate_up, grad_act, act, limit, NULL, err);
-  if (st != IMOE_OK) return st;
-  const int64_t r_n = gate_up->lead_shape[0];
-  /* Named as the Python API names it (the one output). */
-  st = imoe_check_matrix(grad_gate_up, "out", IMOE_DTYPE_BIT(gate_up->dtype), r_n, gate_up->n, 1, 1, err);
-  if (st == IMOE_OK) st = imoe_check_exec(exec, err);
-  if (st != IMOE_OK) return st;
+                                    const imoe_view *limit, const imoe_view *row_scale,
+                                    const imoe_view *grad_gate_up, const imoe_view *act_out,
+                                    const imoe_view *row_dot, const imoe_exec *exec, imoe_error *err) {
   int empty;
-  const imoe_call_args call = {NULL, 0, NULL, {gate_up, grad_act, limit}, {"gate_up", "grad_act", "limit"},
-                               {grad_gate_up}, {"out"}, NULL, 0};
-  st = imoe_check_call(&call, &empty, err);
+  imoe_status st =
+      check_act_bwd(gate_up, grad_act, act, limit, row_scale, grad_gate_up, act_out, row_dot, &empty, err);
+  if (st == IMOE_OK) st = imoe_check_exec(exec, err);
   if (st != IMOE_OK || empty) return st;
   if (imoe_on_cuda(exec))
-    return imoe_cuda_gated_act_backward(gate_up, grad_act, act, limit, grad_gate_up, exec, err);
-  const act_bwd_ctx a = {gate_up, grad_act, grad_gate_up, limit_rows(limit, r_n), act};
+    return imoe_cuda_gated_act_backward(gate_up, grad_act, act, limit, row_scale, grad_gate_up, act_out,
+                                        row_dot, exec, err);
+  const int64_t r_n = gate_up->lead_shape[0];
+  const act_bwd_ctx a = {gate_up, grad_act, row_scale, grad_gate_up, act_out, row_dot,
+                         limit_rows(limit, r_n), act};
   const imoe_stage stage = {act_bwd_row, &a, r_n};
   return imoe_run_stages(&stage, 1, 0, imoe_thread_count(exec, r_n * gate_up->n * 6, r_n), err);
 }

@@ -6,19 +6,27 @@
 //   k_bwd_dest_check  one block: dest checked against [-1, R); a bad entry is
 //                     a recorded IMOE_ERR_INDEX_RANGE and the call's verdict,
 //                     which the kernels after it read (nothing is written);
-//   k_bwd_zero_rows   the gather's output zeroed (grid-stride);
+//   k_bwd_zero_rows   the gather's output zeroed (grid-stride; 16-byte
+//                     stores where out's rows are whole aligned 16-byte
+//                     chunks);
 //   k_bwd_gather      one block per assignment (grid-stride): its token's row
-//                     times its weight into its row;
+//                     times its weight into its row (16-byte chunks where
+//                     src and out also share a dtype and align: a copy, or
+//                     each element's product rounded as one at a time);
 //   k_bwd_weight_grad one warp per assignment: the dot product in the core's
 //                     order (lane l sums h = l mod 32 in increasing h, then
 //                     p[l] += p[l + s], s = 16 .. 1), the CPU's bits;
-//   k_bwd_gated_act   d(gate), d(up) per element, rows past the limit zero.
+//   k_bwd_gated_act   one warp per row, 16-byte chunks where aligned:
+//                     d(gate), d(up), and when asked the forward's value
+//                     times the row's scale and the row's dot product with
+//                     grad (the core's order); rows past the limit zero.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 #include <math.h>
 #include <string.h>
 
+#include "imoe_act.cuh"
 #include "imoe_device.cuh"
 #include "imoe_launch.cuh"
 
@@ -37,6 +45,12 @@ __device__ __forceinline__ void st(char *p, int dt, float v) {
   if (dt == IMOE_DTYPE_F32) *reinterpret_cast<float *>(p) = v;
   else if (dt == IMOE_DTYPE_F16) *reinterpret_cast<__half *>(p) = __float2half_rn(v);
   else *reinterpret_cast<__nv_bfloat16 *>(p) = __float2bfloat16_rn(v);
+}
+
+__device__ __forceinline__ float round_to(float v, int dt) {
+  if (dt == IMOE_DTYPE_F16) return __half2float(__float2half_rn(v));
+  if (dt == IMOE_DTYPE_BF16) return __bfloat162float(__float2bfloat16_rn(v));
+  return v;
 }
 
 __device__ __forceinline__ int esize(int dt) { return dt == IMOE_DTYPE_F32 ? 4 : 2; }
@@ -60,6 +74,7 @@ struct BwdParams {
   int64_t out_row, out_col;
   int64_t T, R, H;
   int32_t k, adt, bdt, wdt, odt, a_by_row;
+  int32_t out_vec, gather_vec;  // 16-byte chunks: out's rows (zeroing); src's and out's rows (gather)
   uint32_t token;
   StatusWords words;
 };
@@ -75,12 +90,31 @@ __global__ void __launch_bounds__(1024) k_bwd_dest_check(const __grid_constant__
 
 __global__ void __launch_bounds__(kThreads) k_bwd_zero_rows(const __grid_constant__ BwdParams p) {
   if (call_aborted(p.words, p.token, 1)) return;
+  if (p.out_vec) {  // 16-byte stores: rows of whole 16-byte chunks, 16-byte aligned
+    const int64_t per_row = p.H * esize(p.odt) / 16;
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < p.R * per_row;
+         i += (int64_t)gridDim.x * blockDim.x) {
+      const int64_t r = i / per_row, c = i - r * per_row;
+      reinterpret_cast<uint4 *>(p.out + r * p.out_row)[c] = make_uint4(0u, 0u, 0u, 0u);
+    }
+    return;
+  }
   const int size = esize(p.odt);
   for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < p.R * p.H;
        i += (int64_t)gridDim.x * blockDim.x) {
     const int64_t r = i / p.H, h = i - r * p.H;
     st(p.out + r * p.out_row + h * size, p.odt, 0.0f);
   }
+}
+
+// One 16-byte chunk of a row (16 / size elements of dtype dt) times w, each
+// product rounded as the scalar path rounds it (w == 1 and no weights: the
+// values themselves, whose conversion round trip is exact).
+__device__ __forceinline__ uint4 scale_chunk(uint4 v, int dt, float w) {
+  char *b = reinterpret_cast<char *>(&v);
+  const int size = esize(dt);
+  for (int e = 0; e < 16; e += size) st(b + e, dt, __fmul_rn(w, ld(b + e, dt)));
+  return v;
 }
 
 __global__ void __launch_bounds__(kThreads) k_bwd_gather(const __grid_constant__ BwdParams p) {
@@ -93,6 +127,14 @@ __global__ void __launch_bounds__(kThreads) k_bwd_gather(const __grid_constant__
     const float w = p.w ? ld(p.w + t * p.w_row + j * p.w_col, p.wdt) : 1.0f;
     const char *src = p.a + t * p.a_row;
     char *out = p.out + d * p.out_row;
+    if (p.gather_vec) {  // src and out of one dtype, both rows of whole aligned 16-byte chunks
+      const int64_t chunks = p.H * osize / 16;
+      for (int64_t c = threadIdx.x; c < chunks; c += blockDim.x) {
+        const uint4 v = reinterpret_cast<const uint4 *>(src)[c];
+        reinterpret_cast<uint4 *>(out)[c] = p.w ? scale_chunk(v, p.odt, w) : v;
+      }
+      continue;
+    }
     for (int64_t h = threadIdx.x; h < p.H; h += blockDim.x) {
       const float v = ld(src + h * asize, p.adt);
       st(out + h * osize, p.odt, p.w ? __fmul_rn(w, v) : v);
@@ -121,14 +163,14 @@ __global__ void __launch_bounds__(kThreads) k_bwd_weight_grad(const __grid_const
 }
 
 struct ActBwdParams {
-  const char *in, *grad;
-  int64_t in_row, grad_row;
-  char *out;
-  int64_t out_row;
+  const char *in, *grad, *scale;
+  int64_t in_row, grad_row, scale_row;
+  char *out, *act_out, *dot;  // act_out, dot: null when not asked for
+  int64_t out_row, act_row, dot_row;
   InView limit;  // [E] offsets, or data null
   int64_t limit_last;
   int64_t R, I;
-  int32_t act, dt, gdt;
+  int32_t act, dt, gdt, sdt;
 };
 
 // act(x) and act'(x) in F32 (the CPU core's formulas).
@@ -158,30 +200,102 @@ __device__ __forceinline__ float act_slope(float x, int act, float *slope) {
   }
 }
 
-__global__ void __launch_bounds__(kThreads) k_bwd_gated_act(const __grid_constant__ ActBwdParams p) {
+constexpr int kChunk = 8;  // features per lane and step: 16 bytes of a 2-byte dtype
+
+// n <= kChunk elements of dtype dt from p into x: one 16-byte load when VEC.
+template <bool VEC>
+__device__ __forceinline__ void load_chunk(const char *p, int dt, int n, float *x) {
+  if (VEC) {
+    const uint4 v = *reinterpret_cast<const uint4 *>(p);
+    const char *b = reinterpret_cast<const char *>(&v);
+#pragma unroll
+    for (int e = 0; e < kChunk; ++e) x[e] = ld(b + 2 * e, dt);
+  } else {
+    const int size = esize(dt);
+#pragma unroll
+    for (int e = 0; e < kChunk; ++e) x[e] = e < n ? ld(p + e * size, dt) : 0.0f;
+  }
+}
+
+template <bool VEC>
+__device__ __forceinline__ void store_chunk(char *p, int dt, int n, const float *x) {
+  if (VEC) {
+    uint4 v;
+    char *b = reinterpret_cast<char *>(&v);
+#pragma unroll
+    for (int e = 0; e < kChunk; ++e) st(b + 2 * e, dt, x[e]);
+    *reinterpret_cast<uint4 *>(p) = v;
+  } else {
+    const int size = esize(dt);
+#pragma unroll
+    for (int e = 0; e < kChunk; ++e)
+      if (e < n) st(p + e * size, dt, x[e]);
+  }
+}
+
+// One warp per row (grid-stride); lane l takes the chunks of 8 features
+// c = l, l + 32, ...: d(gate), d(up), and when asked the forward's value
+// times the row's scale (act_out) and the dot product in the core's order
+// (lane l sums feature i with (i / 8) mod 32 = l in increasing i, then
+// p[l] += p[l + s], s = 16 .. 1). VEC: a 2-byte dtype DT throughout, I % 8
+// == 0, every row 16-byte aligned; DT and ACT fixed at compile time there
+// (no per-element switch), read from p elsewhere (DT, ACT = -1). act_out
+// may be grad: a lane loads its chunk of grad before it stores act_out's.
+template <int DT, int ACT, bool VEC>
+__global__ void __launch_bounds__(kThreads, 4) k_bwd_gated_act(const __grid_constant__ ActBwdParams p) {
+  const int dt = DT >= 0 ? DT : p.dt, gdt = DT >= 0 ? DT : p.gdt, act = ACT >= 0 ? ACT : p.act;
   int64_t rows = p.R;
   if (p.limit.data) {
     const int64_t end = load_index(p.limit.data + p.limit_last * p.limit.n_stride, p.limit.dtype,
                                    p.limit.aligned != 0);
     rows = end < 0 ? 0 : end < p.R ? end : p.R;
   }
-  const int size = esize(p.dt), gsize = esize(p.gdt);
-  for (int64_t item = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; item < p.R * p.I;
-       item += (int64_t)gridDim.x * blockDim.x) {
-    const int64_t r = item / p.I, i = item - r * p.I;
+  const int lane = threadIdx.x & 31, warps = blockDim.x / 32;
+  const int size = esize(dt), gsize = esize(gdt);
+  const int64_t chunks = (p.I + kChunk - 1) / kChunk;
+  const bool fwd = p.act_out != nullptr || p.dot != nullptr;
+  for (int64_t r = (int64_t)blockIdx.x * warps + threadIdx.x / 32; r < p.R; r += (int64_t)gridDim.x * warps) {
     char *out = p.out + r * p.out_row;
-    if (r >= rows) {
-      st(out + i * size, p.dt, 0.0f);
-      st(out + (p.I + i) * size, p.dt, 0.0f);
-      continue;
+    char *ao = p.act_out ? p.act_out + r * p.act_row : nullptr;
+    const bool live = r < rows;
+    const float w = live && p.scale ? ld(p.scale + r * p.scale_row, p.sdt) : 1.0f;
+    const char *in = p.in + r * p.in_row, *grad = p.grad + r * p.grad_row;
+    float sum = 0.0f;
+    for (int64_t c = lane; c < chunks; c += 32) {
+      const int64_t i0 = c * kChunk;
+      const int n = p.I - i0 < kChunk ? (int)(p.I - i0) : kChunk;
+      float dg[kChunk], du[kChunk], a[kChunk];
+      if (live) {
+        float g[kChunk], u[kChunk], d[kChunk];
+        load_chunk<VEC>(in + i0 * size, dt, n, g);
+        load_chunk<VEC>(in + (p.I + i0) * size, dt, n, u);
+        load_chunk<VEC>(grad + i0 * gsize, gdt, n, d);
+#pragma unroll
+        for (int e = 0; e < kChunk; ++e) {
+          float slope;
+          const float b = act_slope(g[e], act, &slope);
+          const float ds = p.scale ? __fmul_rn(d[e], w) : d[e];
+          dg[e] = ds * u[e] * slope;
+          du[e] = ds * b;
+          if (fwd) {
+            const float f = round_to(__fmul_rn(round_to(activate(g[e], act), dt), u[e]), dt);
+            if (e < n) sum = __fadd_rn(sum, __fmul_rn(d[e], f));
+            a[e] = p.scale ? __fmul_rn(f, w) : f;
+          }
+        }
+      } else {
+#pragma unroll
+        for (int e = 0; e < kChunk; ++e) dg[e] = du[e] = a[e] = 0.0f;
+      }
+      store_chunk<VEC>(out + i0 * size, dt, n, dg);
+      store_chunk<VEC>(out + (p.I + i0) * size, dt, n, du);
+      if (ao) store_chunk<VEC>(ao + i0 * size, dt, n, a);
     }
-    const char *in = p.in + r * p.in_row;
-    const float g = ld(in + i * size, p.dt), u = ld(in + (p.I + i) * size, p.dt);
-    const float d = ld(p.grad + r * p.grad_row + i * gsize, p.gdt);
-    float slope;
-    const float a = act_slope(g, p.act, &slope);
-    st(out + i * size, p.dt, d * u * slope);
-    st(out + (p.I + i) * size, p.dt, d * a);
+    if (p.dot) {
+#pragma unroll
+      for (int o = 16; o >= 1; o >>= 1) sum = __fadd_rn(sum, __shfl_down_sync(0xFFFFFFFFu, sum, o));
+      if (lane == 0) *reinterpret_cast<float *>(p.dot + r * p.dot_row) = sum;
+    }
   }
 }
 
@@ -203,7 +317,25 @@ unsigned grid_of(int64_t items, const DevInfo *di) {
   return (unsigned)(items < 1 ? 1 : items < cap ? items : cap);
 }
 
+template <int DT>
+cudaError_t launch_act_bwd(int act, unsigned grid, cudaStream_t s, const ActBwdParams &p) {
+  switch (act) {
+    case IMOE_ACT_SILU: return launch(k_bwd_gated_act<DT, IMOE_ACT_SILU, true>, shape(grid, kThreads), s, p);
+    case IMOE_ACT_GELU: return launch(k_bwd_gated_act<DT, IMOE_ACT_GELU, true>, shape(grid, kThreads), s, p);
+    case IMOE_ACT_GELU_TANH:
+      return launch(k_bwd_gated_act<DT, IMOE_ACT_GELU_TANH, true>, shape(grid, kThreads), s, p);
+    default: return launch(k_bwd_gated_act<DT, IMOE_ACT_RELU, true>, shape(grid, kThreads), s, p);
+  }
+}
+
+// The 16-byte kernel of a 2-byte dtype, its activation fixed.
+cudaError_t launch_act_bwd(bool bf16, int act, unsigned grid, cudaStream_t s, const ActBwdParams &p) {
+  return bf16 ? launch_act_bwd<IMOE_DTYPE_BF16>(act, grid, s, p) : launch_act_bwd<IMOE_DTYPE_F16>(act, grid, s, p);
+}
+
 // The params every dest-reading call shares, and its check kernel launched.
+bool aligned16(const void *ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15u) == 0; }
+
 cudaError_t begin(const imoe_view *dest, int64_t rows, DevInfo *di, cudaStream_t s, BwdParams *p) {
   memset(p, 0, sizeof *p);
   p->dest = idx_of(dest);
@@ -246,8 +378,13 @@ imoe_status imoe_cuda_moe_gather_rows(const imoe_view *src, const imoe_view *des
   p.out_row = out->lead_stride[0];
   p.odt = out->dtype;
   p.H = out->n;
+  // Whole, aligned 16-byte chunks (rows contiguous: the core checked it).
+  const int64_t row_bytes = p.H * (p.odt == IMOE_DTYPE_F32 ? 4 : 2);
+  p.out_vec = row_bytes % 16 == 0 && (p.R < 2 || p.out_row % 16 == 0) && aligned16(p.out);
+  p.gather_vec = p.out_vec && p.adt == p.odt && (p.T < 2 || p.a_row % 16 == 0) && aligned16(p.a);
   if (p.R * p.H > 0) {
-    e = launch(k_bwd_zero_rows, shape(grid_of((p.R * p.H + kThreads - 1) / kThreads, di), kThreads), stream, p);
+    const int64_t items = p.out_vec ? p.R * (row_bytes / 16) : p.R * p.H;
+    e = launch(k_bwd_zero_rows, shape(grid_of((items + kThreads - 1) / kThreads, di), kThreads), stream, p);
     if (e != cudaSuccess) return cuda_fail(err, fn, "launch of k_bwd_zero_rows", e);
   }
   if (p.T * p.k > 0 && p.H > 0) {
@@ -288,8 +425,9 @@ imoe_status imoe_cuda_moe_weight_grad(const imoe_view *a, int32_t a_by_row, cons
 }
 
 imoe_status imoe_cuda_gated_act_backward(const imoe_view *gate_up, const imoe_view *grad_act, imoe_act act,
-                                         const imoe_view *limit, const imoe_view *grad_gate_up,
-                                         const imoe_exec *exec, imoe_error *err) {
+                                         const imoe_view *limit, const imoe_view *row_scale,
+                                         const imoe_view *grad_gate_up, const imoe_view *act_out,
+                                         const imoe_view *row_dot, const imoe_exec *exec, imoe_error *err) {
   const char *fn = "imoe_cuda_gated_act_backward";
   DeviceGuard guard;
   DevInfo *di = nullptr;
@@ -304,6 +442,19 @@ imoe_status imoe_cuda_gated_act_backward(const imoe_view *gate_up, const imoe_vi
   p.grad_row = grad_act->lead_stride[0];
   p.out = static_cast<char *>(grad_gate_up->data);
   p.out_row = grad_gate_up->lead_stride[0];
+  if (row_scale) {
+    p.scale = static_cast<const char *>(row_scale->data);
+    p.scale_row = row_scale->lead_stride[0];
+    p.sdt = row_scale->dtype;
+  }
+  if (act_out) {
+    p.act_out = static_cast<char *>(act_out->data);
+    p.act_row = act_out->lead_stride[0];
+  }
+  if (row_dot) {
+    p.dot = static_cast<char *>(row_dot->data);
+    p.dot_row = row_dot->lead_stride[0];
+  }
   if (limit) {
     p.limit.data = static_cast<char *>(limit->data);
     p.limit.n_stride = limit->n_stride;
@@ -317,8 +468,14 @@ imoe_status imoe_cuda_gated_act_backward(const imoe_view *gate_up, const imoe_vi
   p.act = act;
   p.dt = gate_up->dtype;
   p.gdt = grad_act->dtype;
-  const cudaError_t e =
-      launch(k_bwd_gated_act, shape(grid_of((p.R * p.I + kThreads - 1) / kThreads, di), kThreads), stream, p);
+  // 16-byte chunks: a 2-byte dtype throughout, every row start 16-byte aligned.
+  const auto at16 = [](const void *ptr, int64_t row) { return (uintptr_t)ptr % 16 == 0 && row % 16 == 0; };
+  const bool vec = p.dt != IMOE_DTYPE_F32 && p.gdt == p.dt && p.I % kChunk == 0 && at16(p.in, p.in_row) &&
+                   at16(p.grad, p.grad_row) && at16(p.out, p.out_row) && (!p.act_out || at16(p.act_out, p.act_row));
+  const int warps = kThreads / 32;
+  const unsigned grid = grid_of((p.R + warps - 1) / warps, di);
+  const cudaError_t e = vec ? launch_act_bwd(p.dt == IMOE_DTYPE_BF16, act, grid, stream, p)
+                            : launch(k_bwd_gated_act<-1, -1, false>, shape(grid, kThreads), stream, p);
   if (e != cudaSuccess) return cuda_fail(err, fn, "launch of k_bwd_gated_act", e);
   return IMOE_OK;
 }

@@ -15,10 +15,11 @@ formulas as `EagerExperts`, an autograd.Function without the ops' dispatch):
               gradient (it is alive anyway: the layer's input). Never the
               gathered rows [R, H] nor the expert outputs Y [R, H].
     backward  gdo = gather(dOut) [R, H]; G = gdo @ W_down[e]^T [R, I];
-              A recomputed from gate_up (gated_act); d(w)[t, j] =
-              <G[row], A[row]> (= <dOut[t], Y[row]>: Y is never needed);
-              dA = w_row * G; dW_down[e] = (w_row * A)^T gdo;
-              d(gate_up) = gated_act_backward(gate_up, dA);
+              one pass over gate_up and G (gated_act_backward with
+              row_scale w_row) gives d(gate_up) of dA = w_row * G, the
+              recomputed A times w_row (written over G) and <G[row], A[row]>
+              per row; d(w)[t, j] = that dot (= <dOut[t], Y[row]>: Y is
+              never needed); dW_down[e] = (w_row * A)^T gdo;
               dW_up[e] = gather(hidden)^T d(gate_up);
               d(hidden) = combine(d(gate_up) @ W_up[e]^T, dest, 1).
 
@@ -86,12 +87,15 @@ def _act_slope(x: torch.Tensor, act: str) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def ref_gated_act_backward(gate_up: torch.Tensor, grad: torch.Tensor, act: str,
-                           limit: torch.Tensor | None) -> torch.Tensor:
-    """d(gate_up) of ref_gated_act: [d * up * act'(gate), d * act(gate)],
-    in float32 for narrower dtypes (the kernel's math), rounded once."""
+                           limit: torch.Tensor | None, row_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """d(gate_up) of ref_gated_act: [d * up * act'(gate), d * act(gate)]
+    with d = grad (times row_scale [R, 1] when given), in float32 for
+    narrower dtypes (the kernel's math), rounded once."""
     acc = torch.promote_types(gate_up.dtype, torch.float32)
     inter = gate_up.shape[-1] // 2
     g, u, d = gate_up[:, :inter].to(acc), gate_up[:, inter:].to(acc), grad.to(acc)
+    if row_scale is not None:
+        d = d * row_scale.to(acc)
     a, slope = _act_slope(g, act)
     out = torch.cat([d * u * slope, d * a], dim=-1).to(gate_up.dtype)
     keep = _limit_mask(gate_up.shape[0], limit, gate_up.device)
@@ -222,6 +226,29 @@ def gated_act_backward_direct(gate_up, grad, act, limit):
     return ref_gated_act_backward(gate_up, grad, act, limit)
 
 
+def gated_act_backward_rows(gate_up, g, act, limit, w_row, need_act, need_dot):
+    """The fused layer's activation backward in one pass over gate_up and g:
+    (d(gate_up) of w_row * g, A * w_row or None, <g, A> per row [R, 1]
+    float32 or None), A the forward's act(gate) * up. A * w_row is written
+    over g (g is not read again)."""
+    if on_core(gate_up, g, w_row):
+        dot = g.new_empty((g.shape[0], 1), dtype=torch.float32) if need_dot else None
+        d_gate_up = _moe_core.gated_act_backward(gate_up, g, act, limit=limit, row_scale=w_row,
+                                                 act_out=g if need_act else None, row_dot=dot)
+        return d_gate_up, g if need_act else None, dot
+    a = gated_act_direct(gate_up, act, limit)
+    dot = (g.to(torch.float32) * a.to(torch.float32)).sum(-1, keepdim=True) if need_dot else None
+    d_gate_up = ref_gated_act_backward(gate_up, g, act, limit, row_scale=w_row)
+    return d_gate_up, a.mul_(w_row.to(a.dtype)) if need_act else None, dot
+
+
+def per_assignment(row_values: torch.Tensor, dest: torch.Tensor, dtype) -> torch.Tensor:
+    """[T, k]: row_values[dest[t, j]] ([R, 1]), 0 where dest is -1."""
+    flat = row_values.reshape(-1)
+    kept = dest >= 0
+    return torch.where(kept, flat[dest.clamp(min=0).long()], 0).to(dtype)
+
+
 def combine_direct(rows, dest, weights, out_dtype):
     rows, dest, weights = detached(rows, dest, weights)
     if on_core(rows, weights) and out_dtype in CORE_DTYPES:
@@ -313,19 +340,16 @@ def experts_backward_direct(grad_out, hidden, top_k_weights, w_up, w_down, gate_
         return grad_out.new_empty(0)
     gdo = gather_rows_direct(grad_out, dest, None, rows, w_down.dtype)      # [R, H]
     g = grouped_mm_nt(gdo, w_down, offsets)                                # [R, I]
-    d_weights, d_down = none(), none()
-    if need_weights or need_down:
-        a = gated_act_direct(gate_up, act, offsets)                        # recomputed [R, I]
-        if need_weights:
-            d_weights = weight_grad_direct(g, a, dest, True, top_k_weights.dtype)
     w_row = row_weights(dest, top_k_weights, rows, torch.float32 if dt in CORE_DTYPES else dt)
-    if need_down:
-        d_down = grouped_mm_dw_as(transposed(w_down), a.mul_(w_row.to(dt)), gdo, offsets, num_experts)
-    if need_weights or need_down:
-        del a
-    del gdo
-    d_gate_up = gated_act_backward_direct(gate_up, g.mul_(w_row.to(g.dtype)), act, offsets)
+    # One pass: d(gate_up) of w_row * G, w_row * A over G, <G, A> per row.
+    d_gate_up, a_w, dot = gated_act_backward_rows(gate_up, g, act, offsets, w_row, need_down, need_weights)
     del g
+    d_weights, d_down = none(), none()
+    if need_weights:
+        d_weights = per_assignment(dot, dest, top_k_weights.dtype)
+    if need_down:
+        d_down = grouped_mm_dw_as(transposed(w_down), a_w, gdo, offsets, num_experts)
+    del gdo, a_w, dot
     d_up, d_hidden = none(), none()
     if need_up:
         x = gather_rows_direct(hidden, dest, None, rows, dt)

@@ -168,10 +168,12 @@ def experts_gemm(x: Any, w: Any, offsets: Any, *, src: Any = None, act: str | No
 
 
 def gated_act_backward(gate_up: Any, grad_act: Any, act: str = "silu", *, limit: Any = None,
-                       out: Any = None, num_threads: int | None = None) -> Any:
+                       row_scale: Any = None, act_out: Any = None, row_dot: Any = None, out: Any = None,
+                       num_threads: int | None = None) -> Any:
     """The direct path of `moe.gated_act_backward` (its docstring)."""
     return native().gated_act_backward(gate_up=gate_up, grad_act=grad_act, out=out, act=act, limit=limit,
-                                       new=empty, num_threads=resolve_num_threads(num_threads),
+                                       row_scale=row_scale, act_out=act_out, row_dot=row_dot, new=empty,
+                                       num_threads=resolve_num_threads(num_threads),
                                        stream=_arrays.dlpack_stream(gate_up))
 
 

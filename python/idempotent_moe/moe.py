@@ -206,15 +206,27 @@ def experts_gemm(x: Any, w: Any, offsets: Any, *, src: Any = None, act: str | No
 
 
 def gated_act_backward(gate_up: Any, grad_act: Any, act: str = "silu", *, limit: Any = None,
-                       out: Any = None, num_threads: int | None = None) -> Any:
+                       row_scale: Any = None, act_out: Any = None, row_dot: Any = None, out: Any = None,
+                       num_threads: int | None = None) -> Any:
     """d(gate_up) [R, 2I] of `gated_act(gate_up, act, limit=limit)` given its
     output's gradient `grad_act` [R, I]: d(gate) = grad * up * act'(gate),
     d(up) = grad * act(gate), in fp32, rounded once to gate_up's dtype. Rows
-    at or past limit[-1] get zeros."""
-    ops = _ops(gate_up, grad_act) if out is None else None
+    at or past limit[-1] get zeros.
+
+    The fused experts layer's backward in the same pass (each optional):
+    `row_scale` [R, 1] multiplies each row's grad first (in fp32);
+    `act_out` [R, I] (gate_up's dtype) receives the forward's value
+    act(gate) * up times row_scale, and may be grad_act itself (each element
+    is read before it is written); `row_dot` [R, 1] float32 receives
+    <grad_act[r], act(gate) * up> per row (unscaled). act_out and row_dot are
+    written in place (the direct path, as with `out`); rows past the limit
+    get zeros."""
+    direct = out is not None or row_scale is not None or act_out is not None or row_dot is not None
+    ops = None if direct else _ops(gate_up, grad_act)
     if ops is not None:
         return _op(ops.gated_act_backward, gate_up, grad_act, act, limit)
-    return _moe_core.gated_act_backward(gate_up, grad_act, act, limit=limit, out=out, num_threads=num_threads)
+    return _moe_core.gated_act_backward(gate_up, grad_act, act, limit=limit, row_scale=row_scale,
+                                        act_out=act_out, row_dot=row_dot, out=out, num_threads=num_threads)
 
 
 def moe_gather_rows(src: Any, dest: Any, num_rows: int, *, weights: Any = None, out: Any = None,

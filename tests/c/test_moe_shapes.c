@@ -150,7 +150,8 @@ static void test_output_shapes(void) {
   imoe_view odd = matrix(gate_up, T, 2 * H - 1, IMOE_DTYPE_F32, 4);
   CHECK(imoe_gated_act_shape(&odd, IMOE_ACT_SILU, NULL, shape, &err) == IMOE_ERR_ARGUMENT, "odd gate_up");
   imoe_view grad = matrix(rows, T, H, IMOE_DTYPE_F32, 4);
-  CHECK(imoe_gated_act_backward_shape(&vg, &grad, IMOE_ACT_SILU, NULL, shape, &err) == IMOE_OK &&
+  CHECK(imoe_gated_act_backward_shape(&vg, &grad, IMOE_ACT_SILU, NULL, NULL, NULL, NULL, shape, &err) ==
+                IMOE_OK &&
             shape[0] == T && shape[1] == 2 * H,
         "gated_act_backward shape");
   imoe_view src = matrix(rows, T, H, IMOE_DTYPE_F32, 4);

@@ -274,7 +274,7 @@ case("act-out-inside-gate-up", ValueError, ["gate_up", r"\bout\b"], _act_out_in_
 
 def act_bwd(d, grad_act=None, **kwargs):
     ga = d.grad_act if grad_act is None else grad_act
-    extra = [kwargs["out"]] if kwargs.get("out") is not None else []
+    extra = [kwargs[k] for k in ("out", "row_scale", "act_out", "row_dot") if kwargs.get(k) is not None]
     return (lambda: moe.gated_act_backward(d.gate_up, ga, **kwargs)), \
         [x for x in (d.gate_up, ga, *extra) if not isinstance(x, list)]
 
@@ -286,6 +286,33 @@ case("act-bwd-out-shape", ValueError, [r"\bout\b"],
      lambda d: act_bwd(d, out=d.full((T * K, INTER), 7.0)), BOTH)
 case("act-bwd-grad-inside-out", ValueError, ["grad_act", r"\bout\b"],
      lambda d: (lambda o: act_bwd(d, grad_act=o[:, :INTER], out=o))(d.full((T * K, 2 * INTER), 7.0)), BOTH)
+case("act-bwd-row-scale-1d", ValueError, ["row_scale"], lambda d: act_bwd(d, row_scale=d.full((T * K,), 1.0)),
+     BOTH)
+case("act-bwd-row-scale-rows", ValueError, ["row_scale"],
+     lambda d: act_bwd(d, row_scale=d.full((T * K - 1, 1), 1.0)), BOTH)
+case("act-bwd-row-scale-int", TypeError, ["row_scale"],
+     lambda d: act_bwd(d, row_scale=d.full((T * K, 1), 1, "int32")), BOTH)
+case("act-bwd-act-out-shape", ValueError, ["act_out"],
+     lambda d: act_bwd(d, act_out=d.full((T * K, INTER + 1), 7.0)), BOTH)
+case("act-bwd-act-out-other-dtype", TypeError, ["act_out", "F16"],
+     lambda d: act_bwd(d, act_out=d.full((T * K, INTER), 7.0, "float16")), BOTH)
+case("act-bwd-row-dot-shape", ValueError, ["row_dot"], lambda d: act_bwd(d, row_dot=d.full((T * K, 2), 7.0)),
+     BOTH)
+case("act-bwd-row-dot-f16", TypeError, ["row_dot"],
+     lambda d: act_bwd(d, row_dot=d.full((T * K, 1), 7.0, "float16")), BOTH)
+case("act-bwd-act-out-inside-gate-up", ValueError, ["gate_up", "act_out"],
+     lambda d: act_bwd(d, act_out=d.gate_up[:, :INTER]), BOTH)
+case("act-bwd-row-dot-inside-out", ValueError, ["row_dot", r"\bout\b"],
+     lambda d: (lambda o: act_bwd(d, out=o, row_dot=o[:, :1]))(d.full((T * K, 2 * INTER), 7.0)), BOTH)
+
+
+def _act_out_shifted_over_grad(d):
+    """act_out overlapping grad_act one row apart: not the same view, refused."""
+    buf = d.full((T * K + 1, INTER), 0.5)
+    return act_bwd(d, grad_act=buf[:-1], act_out=buf[1:])
+
+
+case("act-bwd-act-out-overlaps-grad", ValueError, ["grad_act", "act_out"], _act_out_shifted_over_grad, BOTH)
 
 # --------------------------------------------------------------------------- grouped_gemm
 def gemm(d, a=None, w=None, offsets=None, **kwargs):

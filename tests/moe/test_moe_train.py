@@ -76,6 +76,60 @@ def test_gated_act_backward_matches_the_float64_derivative(act, dtype):
         or (out - ag.ref_gated_act_backward(gate_up, grad, act, limit)).abs().max() < 1e-5
 
 
+def lane_dot(grad, a):
+    """<grad[r], a[r]> in the fused pass's order: float32 products, feature i
+    to lane (i // 8) % 32 in increasing i, then p[l] += p[l + s]."""
+    prod = grad.float() * a.float()
+    lanes = torch.zeros(prod.shape[0], 32)
+    for i in range(prod.shape[1]):
+        lanes[:, (i // 8) % 32] += prod[:, i]
+    s = 16
+    while s:
+        lanes[:, :s] = lanes[:, :s] + lanes[:, s:2 * s]
+        s //= 2
+    return lanes[:, :1]
+
+
+def fused_act_inputs(dtype, inter, rows=11, seed=5, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    gate_up = (torch.randn(rows, 2 * inter, generator=g) * 2).to(device, dtype)
+    grad = torch.randn(rows, inter, generator=g).to(device, dtype)
+    scale = torch.rand(rows, 1, generator=g).to(device)
+    return gate_up, grad, scale, torch.tensor([2, 5, 8], dtype=torch.int32, device=device)
+
+
+@pytest.mark.parametrize("act", ACTS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("inter", [37, 264])  # a partial last chunk; more chunks than lanes
+def test_gated_act_backward_scales_rows_and_gives_the_forward_and_its_dot_in_one_pass(act, dtype, inter):
+    gate_up, grad, scale, limit = fused_act_inputs(dtype, inter)
+    act_out = torch.full((11, inter), 7.0, dtype=dtype)
+    dot = torch.full((11, 1), 7.0)
+    out = moe.gated_act_backward(gate_up, grad, act, limit=limit, row_scale=scale, act_out=act_out,
+                                 row_dot=dot)
+    # d(gate_up) of the scaled grad: the plain kernel given grad * scale in float32, bit for bit
+    assert torch.equal(out, moe.gated_act_backward(gate_up, grad.float() * scale, act, limit=limit))
+    fwd = moe.gated_act(gate_up, act, limit=limit)  # the forward's bits
+    assert torch.equal(act_out[:8], (fwd[:8].float() * scale[:8]).to(dtype))
+    assert torch.equal(dot[:8], lane_dot(grad[:8], fwd[:8]))
+    assert (act_out[8:] == 0).all() and (dot[8:] == 0).all() and (out[8:] == 0).all()
+    truth = (grad[:8].double() * fwd[:8].double()).sum(-1, keepdim=True)
+    assert torch.allclose(dot[:8].double(), truth, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gated_act_backward_writes_act_out_over_grad_itself(dtype):
+    gate_up, grad, scale, limit = fused_act_inputs(dtype, 40)
+    apart = torch.empty_like(grad)
+    dot = torch.empty(11, 1)
+    want = moe.gated_act_backward(gate_up, grad, "silu", limit=limit, row_scale=scale, act_out=apart,
+                                  row_dot=dot)
+    dot_in_place = torch.empty(11, 1)
+    got = moe.gated_act_backward(gate_up, grad, "silu", limit=limit, row_scale=scale, act_out=grad,
+                                 row_dot=dot_in_place)
+    assert torch.equal(got, want) and torch.equal(grad, apart) and torch.equal(dot_in_place, dot)
+
+
 @pytest.mark.parametrize("weighted", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gather_rows_writes_each_assignment_row_and_zeros_elsewhere(weighted, dtype):
@@ -487,6 +541,54 @@ def test_cuda_backward_kernels_match_the_cpu(act, dtype):
         src.cuda(), b.cuda(), dest.cuda()).cpu())
     assert torch.equal(moe.moe_weight_grad(b, b, dest, a_by_row=True), moe.moe_weight_grad(
         b.cuda(), b.cuda(), dest.cuda(), a_by_row=True).cpu())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("act", ACTS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("inter", [37, 264])  # one element at a time; 16-byte chunks where 2-byte
+def test_cuda_fused_activation_backward_matches_the_cpu(act, dtype, inter):
+    results = []
+    for device in ("cpu", "cuda"):
+        gate_up, grad, scale, limit = fused_act_inputs(dtype, inter, rows=300, device=device)
+        act_out, dot = torch.empty_like(grad), torch.empty(300, 1, device=device)
+        out = moe.gated_act_backward(gate_up, grad, act, limit=limit, row_scale=scale, act_out=act_out,
+                                     row_dot=dot)
+        in_place = grad.clone()
+        out2 = moe.gated_act_backward(gate_up, in_place, act, limit=limit, row_scale=scale, act_out=in_place)
+        assert torch.equal(out2, out) and torch.equal(in_place, act_out)
+        results.append([x.cpu().double() for x in (out, act_out, dot)])
+    ulp = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-3}[dtype]
+    for cpu, gpu in zip(*results):
+        assert ((cpu - gpu).abs() <= ulp * (cpu.abs() + 1)).all()
+    assert all((gpu[8:] == 0).all() for gpu in results[1])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("weighted", [False, True])
+@pytest.mark.parametrize("case", ["chunks", "odd_width", "offset_rows", "other_out_dtype"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_cuda_gather_rows_in_16_byte_chunks_and_one_at_a_time_match_the_cpu(dtype, case, weighted):
+    """The CUDA gather copies whole aligned 16-byte chunks where it can (rows
+    of 64 features) and one element at a time elsewhere (an odd width, rows
+    at an offset of 2 elements, another out dtype): the CPU's bits either
+    way, and the rows no assignment names zeroed over NaN."""
+    g = torch.Generator().manual_seed(11)
+    width = 6 if case == "odd_width" else 64
+    cols = slice(2, None) if case == "offset_rows" else slice(0, width)
+    src = torch.randn(9, width + 2, generator=g).to(dtype)[:, cols]
+    dest = torch.tensor([[0, 9], [3, -1], [-1, -1], [4, 1], [2, 5], [7, 8], [10, 11], [-1, 12], [13, 6]],
+                        dtype=torch.int32)
+    w = torch.rand(9, 2, generator=g) if weighted else None
+    out_dtype = torch.float32 if case == "other_out_dtype" and dtype != torch.float32 else dtype
+    want = torch.full((16, width + 2), float("nan"), dtype=out_dtype)
+    got = want.cuda()
+    moe.moe_gather_rows(src, dest, 15, weights=w, out=want[:15, cols])
+    w_gpu = None if w is None else w.cuda()
+    moe.moe_gather_rows(src.cuda(), dest.cuda(), 15, weights=w_gpu, out=got[:15, cols])
+    assert torch.equal(want[:15, cols], ag.ref_gather_rows(src, dest, 15, w, out_dtype))
+    assert torch.equal(got.cpu().nan_to_num(7.0), want.nan_to_num(7.0))
+    assert (want[14, cols] == 0).all()
 
 
 @pytest.mark.gpu

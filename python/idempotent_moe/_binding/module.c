@@ -206,9 +206,10 @@ static PyMethodDef methods[] = {
      "in torch's CUDA topk order), divided by their sum when renormalize; torch's CUDA "
      "arithmetic."},
     {"gated_act_backward", FASTCALL(imoe_py_gated_act_backward),
-     "gated_act_backward(*, gate_up, grad_act, out=None, act='silu', limit=None, new=None, "
-     "num_threads, stream=None) -> out\n\nimoe_gated_act_backward: d(gate_up) of out = "
-     "act(gate) * up."},
+     "gated_act_backward(*, gate_up, grad_act, out=None, act='silu', limit=None, row_scale=None, "
+     "act_out=None, row_dot=None, new=None, num_threads, stream=None) -> out\n\n"
+     "imoe_gated_act_backward: d(gate_up) of out = act(gate) * up (grad_act scaled per row by "
+     "row_scale); act_out = out * row_scale and row_dot = <grad_act, out> per row when given."},
     {"moe_gather_rows", FASTCALL(imoe_py_moe_gather_rows),
      "moe_gather_rows(*, src, dest, weights=None, out=None, num_rows=None, out_dtype=None, "
      "new=None, num_threads, stream=None) -> out\n\n"

@@ -16,12 +16,16 @@ static int import_index(imoe_py_call *c, PyObject *obj, const char *name, imoe_v
 }
 
 static imoe_py_signature act_bwd_sig = {
-    "gated_act_backward", 8, {"gate_up", "grad_act", "out", "act", "limit", "new", "num_threads", "stream"}};
+    "gated_act_backward",
+    11,
+    {"gate_up", "grad_act", "out", "act", "limit", "row_scale", "act_out", "row_dot", "new", "num_threads",
+     "stream"}};
 
 IMOE_PY_FASTCALL(imoe_py_gated_act_backward) {
   (void)self;
-  enum { IN, GRAD, OUT, ACT, LIMIT, NEW, THREADS, STREAM, COUNT };
-  PyObject *a[COUNT] = {NULL, NULL, Py_None, Py_None, Py_None, Py_None, Py_None, Py_None};
+  enum { IN, GRAD, OUT, ACT, LIMIT, SCALE, ACT_OUT, DOT, NEW, THREADS, STREAM, COUNT };
+  PyObject *a[COUNT] = {NULL, NULL, Py_None, Py_None, Py_None, Py_None, Py_None, Py_None, Py_None, Py_None,
+                        Py_None};
   if (imoe_py_parse(&act_bwd_sig, args, nargs, kwnames, a) < 0) return NULL;
   int act = IMOE_ACT_SILU;
   if (a[ACT] != Py_None && imoe_py_as_option(a[ACT], IMOE_OPTION_ACT, "act", &act) < 0) return NULL;
@@ -29,23 +33,30 @@ IMOE_PY_FASTCALL(imoe_py_gated_act_backward) {
   imoe_py_call *c = imoe_py_call_new(a[STREAM], a[THREADS]);
   if (c == NULL) return NULL;
   PyObject *result = NULL, *out = imoe_py_given(a[OUT]);
-  imoe_view in, grad, outv, limit;
-  const int has_limit = a[LIMIT] != Py_None;
+  imoe_view in, grad, outv, limit, scale, act_out, dot;
+  const int has_limit = a[LIMIT] != Py_None, has_scale = a[SCALE] != Py_None;
+  const int has_act_out = a[ACT_OUT] != Py_None, has_dot = a[DOT] != Py_None;
+  /* act_out may be grad_act itself (the core tells the two apart). */
   if (import_float(c, a[IN], "gate_up", 0, &in) < 0 || import_float(c, a[GRAD], "grad_act", 0, &grad) < 0 ||
-      (has_limit && import_index(c, a[LIMIT], "limit", &limit) < 0))
+      (has_limit && import_index(c, a[LIMIT], "limit", &limit) < 0) ||
+      (has_scale && import_float(c, a[SCALE], "row_scale", 0, &scale) < 0) ||
+      (has_act_out && import_float(c, a[ACT_OUT], "act_out", 1, &act_out) < 0) ||
+      (has_dot && import_float(c, a[DOT], "row_dot", 1, &dot) < 0))
     goto done;
   if (out == NULL) {
     int64_t shape[2];
     c->err.message[0] = '\0';
     if (imoe_py_judged(c, imoe_gated_act_backward_shape(&in, &grad, (imoe_act)act, has_limit ? &limit : NULL,
-                                                        shape, &c->err)) < 0 ||
+                                                        has_scale ? &scale : NULL, has_act_out ? &act_out : NULL,
+                                                        has_dot ? &dot : NULL, shape, &c->err)) < 0 ||
         (out = imoe_py_call_new_array(c, a[NEW], a[IN], shape, 2, NULL)) == NULL)
       goto done;
   }
   if (import_float(c, out, "out", 1, &outv) < 0 || imoe_py_call_finish(c) < 0) goto done;
   IMOE_PY_CALL_C(c, result,
-                 imoe_gated_act_backward(&in, &grad, (imoe_act)act, has_limit ? &limit : NULL, &outv,
-                                         &c->exec, &c->err));
+                 imoe_gated_act_backward(&in, &grad, (imoe_act)act, has_limit ? &limit : NULL,
+                                         has_scale ? &scale : NULL, &outv, has_act_out ? &act_out : NULL,
+                                         has_dot ? &dot : NULL, &c->exec, &c->err));
   result = imoe_py_returning(result, &out);
 done:
   imoe_py_call_free(c);
