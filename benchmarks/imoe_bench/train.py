@@ -76,6 +76,12 @@ def _peak(device):
     return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
 
 
+def _allocated(device):
+    """What is allocated when the peak is reset: the floor the steps' peak
+    stands on (parameters, inputs, and whatever earlier modes left)."""
+    return torch.cuda.memory_allocated(device) if device.type == "cuda" else None
+
+
 def bf16_rate(device, quick: bool) -> float:
     """Measured dense bf16 GEMM FLOP/s (the floor's rate)."""
     n = 256 if quick else 8192
@@ -294,14 +300,16 @@ def run_models(cfg, device, dtype, rounds, reps, rate):
                     if key not in checks:
                         checks[key] = check_model(model, loss, impl, ref)
                     _peak_reset(device)
+                    before = _allocated(device)
                     times.setdefault(key, []).extend(time_step(step, device, reps))
-                    info[key] = (_peak(device), counter.bytes)
+                    info[key] = (_peak(device), counter.bytes, before)
         flops = 6 * tokens * shape["top_k"] * 3 * shape["hidden"] * shape["inter"] * cfg["layers"]
         for (impl, cap, skew), ts in times.items():
             med = statistics.median(ts)
-            peak, saved = info[(impl, cap, skew)]
+            peak, saved, before = info[(impl, cap, skew)]
             results.append(dict(case="model", family=family, implementation=impl, capacity=cap, skewed=skew,
                                 tokens=tokens, step_s=med, tokens_per_s=tokens / med, peak_bytes=peak,
+                                allocated_before_bytes=before,
                                 moe_saved_bytes=saved, moe_floor_s=flops / rate, samples=len(ts),
                                 check=checks[(impl, cap, skew)]))
         del model, ref
@@ -385,15 +393,17 @@ def run_layers(cfg, device, dtype, rounds, reps, rate):
                         out.backward(grad)
                     step()
                     _peak_reset(device)
+                    before = _allocated(device)
                     times.setdefault(key, []).extend(time_step(step, device, reps))
-                    info[key] = (_peak(device), counter.bytes)
+                    info[key] = (_peak(device), counter.bytes, before)
             checks.update(check_layer(experts, hidden, idx, w, grad, skew))
         flops = 6 * tokens * shape["top_k"] * 3 * shape["hidden"] * shape["inter"]
         for (impl, cap, skew), ts in times.items():
             med = statistics.median(ts)
-            peak, saved = info[(impl, cap, skew)]
+            peak, saved, before = info[(impl, cap, skew)]
             results.append(dict(case="layer", shape=name, implementation=impl, capacity=cap, skewed=skew,
                                 tokens=tokens, step_s=med, tokens_per_s=tokens / med, peak_bytes=peak,
+                                allocated_before_bytes=before,
                                 moe_saved_bytes=saved, floor_s=flops / rate,
                                 floor_fraction=flops / rate / med, samples=len(ts),
                                 check=checks[(impl, cap, skew)]))
@@ -454,13 +464,20 @@ def _check_text(r: dict) -> str:
     return text
 
 
+def _peak_text(r: dict) -> str:
+    if r["peak_bytes"] is None:
+        return ""
+    before = r.get("allocated_before_bytes")  # absent from older JSON
+    return f"{r['peak_bytes'] / 2**20:,.0f}" + ("" if before is None else f" ({before / 2**20:,.0f})")
+
+
 def table(data: dict) -> str:
     """One markdown table: every row's time, its ratio to grouped_mm's step
     (same case, same router), memory, saved bytes and check."""
     rows = data["results"]
     base = {_case(r): r["step_s"] for r in rows if r["implementation"] == "grouped_mm"}
     head = ["case", "router", "implementation", "step ms", "x faster than grouped_mm", "tokens/s",
-            "of the FLOP floor", "peak MiB", "MoE saved MiB", "check"]
+            "of the FLOP floor", "peak MiB (allocated before)", "MoE saved MiB", "check"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         name = r.get("family", r.get("shape"))
@@ -471,7 +488,7 @@ def table(data: dict) -> str:
         cells = [f"{r['case']} {name}", "skewed" if r["skewed"] else "balanced", _label(r),
                  f"{r['step_s'] * 1e3:.2f}", f"{ratio:.2f}x", f"{r['tokens_per_s']:,.0f}",
                  f"{floor:.0%}" + ("" if r["case"] == "layer" else " (MoE)"),
-                 "" if r["peak_bytes"] is None else f"{r['peak_bytes'] / 2**20:,.0f}",
+                 _peak_text(r),
                  f"{r['moe_saved_bytes'] / 2**20:,.1f}", _check_text(r)]
         lines.append("| " + " | ".join(cells) + " |")
     m = data["machine"]

@@ -51,6 +51,15 @@ def test_the_table_renders_from_the_json(layer_run, tmp_path):
     assert "idempotent capacity 1.0" in text and "dropped" in text
 
 
+def test_the_peak_cell_shows_what_was_allocated_before_the_steps(layer_run):
+    _, report = layer_run
+    row = dict(report["results"][0], peak_bytes=3 * 2**30, allocated_before_bytes=2**30)
+    assert "| 3,072 (1,024) |" in train.table(dict(report, results=[row]))
+    older = {k: v for k, v in row.items() if k != "allocated_before_bytes"}  # JSON written before the field
+    assert "| 3,072 |" in train.table(dict(report, results=[older]))
+    assert all(r["allocated_before_bytes"] is None for r in report["results"])  # no allocator on the CPU
+
+
 def test_capacity_keep_is_the_rule_ties_by_token():
     import torch
 
