@@ -128,8 +128,8 @@ def _parser() -> argparse.ArgumentParser:
                        help="the layer half taken apart instead: per kernel time and per saved tensor bytes "
                             "(--reps profiled steps; no table, plot or doc)")
     train.add_argument("--memory", action="store_true",
-                       help="the model half taken apart instead: what is alive at a step's memory peak, by "
-                            "allocating site (no table, plot or doc)")
+                       help="both halves taken apart instead (--only: one): what is alive at a step's memory "
+                            "peak, by allocating site (no table, plot or doc)")
     _doc_outputs(train, "regenerate the T1 table of this file (docs/moe.md) from the new JSON")
     kv = sub.add_parser("kv", help="W2 through the KV hook, the paged hook and the HF cache")
     kv.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
@@ -345,10 +345,10 @@ def _check(args) -> None:
     if args.command == "train" and args.profile and (args.doc or args.from_json or args.only or args.rounds):
         raise SystemExit("train --profile takes --device, --reps, --quick and --out only (it profiles "
                          "the layer half, one round)")
-    if args.command == "train" and args.memory and (args.profile or args.doc or args.from_json or args.only
-                                                    or args.rounds or args.reps):
-        raise SystemExit("train --memory takes --device, --quick and --out only (one recorded step of "
-                         "each model)")
+    if args.command == "train" and args.memory and (args.profile or args.doc or args.from_json or args.rounds
+                                                    or args.reps):
+        raise SystemExit("train --memory takes --device, --only, --quick and --out only (one recorded step "
+                         "of each model and layer)")
     if args.command == "train" and not args.quick and _cpu_run(args.device):
         raise SystemExit("train: T1's models and 16,384-token layers are sized for a GPU and this run "
                          "would be on the CPU; add --quick (tiny shapes)")
@@ -402,7 +402,7 @@ def main(argv: list | None = None) -> int:
             from . import train_memory
 
             data = train_memory.run(device="cpu" if args.quick and args.device == "auto" else args.device,
-                                    quick=args.quick)
+                                    quick=args.quick, only=args.only)
             print(train_memory.tables(data))
             for path in train_memory.write(data, output_dir(args.out, None)):
                 print("wrote", path)

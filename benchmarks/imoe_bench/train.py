@@ -25,6 +25,7 @@ CPU in seconds (a check of the script, not a measurement).
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import math
 import statistics
@@ -365,6 +366,24 @@ def layer_routing(logits: torch.Tensor, top_k: int, skew: bool, dtype):
     return (w / w.sum(-1, keepdim=True)).to(dtype), idx
 
 
+def layer_step(experts, hidden, w, idx, grad, counter=None):
+    """One forward and backward of the experts layer alone: fresh leaves for
+    the hidden states and routing weights, `grad` as the output's gradient;
+    what autograd saves counted by `counter` (a SavedBytes) when given."""
+    experts.zero_grad(set_to_none=True)
+    h = hidden.detach().requires_grad_()
+    ww = w.detach().requires_grad_()
+    if counter is None:
+        out = experts(h, idx, ww)
+    else:
+        counter.reset()
+        counter.active = True
+        with torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t):
+            out = experts(h, idx, ww)
+        counter.active = False
+    out.backward(grad)
+
+
 def run_layers(cfg, device, dtype, rounds, reps, rate):
     results = []
     tokens = cfg["layer_tokens"]
@@ -380,17 +399,7 @@ def run_layers(cfg, device, dtype, rounds, reps, rate):
                     key = (impl, cap, skew)
                     set_mode(experts, experts.config, impl, cap)
                     counter = SavedBytes(experts.parameters())
-
-                    def step(experts=experts, counter=counter, hidden=hidden, w=w, idx=idx, grad=grad):
-                        experts.zero_grad(set_to_none=True)
-                        h = hidden.detach().requires_grad_()
-                        ww = w.detach().requires_grad_()
-                        counter.reset()
-                        counter.active = True
-                        with torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t):
-                            out = experts(h, idx, ww)
-                        counter.active = False
-                        out.backward(grad)
+                    step = functools.partial(layer_step, experts, hidden, w, idx, grad, counter)
                     step()
                     _peak_reset(device)
                     before = _allocated(device)

@@ -1,8 +1,9 @@
-"""T1's model step taken apart by memory: what is alive at the peak of one
+"""T1's steps taken apart by memory: what is alive at the peak of one
 training step, and who allocated it.
 
-For each model family of T1 and each of grouped_mm, eager and the library's
-dropless and capacity 1.0 modes, on the same model and tokens as `train`:
+For each model family and each layer shape of T1 (balanced router) and
+each of grouped_mm, eager and the library's dropless and capacity 1.0
+modes, on the same model (layer) and tokens as `train`:
 one warm-up step, then one step, both recorded by the CUDA caching
 allocator's history (`torch.cuda.memory._record_memory_history`, Python
 stacks). The step's alloc and free events are replayed: the peak is the
@@ -17,17 +18,20 @@ On the CPU (--quick) only the peak of torch.profiler's memory events is
 reported, attributed to nothing.
 
     python -m imoe_bench train --memory              # the GPU: tables and JSON
+    python -m imoe_bench train --memory --only layer # the layer half alone
     python -m imoe_bench train --memory --quick      # tiny shapes on the CPU
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
 from . import report
 from .model_timing import log
 from .train import _label as train_label
-from .train import make_model, set_mode, setup
+from .train import layer_inputs, layer_routing, layer_step, make_experts, make_model, set_mode, setup
 
 MODES = [("grouped_mm", None), ("eager", None), ("idempotent", None), ("idempotent", 1.0)]
 TOP = 12
@@ -148,33 +152,62 @@ def cuda_peak(step) -> dict:
                 held_after=held_blocks(snapshot))
 
 
-def run(device: str = "auto", quick: bool = False) -> dict:
-    from .w4 import _machine
+def _measure(dev, step, row: dict) -> dict:
+    if dev.type == "cuda":
+        row.update(cuda_peak(step))
+    else:
+        step()
+        row.update(peak_bytes=cpu_peak(step), sites=[])
+    return row
 
-    dev, cfg, dtype = setup(device, quick)
-    results = []
+
+def _models(cfg, dev, dtype) -> list:
+    rows = []
     for family, shape in cfg["model"].items():
         model = make_model(family, shape, cfg, dev, dtype)
         ids = torch.randint(1, cfg["vocab"], (cfg["batch"], cfg["seq"]),
                             generator=torch.Generator().manual_seed(1)).to(dev)
         for impl, cap in MODES:
-            label = train_label(dict(implementation=impl, capacity=cap))
-            log(f"T1 memory {family}: {label}")
+            log(f"T1 memory {family}: {train_label(dict(implementation=impl, capacity=cap))}")
             set_mode(model, model.config, impl, cap)
 
             def step(model=model, ids=ids):
                 model.zero_grad(set_to_none=True)
                 model(ids, labels=ids).loss.backward()
 
-            row = dict(family=family, implementation=impl, capacity=cap)
-            if dev.type == "cuda":
-                row.update(cuda_peak(step))
-            else:
-                step()
-                row.update(peak_bytes=cpu_peak(step), sites=[])
-            results.append(row)
+            rows.append(_measure(dev, step, dict(case="model", family=family, implementation=impl,
+                                                 capacity=cap)))
         model.zero_grad(set_to_none=True)
         del model
+    return rows
+
+
+def _layers(cfg, dev, dtype) -> list:
+    """The experts layer alone at T1's layer shapes, balanced router, the
+    step `train` times (train.layer_step)."""
+    rows = []
+    for name, shape in cfg["layer"].items():
+        experts = make_experts(shape, dev, dtype)
+        hidden, logits, grad = layer_inputs(shape, cfg["layer_tokens"], dev, dtype)
+        w, idx = layer_routing(logits, shape["top_k"], False, dtype)
+        for impl, cap in MODES:
+            log(f"T1 memory layer {name}: {train_label(dict(implementation=impl, capacity=cap))}")
+            set_mode(experts, experts.config, impl, cap)
+            step = functools.partial(layer_step, experts, hidden, w, idx, grad)
+            rows.append(_measure(dev, step, dict(case="layer", family=name, implementation=impl,
+                                                 capacity=cap)))
+        experts.zero_grad(set_to_none=True)
+        del experts
+    return rows
+
+
+def run(device: str = "auto", quick: bool = False, only: str | None = None) -> dict:
+    """Both halves of T1 (`only`: "model" or "layer")."""
+    from .w4 import _machine
+
+    dev, cfg, dtype = setup(device, quick)
+    results = (_models(cfg, dev, dtype) if only != "layer" else []) + \
+        (_layers(cfg, dev, dtype) if only != "model" else [])
     return dict(workload="T1 memory", machine=_machine(dev.type), quick=quick,
                 dtype=str(dtype).removeprefix("torch."), config=cfg, results=results)
 
@@ -183,7 +216,8 @@ def tables(data: dict) -> str:
     """Per (family, mode): the step's peak, then what is alive at it by site."""
     out = []
     for r in data["results"]:
-        out.append(f"### {r['family']}, {train_label(r)}: peak {r['peak_bytes'] / 2**20:,.1f} MiB "
+        case = "layer " if r.get("case") == "layer" else ""
+        out.append(f"### {case}{r['family']}, {train_label(r)}: peak {r['peak_bytes'] / 2**20:,.1f} MiB "
                    "of the step's blocks")
         out.append("")
         if "max_allocated" in r:

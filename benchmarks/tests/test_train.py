@@ -152,14 +152,19 @@ def test_memory_held_blocks_sum_the_blocks_in_use_by_site():
         ("(before the recording)", 128, 1), ("idempotent_moe/moe.py:4 fn", 72, 2)]
 
 
-def test_memory_quick_run_reports_each_models_peak(tmp_path):
+def test_memory_quick_run_reports_each_models_and_layers_peak(tmp_path):
     from imoe_bench import train_memory
 
     assert cli.main(["train", "--memory", "--quick", "--out", str(tmp_path)]) == 0
     report = json.loads((tmp_path / "t1-memory-cpu-quick.json").read_text())
     rows = report["results"]
-    assert {(r["family"], r["implementation"], r["capacity"]) for r in rows} == {
-        (f, i, c) for f in train.QUICK["model"] for i, c in train_memory.MODES}
+    assert {(r["case"], r["family"], r["implementation"], r["capacity"]) for r in rows} == {
+        (case, f, i, c) for case in ("model", "layer") for f in train.QUICK[case]
+        for i, c in train_memory.MODES}
     assert all(r["peak_bytes"] > 0 and r["sites"] == [] for r in rows)
+    assert "### layer " in train_memory.tables(report)
+    assert cli.main(["train", "--memory", "--quick", "--only", "layer", "--out", str(tmp_path)]) == 0
+    layer = json.loads((tmp_path / "t1-memory-cpu-quick.json").read_text())["results"]
+    assert {r["case"] for r in layer} == {"layer"}
     with pytest.raises(SystemExit, match="--memory"):
-        cli.main(["train", "--memory", "--quick", "--only", "model"])
+        cli.main(["train", "--memory", "--quick", "--rounds", "2"])
