@@ -557,6 +557,8 @@ def test_cuda_fused_activation_backward_matches_the_cpu(act, dtype, inter):
         in_place = grad.clone()
         out2 = moe.gated_act_backward(gate_up, in_place, act, limit=limit, row_scale=scale, act_out=in_place)
         assert torch.equal(out2, out) and torch.equal(in_place, act_out)
+        fwd = moe.gated_act(gate_up, act, limit=limit)  # the device's own forward, bit for bit
+        assert torch.equal(act_out[:8], (fwd[:8].float() * scale[:8]).to(dtype))
         results.append([x.cpu().double() for x in (out, act_out, dot)])
     ulp = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-3}[dtype]
     for cpu, gpu in zip(*results):
