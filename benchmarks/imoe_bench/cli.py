@@ -125,8 +125,8 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--only", choices=("model", "layer"), default=None, help="one half of T1")
     train.add_argument("--quick", action="store_true", help="tiny shapes on the CPU, for a smoke test")
     train.add_argument("--profile", action="store_true",
-                       help="the layer half taken apart instead: per kernel time and per saved tensor bytes "
-                            "(--reps profiled steps; no table, plot or doc)")
+                       help="both halves taken apart instead (--only: one): per kernel time, and the layer's "
+                            "saved tensors (--reps profiled steps; no table, plot or doc)")
     train.add_argument("--memory", action="store_true",
                        help="both halves taken apart instead (--only: one): what is alive at a step's memory "
                             "peak, by allocating site (no table, plot or doc)")
@@ -342,9 +342,9 @@ def _check(args) -> None:
             raise SystemExit("w4: the full-size block at 4096 tokens is sized for a GPU and this run "
                              "would be on the CPU; add --quick (a reduced block) or name the sizes "
                              "with --tokens")
-    if args.command == "train" and args.profile and (args.doc or args.from_json or args.only or args.rounds):
-        raise SystemExit("train --profile takes --device, --reps, --quick and --out only (it profiles "
-                         "the layer half, one round)")
+    if args.command == "train" and args.profile and (args.doc or args.from_json or args.rounds):
+        raise SystemExit("train --profile takes --device, --only, --reps, --quick and --out only (one "
+                         "round of profiled steps)")
     if args.command == "train" and args.memory and (args.profile or args.doc or args.from_json or args.rounds
                                                     or args.reps):
         raise SystemExit("train --memory takes --device, --only, --quick and --out only (one recorded step "
@@ -411,7 +411,7 @@ def main(argv: list | None = None) -> int:
             from . import train_profile
 
             data = train_profile.run(device="cpu" if args.quick and args.device == "auto" else args.device,
-                                     quick=args.quick, reps=args.reps)
+                                     quick=args.quick, reps=args.reps, only=args.only)
             print(train_profile.tables(data))
             for path in train_profile.write(data, output_dir(args.out, None)):
                 print("wrote", path)

@@ -1,10 +1,11 @@
-"""T1's layer step taken apart: where one forward + backward of the experts
+"""T1's steps taken apart: where one forward + backward of the experts
 layer spends its time, kernel by kernel, and what autograd keeps for the
-backward, tensor by tensor.
+backward, tensor by tensor; and where a model's training step spends its
+time (attention, the LM head and the router beside the experts).
 
-For each layer shape of T1 (balanced and skewed router) and each of
-grouped_mm, the library's dropless mode and its capacity 1.0, on the same
-weights and routing as `train`:
+For each layer shape of T1 (balanced and skewed router) and each model
+family, and each of grouped_mm, the library's dropless mode and its
+capacity 1.0, on the same weights, routing and tokens as `train`:
 
 - kernels: torch.profiler over `reps` steps after a warm-up step; on a GPU
   each CUDA kernel's device time per step, on the CPU each operator's own CPU
@@ -14,7 +15,10 @@ weights and routing as `train`:
   one line per tensor however often it is saved, named by its shape against
   the layer's (T tokens, k assignments each, R = T k rows, H, I).
 
+The model rows have kernels only (the layer rows name the saved tensors).
+
     python -m imoe_bench train --profile             # the GPU: tables and JSON
+    python -m imoe_bench train --profile --only model  # one half
     python -m imoe_bench train --profile --quick     # tiny shapes on the CPU
 """
 
@@ -27,7 +31,7 @@ import torch
 
 from . import report
 from .model_timing import log
-from .train import SavedBytes, _sync, layer_inputs, layer_routing, make_experts, set_mode, setup
+from .train import SavedBytes, _sync, layer_inputs, layer_routing, make_experts, make_model, set_mode, setup
 from .train import _label as train_label
 
 MODES = [("grouped_mm", None), ("idempotent", None), ("idempotent", 1.0)]
@@ -104,11 +108,7 @@ def kernel_times(step, device, reps: int) -> dict:
                 wall_s=statistics.median(walls), top=top)
 
 
-def run(device: str = "auto", quick: bool = False, reps: int = 0) -> dict:
-    from .w4 import _machine
-
-    dev, cfg, dtype = setup(device, quick)
-    reps = reps or (1 if quick else 3)
+def _layers(cfg, dev, dtype, reps) -> list:
     tokens = cfg["layer_tokens"]
     results = []
     for name, shape in cfg["layer"].items():
@@ -126,11 +126,44 @@ def run(device: str = "auto", quick: bool = False, reps: int = 0) -> dict:
                     experts(hidden.detach().requires_grad_(), idx, w.detach().requires_grad_()).backward(grad)
 
                 saved = saved_tensors(experts, hidden, idx, w, dims)
-                results.append(dict(shape=name, skewed=skew, implementation=impl, capacity=cap,
+                results.append(dict(case="layer", shape=name, skewed=skew, implementation=impl, capacity=cap,
                                     tokens=tokens, saved=saved,
                                     saved_bytes=sum(s["bytes"] for s in saved),
                                     kernels=kernel_times(step, dev, reps)))
         del experts
+    return results
+
+
+def _models(cfg, dev, dtype, reps) -> list:
+    tokens = cfg["batch"] * cfg["seq"]
+    results = []
+    for family, shape in cfg["model"].items():
+        model = make_model(family, shape, cfg, dev, dtype)
+        ids = torch.randint(1, cfg["vocab"], (cfg["batch"], cfg["seq"]),
+                            generator=torch.Generator().manual_seed(1)).to(dev)
+        for impl, cap in MODES:
+            log(f"T1 profile {family}: {_label(impl, cap)}")
+            set_mode(model, model.config, impl, cap)
+
+            def step(model=model, ids=ids):
+                model.zero_grad(set_to_none=True)
+                model(ids, labels=ids).loss.backward()
+
+            results.append(dict(case="model", shape=family, skewed=False, implementation=impl, capacity=cap,
+                                tokens=tokens, kernels=kernel_times(step, dev, reps)))
+        model.zero_grad(set_to_none=True)
+        del model
+    return results
+
+
+def run(device: str = "auto", quick: bool = False, reps: int = 0, only: str | None = None) -> dict:
+    """Both halves of T1 (`only`: "layer" or "model")."""
+    from .w4 import _machine
+
+    dev, cfg, dtype = setup(device, quick)
+    reps = reps or (1 if quick else 3)
+    results = (_layers(cfg, dev, dtype, reps) if only != "model" else []) + \
+        (_models(cfg, dev, dtype, reps) if only != "layer" else [])
     return dict(workload="T1 profile", machine=_machine(dev.type), quick=quick,
                 dtype=str(dtype).removeprefix("torch."), reps=reps, config=cfg, results=results)
 
@@ -140,17 +173,21 @@ def tables(data: dict) -> str:
     out = []
     for r in data["results"]:
         k = r["kernels"]
-        out.append(f"### {r['shape']}, {'skewed' if r['skewed'] else 'balanced'} router, "
-                   f"{_label(r['implementation'], r['capacity'])}")
-        out.append("")
-        out.append(f"saved for backward: {r['saved_bytes'] / 2**20:,.1f} MiB")
-        out.append("")
-        out.append("| saved tensor | shape | dtype | MiB | saved |")
-        out.append("|---|---|---|---|---|")
-        for s in r["saved"]:
-            out.append(f"| {s['name']} | {s['shape']} | {s['dtype']} | {s['bytes'] / 2**20:,.2f} | "
-                       f"{s['times']}x |")
-        out.append("")
+        if r.get("case") == "model":
+            out.append(f"### model {r['shape']}, {_label(r['implementation'], r['capacity'])}")
+            out.append("")
+        else:
+            out.append(f"### {r['shape']}, {'skewed' if r['skewed'] else 'balanced'} router, "
+                       f"{_label(r['implementation'], r['capacity'])}")
+            out.append("")
+            out.append(f"saved for backward: {r['saved_bytes'] / 2**20:,.1f} MiB")
+            out.append("")
+            out.append("| saved tensor | shape | dtype | MiB | saved |")
+            out.append("|---|---|---|---|---|")
+            for s in r["saved"]:
+                out.append(f"| {s['name']} | {s['shape']} | {s['dtype']} | {s['bytes'] / 2**20:,.2f} | "
+                           f"{s['times']}x |")
+            out.append("")
         out.append(f"{k['kind']}: {k['total_s'] * 1e3:.3f} ms per step, wall {k['wall_s'] * 1e3:.3f} ms")
         out.append("")
         out.append("| kernel | calls per step | ms per step | share |")

@@ -77,12 +77,17 @@ def test_profile_names_every_saved_tensor_and_the_fused_layer_keeps_no_row_copy(
 
     assert cli.main(["train", "--profile", "--quick", "--out", str(tmp_path)]) == 0
     report = json.loads((tmp_path / "t1-profile-cpu-quick.json").read_text())
-    rows = report["results"]
-    assert {(r["implementation"], r["capacity"]) for r in rows} == set(train_profile.MODES)
-    for r in rows:
+    every = report["results"]
+    assert {(r["case"], r["shape"], r["implementation"], r["capacity"]) for r in every} >= {
+        ("model", f, i, c) for f in train.QUICK["model"] for i, c in train_profile.MODES}
+    for r in every:
         k = r["kernels"]
         assert k["top"] and k["total_s"] > 0 and k["wall_s"] > 0, r
         assert abs(sum(e["s"] for e in k["top"]) - k["total_s"]) <= 1e-9 * max(1.0, k["total_s"])
+    assert "### model " in train_profile.tables(report)
+    rows = [r for r in every if r["case"] == "layer"]
+    assert {(r["implementation"], r["capacity"]) for r in rows} == set(train_profile.MODES)
+    for r in rows:
         assert r["saved_bytes"] == sum(s["bytes"] for s in r["saved"]) > 0
         names = [s["name"] for s in r["saved"]]
         if r["implementation"] == "idempotent":
@@ -99,8 +104,14 @@ def test_profile_names_every_saved_tensor_and_the_fused_layer_keeps_no_row_copy(
 
 def test_profile_refuses_the_flags_it_does_not_take(capsys):
     with pytest.raises(SystemExit) as e:
-        cli.main(["train", "--profile", "--quick", "--only", "layer"])
+        cli.main(["train", "--profile", "--quick", "--rounds", "2"])
     assert "--profile" in str(e.value)
+
+
+def test_profile_takes_one_half(tmp_path):
+    assert cli.main(["train", "--profile", "--quick", "--only", "model", "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "t1-profile-cpu-quick.json").read_text())["results"]
+    assert rows and {r["case"] for r in rows} == {"model"}
 
 
 def _event(action, addr, size, *frames):
