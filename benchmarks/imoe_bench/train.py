@@ -278,9 +278,7 @@ def run_models(cfg, device, dtype, rounds, reps, rate):
         model = make_model(family, shape, cfg, device, dtype)
         counter = SavedBytes(model.parameters())
         wrap_experts(model, counter)
-        ids = torch.randint(1, cfg["vocab"], (cfg["batch"], cfg["seq"]), device=device,
-                            generator=torch.Generator().manual_seed(1)) if device.type == "cpu" else \
-            torch.randint(1, cfg["vocab"], (cfg["batch"], cfg["seq"]), device=device)
+        ids = model_ids(cfg, device)
         times, info, checks = {}, {}, {}
         ref = {}  # grouped_mm's loss and gradients, the yardstick of the others
         for skew in (False,):  # the model's own router (the skewed router: the layer cases)
@@ -290,13 +288,7 @@ def run_models(cfg, device, dtype, rounds, reps, rate):
                     key = (impl, cap, skew)
                     set_mode(model, model.config, impl, cap)
 
-                    def step(model=model, counter=counter, ids=ids):
-                        model.zero_grad(set_to_none=True)
-                        counter.reset()
-                        with torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t):
-                            loss = model(ids, labels=ids).loss
-                        loss.backward()
-                        return loss.detach()
+                    step = functools.partial(model_step, model, ids, counter)
                     loss = step()  # warm-up
                     if key not in checks:
                         checks[key] = check_model(model, loss, impl, ref)
@@ -364,6 +356,42 @@ def layer_routing(logits: torch.Tensor, top_k: int, skew: bool, dtype):
         lg[:, 0] += 3.0
     w, idx = torch.softmax(lg, -1).topk(top_k, -1)
     return (w / w.sum(-1, keepdim=True)).to(dtype), idx
+
+
+def model_ids(cfg: dict, device) -> torch.Tensor:
+    """The models' seeded token ids [batch, seq] (the labels too)."""
+    return torch.randint(1, cfg["vocab"], (cfg["batch"], cfg["seq"]),
+                         generator=torch.Generator().manual_seed(1)).to(device)
+
+
+def model_step(model, ids, counter=None) -> torch.Tensor:
+    """One training step's forward (loss on the ids themselves) and backward,
+    the router's auxiliary loss included where the config asks for it; what
+    autograd saves counted by `counter` (a SavedBytes) when given."""
+    model.zero_grad(set_to_none=True)
+    if counter is None:
+        loss = model(ids, labels=ids).loss
+    else:
+        counter.reset()
+        with torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t):
+            loss = model(ids, labels=ids).loss
+    loss.backward()
+    return loss.detach()
+
+
+def each_model_step(cfg: dict, device, dtype, modes, what: str):
+    """(family, implementation, capacity, step) for each T1 model family and
+    each mode in `modes`: the model made once per family and freed after its
+    modes, the step model_step on the seeded ids."""
+    for family, shape in cfg["model"].items():
+        model = make_model(family, shape, cfg, device, dtype)
+        ids = model_ids(cfg, device)
+        for impl, cap in modes:
+            log(f"T1 {what} {family}: {_label(dict(implementation=impl, capacity=cap))}")
+            set_mode(model, model.config, impl, cap)
+            yield family, impl, cap, functools.partial(model_step, model, ids)
+        model.zero_grad(set_to_none=True)
+        del model
 
 
 def layer_step(experts, hidden, w, idx, grad, counter=None):

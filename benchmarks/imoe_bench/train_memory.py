@@ -31,7 +31,7 @@ import torch
 from . import report
 from .model_timing import log
 from .train import _label as train_label
-from .train import layer_inputs, layer_routing, layer_step, make_experts, make_model, set_mode, setup
+from .train import each_model_step, layer_inputs, layer_routing, layer_step, make_experts, set_mode, setup
 
 MODES = [("grouped_mm", None), ("eager", None), ("idempotent", None), ("idempotent", 1.0)]
 TOP = 12
@@ -162,24 +162,8 @@ def _measure(dev, step, row: dict) -> dict:
 
 
 def _models(cfg, dev, dtype) -> list:
-    rows = []
-    for family, shape in cfg["model"].items():
-        model = make_model(family, shape, cfg, dev, dtype)
-        ids = torch.randint(1, cfg["vocab"], (cfg["batch"], cfg["seq"]),
-                            generator=torch.Generator().manual_seed(1)).to(dev)
-        for impl, cap in MODES:
-            log(f"T1 memory {family}: {train_label(dict(implementation=impl, capacity=cap))}")
-            set_mode(model, model.config, impl, cap)
-
-            def step(model=model, ids=ids):
-                model.zero_grad(set_to_none=True)
-                model(ids, labels=ids).loss.backward()
-
-            rows.append(_measure(dev, step, dict(case="model", family=family, implementation=impl,
-                                                 capacity=cap)))
-        model.zero_grad(set_to_none=True)
-        del model
-    return rows
+    return [_measure(dev, step, dict(case="model", family=family, implementation=impl, capacity=cap))
+            for family, impl, cap, step in each_model_step(cfg, dev, dtype, MODES, "memory")]
 
 
 def _layers(cfg, dev, dtype) -> list:

@@ -31,7 +31,16 @@ import torch
 
 from . import report
 from .model_timing import log
-from .train import SavedBytes, _sync, layer_inputs, layer_routing, make_experts, make_model, set_mode, setup
+from .train import (
+    SavedBytes,
+    _sync,
+    each_model_step,
+    layer_inputs,
+    layer_routing,
+    make_experts,
+    set_mode,
+    setup,
+)
 from .train import _label as train_label
 
 MODES = [("grouped_mm", None), ("idempotent", None), ("idempotent", 1.0)]
@@ -136,24 +145,9 @@ def _layers(cfg, dev, dtype, reps) -> list:
 
 def _models(cfg, dev, dtype, reps) -> list:
     tokens = cfg["batch"] * cfg["seq"]
-    results = []
-    for family, shape in cfg["model"].items():
-        model = make_model(family, shape, cfg, dev, dtype)
-        ids = torch.randint(1, cfg["vocab"], (cfg["batch"], cfg["seq"]),
-                            generator=torch.Generator().manual_seed(1)).to(dev)
-        for impl, cap in MODES:
-            log(f"T1 profile {family}: {_label(impl, cap)}")
-            set_mode(model, model.config, impl, cap)
-
-            def step(model=model, ids=ids):
-                model.zero_grad(set_to_none=True)
-                model(ids, labels=ids).loss.backward()
-
-            results.append(dict(case="model", shape=family, skewed=False, implementation=impl, capacity=cap,
-                                tokens=tokens, kernels=kernel_times(step, dev, reps)))
-        model.zero_grad(set_to_none=True)
-        del model
-    return results
+    return [dict(case="model", shape=family, skewed=False, implementation=impl, capacity=cap, tokens=tokens,
+                 kernels=kernel_times(step, dev, reps))
+            for family, impl, cap, step in each_model_step(cfg, dev, dtype, MODES, "profile")]
 
 
 def run(device: str = "auto", quick: bool = False, reps: int = 0, only: str | None = None) -> dict:
