@@ -58,7 +58,7 @@ static imoe_status xg_item(const void *vctx, int64_t item, unsigned char *mem, i
       float v = dot(a, g->w, e, n, k_n, dt);
       if (g->gated) {
         const float gate = imoe_round_to(v, dt), up = imoe_round_to(dot(a, g->w, e, g->half + n, k_n, dt), dt);
-        v = imoe_round_to(imoe_activate(gate, g->act), dt) * up;
+        v = imoe_gated(gate, up, g->act, dt);
       }
       imoe_store_float(o + n * out->n_stride, out->dtype, v);
     }

@@ -172,6 +172,11 @@ imoe_status imoe_gemm_check_offsets_view(const imoe_view *offsets, imoe_error *e
 imoe_status imoe_gemm_check_offsets(const imoe_view *offsets, int64_t r_n, imoe_error *err);
 /* act(x) in F32, the gated activation's (moe_combine.c). */
 float imoe_activate(float x, imoe_act act);
+/* The gated activation's value before its one rounding into dtype dt:
+ * act(gate) rounded to dt, times up, in F32 (moe_combine.c). Every kernel
+ * that writes or recomputes it (gated_act, the experts GEMM's epilogue, the
+ * fused layer's backward) takes it from here. */
+float imoe_gated(float gate, float up, imoe_act act, imoe_dtype dt);
 /* A view with no element (some axis of extent 0). */
 int imoe_view_is_empty(const imoe_view *v);
 

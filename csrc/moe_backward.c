@@ -113,7 +113,7 @@ static imoe_status act_bwd_row(const void *vctx, int64_t r, unsigned char *mem, 
     float slope;
     const float act = act_and_slope(g, a->act, &slope);
     if (ao != NULL || a->dot != NULL) {
-      const float fwd = imoe_round_to(imoe_round_to(imoe_activate(g, a->act), dt) * u, dt);
+      const float fwd = imoe_round_to(imoe_gated(g, u, a->act, dt), dt);
       p[(i >> 3) & 31] += d * fwd;
       if (ao != NULL) imoe_store_float(ao + i * a->act_out->row_bytes, dt, a->scale != NULL ? fwd * w : fwd);
     }

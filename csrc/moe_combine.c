@@ -144,6 +144,10 @@ float imoe_activate(float x, imoe_act act) {
   return x;
 }
 
+float imoe_gated(float gate, float up, imoe_act act, imoe_dtype dt) {
+  return imoe_round_to(imoe_activate(gate, act), dt) * up;
+}
+
 typedef struct act_ctx {
   const imoe_view *in, *out;
   imoe_act act;
@@ -158,8 +162,8 @@ static imoe_status act_row(const void *vctx, int64_t r, unsigned char *mem, imoe
   const char *in = imoe_row_base(a->in, r);
   char *out = imoe_row_base(a->out, r);
   for (int64_t i = 0; i < inter; i++) {
-    const float gate = imoe_round_to(imoe_activate(imoe_load_float(in + i * size, dt), a->act), dt);
-    imoe_store_float(out + i * size, dt, gate * imoe_load_float(in + (inter + i) * size, dt));
+    const float gate = imoe_load_float(in + i * size, dt), up = imoe_load_float(in + (inter + i) * size, dt);
+    imoe_store_float(out + i * size, dt, imoe_gated(gate, up, a->act, dt));
   }
   return IMOE_OK;
 }

@@ -58,11 +58,6 @@ __device__ __forceinline__ float load_float(const char *p, int dt) {
   if (dt == IMOE_DTYPE_F16) return __half2float(*reinterpret_cast<const __half *>(p));
   return __bfloat162float(*reinterpret_cast<const __nv_bfloat16 *>(p));
 }
-__device__ __forceinline__ float round_to(float v, int dt) {
-  if (dt == IMOE_DTYPE_F16) return __half2float(__float2half_rn(v));
-  if (dt == IMOE_DTYPE_BF16) return __bfloat162float(__float2bfloat16_rn(v));
-  return v;
-}
 __device__ __forceinline__ void store_float(char *p, int dt, float v) {
   if (dt == IMOE_DTYPE_F32) *reinterpret_cast<float *>(p) = v;
   else if (dt == IMOE_DTYPE_F16) *reinterpret_cast<__half *>(p) = __float2half_rn(v);
@@ -457,13 +452,12 @@ __global__ void __launch_bounds__(kRowThreads) k_gated_act(const __grid_constant
       char *ob = reinterpret_cast<char *>(&o);
 #pragma unroll
       for (int e = 0; e < per; ++e) {
-        const float a = round_to(activate(load_float(gb + e * size, DT), p.act), DT);
-        store_float(ob + e * size, DT, __fmul_rn(a, load_float(ub + e * size, DT)));
+        const float gate_e = load_float(gb + e * size, DT), up_e = load_float(ub + e * size, DT);
+        store_float(ob + e * size, DT, gated(gate_e, up_e, p.act, DT));
       }
       *reinterpret_cast<uint4 *>(out) = o;
     } else {
-      const float a = round_to(activate(load_float(gate, DT), p.act), DT);
-      store_float(out, DT, __fmul_rn(a, load_float(up, DT)));
+      store_float(out, DT, gated(load_float(gate, DT), load_float(up, DT), p.act, DT));
     }
   }
 }

@@ -47,12 +47,6 @@ __device__ __forceinline__ void st(char *p, int dt, float v) {
   else *reinterpret_cast<__nv_bfloat16 *>(p) = __float2bfloat16_rn(v);
 }
 
-__device__ __forceinline__ float round_to(float v, int dt) {
-  if (dt == IMOE_DTYPE_F16) return __half2float(__float2half_rn(v));
-  if (dt == IMOE_DTYPE_BF16) return __bfloat162float(__float2bfloat16_rn(v));
-  return v;
-}
-
 __device__ __forceinline__ int esize(int dt) { return dt == IMOE_DTYPE_F32 ? 4 : 2; }
 
 // A [T, k] index matrix: element (t, j) at data + t * row + j * col.
@@ -278,7 +272,7 @@ __global__ void __launch_bounds__(kThreads, 4) k_bwd_gated_act(const __grid_cons
           dg[e] = ds * u[e] * slope;
           du[e] = ds * b;
           if (fwd) {
-            const float f = round_to(__fmul_rn(round_to(activate(g[e], act), dt), u[e]), dt);
+            const float f = round_to(gated(g[e], u[e], act, dt), dt);
             if (e < n) sum = __fadd_rn(sum, __fmul_rn(d[e], f));
             a[e] = p.scale ? __fmul_rn(f, w) : f;
           }
