@@ -24,6 +24,7 @@ The model rows have kernels only (the layer rows name the saved tensors).
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 
@@ -37,6 +38,7 @@ from .train import (
     each_model_step,
     layer_inputs,
     layer_routing,
+    layer_step,
     make_experts,
     set_mode,
     setup,
@@ -129,10 +131,7 @@ def _layers(cfg, dev, dtype, reps) -> list:
             for impl, cap in MODES:
                 log(f"T1 profile {name}{' skewed' if skew else ''}: {_label(impl, cap)}")
                 set_mode(experts, experts.config, impl, cap)
-
-                def step(experts=experts, hidden=hidden, w=w, idx=idx, grad=grad):
-                    experts.zero_grad(set_to_none=True)
-                    experts(hidden.detach().requires_grad_(), idx, w.detach().requires_grad_()).backward(grad)
+                step = functools.partial(layer_step, experts, hidden, w, idx, grad)
 
                 saved = saved_tensors(experts, hidden, idx, w, dims)
                 results.append(dict(case="layer", shape=name, skewed=skew, implementation=impl, capacity=cap,
