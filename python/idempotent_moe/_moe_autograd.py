@@ -370,6 +370,7 @@ def _needs(ctx, i: int) -> bool:
 
 
 def dispatch_setup(ctx, inputs, output):
+    ctx.set_materialize_grads(False)  # no zeros for the int32 outputs (offsets, dest, dropped)
     ctx.hidden_dtype = inputs[0].dtype
     ctx.save_for_backward(output[2])  # dest
 
@@ -435,6 +436,9 @@ def experts_setup(ctx, inputs, output):
     ctx.act = act
     ctx.needs = tuple(_needs(ctx, i) for i in (0, 2, 3, 4))
     ctx.mark_non_differentiable(gate_up)
+    # autograd would otherwise hand the backward a zero-filled tensor for each
+    # output without a gradient: gate_up's [M, 2I] among them (a fill of its size)
+    ctx.set_materialize_grads(False)
     # hidden only for dW_up (its gather is recomputed); nothing kept for a frozen dW
     ctx.save_for_backward(hidden if ctx.needs[2] else None, top_k_weights, w_up, w_down, gate_up, offsets,
                           dest)
@@ -444,6 +448,8 @@ def experts_backward(ctx, grad_out, *_, backward=None):
     """The layer's gradients: `backward` (default: the experts_backward op,
     which torch.compile traces; eager: experts_backward_direct)."""
     hidden, top_k_weights, w_up, w_down, gate_up, offsets, dest = ctx.saved_tensors
+    if grad_out is None:  # the output reached no loss
+        return (None,) * 9
     n_hidden, n_weights, n_up, n_down = ctx.needs
     d = (backward or torch.ops.idempotent_moe.experts_backward)(
         grad_out.contiguous(), hidden, top_k_weights, w_up, w_down, gate_up, offsets, dest, ctx.act, n_hidden,

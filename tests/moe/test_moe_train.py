@@ -9,6 +9,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+
 from idempotent_moe import _moe_autograd as ag  # noqa: E402
 from idempotent_moe import _moe_torch_ops, moe  # noqa: E402
 
@@ -338,6 +340,43 @@ def test_the_fused_layer_saves_no_rows_by_hidden_copy(capacity):
             d.rows, w_up, d.offsets), "silu", limit=d.offsets), w_down, d.offsets), d.dest, w)
         if (d := moe.moe_dispatch(hidden, idx, E)) else None)
     assert (rows, 24) in composed
+
+
+class _Created(TorchDispatchMode):
+    """The shapes of the tensors made zero (or filled) while active."""
+
+    def __init__(self):
+        super().__init__()
+        self.zeros = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = func.__name__
+        if "zero" in name or "fill" in name or name.startswith("full"):
+            self.zeros.append(tuple(out.shape))
+        return out
+
+
+@pytest.mark.parametrize("route", ["entry", "op"])
+def test_the_backward_is_handed_no_zeros_for_the_outputs_without_a_gradient(route):
+    """gate_up [rows, 2I] leaves the forward without a gradient: autograd
+    must not fill a zero tensor of its size for the backward (on the
+    Mixtral-8x7B layer that is 1.75 GiB and 0.6 ms per step)."""
+    w, idx = routing(num_tokens=16)
+    g = torch.Generator().manual_seed(5)
+    hidden = torch.randn(16, 24, generator=g, requires_grad=True)
+    w_up = torch.randn(E, 24, 2 * 5, generator=g, requires_grad=True)
+    w_down = torch.randn(E, 5, 24, generator=g, requires_grad=True)
+    out, _ = fused(hidden, idx, w, w_up, w_down, "silu", None, route)
+    with _Created() as created:
+        out.backward(torch.ones_like(out))
+    assert (16 * K, 2 * 5) not in created.zeros
+    assert hidden.grad is not None and w_up.grad.abs().sum() > 0
+    # an output that reaches no loss gives no gradient and no error
+    hidden.grad = None
+    out, dropped = fused(hidden, idx, w, w_up, w_down, "silu", None, route)
+    (out.sum() * 0 + hidden.sum()).backward()
+    assert torch.equal(hidden.grad, torch.ones_like(hidden))
 
 
 @pytest.mark.parametrize("capacity", [0, 1, 3, 9])
