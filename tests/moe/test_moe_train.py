@@ -9,10 +9,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
-
 from idempotent_moe import _moe_autograd as ag  # noqa: E402
 from idempotent_moe import _moe_torch_ops, moe  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 ACTS = ["silu", "gelu", "gelu_tanh", "relu"]
 T, H, E, K, INTER = 7, 8, 4, 2, 6
