@@ -416,8 +416,10 @@ def main(argv: list | None = None) -> int:
             for path in train_profile.write(data, output_dir(args.out, None)):
                 print("wrote", path)
             return 0
+        from . import train_report
+
         if args.from_json:
-            t1.doc_from_json(args.doc, args.from_json)
+            train_report.doc_from_json(args.doc, args.from_json)
             return 0
         if args.doc:
             from .report import require_section
@@ -425,11 +427,11 @@ def main(argv: list | None = None) -> int:
             require_section(args.doc, "bench:t1")
         data = t1.run(device="cpu" if args.quick and args.device == "auto" else args.device,
                       quick=args.quick, rounds=args.rounds, reps=args.reps, only=args.only)
-        print(t1.table(data))
-        for path in t1.write(data, output_dir(args.out, args.doc), plot=not args.no_plot):
+        print(train_report.table(data))
+        for path in train_report.write(data, output_dir(args.out, args.doc), plot=not args.no_plot):
             print("wrote", path)
         if args.doc:
-            t1.update_doc(args.doc, data)
+            train_report.update_doc(args.doc, data)
     elif args.command == "kv":
         from .kv import KVOptions, doc_from_json, run_kv
 

@@ -1,5 +1,6 @@
 """Tables and the plot of the model benchmark's JSON (M1, M2, H1), and the
-README headline: M1 and M2 with W1-W3 (the main job's JSON) beside them.
+README headline: M1 and M2 with T1 (the training JSON, where one lies
+beside) and W1-W3 (the main job's JSON) beside them.
 
 Every ratio reads "x faster than": the baseline's time over this row's, or
 this row's rate over the baseline's; above 1, this row is faster. Memory
@@ -11,7 +12,7 @@ from __future__ import annotations
 import json
 import os
 
-from . import report
+from . import report, train_report
 
 HEADLINE_KEY = "headline"  # <!-- headline:DEVICE --> in README.md
 
@@ -227,15 +228,17 @@ def _headline_main(main: dict) -> list:
     return rows
 
 
-def headline(model: dict, main: dict) -> str:
+def headline(model: dict, main: dict, t1: dict | None = None) -> str:
     """The README's headline table: M1 and M2 from the model JSON, W1-W3 from
-    the main job's JSON (same device)."""
+    the main job's JSON, T1 from the training JSON where given (same device)."""
     head = ["workload", "measure", "baseline", "baseline's figure", "idempotent_moe", "our figure",
             "x faster than baseline", "check"]
-    rows = _headline_m1(model) + _headline_m2(model) + _headline_main(main)
+    t1_rows = train_report.headline_rows(t1) if t1 else []
+    rows = _headline_m1(model) + _headline_m2(model) + t1_rows + _headline_main(main)
     lines = _table(head, rows)
     lines += ["", f"M1, M2: {_footer(model['machine'])}{_prefill_run(model)}. "
-                  f"W1-W3: {_footer_main(main['machine'])}."]
+                  + (f"{train_report.footer(t1)}. " if t1_rows else "")
+                  + f"W1-W3: {_footer_main(main['machine'])}."]
     return "\n".join(lines)
 
 
@@ -250,14 +253,15 @@ def main_json_beside(model_json: str) -> str:
     return os.path.join(os.path.dirname(os.path.abspath(model_json)), f"main-{device}.json")
 
 
-def update_headline(readme: str, model: dict, main: dict) -> None:
+def update_headline(readme: str, model: dict, main: dict, t1: dict | None = None) -> None:
     """Replace <!-- headline:DEVICE --> ... <!-- /headline:DEVICE --> in `readme`."""
     report.replace_section(readme, f"{HEADLINE_KEY}:{model['machine']['device']}",
-                           lambda: headline(model, main))
+                           lambda: headline(model, main, t1))
 
 
 def headline_from_json(readme: str, model_json: str, main_json: str | None = None) -> None:
-    """The headline from a model JSON and (default: beside it) the main job's JSON."""
+    """The headline from a model JSON, (default: beside it) the main job's
+    JSON, and T1's (t1-DEVICE.json) where one lies beside it."""
     main_json = main_json or main_json_beside(model_json)
     try:
         with open(main_json) as f:
@@ -266,7 +270,14 @@ def headline_from_json(readme: str, model_json: str, main_json: str | None = Non
         raise SystemExit(f"the headline needs the main job's JSON (W1-W3) beside {model_json}: "
                          f"{main_json}: {e.strerror}") from None
     with open(model_json) as f:
-        update_headline(readme, json.load(f), main)
+        model = json.load(f)
+    folder = os.path.dirname(os.path.abspath(model_json))
+    t1_json = os.path.join(folder, f"t1-{model['machine']['device']}.json")
+    t1 = None
+    if os.path.exists(t1_json):
+        with open(t1_json) as f:
+            t1 = json.load(f)
+    update_headline(readme, model, main, t1)
 
 
 def update_doc(path: str, data: dict, name: str = "model") -> None:

@@ -30,8 +30,8 @@ import torch
 
 from . import report
 from .model_timing import log
-from .train import _label as train_label
 from .train import each_model_step, layer_inputs, layer_routing, layer_step, make_experts, set_mode, setup
+from .train_report import label as train_label
 
 MODES = [("grouped_mm", None), ("eager", None), ("idempotent", None), ("idempotent", 1.0)]
 TOP = 12

@@ -43,7 +43,7 @@ from .train import (
     set_mode,
     setup,
 )
-from .train import _label as train_label
+from .train_report import label as train_label
 
 MODES = [("grouped_mm", None), ("idempotent", None), ("idempotent", 1.0)]
 TOP = 12

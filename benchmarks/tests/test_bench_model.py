@@ -16,7 +16,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 pytest.importorskip("matplotlib")
 
-from imoe_bench import model_agreement, model_m1, model_report, model_timing  # noqa: E402
+from imoe_bench import model_agreement, model_m1, model_report, model_timing, train_report  # noqa: E402
 from imoe_bench.cli import main  # noqa: E402
 from imoe_bench.hostcost import TINY_SHAPE  # noqa: E402
 from imoe_bench.model_families import IMPLS, MOE_FAMILIES  # noqa: E402
@@ -354,6 +354,53 @@ def test_headline_from_a_synthetic_json(tmp_path):
         assert row["x faster than baseline"] == f"{best['speedup_vs_torch']:.2f}x"
         assert row["check"] == "bit-exact"
     assert "NVIDIA H200; driver 580.1" in section and "commit abc1234" in section
+
+
+def synthetic_t1_json() -> dict:
+    def row(case, name, impl, ms, capacity=None, skewed=False, **extra):
+        key = "family" if case == "model" else "shape"
+        r = {"case": case, key: name, "implementation": impl, "capacity": capacity, "skewed": skewed,
+             "tokens": 4096 if case == "model" else 16384, "step_s": ms / 1e3, "peak_bytes": 9 << 30,
+             "moe_saved_bytes": (4 << 30) if impl == "grouped_mm" else (2 << 30)}
+        if case == "model":
+            r["check"] = {"loss": 5.0} if impl == "grouped_mm" else {
+                "loss": 5.0, "loss_vs_grouped_mm": 1e-3, "grads_rel_err_vs_grouped_mm": 2e-3}
+        else:
+            r["floor_fraction"] = 30.0 / ms
+            r["check"] = {n: (5e-3 if impl == "grouped_mm" else 4e-3) for n in train_report.GRAD_NAMES}
+        r.update(extra)
+        return r
+    results = [row("model", "mixtral_like", "grouped_mm", 48.0),
+               row("model", "mixtral_like", "idempotent", 40.0),
+               row("model", "mixtral_like", "idempotent", 38.0, capacity=1.0),
+               row("layer", "mixtral_8x7b", "grouped_mm", 72.0),
+               row("layer", "mixtral_8x7b", "idempotent", 60.0),
+               row("layer", "mixtral_8x7b", "idempotent", 58.0, skewed=True),
+               row("layer", "mixtral_8x7b", "grouped_mm", 75.0, skewed=True)]
+    return {"workload": "T1", "quick": False, "dtype": "bfloat16", "rounds": 2, "reps": 3,
+            "config": {"batch": 4, "seq": 1024}, "gemm_flops_per_s": 7e14, "results": results,
+            "machine": {"device": "cuda", "gpu": "NVIDIA H200", "torch": "2.11.0", "transformers": "5.17.0",
+                        "commit": "def5678", "date": "2026-12-07T00:00:00+00:00"}}
+
+
+def test_headline_takes_t1_rows_from_the_training_json_beside(tmp_path):
+    shutil.copy(MAIN_CUDA, tmp_path / "main-cuda.json")
+    (tmp_path / "model-cuda.json").write_text(json.dumps(synthetic_model_json()))
+    readme = tmp_path / "README.md"
+    readme.write_text("<!-- headline:cuda -->\n<!-- /headline:cuda -->\n")
+    model_report.readme_from_json(str(readme), str(tmp_path / "model-cuda.json"))
+    assert "| T1 " not in readme.read_text()  # no training JSON: no T1 rows
+    (tmp_path / "t1-cuda.json").write_text(json.dumps(synthetic_t1_json()))
+    model_report.readme_from_json(str(readme), str(tmp_path / "model-cuda.json"))
+    rows = {r["workload"]: r for r in _cells(readme.read_text()) if r["workload"].startswith("T1")}
+    assert set(rows) == {"T1 Mixtral-like", "T1 Mixtral-8x7B layer"}  # dropless, balanced only
+    model, layer = rows["T1 Mixtral-like"], rows["T1 Mixtral-8x7B layer"]
+    assert model["measure"] == "training step, 4 x 1,024 tokens (time, peak alloc)"
+    assert (model["baseline's figure"], model["our figure"]) == ("48.0 ms, 9,216 MiB", "40.0 ms, 9,216 MiB")
+    assert model["x faster than baseline"] == "1.20x" and "grads 2.0e-03 rel" in model["check"]
+    assert layer["our figure"] == "60.0 ms, 50%, 2,048 MiB" and layer["x faster than baseline"] == "1.20x"
+    assert layer["check"] == "vs fp32: max rel 4.0e-03 (grouped_mm 5.0e-03)"
+    assert "T1: NVIDIA H200; torch 2.11.0; transformers 5.17.0; commit def5678" in readme.read_text()
 
 
 def test_headline_needs_the_main_json(tmp_path):

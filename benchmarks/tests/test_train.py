@@ -13,7 +13,7 @@ pytest.importorskip("torch")
 pytest.importorskip("transformers.integrations.moe", reason="needs transformers' experts interface")
 pytest.importorskip("matplotlib")
 
-from imoe_bench import cli, train  # noqa: E402
+from imoe_bench import cli, train, train_report  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +31,7 @@ def test_quick_layer_run_writes_json_and_plot_and_checks_every_row(layer_run):
     assert {r["skewed"] for r in rows} == {False, True}
     for r in rows:
         check = r["check"]
-        assert max(check[n] for n in train.GRAD_NAMES) < 1e-4, r
+        assert max(check[n] for n in train_report.GRAD_NAMES) < 1e-4, r
         if r["capacity"] is not None:
             assert check["dropped_ok"], r
     for shape in ("mixtral_8x7b", "qwen3_30b_a3b"):
@@ -54,9 +54,9 @@ def test_the_table_renders_from_the_json(layer_run, tmp_path):
 def test_the_peak_cell_shows_what_was_allocated_before_the_steps(layer_run):
     _, report = layer_run
     row = dict(report["results"][0], peak_bytes=3 * 2**30, allocated_before_bytes=2**30)
-    assert "| 3,072 (1,024) |" in train.table(dict(report, results=[row]))
+    assert "| 3,072 (1,024) |" in train_report.table(dict(report, results=[row]))
     older = {k: v for k, v in row.items() if k != "allocated_before_bytes"}  # JSON written before the field
-    assert "| 3,072 |" in train.table(dict(report, results=[older]))
+    assert "| 3,072 |" in train_report.table(dict(report, results=[older]))
     assert all(r["allocated_before_bytes"] is None for r in report["results"])  # no allocator on the CPU
 
 
