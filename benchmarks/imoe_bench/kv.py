@@ -24,7 +24,6 @@ go under --out (kv-DEVICE.json / .png; default imoe-results/).
 from __future__ import annotations
 
 import importlib.util
-import json
 from dataclasses import dataclass
 
 from . import report, workloads
@@ -249,8 +248,7 @@ def update_doc(path: str, data: dict) -> None:
 
 
 def doc_from_json(path: str, json_path: str) -> None:
-    with open(json_path) as f:
-        update_doc(path, json.load(f))
+    update_doc(path, report.read_json(json_path))
 
 
 class _Resettable:

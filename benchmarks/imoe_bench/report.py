@@ -81,6 +81,12 @@ def _stem(data: dict) -> str:
     return f"main-{data['machine']['device']}" + ("-quick" if data.get("quick") else "")
 
 
+def read_json(path: str) -> dict:
+    """A results JSON, as written by write_results."""
+    with open(path) as f:
+        return json.load(f)
+
+
 def dumps(data) -> str:
     """The results' JSON layout: objects one key a line, and every list of
     objects (a table's rows) one object a line, so that a rerun's diff shows

@@ -7,8 +7,6 @@ this row's (same case, same router).
 
 from __future__ import annotations
 
-import json
-
 from . import report
 
 # The names the headline gives the T1 cases (the JSON's keys).
@@ -87,8 +85,7 @@ def update_doc(path: str, data: dict) -> None:
 
 
 def doc_from_json(path: str, json_path: str) -> None:
-    with open(json_path) as f:
-        update_doc(path, json.load(f))
+    update_doc(path, report.read_json(json_path))
 
 
 def write(data: dict, out_dir: str, plot: bool = True) -> list:

@@ -20,7 +20,6 @@ relative difference). `--quick` runs a reduced block on the CPU in seconds.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 
 from . import report, runner
@@ -290,8 +289,7 @@ def update_doc(path: str, data: dict) -> None:
 
 
 def doc_from_json(path: str, json_path: str) -> None:
-    with open(json_path) as f:
-        update_doc(path, json.load(f))
+    update_doc(path, report.read_json(json_path))
 
 
 def _stem(data: dict) -> str:
