@@ -9,7 +9,6 @@ ratios ("peak / ...") put this row on top.
 
 from __future__ import annotations
 
-import json
 import os
 
 from . import report, train_report
@@ -246,11 +245,11 @@ def _footer_main(m: dict) -> str:
     return f"torch {m['torch']}; commit {m.get('commit') or 'unknown'}; {m['date']}"
 
 
-def main_json_beside(model_json: str) -> str:
-    """The main job's JSON of the same device, in the model JSON's folder."""
-    with open(model_json) as f:
-        device = json.load(f)["machine"]["device"]
-    return os.path.join(os.path.dirname(os.path.abspath(model_json)), f"main-{device}.json")
+def _beside(model_json: str, model: dict, stem: str) -> str:
+    """The JSON of workload `stem` ("main", "t1") on the model JSON's device,
+    in its folder."""
+    folder = os.path.dirname(os.path.abspath(model_json))
+    return os.path.join(folder, f"{stem}-{model['machine']['device']}.json")
 
 
 def update_headline(readme: str, model: dict, main: dict, t1: dict | None = None) -> None:
@@ -262,22 +261,15 @@ def update_headline(readme: str, model: dict, main: dict, t1: dict | None = None
 def headline_from_json(readme: str, model_json: str, main_json: str | None = None) -> None:
     """The headline from a model JSON, (default: beside it) the main job's
     JSON, and T1's (t1-DEVICE.json) where one lies beside it."""
-    main_json = main_json or main_json_beside(model_json)
+    model = report.read_json(model_json)
+    main_json = main_json or _beside(model_json, model, "main")
     try:
-        with open(main_json) as f:
-            main = json.load(f)
+        main = report.read_json(main_json)
     except OSError as e:
         raise SystemExit(f"the headline needs the main job's JSON (W1-W3) beside {model_json}: "
                          f"{main_json}: {e.strerror}") from None
-    with open(model_json) as f:
-        model = json.load(f)
-    folder = os.path.dirname(os.path.abspath(model_json))
-    t1_json = os.path.join(folder, f"t1-{model['machine']['device']}.json")
-    t1 = None
-    if os.path.exists(t1_json):
-        with open(t1_json) as f:
-            t1 = json.load(f)
-    update_headline(readme, model, main, t1)
+    t1_json = _beside(model_json, model, "t1")
+    update_headline(readme, model, main, report.read_json(t1_json) if os.path.exists(t1_json) else None)
 
 
 def update_doc(path: str, data: dict, name: str = "model") -> None:
@@ -288,8 +280,7 @@ def update_doc(path: str, data: dict, name: str = "model") -> None:
 def doc_from_json(path: str, json_path: str) -> None:
     """The section named by the JSON's file: model-cuda.json fills
     <!-- model:cuda -->, model-NAME-cuda.json <!-- model-NAME:cuda -->."""
-    with open(json_path) as f:
-        data = json.load(f)
+    data = report.read_json(json_path)
     stem = os.path.basename(json_path).removesuffix(".json").removesuffix(f"-{data['machine']['device']}")
     update_doc(path, data, stem)
 
@@ -370,8 +361,7 @@ def readme_from_json(readme: str, json_path: str) -> None:
     """The table of `json_path` in `readme`: the main job's table, or for the
     model benchmark's JSON (M1, M2) the headline, with W1-W3 from the main
     job's JSON beside it."""
-    with open(json_path) as f:
-        data = json.load(f)
+    data = report.read_json(json_path)
     if "m1" in data:
         headline_from_json(readme, json_path)
     else:

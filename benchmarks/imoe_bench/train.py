@@ -308,8 +308,6 @@ def run_models(cfg, device, dtype, rounds, reps, rate):
     return results
 
 
-
-
 def check_layer(experts, hidden, idx, w, grad, skew) -> dict:
     """{(impl, capacity, skew): check}: every mode's output and gradients
     against an fp32 reference of the same routing and the same kept

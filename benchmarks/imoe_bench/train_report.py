@@ -134,13 +134,10 @@ def headline_rows(data: dict) -> list:
     case's dropless step against grouped_mm's, balanced router; a model's
     time and peak, a layer's time, share of the FLOP floor and saved bytes."""
     rows = []
-    results = data["results"]
-    for r in results:
-        if r["implementation"] != "idempotent" or r["capacity"] is not None or r["skewed"]:
-            continue
-        base = next((b for b in results if b["implementation"] == "grouped_mm" and _case(b) == _case(r)),
-                    None)
-        if base is None:
+    bases = {_case(b): b for b in data["results"] if b["implementation"] == "grouped_mm"}
+    for r in data["results"]:
+        base = bases.get(_case(r))
+        if r["implementation"] != "idempotent" or r["capacity"] is not None or r["skewed"] or base is None:
             continue
         name = r.get("family", r.get("shape"))
         if r["case"] == "model":

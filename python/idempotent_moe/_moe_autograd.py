@@ -447,9 +447,9 @@ def experts_setup(ctx, inputs, output):
 def experts_backward(ctx, grad_out, *_, backward=None):
     """The layer's gradients: `backward` (default: the experts_backward op,
     which torch.compile traces; eager: experts_backward_direct)."""
-    hidden, top_k_weights, w_up, w_down, gate_up, offsets, dest = ctx.saved_tensors
     if grad_out is None:  # the output reached no loss
         return (None,) * 9
+    hidden, top_k_weights, w_up, w_down, gate_up, offsets, dest = ctx.saved_tensors
     n_hidden, n_weights, n_up, n_down = ctx.needs
     d = (backward or torch.ops.idempotent_moe.experts_backward)(
         grad_out.contiguous(), hidden, top_k_weights, w_up, w_down, gate_up, offsets, dest, ctx.act, n_hidden,
