@@ -553,7 +553,9 @@ imoe_status imoe_gated_act(const imoe_view *gate_up, const imoe_view *out, imoe_
  *   row_scale     [R, 1] F32/F16/BF16 or NULL: d = grad_act[r, i] x
  *                 row_scale[r] in F32, unrounded (the fused experts
  *                 layer's routing weight per row).
- *   grad_gate_up  [R, 2I], gate_up's dtype, rows contiguous.
+ *   grad_gate_up  [R, 2I], gate_up's dtype, rows contiguous. It may be
+ *                 gate_up itself (the same view): gate[i] and up[i] are read
+ *                 before grad_gate_up's elements i and I + i are written.
  *   act_out       [R, I], gate_up's dtype, rows contiguous, or NULL: the
  *                 forward's value a = imoe_gated_act's (act(g) rounded, x u,
  *                 rounded) x row_scale[r] (1 without), rounded once. It may

@@ -91,7 +91,8 @@ static void act_bwd_zero_row(const act_bwd_ctx *a, int64_t r) {
 }
 
 /* One row. Each grad element is loaded before act_out's element of the same
- * index is stored (act_out may be grad itself). */
+ * index is stored (act_out may be grad itself), and gate[i] and up[i] before
+ * out's elements i and I + i (out may be gate_up itself). */
 static imoe_status act_bwd_row(const void *vctx, int64_t r, unsigned char *mem, imoe_error *err) {
   const act_bwd_ctx *a = vctx;
   (void)mem;
@@ -128,7 +129,8 @@ static imoe_status act_bwd_row(const void *vctx, int64_t r, unsigned char *mem, 
   return IMOE_OK;
 }
 
-/* act_out given as grad_act itself: the same bytes, element for element. */
+/* An output given as an input itself (act_out as grad_act, out as gate_up):
+ * the same bytes, element for element. */
 static int same_view(const imoe_view *a, const imoe_view *b) {
   return a->data == b->data && a->dtype == b->dtype && a->n == b->n && a->n_stride == b->n_stride &&
          a->lead_ndim == b->lead_ndim && a->lead_shape[0] == b->lead_shape[0] &&
@@ -156,13 +158,16 @@ static imoe_status check_act_bwd(const imoe_view *gate_up, const imoe_view *grad
     st = imoe_check_matrix(row_dot, "row_dot", IMOE_DTYPE_BIT(IMOE_DTYPE_F32), r_n, 1, 1, 0, err);
   if (st != IMOE_OK) return st;
   /* act_out in place of grad_act (checked above as act_out) stands for
-   * both: it must share no byte with any other argument. */
+   * both, and so does out in place of gate_up (checked as out): each must
+   * share no byte with any other argument. */
   const int in_place = act_out != NULL && same_view(act_out, grad_act);
+  const int over_input = out != NULL && same_view(out, gate_up);
   const imoe_call_args call = {NULL, 0, NULL,
-                               {gate_up, in_place ? NULL : grad_act, limit, row_scale},
+                               {over_input ? NULL : gate_up, in_place ? NULL : grad_act, limit, row_scale},
                                {"gate_up", "grad_act", "limit", "row_scale"},
                                {out, act_out, row_dot},
-                               {"out", in_place ? "grad_act" : "act_out", "row_dot"}, NULL, 0};
+                               {over_input ? "gate_up" : "out", in_place ? "grad_act" : "act_out", "row_dot"},
+                               NULL, 0};
   return imoe_check_call(&call, empty, err);
 }
 

@@ -16,7 +16,8 @@ formulas as `EagerExperts`, an autograd.Function without the ops' dispatch):
               gathered rows [R, H] nor the expert outputs Y [R, H].
     backward  gdo = gather(dOut) [R, H]; G = gdo @ W_down[e]^T [R, I];
               one pass over gate_up and G (gated_act_backward with
-              row_scale w_row) gives d(gate_up) of dA = w_row * G, the
+              row_scale w_row) gives d(gate_up) of dA = w_row * G (over
+              the saved gate_up itself unless the graph is kept), the
               recomputed A times w_row (written over G) and <G[row], A[row]>
               per row; d(w)[t, j] = that dot (= <dOut[t], Y[row]>: Y is
               never needed); dW_down[e] = (w_row * A)^T gdo;
@@ -226,19 +227,23 @@ def gated_act_backward_direct(gate_up, grad, act, limit):
     return ref_gated_act_backward(gate_up, grad, act, limit)
 
 
-def gated_act_backward_rows(gate_up, g, act, limit, w_row, need_act, need_dot):
+def gated_act_backward_rows(gate_up, g, act, limit, w_row, need_act, need_dot, over_gate_up=False):
     """The fused layer's activation backward in one pass over gate_up and g:
     (d(gate_up) of w_row * g, A * w_row or None, <g, A> per row [R, 1]
     float32 or None), A the forward's act(gate) * up. A * w_row is written
-    over g (g is not read again)."""
+    over g (g is not read again); with `over_gate_up`, d(gate_up) is written
+    over gate_up itself (its last reader: no [R, 2I] allocation)."""
     if on_core(gate_up, g, w_row):
         dot = g.new_empty((g.shape[0], 1), dtype=torch.float32) if need_dot else None
         d_gate_up = _moe_core.gated_act_backward(gate_up, g, act, limit=limit, row_scale=w_row,
-                                                 act_out=g if need_act else None, row_dot=dot)
+                                                 act_out=g if need_act else None, row_dot=dot,
+                                                 out=gate_up if over_gate_up else None)
         return d_gate_up, g if need_act else None, dot
     a = gated_act_direct(gate_up, act, limit)
     dot = (g.to(torch.float32) * a.to(torch.float32)).sum(-1, keepdim=True) if need_dot else None
     d_gate_up = ref_gated_act_backward(gate_up, g, act, limit, row_scale=w_row)
+    if over_gate_up:
+        d_gate_up = gate_up.copy_(d_gate_up)
     return d_gate_up, a.mul_(w_row.to(a.dtype)) if need_act else None, dot
 
 
@@ -330,8 +335,10 @@ def experts_forward_direct(hidden, top_k_index, top_k_weights, w_up, w_down, act
 
 
 def experts_backward_direct(grad_out, hidden, top_k_weights, w_up, w_down, gate_up, offsets, dest, act,
-                            need_hidden, need_weights, need_up, need_down):
-    """(d_hidden, d_weights, d_w_up, d_w_down), each an empty tensor where not needed."""
+                            need_hidden, need_weights, need_up, need_down, reuse_gate_up=False):
+    """(d_hidden, d_weights, d_w_up, d_w_down), each an empty tensor where not
+    needed. `reuse_gate_up`: d(gate_up) is written over the saved gate_up
+    (whose last reader this is), which the caller must never read again."""
     grad_out, hidden, top_k_weights, w_up, w_down, gate_up, offsets, dest = detached(
         grad_out, hidden, top_k_weights, w_up, w_down, gate_up, offsets, dest)
     rows, num_experts = gate_up.shape[0], w_up.shape[0]
@@ -342,7 +349,8 @@ def experts_backward_direct(grad_out, hidden, top_k_weights, w_up, w_down, gate_
     g = grouped_mm_nt(gdo, w_down, offsets)                                # [R, I]
     w_row = row_weights(dest, top_k_weights, rows, torch.float32 if dt in CORE_DTYPES else dt)
     # One pass: d(gate_up) of w_row * G, w_row * A over G, <G, A> per row.
-    d_gate_up, a_w, dot = gated_act_backward_rows(gate_up, g, act, offsets, w_row, need_down, need_weights)
+    d_gate_up, a_w, dot = gated_act_backward_rows(gate_up, g, act, offsets, w_row, need_down, need_weights,
+                                                  over_gate_up=reuse_gate_up)
     del g
     d_weights, d_down = none(), none()
     if need_weights:
@@ -444,16 +452,27 @@ def experts_setup(ctx, inputs, output):
                           dest)
 
 
+def graph_kept() -> bool:
+    """Whether the backward running now keeps its graph (retain_graph or
+    create_graph): its saved tensors are read again by a later backward.
+    False outside a backward."""
+    return bool(torch._C._autograd._get_current_graph_task_keep_graph())
+
+
 def experts_backward(ctx, grad_out, *_, backward=None):
     """The layer's gradients: `backward` (default: the experts_backward op,
-    which torch.compile traces; eager: experts_backward_direct)."""
+    which torch.compile traces; eager: experts_backward_direct, which writes
+    d(gate_up) over the saved gate_up unless the graph is kept)."""
     if grad_out is None:  # the output reached no loss
         return (None,) * 9
     hidden, top_k_weights, w_up, w_down, gate_up, offsets, dest = ctx.saved_tensors
     n_hidden, n_weights, n_up, n_down = ctx.needs
-    d = (backward or torch.ops.idempotent_moe.experts_backward)(
-        grad_out.contiguous(), hidden, top_k_weights, w_up, w_down, gate_up, offsets, dest, ctx.act, n_hidden,
-        n_weights, n_up, n_down)
+    args = (grad_out.contiguous(), hidden, top_k_weights, w_up, w_down, gate_up, offsets, dest, ctx.act,
+            n_hidden, n_weights, n_up, n_down)
+    if backward is None:
+        d = torch.ops.idempotent_moe.experts_backward(*args)
+    else:
+        d = backward(*args, reuse_gate_up=not graph_kept())
     d_hidden, d_weights, d_up, d_down = (t if need else None for t, need in zip(d, ctx.needs))
     return d_hidden, None, d_weights, d_up, d_down, None, None, None, None
 

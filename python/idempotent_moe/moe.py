@@ -220,7 +220,8 @@ def gated_act_backward(gate_up: Any, grad_act: Any, act: str = "silu", *, limit:
     is read before it is written); `row_dot` [R, 1] float32 receives
     <grad_act[r], act(gate) * up> per row (unscaled). act_out and row_dot are
     written in place (the direct path, as with `out`); rows past the limit
-    get zeros."""
+    get zeros. `out` may be gate_up itself (gate and up are read before
+    their gradients are written over them); any other overlap is refused."""
     direct = out is not None or row_scale is not None or act_out is not None or row_dot is not None
     ops = None if direct else _ops(gate_up, grad_act)
     if ops is not None:

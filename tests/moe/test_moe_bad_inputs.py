@@ -314,6 +314,24 @@ def _act_out_shifted_over_grad(d):
 
 case("act-bwd-act-out-overlaps-grad", ValueError, ["grad_act", "act_out"], _act_out_shifted_over_grad, BOTH)
 
+
+def _out_shifted_over_gate_up(d):
+    """out overlapping gate_up one row apart: only gate_up itself may be out."""
+    buf = d.full((T * K + 1, 2 * INTER), 0.5)
+    gate_up, grad = buf[:-1], d.full((T * K, INTER), 0.25)
+    return (lambda: moe.gated_act_backward(gate_up, grad, out=buf[1:])), [buf, grad]
+
+
+def _grad_inside_gate_up_written_over(d):
+    """out over gate_up stands for both: grad_act inside it is refused."""
+    gate_up = d.full((T * K, 2 * INTER), 0.5)
+    return (lambda: moe.gated_act_backward(gate_up, gate_up[:, :INTER], out=gate_up)), [gate_up]
+
+
+case("act-bwd-out-overlaps-gate-up", ValueError, ["gate_up", r"\bout\b"], _out_shifted_over_gate_up, BOTH)
+case("act-bwd-grad-inside-gate-up-as-out", ValueError, ["grad_act", "gate_up"],
+     _grad_inside_gate_up_written_over, BOTH)
+
 # --------------------------------------------------------------------------- grouped_gemm
 def gemm(d, a=None, w=None, offsets=None, **kwargs):
     a, w = (d.a if a is None else a), (d.wmat if w is None else w)

@@ -131,6 +131,20 @@ def test_gated_act_backward_writes_act_out_over_grad_itself(dtype):
     assert torch.equal(got, want) and torch.equal(grad, apart) and torch.equal(dot_in_place, dot)
 
 
+@pytest.mark.parametrize("act", ACTS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gated_act_backward_writes_d_gate_up_over_gate_up_itself(act, dtype):
+    gate_up, grad, scale, limit = fused_act_inputs(dtype, 40)
+    dot, act_out = torch.empty(11, 1), torch.empty_like(grad)
+    want = moe.gated_act_backward(gate_up, grad, act, limit=limit, row_scale=scale, act_out=act_out,
+                                  row_dot=dot)
+    over, dot2, act_out2 = gate_up.clone(), torch.empty(11, 1), torch.empty_like(grad)
+    got = moe.gated_act_backward(over, grad, act, limit=limit, row_scale=scale, act_out=act_out2,
+                                 row_dot=dot2, out=over)
+    assert got.data_ptr() == over.data_ptr() and torch.equal(over, want)
+    assert torch.equal(act_out2, act_out) and torch.equal(dot2, dot)  # read from gate_up before it changed
+
+
 @pytest.mark.parametrize("weighted", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gather_rows_writes_each_assignment_row_and_zeros_elsewhere(weighted, dtype):
@@ -342,17 +356,20 @@ def test_the_fused_layer_saves_no_rows_by_hidden_copy(capacity):
 
 
 class _Created(TorchDispatchMode):
-    """The shapes of the tensors made zero (or filled) while active."""
+    """The shapes of the tensors made zero (or filled), and of those made
+    empty, while active."""
 
     def __init__(self):
         super().__init__()
-        self.zeros = []
+        self.zeros, self.empties = [], []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         name = func.__name__
         if "zero" in name or "fill" in name or name.startswith("full"):
             self.zeros.append(tuple(out.shape))
+        if "empty" in name:
+            self.empties.append(tuple(out.shape))
         return out
 
 
@@ -376,6 +393,29 @@ def test_the_backward_is_handed_no_zeros_for_the_outputs_without_a_gradient(rout
     out, dropped = fused(hidden, idx, w, w_up, w_down, "silu", None, route)
     (out.sum() * 0 + hidden.sum()).backward()
     assert torch.equal(hidden.grad, torch.ones_like(hidden))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_d_gate_up_takes_the_saved_gate_up_unless_the_graph_is_kept(dtype):
+    """The eager backward is the saved gate_up's last reader: d(gate_up) is
+    written over it (no [rows, 2I] allocation), except where the graph is
+    kept (retain_graph), whose next backward reads gate_up again."""
+    w, idx = routing()
+    hidden, w_up, w_down = layer_inputs(dtype, seed=3)
+    out, _ = fused(hidden, idx, w, w_up, w_down)
+    with _Created() as kept:
+        first = torch.autograd.grad(out.square().sum(), (hidden, w_up, w_down), retain_graph=True)
+    with _Created() as freed:
+        second = torch.autograd.grad(out.square().sum(), (hidden, w_up, w_down))
+    for a, b in zip(first, second):  # the kept graph's gate_up was left as it was
+        assert torch.equal(a, b)
+    if dtype != torch.float64:  # the library's kernels (float64 runs the torch references)
+        assert (T * K, 2 * INTER) in kept.empties
+        assert (T * K, 2 * INTER) not in freed.empties + freed.zeros
+    want = torch.autograd.grad(reference_layer(hidden, idx, w, w_up, w_down, "silu").square().sum(),
+                               (hidden, w_up, w_down))
+    for a, b in zip(second, want):
+        assert torch.allclose(a, b, atol=1e-5 if dtype == torch.float32 else 1e-10)
 
 
 @pytest.mark.parametrize("capacity", [0, 1, 3, 9])
@@ -595,6 +635,9 @@ def test_cuda_fused_activation_backward_matches_the_cpu(act, dtype, inter):
         in_place = grad.clone()
         out2 = moe.gated_act_backward(gate_up, in_place, act, limit=limit, row_scale=scale, act_out=in_place)
         assert torch.equal(out2, out) and torch.equal(in_place, act_out)
+        over = gate_up.clone()  # d(gate_up) written over gate_up itself
+        moe.gated_act_backward(over, grad, act, limit=limit, row_scale=scale, out=over)
+        assert torch.equal(over, out)
         fwd = moe.gated_act(gate_up, act, limit=limit)  # the device's own forward, bit for bit
         assert torch.equal(act_out[:8], (fwd[:8].float() * scale[:8]).to(dtype))
         results.append([x.cpu().double() for x in (out, act_out, dot)])
