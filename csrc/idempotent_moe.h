@@ -577,7 +577,10 @@ imoe_status imoe_gated_act(const imoe_view *gate_up, const imoe_view *out, imoe_
  *   src      [T, H] F32/F16/BF16, rows contiguous.
  *   dest     [T, k] I32/I64, each in [-1, R) (IMOE_ERR_INDEX_RANGE); the
  *            entries >= 0 distinct (IMOE_ERR_INDEX_DUPLICATE on the CPU; a
- *            repeat is not checked on CUDA), as imoe_moe_dispatch writes them.
+ *            repeat is not checked on CUDA, and out's rows are then
+ *            unspecified), as imoe_moe_dispatch writes them. R kept entries
+ *            name every row: CUDA then writes each row once, with no
+ *            zeroing pass (a dropless dispatch's rows).
  *   weights  [T, k] F32/F16/BF16 or NULL.
  *   out      [R, H] F32/F16/BF16, rows contiguous, written whole.
  *

@@ -6,9 +6,12 @@
 //   k_bwd_dest_check  one block: dest checked against [-1, R); a bad entry is
 //                     a recorded IMOE_ERR_INDEX_RANGE and the call's verdict,
 //                     which the kernels after it read (nothing is written);
+//                     the kept entries counted;
 //   k_bwd_zero_rows   the gather's output zeroed (grid-stride; 16-byte
 //                     stores where out's rows are whole aligned 16-byte
-//                     chunks);
+//                     chunks), unless the dest check counted R kept entries
+//                     (every row is then written by the gather: a dropless
+//                     dispatch's rows);
 //   k_bwd_gather      one block per assignment (grid-stride): its token's row
 //                     times its weight into its row (16-byte chunks where
 //                     src and out also share a dtype and align: a copy, or
@@ -73,17 +76,36 @@ struct BwdParams {
   StatusWords words;
 };
 
+// The dest check is one block: its verdict is word 0 of the call's slot, and
+// word kEveryRowWord says whether the call's kept entries number R (token)
+// or not (0). Kept entries are distinct (the contract), so R of them name
+// every row: the gather then writes every row and needs no zeroing pass.
+constexpr int kEveryRowWord = 1;
+
 __global__ void __launch_bounds__(1024) k_bwd_dest_check(const __grid_constant__ BwdParams p) {
+  __shared__ unsigned long long kept;
+  if (threadIdx.x == 0) kept = 0;
+  __syncthreads();
   bool bad = false;
+  unsigned long long mine = 0;
   for (int64_t i = threadIdx.x; i < p.T * p.k; i += blockDim.x) {
     const int64_t d = idx_at(p.dest, i / p.k, i % p.k);
     bad |= d < -1 || d >= p.R;
+    mine += d >= 0;
   }
-  block_verdict(p.words, p.token, bad, IMOE_ERR_INDEX_RANGE);
+  atomicAdd(&kept, mine);
+  block_verdict(p.words, p.token, bad, IMOE_ERR_INDEX_RANGE);  // its barrier orders the sum
+  if (threadIdx.x == 0 && p.token)
+    p.words.verdict[p.token % kSlots][kEveryRowWord] = kept == (unsigned long long)p.R ? p.token : 0u;
+}
+
+// Whether the dest check found R kept entries (read past L1, as verdicts are).
+__device__ __forceinline__ bool every_row_named(const BwdParams &p) {
+  return p.token && __ldcg(&p.words.verdict[p.token % kSlots][kEveryRowWord]) == p.token;
 }
 
 __global__ void __launch_bounds__(kThreads) k_bwd_zero_rows(const __grid_constant__ BwdParams p) {
-  if (call_aborted(p.words, p.token, 1)) return;
+  if (call_aborted(p.words, p.token, 1) || every_row_named(p)) return;
   if (p.out_vec) {  // 16-byte stores: rows of whole 16-byte chunks, 16-byte aligned
     const int64_t per_row = p.H * esize(p.odt) / 16;
     for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < p.R * per_row;

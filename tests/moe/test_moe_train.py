@@ -675,6 +675,19 @@ def test_cuda_gather_rows_in_16_byte_chunks_and_one_at_a_time_match_the_cpu(dtyp
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("rows", [14, 15, 16])  # every row named (no zeroing pass); one or two left
+def test_cuda_gather_rows_writes_every_row_whether_or_not_each_is_named(rows):
+    g = torch.Generator().manual_seed(12)
+    src = torch.randn(9, 64, generator=g).to(torch.bfloat16)
+    dest = torch.tensor([[0, 9], [3, -1], [-1, -1], [4, 1], [2, 5], [7, 8], [10, 11], [-1, 12], [13, 6]],
+                        dtype=torch.int32)
+    for fill in (float("nan"), 3.0):  # the zeroing pass skipped, then not: no stale bits either way
+        got = torch.full((rows, 64), fill, dtype=torch.bfloat16, device="cuda")
+        moe.moe_gather_rows(src.cuda(), dest.cuda(), rows, out=got)
+        assert torch.equal(got.cpu(), ag.ref_gather_rows(src, dest, rows, None, torch.bfloat16))
+
+
+@pytest.mark.gpu
 def test_cuda_bad_dest_is_a_recorded_error_and_writes_nothing():
     import idempotent_moe as imoe
 
