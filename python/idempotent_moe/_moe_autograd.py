@@ -39,7 +39,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from . import _moe_core
+from . import _moe_core, _tracing
 from ._moe_rules import combine as _torch_combine
 
 CORE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -452,27 +452,32 @@ def experts_setup(ctx, inputs, output):
                           dest)
 
 
-def graph_kept() -> bool:
-    """Whether the backward running now keeps its graph (retain_graph or
-    create_graph): its saved tensors are read again by a later backward.
-    False outside a backward."""
-    return bool(torch._C._autograd._get_current_graph_task_keep_graph())
+def overwrite_saved() -> bool:
+    """Whether the backward running now may write over what its forward
+    saved: while torch.compile traces it (the traced mutation is
+    functionalized: inductor writes in place over a donated saved buffer and
+    copies otherwise; torch refuses retain_graph on a backward with donated
+    buffers), or when its graph is not kept (retain_graph or create_graph:
+    a later backward reads the saved tensors again)."""
+    return _tracing.compiling() or not torch._C._autograd._get_current_graph_task_keep_graph()
 
 
 def experts_backward(ctx, grad_out, *_, backward=None):
-    """The layer's gradients: `backward` (default: the experts_backward op,
-    which torch.compile traces; eager: experts_backward_direct, which writes
-    d(gate_up) over the saved gate_up unless the graph is kept)."""
+    """The layer's gradients: `backward` (default: the backward ops, which
+    torch.compile traces; eager: experts_backward_direct). d(gate_up) is
+    written over the saved gate_up where `overwrite_saved` allows."""
     if grad_out is None:  # the output reached no loss
         return (None,) * 9
     hidden, top_k_weights, w_up, w_down, gate_up, offsets, dest = ctx.saved_tensors
     n_hidden, n_weights, n_up, n_down = ctx.needs
     args = (grad_out.contiguous(), hidden, top_k_weights, w_up, w_down, gate_up, offsets, dest, ctx.act,
             n_hidden, n_weights, n_up, n_down)
+    over = overwrite_saved()
     if backward is None:
-        d = torch.ops.idempotent_moe.experts_backward(*args)
+        ops = torch.ops.idempotent_moe
+        d = (ops.experts_backward_ if over else ops.experts_backward)(*args)
     else:
-        d = backward(*args, reuse_gate_up=not graph_kept())
+        d = backward(*args, reuse_gate_up=over)
     d_hidden, d_weights, d_up, d_down = (t if need else None for t, need in zip(d, ctx.needs))
     return d_hidden, None, d_weights, d_up, d_down, None, None, None, None
 

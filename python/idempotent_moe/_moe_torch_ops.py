@@ -158,7 +158,20 @@ if AVAILABLE:
         return ag.experts_backward_direct(grad_out, hidden, top_k_weights, w_up, w_down, gate_up, offsets,
                                           dest, act, need_hidden, need_weights, need_up, need_down)
 
+    # The same, with d(gate_up) written over gate_up (the backward is the
+    # saved gate_up's last reader): what a backward whose graph is not kept
+    # and a compiled backward call. Traced, the mutation is functionalized:
+    # inductor writes in place over the saved buffer it donates, else copies.
+    @torch.library.custom_op("idempotent_moe::experts_backward_", mutates_args=("gate_up",))
+    def _experts_bwd_over_op(grad_out: T, hidden: Optional[T], top_k_weights: T, w_up: T, w_down: T,
+                             gate_up: T, offsets: T, dest: T, act: str, need_hidden: bool, need_weights: bool,
+                             need_up: bool, need_down: bool) -> tuple[T, T, T, T]:
+        return ag.experts_backward_direct(grad_out, hidden, top_k_weights, w_up, w_down, gate_up, offsets,
+                                          dest, act, need_hidden, need_weights, need_up, need_down,
+                                          reuse_gate_up=True)
+
     @_experts_bwd_op.register_fake
+    @_experts_bwd_over_op.register_fake
     def _(grad_out, hidden, top_k_weights, w_up, w_down, gate_up, offsets, dest, act, need_hidden,
           need_weights, need_up, need_down):
         def shaped(need, shape, like):

@@ -494,9 +494,12 @@ def test_grouped_gemm_weight_gradient_arrives_in_the_parameters_layout():
     assert torch.allclose(param.grad.transpose(-2, -1), w.grad)
 
 
-def test_opcheck_of_the_fused_layer_backward_op_with_transposed_weights():
-    """The backward op's fake implementation gives the weight gradients the
-    strides the real one does (the weights' own layout)."""
+@pytest.mark.parametrize("name", ["experts_backward", "experts_backward_"])
+def test_opcheck_of_the_fused_layer_backward_ops_with_transposed_weights(name):
+    """The backward ops' fake implementation gives the weight gradients the
+    strides the real ones do (the weights' own layout); the second writes
+    d(gate_up) over gate_up, as its schema says, and the first writes nothing."""
+    op = getattr(torch.ops.idempotent_moe, name)
     w, idx = routing()
     hidden, w_up, w_down = layer_inputs(torch.float32, seed=6, grad=False)
     w_up, w_down = (t.transpose(-2, -1).contiguous().transpose(-2, -1) for t in (w_up, w_down))
@@ -504,11 +507,15 @@ def test_opcheck_of_the_fused_layer_backward_op_with_transposed_weights():
                                                                               "silu", E, None, False)
     needs = (True, True, True, True)
     args = (torch.ones_like(out), hidden, w, w_up, w_down, gate_up, offsets, dest, "silu", *needs)
-    result = torch.library.opcheck(torch.ops.idempotent_moe.experts_backward.default, args,
-                                   test_utils=("test_schema", "test_faketensor"))
+    result = torch.library.opcheck(op.default, args, test_utils=("test_schema", "test_faketensor"))
     assert set(result.values()) == {"SUCCESS"}, result
-    grads = torch.ops.idempotent_moe.experts_backward(*args)
+    saved = gate_up.clone()
+    grads = op(*args)
     assert grads[2].stride() == w_up.stride() and grads[3].stride() == w_down.stride()
+    want = torch.ops.idempotent_moe.experts_backward(*args[:5], saved.clone(), *args[6:])
+    for a, b in zip(grads, want):
+        assert torch.equal(a, b)
+    assert torch.equal(gate_up, saved) == (name == "experts_backward")
 
 
 @pytest.mark.parametrize("capacity", [None, 3, 1, 0])
@@ -556,8 +563,14 @@ def test_compiled_fused_layer_fullgraph_forward_and_backward():
         return out.square().sum(), dropped
 
     ww = w.clone().requires_grad_()
-    loss, dropped = torch.compile(step, fullgraph=True, backend="aot_eager")(hidden, ww, w_up, w_down)
+    from torch._dynamo.testing import AotEagerAndRecordGraphs
+
+    backend = AotEagerAndRecordGraphs()
+    loss, dropped = torch.compile(step, fullgraph=True, backend=backend)(hidden, ww, w_up, w_down)
     got = torch.autograd.grad(loss, (hidden, ww, w_up, w_down))
+    # the traced backward takes the op that writes d(gate_up) over the saved gate_up
+    (bw,) = backend.bw_graphs
+    assert "idempotent_moe.experts_backward_." in bw.code
     ww2 = w.clone().requires_grad_()
     loss2, dropped2 = step(hidden, ww2, w_up, w_down)
     want = torch.autograd.grad(loss2, (hidden, ww2, w_up, w_down))
