@@ -91,7 +91,8 @@ imoe_status imoe_cuda_moe_dispatch(const imoe_moe_routing *routing, const imoe_v
                                    int64_t rows, const imoe_view *out_rows,
                                    const imoe_view *out_offsets, const imoe_view *out_dest,
                                    const imoe_view *out_src, const imoe_view *out_dropped,
-                                   int32_t *workspace, const imoe_exec *exec, imoe_error *err) {
+                                   int32_t *workspace, int64_t workspace_elems,
+                                   const imoe_exec *exec, imoe_error *err) {
   return IMOE_ERR_UNSUPPORTED;
 }
 

@@ -441,13 +441,18 @@ imoe_status imoe_group_by_expert(const imoe_view *buffers, int32_t num_buffers,
  *                  no assignment.
  *   out_dropped    [1] I64 or NULL: how many assignments the capacity
  *                  dropped (written on the device on CUDA: no host sync).
- *   workspace      CUDA with a capacity: imoe_moe_workspace_elems(S) int32
- *                  elements (its contents undefined afterwards); else
- *                  unused (pass NULL, 0).
- * On CUDA, at most IMOE_MOE_MAX_EXPERTS experts and S < 2^31; two kernels
- * (the sort, one block; the gather), no host synchronisation; an id out of
- * range is a recorded data error (imoe_take_device_status) and nothing is
- * written.
+ *   workspace      int32, its contents undefined afterwards. CUDA with a
+ *                  capacity: required, imoe_moe_workspace_elems(S)
+ *                  elements. CUDA dropless: optional; with at least
+ *                  imoe_moe_workspace_elems(S) elements (nonzero from
+ *                  S = IMOE_MOE_MULTI_SORT_MIN) the sort runs in several
+ *                  blocks, else (NULL, or fewer elements) in one: the
+ *                  same results, slower for a large S. CPU: unused (pass
+ *                  NULL, 0).
+ * On CUDA, at most IMOE_MOE_MAX_EXPERTS experts and S < 2^31; the sort (one
+ * block; or, dropless with the workspace, three kernels: count, scan,
+ * place) and the gather, no host synchronisation; an id out of range is a
+ * recorded data error (imoe_take_device_status) and nothing is written.
  *
  * imoe_moe_combine: out[t] = sum over j with dest[t, j] >= 0, in j order,
  * of term(t, j) = rows[dest[t, j]] x weights[t, j], each term rounded to
@@ -472,6 +477,9 @@ imoe_status imoe_group_by_expert(const imoe_view *buffers, int32_t num_buffers,
  *            written, the others keep their bytes.
  */
 #define IMOE_MOE_MAX_EXPERTS 1024
+/* The fewest assignments a dropless CUDA dispatch sorts in several blocks
+ * (given imoe_moe_workspace_elems' workspace); fewer sort in one block. */
+#define IMOE_MOE_MULTI_SORT_MIN 32768
 
 typedef enum imoe_moe_layout { IMOE_MOE_GROUPED = 0, IMOE_MOE_PADDED = 1 } imoe_moe_layout;
 
@@ -492,8 +500,11 @@ typedef struct imoe_moe_routing {
   int32_t distinct; /* 1: each token's local experts of nonzero weight distinct (CPU) */
 } imoe_moe_routing;
 
-/* The int32 workspace imoe_moe_dispatch takes on CUDA with a capacity, for
- * S assignments; 0 elsewhere; -1 for S < 0 or beyond the limits. */
+/* The int32 workspace imoe_moe_dispatch takes on CUDA for S assignments:
+ * 2 x S with a capacity (required); S dropless from S =
+ * IMOE_MOE_MULTI_SORT_MIN (optional: it lets the sort run in several
+ * blocks); 0 elsewhere (none is needed);
+ * -1 for S < 0 or beyond the limits. */
 int64_t imoe_moe_workspace_elems(imoe_device_type device, int64_t assignments, int64_t capacity);
 
 /*

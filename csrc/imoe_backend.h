@@ -132,14 +132,22 @@ imoe_status imoe_cuda_group_by_expert(const imoe_view *buffers, int32_t num_buff
                                       const imoe_exec *exec, imoe_error *err);
 
 /* ---- MoE dispatch and combine (cuda/imoe_moe.cu) ----------------------
- * imoe_moe_dispatch on the device, `rows` rows in out_rows: the sort (one
- * block, which checks the ids before it writes) and the gather. workspace:
- * imoe_moe_workspace_elems(IMOE_DEVICE_CUDA, S, capacity) int32 elements. */
+ * imoe_moe_dispatch on the device, `rows` rows in out_rows: the sort and
+ * the gather. The sort is one block (it checks the ids before it writes),
+ * except a dropless grouped dispatch of at least IMOE_MOE_MULTI_SORT_MIN
+ * assignments given a workspace of imoe_moe_workspace_elems elements: that
+ * one sorts in several blocks (a count kernel that checks the ids, a scan,
+ * a placing kernel), with the same results. workspace: with a capacity,
+ * imoe_moe_workspace_elems(IMOE_DEVICE_CUDA, S, capacity) int32 elements
+ * (the core has refused fewer); dropless, NULL or any size: the blocks'
+ * counts (B x E <= S elements) decide, the one-block sort running where
+ * workspace_elems is short of them. */
 imoe_status imoe_cuda_moe_dispatch(const imoe_moe_routing *routing, const imoe_view *hidden,
                                    int64_t rows, const imoe_view *out_rows,
                                    const imoe_view *out_offsets, const imoe_view *out_dest,
                                    const imoe_view *out_src, const imoe_view *out_dropped,
-                                   int32_t *workspace, const imoe_exec *exec, imoe_error *err);
+                                   int32_t *workspace, int64_t workspace_elems,
+                                   const imoe_exec *exec, imoe_error *err);
 
 /* imoe_moe_combine on the device; dest out of range is a recorded data error. */
 imoe_status imoe_cuda_moe_combine(const imoe_view *rows, const imoe_view *dest,

@@ -13,9 +13,16 @@
 
 int64_t imoe_moe_workspace_elems(imoe_device_type device, int64_t assignments, int64_t capacity) {
   if (assignments < 0 || assignments > IMOE_MAX_SLOTS) return -1;
-  /* CUDA with a capacity: the dropless order of the assignments and each
-   * one's verdict (kept or not). */
-  return device == IMOE_DEVICE_CUDA && capacity >= 0 ? 2 * assignments : 0;
+  if (device != IMOE_DEVICE_CUDA) return 0;
+  /* With a capacity: the dropless order of the assignments and each one's
+   * verdict (kept or not). */
+  if (capacity >= 0) return 2 * assignments;
+  /* Dropless from IMOE_MOE_MULTI_SORT_MIN assignments: the multi-block
+   * sort's counts per (block, expert), B x E of them, where B =
+   * min(256, ceil(S / 4096)) or fewer and E <= IMOE_MOE_MAX_EXPERTS = 1024:
+   * B x E <= 1024 x (S / 4096 + 1) = S / 4 + 1024 <= S for S >= 1366, so S
+   * elements always hold them. */
+  return assignments >= IMOE_MOE_MULTI_SORT_MIN ? assignments : 0;
 }
 
 /* A 1-d typed view [n]: lead_ndim 0. */
@@ -311,14 +318,17 @@ imoe_status imoe_moe_dispatch(const imoe_moe_routing *routing, const imoe_view *
   st = imoe_check_call(&call, &empty, err);
   if (st != IMOE_OK) return st;
   if (imoe_on_cuda(exec)) {
+    /* A capacity needs its workspace. Dropless, one is optional: the launcher
+     * sorts in several blocks where it holds their counts, else in one. */
     const int64_t need = imoe_moe_workspace_elems(IMOE_DEVICE_CUDA, t * k, routing->capacity);
-    if (need > 0 && (workspace == NULL || workspace_elems < need)) {
+    if (routing->capacity >= 0 && need > 0 && (workspace == NULL || workspace_elems < need)) {
       return imoe_fail(err, IMOE_ERR_ARGUMENT,
                        "workspace: a capacity on CUDA needs %" PRId64 " int32 elements, got %" PRId64,
                        need, workspace == NULL ? 0 : workspace_elems);
     }
     return imoe_cuda_moe_dispatch(routing, hidden, rows, out_rows, out_offsets, out_dest, out_src,
-                                  out_dropped, workspace, exec, err);
+                                  out_dropped, workspace, workspace == NULL ? 0 : workspace_elems, exec,
+                                  err);
   }
   return dispatch_cpu(routing, hidden, rows, out_rows, out_offsets, out_dest, out_src, out_dropped,
                       exec, err);

@@ -7,6 +7,17 @@
 //                   and writes offsets, dest, src and the dropped count with
 //                   a stable counting sort (tiles of 1024 assignments, warp
 //                   match for the rank within a tile);
+//   k_moe_sort_count  the multi-block sort (dropless, grouped, from
+//                   IMOE_MOE_MULTI_SORT_MIN assignments, with a workspace),
+//                   B blocks, each over its own range of assignments: checks
+//                   its ids and counts them per expert into the workspace
+//                   (one verdict word per block; no output written);
+//   k_moe_sort_scan   one block: each expert's start (a scan of the counts
+//                   over the blocks and experts), offsets, the empty rows'
+//                   src, the dropped count (0), and each block's first place
+//                   per expert written back over its counts;
+//   k_moe_sort_place  B blocks: each places its own range from its first
+//                   places with the one-block sort's stable pass (dest, src);
 //   k_moe_gather    one block per row: the row's token copied, or zeros;
 //   k_moe_combine   one block per (token, chunk of 1,024 features): the
 //                   weighted sum of its rows, in j order, in F32, each product
@@ -30,7 +41,9 @@
 
 namespace imoe_cu {
 
-constexpr int kSortThreads = 1024;   // k_moe_sort: one block
+constexpr int kSortThreads = 1024;   // k_moe_sort: one block; the multi-block sort's blocks
+constexpr int64_t kMultiSortMin = IMOE_MOE_MULTI_SORT_MIN;  // fewest assignments sorted in blocks
+constexpr int64_t kMultiSortItems = 4096;  // fewest assignments a block of the multi-block sort owns
 constexpr int kRowThreads = 128;     // k_moe_gather, k_moe_combine, k_gated_act
 constexpr int kRankDirect = 64;      // k_moe_sort: most assignments an expert ranks pairwise
 constexpr int kInlineDestCheck = 2048;  // combine: at most this many dest entries are
@@ -71,7 +84,10 @@ struct SortParams {
   char *dropped;      // [1] int64 or null
   int64_t T, R, C;    // C < 0: dropless
   int32_t k, E, padded, foreign;
-  int32_t *ws;  // capacity: [S] assignments by expert (dropless order), [S] kept flags
+  int32_t *ws;  // capacity: [S] assignments by expert (dropless order), [S] kept flags;
+                // multi-block: [blocks x E] counts, then first places, per (block, expert)
+  int64_t tile;    // multi-block: assignments per block (a multiple of kSortThreads)
+  int32_t blocks;  // multi-block: blocks of the count and place kernels (<= kVerdicts)
   uint32_t token;
   StatusWords words;
 };
@@ -242,6 +258,114 @@ __global__ void __launch_bounds__(kSortThreads) k_moe_sort(const __grid_constant
   if (threadIdx.x == 0 && p.dropped) *reinterpret_cast<long long *>(p.dropped) = (long long)s_dropped;
 }
 
+// ------------------------------------------------------------ the multi-block sort
+// Dropless and grouped: every assignment is kept, so the rows are the
+// stable counting sort alone, which splits over blocks. Block b of the count
+// and place kernels owns assignments [b x tile, (b + 1) x tile) (clipped to
+// S); its first place for expert e is start[e] plus the counts of e in the
+// blocks before it, so the places are those of the one-block sort. The scan
+// and place kernels follow with programmatic dependent launch (sm_90): they
+// wait for the kernel before (and its memory) before reading anything.
+
+// The assignments block b owns.
+__device__ __forceinline__ void block_range(const SortParams &p, int64_t *lo, int64_t *hi) {
+  const int64_t S = p.T * p.k, first = (int64_t)blockIdx.x * p.tile;
+  *lo = first < S ? first : S;
+  *hi = first + p.tile < S ? first + p.tile : S;
+}
+
+// Checks the block's ids (as k_moe_sort does) and writes its count per
+// expert to ws[b x E + e]; its verdict word says whether it found a bad id.
+// Nothing but the workspace is written, so a bad id leaves every output as it was.
+__global__ void __launch_bounds__(kSortThreads) k_moe_sort_count(const __grid_constant__ SortParams p) {
+  griddep_launch_dependents();  // the scan may start; it waits for this grid
+  __shared__ int cnt[IMOE_MOE_MAX_EXPERTS];
+  const int E = p.E, k = p.k;
+  int64_t lo, hi;
+  block_range(p, &lo, &hi);
+  for (int e = threadIdx.x; e < E; e += blockDim.x) cnt[e] = 0;
+  __syncthreads();
+  bool bad = false;
+  for (int64_t i = lo + threadIdx.x; i < hi; i += blockDim.x) {
+    const int64_t e = mat_index(p.ids, i / k, i % k);
+    if (e < 0 || (e >= E && !p.foreign)) bad = true;
+    else if (e < E) atomicAdd(&cnt[e], 1);
+  }
+  __syncthreads();
+  int32_t *mine = p.ws + (int64_t)blockIdx.x * E;
+  for (int e = threadIdx.x; e < E; e += blockDim.x) mine[e] = cnt[e];
+  block_verdict(p.words, p.token, bad, IMOE_ERR_INDEX_RANGE);
+}
+
+// One block, one thread per expert (chunks of blockDim.x experts, with a
+// carry): the expert's total over the blocks, start[e] by an exclusive scan
+// over the experts, offsets[e] = start[e] + total, and ws[b x E + e]
+// rewritten as start[e] + the counts of e in blocks before b. Rows past the
+// last assignment (only with foreign ids) hold none: src -1. Dropless drops
+// nothing. Rows below are all written by k_moe_sort_place.
+__global__ void __launch_bounds__(kSortThreads) k_moe_sort_scan(const __grid_constant__ SortParams p) {
+  griddep_launch_dependents();  // the place kernel may start; it waits for this grid
+  griddep_wait();
+  __shared__ int s_warp[33];
+  if (call_aborted(p.words, p.token, p.blocks)) return;
+  const int E = p.E;
+  int carry = 0;  // uniform: the rows of the chunks before
+  for (int e0 = 0; e0 < E; e0 += blockDim.x) {
+    const int e = e0 + threadIdx.x;
+    int total = 0;
+    if (e < E)
+      for (int b = 0; b < p.blocks; ++b) total += p.ws[(int64_t)b * E + e];
+    int chunk;
+    const int excl = perm_block_scan(total, &chunk, s_warp);
+    if (e < E) {
+      const int start = carry + excl;
+      store_index(p.offs.data + (int64_t)e * p.offs.n_stride, p.offs.dtype, p.offs.aligned != 0,
+                  (int64_t)start + total);
+      int place = start;
+      for (int b = 0; b < p.blocks; ++b) {
+        int32_t *w = p.ws + (int64_t)b * E + e;
+        const int c = *w;
+        *w = place;
+        place += c;
+      }
+    }
+    carry += chunk;
+  }
+  for (int64_t r = carry + threadIdx.x; r < p.R; r += blockDim.x)
+    store_index(p.src.data + r * p.src.n_stride, p.src.dtype, p.src.aligned != 0, -1);
+  if (threadIdx.x == 0 && p.dropped) *reinterpret_cast<long long *>(p.dropped) = 0;
+}
+
+// Block b places its assignments from its first places (ws[b x E + e]) with
+// the stable pass k_moe_sort ends with, and writes what that pass writes:
+// dest for every assignment (-1 for a foreign id), src for every row.
+// Dynamic shared memory: base [E], wc [E x 33].
+__global__ void __launch_bounds__(kSortThreads) k_moe_sort_place(const __grid_constant__ SortParams p) {
+  griddep_launch_dependents();  // the gather may start; it waits for this grid
+  griddep_wait();
+  extern __shared__ __align__(16) unsigned char dsm[];
+  if (call_aborted(p.words, p.token, p.blocks)) return;
+  const int E = p.E, k = p.k;
+  int64_t lo, hi;
+  block_range(p, &lo, &hi);
+  int *base = reinterpret_cast<int *>(dsm);  // [E] running place
+  int *wc = base + E;                        // [E x 33]
+  const int32_t *first = p.ws + (int64_t)blockIdx.x * E;
+  for (int e = threadIdx.x; e < E; e += blockDim.x) base[e] = first[e];
+  __syncthreads();
+  // stable_places counts from 0: item q is assignment lo + q.
+  auto expert = [&](int64_t q) -> int {
+    const int64_t i = lo + q;
+    const int64_t e = mat_index(p.ids, i / k, i % k);
+    return e < E ? (int)e : -1;
+  };
+  stable_places(hi - lo, E, base, wc, expert, [&](int64_t q, int e, int row) {
+    const int64_t i = lo + q;
+    mat_store_index(p.dest, i / k, i % k, row);
+    if (e >= 0) store_index(p.src.data + (int64_t)row * p.src.n_stride, p.src.dtype, p.src.aligned != 0, i / k);
+  });
+}
+
 // ------------------------------------------------------------ the gather
 struct GatherParams {
   const char *hidden;
@@ -251,6 +375,7 @@ struct GatherParams {
   InView src;  // [R]: n_stride, dtype, aligned
   int64_t R, row_bytes;
   uint32_t token;
+  int32_t nverdict;  // verdict words of the sort's check: 1, or the multi-block sort's blocks
   StatusWords words;
 };
 
@@ -258,7 +383,7 @@ template <int VW>
 __global__ void __launch_bounds__(kRowThreads) k_moe_gather(const __grid_constant__ GatherParams p) {
   typedef typename VecOf<VW>::T V;
   griddep_wait();
-  if (call_aborted(p.words, p.token, 1)) return;
+  if (call_aborted(p.words, p.token, p.nverdict)) return;
   const int64_t nv = p.row_bytes / VW, step = blockDim.x;
   for (int64_t r = blockIdx.x; r < p.R; r += gridDim.x) {
     const int64_t s = load_index(p.src.data + r * p.src.n_stride, p.src.dtype, p.src.aligned != 0);
@@ -521,6 +646,27 @@ unsigned grid_for(int64_t items, const DevInfo *di) {
   return (unsigned)(items < 1 ? 1 : items < cap ? items : cap);
 }
 
+// Opts a sort kernel in to `smem` bytes of dynamic shared memory where that
+// is above the 48 KiB every kernel may use.
+cudaError_t allow_smem(void (*kernel)(SortParams), size_t smem) {
+  if (smem <= 48 * 1024) return cudaSuccess;
+  return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+}
+
+// The multi-block sort's blocks and tile for S assignments (dropless,
+// grouped, S >= kMultiSortMin): B = min(kVerdicts, ceil(S / kMultiSortItems)),
+// the tile ceil(S / B) rounded up to a multiple of kSortThreads, then B =
+// ceil(S / tile) (the rounding may leave fewer blocks work: none is
+// empty). B x E <= S: see imoe_moe_workspace_elems.
+void multi_sort_shape(int64_t S, int32_t *blocks, int64_t *tile) {
+  int64_t b = (S + kMultiSortItems - 1) / kMultiSortItems;
+  if (b > kVerdicts) b = kVerdicts;
+  int64_t t = (S + b - 1) / b;
+  t = (t + kSortThreads - 1) / kSortThreads * kSortThreads;
+  *tile = t;
+  *blocks = (int32_t)((S + t - 1) / t);
+}
+
 template <int YDT>
 cudaError_t launch_combine(bool vec, unsigned grid, bool pdl, cudaStream_t st, const CombineParams &cp) {
   return vec ? launch(k_moe_combine<YDT, true>, shape(grid, kRowThreads, 0, pdl), st, cp)
@@ -543,8 +689,8 @@ extern "C" {
 imoe_status imoe_cuda_moe_dispatch(const imoe_moe_routing *routing, const imoe_view *hidden, int64_t rows,
                                    const imoe_view *out_rows, const imoe_view *out_offsets,
                                    const imoe_view *out_dest, const imoe_view *out_src,
-                                   const imoe_view *out_dropped, int32_t *workspace, const imoe_exec *exec,
-                                   imoe_error *err) {
+                                   const imoe_view *out_dropped, int32_t *workspace, int64_t workspace_elems,
+                                   const imoe_exec *exec, imoe_error *err) {
   const char *fn = "imoe_cuda_moe_dispatch";
   DeviceGuard guard;
   DevInfo *di = nullptr;
@@ -572,12 +718,32 @@ imoe_status imoe_cuda_moe_dispatch(const imoe_moe_routing *routing, const imoe_v
   const size_t smem = (size_t)sp.E * 36 * sizeof(int);
   if (smem > (size_t)di->smem_optin)
     return fail(err, IMOE_ERR_UNSUPPORTED, "%s: %d experts need %zu bytes of shared memory", fn, (int)sp.E, smem);
-  if (smem > 48 * 1024) {
-    cudaError_t e = cudaFuncSetAttribute(k_moe_sort, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
-    if (e != cudaSuccess) return cuda_fail(err, fn, "cudaFuncSetAttribute", e);
+  // Dropless and grouped from kMultiSortMin assignments, the sort runs in
+  // blocks where the workspace holds their counts (B x E); else, and always
+  // with a capacity, in one block. Both give the same bytes.
+  const int64_t S = sp.T * sp.k;
+  if (sp.C < 0 && !sp.padded && S >= kMultiSortMin) {
+    multi_sort_shape(S, &sp.blocks, &sp.tile);
+    if (workspace == nullptr || workspace_elems < (int64_t)sp.blocks * sp.E) sp.blocks = 0;
   }
-  cudaError_t e = launch(k_moe_sort, shape(1, kSortThreads, smem), st, sp);
-  if (e != cudaSuccess) return cuda_fail(err, fn, "launch of k_moe_sort", e);
+  cudaError_t e;
+  if (sp.blocks > 0) {
+    const size_t place_smem = (size_t)sp.E * 34 * sizeof(int);  // base [E], wc [E x 33]
+    const bool pdl = di->cc_major >= 9;
+    if ((e = allow_smem(k_moe_sort_place, place_smem)) != cudaSuccess)
+      return cuda_fail(err, fn, "cudaFuncSetAttribute", e);
+    if ((e = launch(k_moe_sort_count, shape((unsigned)sp.blocks, kSortThreads), st, sp)) != cudaSuccess)
+      return cuda_fail(err, fn, "launch of k_moe_sort_count", e);
+    if ((e = launch(k_moe_sort_scan, shape(1, kSortThreads, 0, pdl), st, sp)) != cudaSuccess)
+      return cuda_fail(err, fn, "launch of k_moe_sort_scan", e);
+    if ((e = launch(k_moe_sort_place, shape((unsigned)sp.blocks, kSortThreads, place_smem, pdl), st, sp)) !=
+        cudaSuccess)
+      return cuda_fail(err, fn, "launch of k_moe_sort_place", e);
+  } else {
+    if ((e = allow_smem(k_moe_sort, smem)) != cudaSuccess) return cuda_fail(err, fn, "cudaFuncSetAttribute", e);
+    if ((e = launch(k_moe_sort, shape(1, kSortThreads, smem), st, sp)) != cudaSuccess)
+      return cuda_fail(err, fn, "launch of k_moe_sort", e);
+  }
   if (rows == 0 || out_rows->row_bytes == 0) return IMOE_OK;
   GatherParams gp;
   memset(&gp, 0, sizeof gp);
@@ -589,6 +755,7 @@ imoe_status imoe_cuda_moe_dispatch(const imoe_moe_routing *routing, const imoe_v
   gp.R = rows;
   gp.row_bytes = out_rows->row_bytes;
   gp.token = sp.token;
+  gp.nverdict = sp.blocks > 0 ? sp.blocks : 1;
   gp.words = di->words;
   const int vw = vector_width({(int64_t)(uintptr_t)gp.hidden, gp.hidden_row, (int64_t)(uintptr_t)gp.rows,
                                gp.rows_row, gp.row_bytes});

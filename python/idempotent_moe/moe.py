@@ -122,8 +122,9 @@ def moe_dispatch(hidden: Any, top_k_index: Any, num_experts: int, *, top_k_weigh
                    adds nothing); otherwise such a token is two assignments.
     out            a MoEDispatch of arrays to write (every field, with the
                    shapes and dtypes above; `torch_outputs` makes one for
-                   torch tensors), returned; nothing is allocated but a capacity's
-                   workspace on CUDA.
+                   torch tensors), returned; nothing is allocated but the
+                   workspace on CUDA (a capacity's, or a dropless call's of
+                   32,768 assignments or more, which sorts in several blocks).
 
     Every argument is judged before anything is allocated or written: a call
     that raises leaves `out` as it was.

@@ -189,6 +189,26 @@ def test_dispatch_into_bad_outputs_raises_and_writes_nothing():
     assert all(bool((t == -7).all()) for t in out)
 
 
+def test_dropless_cuda_workspace_from_the_multi_block_threshold():
+    """moe_workspace_elems: 2 x S with a capacity on CUDA; S for a dropless
+    CUDA call from 32,768 assignments (the multi-block sort's counts), 0
+    below it and on the CPU; dispatch_workspace asks for it whenever cuda."""
+    from idempotent_moe import _C
+    from idempotent_moe.moe import dispatch_workspace
+
+    elems = _C.moe_workspace_elems
+    assert [elems(s, None, True) for s in (0, 8, 32767)] == [0, 0, 0]
+    assert [elems(s, None, True) for s in (32768, 131072, 131077)] == [32768, 131072, 131077]
+    assert [elems(s, c, True) for s, c in ((100, 5), (131072, 0))] == [200, 262144]
+    assert [elems(s, c, False) for s, c in ((131072, None), (131072, 5))] == [0, 0]
+    like = torch.zeros(1)
+    ws = dispatch_workspace(like, 131072, None, True)
+    assert ws.dtype == torch.int32 and ws.shape == (131072,)
+    assert dispatch_workspace(like, 32767, None, True) is None
+    assert dispatch_workspace(like, 131072, None, False) is None
+    assert dispatch_workspace(like, 100, 5, True).shape == (200,)
+
+
 @pytest.mark.parametrize("out_dtype", ["float16", np.float16, np.dtype("float16"), torch.float16])
 def test_combine_out_dtype_by_any_name(out_dtype):
     """out_dtype as a name, a NumPy type or dtype, or a torch dtype: one judge
@@ -411,6 +431,80 @@ def test_gpu_bad_data_is_recorded_and_nothing_is_written(tokens):
     with pytest.raises(ValueError, match="found bad data"):
         check_errors(out)
     assert bool((out == 2.0).all())
+
+
+# The multi-block sort: dropless and grouped from IMOE_MOE_MULTI_SORT_MIN
+# (32,768) assignments, with the workspace moe_dispatch makes; below it, and
+# with a capacity, the one-block sort. S just below and at the threshold, a
+# training step (16,384 x 8) and an odd S (5,699 x 23 = 131,077: the last
+# block partial); E from few to most; the ids drawn with repeats (not topk:
+# one expert can take most of them).
+def _multi_sort_ids(tokens, top_k, experts, seed, skew, foreign, dtype):
+    """[T, k] ids: uniform, or (skew) nine in ten to expert 3 % E; with
+    `foreign`, one in ten >= E (another rank's experts)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, experts, (tokens, top_k), generator=g)
+    if skew:
+        ids[torch.rand(tokens, top_k, generator=g) < 0.9] = 3 % experts
+    if foreign:
+        other = experts + torch.randint(0, 50, (tokens, top_k), generator=g)
+        ids = torch.where(torch.rand(tokens, top_k, generator=g) < 0.1, other, ids)
+    return ids.to(dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens,top_k", [(4095, 8), (4096, 8), (16384, 8), (5699, 23)])
+@pytest.mark.parametrize("experts", [8, 128, 1000])
+@pytest.mark.parametrize("skew,foreign", [(False, False), (True, False), (False, True), (True, True)])
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+def test_gpu_dropless_multi_block_sort_equals_the_cpu(tokens, top_k, experts, skew, foreign, index_dtype):
+    """Offsets, dest, src, dropped and rows: the CPU core's bytes, with the
+    ids and the index outputs (given through out=) of either dtype; and
+    again with a workspace too short for the blocks (the one-block sort)."""
+    from idempotent_moe.moe import MoEDispatch
+
+    ids = _multi_sort_ids(tokens, top_k, experts, tokens + experts, skew, foreign, index_dtype)
+    hidden = torch.randn(tokens, 8).to(torch.bfloat16)
+    cpu = moe_dispatch(hidden, ids, experts, skip_foreign=foreign)
+    s = tokens * top_k
+    out = MoEDispatch(torch.full((s, 8), 7.0, dtype=torch.bfloat16, device="cuda"),
+                      *(torch.full(shape, -7, dtype=index_dtype, device="cuda")
+                        for shape in ((experts,), (tokens, top_k), (s,))),
+                      torch.full((1,), -7, dtype=torch.int64, device="cuda"))
+    hidden_gpu, ids_gpu = hidden.cuda(), ids.cuda()
+    moe_dispatch(hidden_gpu, ids_gpu, experts, skip_foreign=foreign, out=out)
+    short = torch.full_like(out.src, -7), torch.full_like(out.dest, -7)
+    imoe._C.moe_dispatch(hidden=hidden_gpu, top_k_index=ids_gpu, num_experts=experts, skip_foreign=foreign,
+                         out_rows=torch.empty_like(out.rows), out_offsets=torch.empty_like(out.offsets),
+                         out_dest=short[1], out_src=short[0], workspace=torch.empty(8, dtype=torch.int32,
+                                                                                     device="cuda"),
+                         num_threads=0, stream=torch.cuda.current_stream().cuda_stream or 1)
+    check_errors(hidden_gpu)
+    assert torch.equal(out.rows.cpu().view(torch.uint8), cpu.rows.view(torch.uint8))
+    for name in ("offsets", "dest", "src", "dropped"):
+        assert torch.equal(getattr(out, name).cpu().long(), getattr(cpu, name).long()), name
+    assert torch.equal(short[0].cpu().long(), cpu.src.long())
+    assert torch.equal(short[1].cpu().long(), cpu.dest.long())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("where,bad,foreign", [("first", -1, True), ("last", 128, False),
+                                               ("middle", -5, False)])
+def test_gpu_multi_block_sort_bad_id_is_recorded_and_nothing_is_written(where, bad, foreign):
+    """An id out of range in one block of the count kernel: recorded, and no
+    output of any kernel written (the scan and place kernels and the gather
+    read every block's verdict)."""
+    tokens, top_k, experts = 16384, 8, 128
+    ids = _multi_sort_ids(tokens, top_k, experts, 5, False, foreign, torch.int64)
+    ids.view(-1)[{"first": 3, "last": tokens * top_k - 1, "middle": tokens * top_k // 2 + 17}[where]] = bad
+    hidden = torch.randn(tokens, 16, device="cuda")
+    d = moe_dispatch(hidden, ids.cuda() % experts, experts)  # outputs of the right shapes: fill and re-run
+    for t in d:
+        t.fill_(3)
+    moe_dispatch(hidden, ids.cuda(), experts, skip_foreign=foreign, out=d)
+    with pytest.raises(ValueError, match="found bad data and changed nothing"):
+        check_errors(hidden)
+    assert all(bool((t == 3).all()) for t in d)
 
 
 @pytest.mark.gpu

@@ -181,7 +181,8 @@ static PyMethodDef methods[] = {
      "imoe_moe_dispatch: the assignments sorted by expert (capacity: each expert's "
      "lowest-weight overflow dropped) and their tokens' rows gathered. Without out_*, "
      "new_outputs(hidden, num_experts, T, k, R) makes them once the reads are judged, and is "
-     "returned; new(hidden, shape, dtype) makes a CUDA capacity's workspace when none is given."},
+     "returned; new(hidden, shape, dtype) makes the CUDA workspace (moe_workspace_elems: a "
+     "capacity's, or a large dropless call's) when none is given."},
     {"moe_combine", FASTCALL(imoe_py_moe_combine),
      "moe_combine(*, rows, dest, weights, out=None, out_dtype=None, new=None, num_threads, "
      "stream=None) -> out\n\n"
