@@ -19,7 +19,7 @@ int64_t imoe_moe_workspace_elems(imoe_device_type device, int64_t assignments, i
   if (capacity >= 0) return 2 * assignments;
   /* Dropless from IMOE_MOE_MULTI_SORT_MIN assignments: the multi-block
    * sort's counts per (block, expert), B x E of them, where B =
-   * min(256, ceil(S / 4096)) or fewer and E <= IMOE_MOE_MAX_EXPERTS = 1024:
+   * min(128, ceil(S / 4096)) or fewer and E <= IMOE_MOE_MAX_EXPERTS = 1024:
    * B x E <= 1024 x (S / 4096 + 1) = S / 4 + 1024 <= S for S >= 1366, so S
    * elements always hold them. */
   return assignments >= IMOE_MOE_MULTI_SORT_MIN ? assignments : 0;

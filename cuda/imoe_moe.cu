@@ -45,6 +45,9 @@ constexpr int kSortThreads = 1024;   // k_moe_sort: one block; the multi-block s
 constexpr int64_t kMultiSortMin = IMOE_MOE_MULTI_SORT_MIN;  // fewest assignments sorted in blocks
 constexpr int64_t kMultiSortItems = 4096;  // fewest assignments a block of the multi-block sort owns
 constexpr int kRowThreads = 128;     // k_moe_gather, k_moe_combine, k_gated_act
+// Most blocks of the multi-block sort: one verdict word each, and every
+// block of the gather after it reads them all, one per thread.
+constexpr int kMultiSortBlocks = kRowThreads < kVerdicts ? kRowThreads : kVerdicts;
 constexpr int kRankDirect = 64;      // k_moe_sort: most assignments an expert ranks pairwise
 constexpr int kInlineDestCheck = 2048;  // combine: at most this many dest entries are
                                         // checked by every block (no check kernel)
@@ -87,7 +90,7 @@ struct SortParams {
   int32_t *ws;  // capacity: [S] assignments by expert (dropless order), [S] kept flags;
                 // multi-block: [blocks x E] counts, then first places, per (block, expert)
   int64_t tile;    // multi-block: assignments per block (a multiple of kSortThreads)
-  int32_t blocks;  // multi-block: blocks of the count and place kernels (<= kVerdicts)
+  int32_t blocks;  // multi-block: blocks of the count and place kernels (<= kMultiSortBlocks)
   uint32_t token;
   StatusWords words;
 };
@@ -654,13 +657,13 @@ cudaError_t allow_smem(void (*kernel)(SortParams), size_t smem) {
 }
 
 // The multi-block sort's blocks and tile for S assignments (dropless,
-// grouped, S >= kMultiSortMin): B = min(kVerdicts, ceil(S / kMultiSortItems)),
+// grouped, S >= kMultiSortMin): B = min(kMultiSortBlocks, ceil(S / kMultiSortItems)),
 // the tile ceil(S / B) rounded up to a multiple of kSortThreads, then B =
 // ceil(S / tile) (the rounding may leave fewer blocks work: none is
 // empty). B x E <= S: see imoe_moe_workspace_elems.
 void multi_sort_shape(int64_t S, int32_t *blocks, int64_t *tile) {
   int64_t b = (S + kMultiSortItems - 1) / kMultiSortItems;
-  if (b > kVerdicts) b = kVerdicts;
+  if (b > kMultiSortBlocks) b = kMultiSortBlocks;
   int64_t t = (S + b - 1) / b;
   t = (t + kSortThreads - 1) / kSortThreads * kSortThreads;
   *tile = t;

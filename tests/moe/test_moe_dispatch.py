@@ -488,13 +488,14 @@ def test_gpu_dropless_multi_block_sort_equals_the_cpu(tokens, top_k, experts, sk
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("where,bad,foreign", [("first", -1, True), ("last", 128, False),
-                                               ("middle", -5, False)])
-def test_gpu_multi_block_sort_bad_id_is_recorded_and_nothing_is_written(where, bad, foreign):
+@pytest.mark.parametrize("where,bad,foreign,tokens", [("first", -1, True, 16384), ("last", 128, False, 16384),
+                                                      ("middle", -5, False, 16384),
+                                                      ("last", 128, False, 80000)])  # the most blocks, 128
+def test_gpu_multi_block_sort_bad_id_is_recorded_and_nothing_is_written(where, bad, foreign, tokens):
     """An id out of range in one block of the count kernel: recorded, and no
     output of any kernel written (the scan and place kernels and the gather
     read every block's verdict)."""
-    tokens, top_k, experts = 16384, 8, 128
+    top_k, experts = 8, 128
     ids = _multi_sort_ids(tokens, top_k, experts, 5, False, foreign, torch.int64)
     ids.view(-1)[{"first": 3, "last": tokens * top_k - 1, "middle": tokens * top_k // 2 + 17}[where]] = bad
     hidden = torch.randn(tokens, 16, device="cuda")
