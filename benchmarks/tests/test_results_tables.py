@@ -11,7 +11,7 @@ import shutil
 
 import labenv  # noqa: F401  (puts benchmarks/ on sys.path: the q1 package)
 import pytest
-from imoe_bench import kv, model_report, permute, report, w4
+from imoe_bench import kv, model_report, permute, report, train_report, w4
 from q1 import cost_report, quality_tables
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -55,6 +55,7 @@ TABLES = [
     # the 40 more passkey trials at budget 512
     ("docs/kv.md", "q1-passkey-512-cpu.json", _q1_tables(quality_tables.markdown_tables, "q1:passkey512")),
     ("docs/kv.md", "q1-kv-cost-cpu.json", _q1_tables(cost_report.markdown_tables, "q1:cost")),
+    ("docs/moe.md", "t1-cuda.json", train_report.doc_from_json),
 ]
 # The README headline (M1, M2 and W1-W3 beside them; imoe_bench/model_report.py) is
 # rendered from the model benchmark's GPU JSON once one is committed; until
