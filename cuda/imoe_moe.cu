@@ -22,8 +22,9 @@
 //   k_moe_combine   one block per (token, chunk of 1,024 features): the
 //                   weighted sum of its rows, in j order, in F32, each product
 //                   rounded first (no FMA);
-//   k_moe_dest_check  one block: the combine's dest checked, when there are
-//                   too many entries for every combine block to check them;
+//   k_moe_dest_check  a block per 8,192 entries (at most 128, a verdict word
+//                   each): the combine's dest checked, when there are too
+//                   many entries for every combine block to check them;
 //   k_gated_act     act(gate) x up, vectorised by 16 bytes where aligned.
 // Data errors (ids or dest out of range) are recorded in the status word and
 // nothing is written, as everywhere in the library.
@@ -51,6 +52,7 @@ constexpr int kMultiSortBlocks = kRowThreads < kVerdicts ? kRowThreads : kVerdic
 constexpr int kRankDirect = 64;      // k_moe_sort: most assignments an expert ranks pairwise
 constexpr int kInlineDestCheck = 2048;  // combine: at most this many dest entries are
                                         // checked by every block (no check kernel)
+constexpr int64_t kDestCheckItems = 8192;  // combine: dest entries per block of its check kernel
 constexpr int kCombineChunk = kRowThreads * 8;  // combine: features one block sums
 constexpr int kCombineStage = 64;   // combine: most k whose dest and weights go to shared memory
 constexpr int kCombineBatch = 4;    // combine: rows loaded before any is added
@@ -421,22 +423,26 @@ struct CombineParams {
   int64_t T, R, H;
   int32_t k, ydt, odt, tdt;  // rows, out and term dtypes
   int32_t inline_check;      // every block checks all of dest (else k_moe_dest_check did)
+  int32_t check_blocks;      // blocks of k_moe_dest_check: its verdict words
   uint32_t token;
   StatusWords words;
 };
 
-__device__ __forceinline__ bool dest_bad(const Mat &dest, int64_t T, int k, int64_t R) {
+// Whether any of dest's entries [lo, hi) (flat, t k + j) lies outside [-1, R).
+__device__ __forceinline__ bool dest_bad(const Mat &dest, int64_t lo, int64_t hi, int k, int64_t R) {
   bool bad = false;
-  for (int64_t i = threadIdx.x; i < T * k; i += blockDim.x) {
+  for (int64_t i = lo + threadIdx.x; i < hi; i += blockDim.x) {
     const int64_t d = mat_index(dest, i / k, i % k);
     bad |= d < -1 || d >= R;
   }
   return __syncthreads_or(bad) != 0;
 }
 
+// check_blocks blocks, each over its share of dest: one verdict word each.
 __global__ void __launch_bounds__(1024) k_moe_dest_check(const __grid_constant__ CombineParams p) {
   griddep_launch_dependents();
-  const bool bad = dest_bad(p.dest, p.T, p.k, p.R);
+  const int64_t n = p.T * p.k, per = (n + gridDim.x - 1) / gridDim.x, lo = blockIdx.x * per;
+  const bool bad = dest_bad(p.dest, lo < n ? lo : n, lo + per < n ? lo + per : n, p.k, p.R);
   if (threadIdx.x == 0) {
     if (bad) record_status(p.words, IMOE_ERR_INDEX_RANGE);
     write_verdict(p.words, p.token, bad);
@@ -476,13 +482,13 @@ __global__ void __launch_bounds__(kRowThreads) k_moe_combine(const __grid_consta
   __shared__ int64_t s_dest[kCombineStage];
   __shared__ float s_weight[kCombineStage];
   if (p.inline_check) {
-    if (dest_bad(p.dest, p.T, p.k, p.R)) {
+    if (dest_bad(p.dest, 0, p.T * p.k, p.k, p.R)) {
       if (threadIdx.x == 0 && blockIdx.x == 0) record_status(p.words, IMOE_ERR_INDEX_RANGE);
       return;
     }
   } else {
     griddep_wait();
-    if (call_aborted(p.words, p.token, 1)) return;
+    if (call_aborted(p.words, p.token, p.check_blocks)) return;
   }
   constexpr int ysize = YDT == IMOE_DTYPE_F32 ? 4 : 2;
   const int osize = p.odt == IMOE_DTYPE_F32 ? 4 : 2;
@@ -670,6 +676,15 @@ void multi_sort_shape(int64_t S, int32_t *blocks, int64_t *tile) {
   *blocks = (int32_t)((S + t - 1) / t);
 }
 
+// Blocks of the combine's dest check: one per kDestCheckItems entries, at
+// most kRowThreads (each combine block reads every verdict word, one per
+// thread) and kVerdicts.
+int32_t dest_check_blocks(int64_t entries) {
+  const int64_t most = kRowThreads < kVerdicts ? kRowThreads : kVerdicts;
+  const int64_t b = (entries + kDestCheckItems - 1) / kDestCheckItems;
+  return (int32_t)(b < 1 ? 1 : b < most ? b : most);
+}
+
 template <int YDT>
 cudaError_t launch_combine(bool vec, unsigned grid, bool pdl, cudaStream_t st, const CombineParams &cp) {
   return vec ? launch(k_moe_combine<YDT, true>, shape(grid, kRowThreads, 0, pdl), st, cp)
@@ -802,7 +817,8 @@ imoe_status imoe_cuda_moe_combine(const imoe_view *rows, const imoe_view *dest, 
   cudaError_t e;
   if (!cp.inline_check) {
     cp.token = next_token();
-    e = launch(k_moe_dest_check, shape(1, 1024), st, cp);
+    cp.check_blocks = dest_check_blocks(cp.T * cp.k);
+    e = launch(k_moe_dest_check, shape((unsigned)cp.check_blocks, 1024), st, cp);
     if (e != cudaSuccess) return cuda_fail(err, fn, "launch of k_moe_dest_check", e);
   }
   const bool vec = cp.H % 8 == 0 && vector_width({(int64_t)(uintptr_t)cp.rows, cp.rows_row}) >= 16;

@@ -410,6 +410,29 @@ def test_gpu_combine_into_a_view_of_out_equals_the_cpu(shift, tokens, top_k):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("where", ["first", "last"])
+def test_gpu_combine_checks_a_long_dest_in_blocks_and_writes_nothing_on_a_bad_entry(where):
+    """Past 2,048 entries a check kernel of a block per 8,192 (at most 128)
+    judges dest before the combine reads it: the sum as the CPU's, and an
+    entry out of range in any block (here 150,000 tokens x 8: the most blocks,
+    128) records the error and leaves out untouched."""
+    tokens, top_k = 150_000, 8
+    index, weights = routing(tokens, top_k, 64, seed=3)
+    d = moe_dispatch(torch.zeros(tokens, 1), index, 64)
+    y = torch.randn(tokens * top_k, 16).to(torch.bfloat16)
+    got = moe_combine(y.cuda(), d.dest.cuda(), weights.cuda())
+    check_errors(got)
+    assert torch.equal(got.cpu(), moe_combine(y, d.dest, weights))
+    dest = d.dest.clone()
+    dest.view(-1)[0 if where == "first" else -1] = tokens * top_k
+    out = torch.full((tokens, 16), 2.0, dtype=torch.bfloat16, device="cuda")
+    moe_combine(y.cuda(), dest.cuda(), weights.cuda(), out=out)
+    with pytest.raises(ValueError, match="found bad data and changed nothing"):
+        check_errors(out)
+    assert bool((out == 2.0).all())
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("tokens", [8, 4096])
 def test_gpu_bad_data_is_recorded_and_nothing_is_written(tokens):
     index, weights = routing(tokens, 2, 8, seed=2)

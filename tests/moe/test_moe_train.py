@@ -701,6 +701,31 @@ def test_cuda_gather_rows_writes_every_row_whether_or_not_each_is_named(rows):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("named", [True, False])  # every row named: no zeroing pass; one row left
+def test_cuda_gather_rows_of_a_long_dest_checked_in_blocks(named):
+    """Past 8,192 entries the dest check runs in blocks (here 300,000 x 8:
+    the most, 256) that count the kept entries together: R of them skip the
+    zeroing pass, fewer do not; an entry out of range in the last block
+    records the error and writes nothing."""
+    tokens, k = 300_000, 8
+    g = torch.Generator().manual_seed(13)
+    dest = torch.randperm(tokens * k, generator=g).to(torch.int32).view(tokens, k)
+    rows = tokens * k if named else tokens * k + 1
+    src = torch.randn(tokens, 8, generator=g).to(torch.bfloat16)
+    got = torch.full((rows, 8), float("nan"), dtype=torch.bfloat16, device="cuda")
+    moe.moe_gather_rows(src.cuda(), dest.cuda(), rows, out=got)
+    assert torch.equal(got.cpu(), ag.ref_gather_rows(src, dest, rows, None, torch.bfloat16))
+    import idempotent_moe as imoe
+
+    dest.view(-1)[-1] = rows
+    out = torch.full((rows, 8), 7.0, dtype=torch.bfloat16, device="cuda")
+    moe.moe_gather_rows(src.cuda(), dest.cuda(), rows, out=out)
+    with pytest.raises(ValueError, match="outside|range"):
+        imoe.check_errors(out)
+    assert bool((out == 7).all())
+
+
+@pytest.mark.gpu
 def test_cuda_bad_dest_is_a_recorded_error_and_writes_nothing():
     import idempotent_moe as imoe
 
