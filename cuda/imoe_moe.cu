@@ -956,13 +956,13 @@ imoe_status imoe_cuda_moe_dispatch(const imoe_moe_routing *routing, const imoe_v
   const size_t smem = (size_t)sp.E * 36 * sizeof(int);
   if (smem > (size_t)di->smem_optin)
     return fail(err, IMOE_ERR_UNSUPPORTED, "%s: %d experts need %zu bytes of shared memory", fn, (int)sp.E, smem);
-  // From kMultiSortMin assignments (dropless and grouped, or with a
-  // capacity) the sort runs in blocks where the workspace holds what they
-  // share (dropless: the counts, B x E; capacity: CapWs); else in one block.
-  // Both give the same bytes.
+  // From kMultiSortMin assignments (dropless, grouped; or with a capacity,
+  // either layout: padded always has one) the sort runs in blocks where the
+  // workspace holds what they share (dropless: the counts, B x E; capacity:
+  // CapWs); else in one block. Both give the same bytes.
   const int64_t S = sp.T * sp.k;
   const bool capacity = sp.C >= 0;
-  if (S >= kMultiSortMin && (capacity || !sp.padded) && workspace != nullptr) {
+  if (S >= kMultiSortMin && workspace != nullptr) {
     multi_sort_shape(S, &sp.blocks, &sp.tile);
     const int64_t need = capacity ? cap_ws_elems(S, sp.blocks, sp.E) : (int64_t)sp.blocks * sp.E;
     sp.counts = capacity ? workspace + S : workspace;
