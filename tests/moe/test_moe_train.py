@@ -395,6 +395,26 @@ def test_the_backward_is_handed_no_zeros_for_the_outputs_without_a_gradient(rout
     assert torch.equal(hidden.grad, torch.ones_like(hidden))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_row_weights_and_per_assignment_on_the_kernels_equal_the_torch_gathers(dtype):
+    """The layer's two small gathers run as one library call each (a gather
+    of weighted ones; a weight gradient of one column) where the dtypes are
+    the kernels': the values of the torch indexing they replace, bit for bit."""
+    w, idx = routing(num_tokens=16, skew=True)
+    w = w.to(dtype)
+    d = moe.moe_dispatch(torch.zeros(16, 1), idx, E, top_k_weights=w, capacity=3)
+    rows = int(d.offsets[-1]) + 2  # two rows no assignment names
+    got = ag.row_weights(d.dest, w, rows, torch.float32)
+    flat = d.dest.reshape(-1).long()
+    want = torch.zeros(rows + 1).index_copy_(0, torch.where(flat < 0, rows, flat), w.reshape(-1).float())
+    assert torch.equal(got, want[:rows].unsqueeze(-1))
+    values = torch.randn(rows, 1)
+    kept = d.dest >= 0
+    want = torch.where(kept, values.reshape(-1)[d.dest.clamp(min=0).long()], 0).to(dtype)
+    assert torch.equal(ag.per_assignment(values, d.dest, dtype), want)
+    assert (~kept).any() and bool((ag.per_assignment(values, d.dest, dtype)[~kept] == 0).all())
+
+
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_d_gate_up_takes_the_saved_gate_up_unless_the_graph_is_kept(dtype):
     """The eager backward is the saved gate_up's last reader: d(gate_up) is
