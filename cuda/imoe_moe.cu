@@ -386,12 +386,29 @@ __device__ __forceinline__ int scan_counts(const SortParams &p, int *s_warp, Fir
   return carry;
 }
 
+// The dynamic shared memory of the placing kernels: base [E] (the running
+// place), wc [E x 33] (stable_places' per-warp counts), then what the
+// kernel adds (8-byte aligned: 136 x E bytes in).
+constexpr int kPlaceSmemInts = 34;  // per expert
+
+// Every multi-block kernel after the count begins here: it lets the next
+// kernel launch (that one waits for this grid), waits for the kernel before
+// and its memory, and says whether the count found a bad id, in which case
+// it writes nothing. Every thread calls it (one barrier).
+__device__ __forceinline__ bool stage_aborted(const SortParams &p) {
+  griddep_launch_dependents();
+  griddep_wait();
+  return call_aborted(p.words, p.token, p.blocks);
+}
+
 // Block b's stable pass (k_moe_sort's) over its range from its first places
 // (counts[b x E + e]): emit(i, e, place) for every assignment i of the
-// range, e = key(i) (-1: no place, place -1). base [E] and wc [E x 33]:
-// shared memory.
+// range, e = key(i) (-1: no place, place -1). smem: the kernel's dynamic
+// shared memory (base and wc; kPlaceSmemInts x E ints).
 template <class Key, class Emit>
-__device__ __forceinline__ void place_range(const SortParams &p, int *base, int *wc, Key key, Emit emit) {
+__device__ __forceinline__ void place_range(const SortParams &p, unsigned char *smem, Key key, Emit emit) {
+  int *base = reinterpret_cast<int *>(smem);  // [E] running place
+  int *wc = base + p.E;                       // [E x 33]
   int64_t lo, hi;
   block_range(p, &lo, &hi);
   const int32_t *first = p.counts + (int64_t)blockIdx.x * p.E;
@@ -431,10 +448,8 @@ __global__ void __launch_bounds__(kSortThreads) k_moe_sort_count(const __grid_co
 // with foreign ids) hold none: src -1. Dropless drops nothing. Rows below
 // are all written by k_moe_sort_place.
 __global__ void __launch_bounds__(kSortThreads) k_moe_sort_scan(const __grid_constant__ SortParams p) {
-  griddep_launch_dependents();  // the place kernel may start; it waits for this grid
-  griddep_wait();
   __shared__ int s_warp[33];
-  if (call_aborted(p.words, p.token, p.blocks)) return;
+  if (stage_aborted(p)) return;
   const int64_t rows = scan_counts(
       p, s_warp, [](int, int start) { return start; },
       [&](int e, int start, int total) {
@@ -451,13 +466,9 @@ __global__ void __launch_bounds__(kSortThreads) k_moe_sort_scan(const __grid_con
 // for every assignment (-1 for a foreign id), src for every row.
 // Dynamic shared memory: base [E], wc [E x 33].
 __global__ void __launch_bounds__(kSortThreads) k_moe_sort_place(const __grid_constant__ SortParams p) {
-  griddep_launch_dependents();  // the gather may start; it waits for this grid
-  griddep_wait();
   extern __shared__ __align__(16) unsigned char dsm[];
-  if (call_aborted(p.words, p.token, p.blocks)) return;
-  int *base = reinterpret_cast<int *>(dsm);  // [E] running place
-  int *wc = base + p.E;                      // [E x 33]
-  place_range(p, base, wc, [&](int64_t i) { return local_expert(p, i); }, [&](int64_t i, int e, int row) {
+  if (stage_aborted(p)) return;
+  place_range(p, dsm, [&](int64_t i) { return local_expert(p, i); }, [&](int64_t i, int e, int row) {
     mat_store_index(p.dest, i / p.k, i % p.k, row);
     if (e >= 0) store_index(p.src.data + (int64_t)row * p.src.n_stride, p.src.dtype, p.src.aligned != 0, i / p.k);
   });
@@ -466,10 +477,8 @@ __global__ void __launch_bounds__(kSortThreads) k_moe_sort_place(const __grid_co
 // Capacity. One block: each expert's count cnt[e] and start[e] in the
 // dropless order, and each block's first places in it. No output written.
 __global__ void __launch_bounds__(kSortThreads) k_moe_cap_scan(const __grid_constant__ SortParams p) {
-  griddep_launch_dependents();  // the order kernel may start; it waits for this grid
-  griddep_wait();
   __shared__ int s_warp[33];
-  if (call_aborted(p.words, p.token, p.blocks)) return;
+  if (stage_aborted(p)) return;
   const CapWs w = cap_ws(p);
   scan_counts(
       p, s_warp, [](int, int start) { return start; },
@@ -483,14 +492,10 @@ __global__ void __launch_bounds__(kSortThreads) k_moe_cap_scan(const __grid_cons
 // first stable pass of k_moe_sort): order[place] = i. No output written.
 // Dynamic shared memory: base [E], wc [E x 33].
 __global__ void __launch_bounds__(kSortThreads) k_moe_cap_order(const __grid_constant__ SortParams p) {
-  griddep_launch_dependents();  // the select may start; it waits for this grid
-  griddep_wait();
   extern __shared__ __align__(16) unsigned char dsm[];
-  if (call_aborted(p.words, p.token, p.blocks)) return;
+  if (stage_aborted(p)) return;
   const CapWs w = cap_ws(p);
-  int *base = reinterpret_cast<int *>(dsm);  // [E] running place
-  int *wc = base + p.E;                      // [E x 33]
-  place_range(p, base, wc, [&](int64_t i) { return local_expert(p, i); }, [&](int64_t i, int e, int place) {
+  place_range(p, dsm, [&](int64_t i) { return local_expert(p, i); }, [&](int64_t i, int e, int place) {
     if (e >= 0) w.order[place] = (int32_t)i;
   });
 }
@@ -500,10 +505,8 @@ __global__ void __launch_bounds__(kSortThreads) k_moe_cap_order(const __grid_con
 // (none), else its C-th largest key, by select_threshold over
 // order[start[e], start[e] + cnt[e]). No output written.
 __global__ void __launch_bounds__(kSortThreads) k_moe_cap_select(const __grid_constant__ SortParams p) {
-  griddep_launch_dependents();  // the kept count may start; it waits for this grid
-  griddep_wait();
   __shared__ int s_warp[33];
-  if (call_aborted(p.words, p.token, p.blocks)) return;
+  if (stage_aborted(p)) return;
   const CapWs w = cap_ws(p);
   const int e = blockIdx.x, n = w.cnt[e];
   uint64_t thr = 0;
@@ -519,11 +522,9 @@ __global__ void __launch_bounds__(kSortThreads) k_moe_cap_select(const __grid_co
 // counts[b x E + e] (its first places of the dropless order, read by
 // k_moe_cap_order, are spent). No output written.
 __global__ void __launch_bounds__(kSortThreads) k_moe_cap_count(const __grid_constant__ SortParams p) {
-  griddep_launch_dependents();  // the rows' scan may start; it waits for this grid
-  griddep_wait();
   __shared__ int cnt[IMOE_MOE_MAX_EXPERTS];
   __shared__ unsigned long long thr[IMOE_MOE_MAX_EXPERTS];
-  if (call_aborted(p.words, p.token, p.blocks)) return;
+  if (stage_aborted(p)) return;
   const CapWs w = cap_ws(p);
   const int E = p.E;
   for (int e = threadIdx.x; e < E; e += blockDim.x) {
@@ -549,12 +550,10 @@ __global__ void __launch_bounds__(kSortThreads) k_moe_cap_count(const __grid_con
 // kept assignment (grouped: past the last kept one; padded: past each
 // expert's kept ones); k_moe_cap_place writes the others.
 __global__ void __launch_bounds__(kSortThreads) k_moe_cap_rows(const __grid_constant__ SortParams p) {
-  griddep_launch_dependents();  // the place kernel may start; it waits for this grid
-  griddep_wait();
   __shared__ int s_warp[33];
   __shared__ int s_kept[IMOE_MOE_MAX_EXPERTS];
   __shared__ unsigned long long s_dropped;
-  if (call_aborted(p.words, p.token, p.blocks)) return;
+  if (stage_aborted(p)) return;
   const CapWs w = cap_ws(p);
   if (threadIdx.x == 0) s_dropped = 0;
   __syncthreads();
@@ -585,21 +584,17 @@ __global__ void __launch_bounds__(kSortThreads) k_moe_cap_rows(const __grid_cons
 // every kept row. Dynamic shared memory: base [E], wc [E x 33], then the
 // thresholds [E] (8-byte aligned: 136 x E bytes in).
 __global__ void __launch_bounds__(kSortThreads) k_moe_cap_place(const __grid_constant__ SortParams p) {
-  griddep_launch_dependents();  // the gather may start; it waits for this grid
-  griddep_wait();
   extern __shared__ __align__(16) unsigned char dsm[];
-  if (call_aborted(p.words, p.token, p.blocks)) return;
+  if (stage_aborted(p)) return;
   const CapWs w = cap_ws(p);
-  int *base = reinterpret_cast<int *>(dsm);                          // [E] running row
-  int *wc = base + p.E;                                              // [E x 33]
-  uint64_t *thr = reinterpret_cast<uint64_t *>(wc + (int64_t)p.E * 33);  // [E]
+  uint64_t *thr = reinterpret_cast<uint64_t *>(reinterpret_cast<int *>(dsm) + (int64_t)p.E * kPlaceSmemInts);
   for (int e = threadIdx.x; e < p.E; e += blockDim.x) thr[e] = load_threshold(w, e);
   // (place_range's first barrier publishes thr)
   auto kept_expert = [&](int64_t i) -> int {
     const int e = local_expert(p, i);
     return e >= 0 && kept_by(p, i, thr[e]) ? e : -1;
   };
-  place_range(p, base, wc, kept_expert, [&](int64_t i, int e, int row) {
+  place_range(p, dsm, kept_expert, [&](int64_t i, int e, int row) {
     mat_store_index(p.dest, i / p.k, i % p.k, row);
     if (e >= 0) store_index(p.src.data + (int64_t)row * p.src.n_stride, p.src.dtype, p.src.aligned != 0, i / p.k);
   });
@@ -985,7 +980,7 @@ imoe_status imoe_cuda_moe_dispatch(const imoe_moe_routing *routing, const imoe_v
   }
   cudaError_t e;
   const bool pdl = di->cc_major >= 9;
-  const size_t place_smem = (size_t)sp.E * 34 * sizeof(int);  // base [E], wc [E x 33]
+  const size_t place_smem = (size_t)sp.E * kPlaceSmemInts * sizeof(int);  // base [E], wc [E x 33]
   if (sp.blocks > 0 && !capacity) {
     if ((e = allow_smem(k_moe_sort_place, place_smem)) != cudaSuccess)
       return cuda_fail(err, fn, "cudaFuncSetAttribute", e);
@@ -997,7 +992,7 @@ imoe_status imoe_cuda_moe_dispatch(const imoe_moe_routing *routing, const imoe_v
         cudaSuccess)
       return cuda_fail(err, fn, "launch of k_moe_sort_place", e);
   } else if (sp.blocks > 0) {
-    const size_t cap_smem = (size_t)sp.E * 36 * sizeof(int);  // base [E], wc [E x 33], thresholds [E]
+    const size_t cap_smem = place_smem + (size_t)sp.E * sizeof(uint64_t);  // and the thresholds [E]
     const unsigned B = (unsigned)sp.blocks;
     if ((e = allow_smem(k_moe_cap_order, place_smem)) != cudaSuccess ||
         (e = allow_smem(k_moe_cap_place, cap_smem)) != cudaSuccess)
