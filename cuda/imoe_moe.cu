@@ -174,6 +174,32 @@ __device__ uint64_t select_threshold(const SortParams &p, const int32_t *list, i
   return s_prefix;
 }
 
+// Assignment i's local expert, or -1 for a foreign id (every id checked
+// before this is read).
+__device__ __forceinline__ int local_expert(const SortParams &p, int64_t i) {
+  const int64_t e = mat_index(p.ids, i / p.k, i % p.k);
+  return e < p.E ? (int)e : -1;
+}
+
+// Counts assignments [lo, hi) per local expert into cnt (shared, zeroed);
+// whether this thread met a bad id (< 0, or >= E without `foreign`).
+__device__ __forceinline__ bool count_ids(const SortParams &p, int64_t lo, int64_t hi, int *cnt) {
+  bool bad = false;
+  for (int64_t i = lo + threadIdx.x; i < hi; i += blockDim.x) {
+    const int64_t e = mat_index(p.ids, i / p.k, i % p.k);
+    if (e < 0 || (e >= p.E && !p.foreign)) bad = true;
+    else if (e < p.E) atomicAdd(&cnt[e], 1);
+  }
+  return bad;
+}
+
+// What the sort's last stable pass writes for assignment i at `row` (e < 0:
+// dropped or foreign, row -1): its dest, and the row's token.
+__device__ __forceinline__ void store_place(const SortParams &p, int64_t i, int e, int row) {
+  mat_store_index(p.dest, i / p.k, i % p.k, row);
+  if (e >= 0) store_index(p.src.data + (int64_t)row * p.src.n_stride, p.src.dtype, p.src.aligned != 0, i / p.k);
+}
+
 __global__ void __launch_bounds__(kSortThreads) k_moe_sort(const __grid_constant__ SortParams p) {
   griddep_launch_dependents();  // the gather may start; it waits for this grid
   extern __shared__ __align__(16) unsigned char dsm[];
@@ -188,22 +214,13 @@ __global__ void __launch_bounds__(kSortThreads) k_moe_sort(const __grid_constant
   for (int e = threadIdx.x; e < E; e += blockDim.x) cnt[e] = 0;
   if (threadIdx.x == 0) s_dropped = 0;
   __syncthreads();
-  bool bad = false;
-  for (int64_t i = threadIdx.x; i < S; i += blockDim.x) {
-    const int64_t e = mat_index(p.ids, i / k, i % k);
-    if (e < 0 || (e >= E && !p.foreign)) bad = true;
-    else if (e < E) atomicAdd(&cnt[e], 1);
-  }
-  bad = __syncthreads_or(bad) != 0;
+  const bool bad = __syncthreads_or(count_ids(p, 0, S, cnt)) != 0;
   if (threadIdx.x == 0) {
     if (bad) record_status(p.words, IMOE_ERR_INDEX_RANGE);
     write_verdict(p.words, p.token, bad);
   }
   if (bad) return;
-  auto expert = [&](int64_t i) -> int {
-    const int64_t e = mat_index(p.ids, i / k, i % k);
-    return e < E ? (int)e : -1;
-  };
+  auto expert = [&](int64_t i) { return local_expert(p, i); };
   const bool capacity = p.C >= 0;
   int32_t *order = p.ws, *keep = p.ws + S;
   if (capacity) {  // each overloaded expert keeps its C best
@@ -269,10 +286,7 @@ __global__ void __launch_bounds__(kSortThreads) k_moe_sort(const __grid_constant
     const int e = expert(i);
     return e >= 0 && (!capacity || keep[i]) ? e : -1;
   };
-  stable_places(S, E, base, wc, kept_expert, [&](int64_t i, int e, int row) {
-    mat_store_index(p.dest, i / k, i % k, row);
-    if (e >= 0) store_index(p.src.data + (int64_t)row * p.src.n_stride, p.src.dtype, p.src.aligned != 0, i / k);
-  });
+  stable_places(S, E, base, wc, kept_expert, [&](int64_t i, int e, int row) { store_place(p, i, e, row); });
   if (threadIdx.x == 0 && p.dropped) *reinterpret_cast<long long *>(p.dropped) = (long long)s_dropped;
 }
 
@@ -318,13 +332,6 @@ __device__ __forceinline__ void block_range(const SortParams &p, int64_t *lo, in
   const int64_t S = p.T * p.k, first = (int64_t)blockIdx.x * p.tile;
   *lo = first < S ? first : S;
   *hi = first + p.tile < S ? first + p.tile : S;
-}
-
-// Assignment i's local expert, or -1 for a foreign id (every id checked by
-// the count kernel before this is read).
-__device__ __forceinline__ int local_expert(const SortParams &p, int64_t i) {
-  const int64_t e = mat_index(p.ids, i / p.k, i % p.k);
-  return e < p.E ? (int)e : -1;
 }
 
 // The capacity's workspace (2 x S int32, imoe_moe_workspace_elems):
@@ -426,17 +433,12 @@ __device__ __forceinline__ void place_range(const SortParams &p, unsigned char *
 __global__ void __launch_bounds__(kSortThreads) k_moe_sort_count(const __grid_constant__ SortParams p) {
   griddep_launch_dependents();  // the scan may start; it waits for this grid
   __shared__ int cnt[IMOE_MOE_MAX_EXPERTS];
-  const int E = p.E, k = p.k;
+  const int E = p.E;
   int64_t lo, hi;
   block_range(p, &lo, &hi);
   for (int e = threadIdx.x; e < E; e += blockDim.x) cnt[e] = 0;
   __syncthreads();
-  bool bad = false;
-  for (int64_t i = lo + threadIdx.x; i < hi; i += blockDim.x) {
-    const int64_t e = mat_index(p.ids, i / k, i % k);
-    if (e < 0 || (e >= E && !p.foreign)) bad = true;
-    else if (e < E) atomicAdd(&cnt[e], 1);
-  }
+  const bool bad = count_ids(p, lo, hi, cnt);
   __syncthreads();
   int32_t *mine = p.counts + (int64_t)blockIdx.x * E;
   for (int e = threadIdx.x; e < E; e += blockDim.x) mine[e] = cnt[e];
@@ -468,10 +470,8 @@ __global__ void __launch_bounds__(kSortThreads) k_moe_sort_scan(const __grid_con
 __global__ void __launch_bounds__(kSortThreads) k_moe_sort_place(const __grid_constant__ SortParams p) {
   extern __shared__ __align__(16) unsigned char dsm[];
   if (stage_aborted(p)) return;
-  place_range(p, dsm, [&](int64_t i) { return local_expert(p, i); }, [&](int64_t i, int e, int row) {
-    mat_store_index(p.dest, i / p.k, i % p.k, row);
-    if (e >= 0) store_index(p.src.data + (int64_t)row * p.src.n_stride, p.src.dtype, p.src.aligned != 0, i / p.k);
-  });
+  place_range(p, dsm, [&](int64_t i) { return local_expert(p, i); },
+              [&](int64_t i, int e, int row) { store_place(p, i, e, row); });
 }
 
 // Capacity. One block: each expert's count cnt[e] and start[e] in the
@@ -594,10 +594,7 @@ __global__ void __launch_bounds__(kSortThreads) k_moe_cap_place(const __grid_con
     const int e = local_expert(p, i);
     return e >= 0 && kept_by(p, i, thr[e]) ? e : -1;
   };
-  place_range(p, dsm, kept_expert, [&](int64_t i, int e, int row) {
-    mat_store_index(p.dest, i / p.k, i % p.k, row);
-    if (e >= 0) store_index(p.src.data + (int64_t)row * p.src.n_stride, p.src.dtype, p.src.aligned != 0, i / p.k);
-  });
+  place_range(p, dsm, kept_expert, [&](int64_t i, int e, int row) { store_place(p, i, e, row); });
 }
 
 // ------------------------------------------------------------ the gather
