@@ -450,9 +450,11 @@ imoe_status imoe_group_by_expert(const imoe_view *buffers, int32_t num_buffers,
  *                  same results, slower for a large S. CPU: unused (pass
  *                  NULL, 0).
  * On CUDA, at most IMOE_MOE_MAX_EXPERTS experts and S < 2^31; the sort (one
- * block; or, dropless with the workspace, three kernels: count, scan,
- * place) and the gather, no host synchronisation; an id out of range is a
- * recorded data error (imoe_take_device_status) and nothing is written.
+ * block; or, from S = IMOE_MOE_MULTI_SORT_MIN with the workspace, kernels
+ * of several blocks: count, scan, place, with a capacity after the kept
+ * assignments are chosen; the same results) and the gather, no host
+ * synchronisation; an id out of range is a recorded data error
+ * (imoe_take_device_status) and nothing is written.
  *
  * imoe_moe_combine: out[t] = sum over j with dest[t, j] >= 0, in j order,
  * of term(t, j) = rows[dest[t, j]] x weights[t, j], each term rounded to
@@ -477,8 +479,9 @@ imoe_status imoe_group_by_expert(const imoe_view *buffers, int32_t num_buffers,
  *            written, the others keep their bytes.
  */
 #define IMOE_MOE_MAX_EXPERTS 1024
-/* The fewest assignments a dropless CUDA dispatch sorts in several blocks
- * (given imoe_moe_workspace_elems' workspace); fewer sort in one block. */
+/* The fewest assignments a CUDA dispatch sorts in several blocks (given
+ * imoe_moe_workspace_elems' workspace; dropless and grouped, or with a
+ * capacity); fewer sort in one block. */
 #define IMOE_MOE_MULTI_SORT_MIN 32768
 
 typedef enum imoe_moe_layout { IMOE_MOE_GROUPED = 0, IMOE_MOE_PADDED = 1 } imoe_moe_layout;

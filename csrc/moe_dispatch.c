@@ -15,7 +15,10 @@ int64_t imoe_moe_workspace_elems(imoe_device_type device, int64_t assignments, i
   if (assignments < 0 || assignments > IMOE_MAX_SLOTS) return -1;
   if (device != IMOE_DEVICE_CUDA) return 0;
   /* With a capacity: the dropless order of the assignments and each one's
-   * verdict (kept or not). */
+   * verdict (kept or not) for the one-block sort; from
+   * IMOE_MOE_MULTI_SORT_MIN, the multi-block sort's order [S], counts
+   * [B x E] (below), and [4 x E] per expert: S + S / 4 + 1024 + 4096 <=
+   * 2 x S. */
   if (capacity >= 0) return 2 * assignments;
   /* Dropless from IMOE_MOE_MULTI_SORT_MIN assignments: the multi-block
    * sort's counts per (block, expert), B x E of them, where B =

@@ -7,23 +7,35 @@
 //                   and writes offsets, dest, src and the dropped count with
 //                   a stable counting sort (tiles of 1024 assignments, warp
 //                   match for the rank within a tile);
-//   k_moe_sort_count  the multi-block sort (dropless, grouped, from
-//                   IMOE_MOE_MULTI_SORT_MIN assignments, with a workspace),
-//                   B blocks, each over its own range of assignments: checks
-//                   its ids and counts them per expert into the workspace
-//                   (one verdict word per block; no output written);
-//   k_moe_sort_scan   one block: each expert's start (a scan of the counts
-//                   over the blocks and experts), offsets, the empty rows'
-//                   src, the dropped count (0), and each block's first place
-//                   per expert written back over its counts;
-//   k_moe_sort_place  B blocks: each places its own range from its first
-//                   places with the one-block sort's stable pass (dest, src);
+//   k_moe_sort_count  the multi-block sort (from IMOE_MOE_MULTI_SORT_MIN
+//                   assignments, with a workspace: dropless and grouped, or
+//                   with a capacity), B blocks, each over its own range of
+//                   assignments: checks its ids and counts them per expert
+//                   into the workspace (one verdict word per block; no
+//                   output written);
+//   k_moe_sort_scan   dropless, one block: each expert's start (a scan of the
+//                   counts over the blocks and experts), offsets, the empty
+//                   rows' src, the dropped count (0), and each block's first
+//                   place per expert written back over its counts;
+//   k_moe_sort_place  dropless, B blocks: each places its own range from its
+//                   first places with the one-block sort's stable pass (dest,
+//                   src);
+//   k_moe_cap_scan, k_moe_cap_order  with a capacity: the dropless order of
+//                   the assignments into the workspace (one block scans, B
+//                   blocks place);
+//   k_moe_cap_select  one block per expert: the key its kept assignments
+//                   reach (the one-block sort's radix select);
+//   k_moe_cap_count, k_moe_cap_rows, k_moe_cap_place  the kept assignments
+//                   counted per block, scanned into offsets, the empty rows'
+//                   src and the dropped count (one block), and placed (dest,
+//                   src) as the dropless kernels place all;
 //   k_moe_gather    one block per row: the row's token copied, or zeros;
 //   k_moe_combine   one block per (token, chunk of 1,024 features): the
 //                   weighted sum of its rows, in j order, in F32, each product
 //                   rounded first (no FMA);
-//   k_moe_dest_check  one block: the combine's dest checked, when there are
-//                   too many entries for every combine block to check them;
+//   k_moe_dest_check  a block per 8,192 entries (at most 128, a verdict word
+//                   each): the combine's dest checked, when there are too
+//                   many entries for every combine block to check them;
 //   k_gated_act     act(gate) x up, vectorised by 16 bytes where aligned.
 // Data errors (ids or dest out of range) are recorded in the status word and
 // nothing is written, as everywhere in the library.
@@ -51,6 +63,7 @@ constexpr int kMultiSortBlocks = kRowThreads < kVerdicts ? kRowThreads : kVerdic
 constexpr int kRankDirect = 64;      // k_moe_sort: most assignments an expert ranks pairwise
 constexpr int kInlineDestCheck = 2048;  // combine: at most this many dest entries are
                                         // checked by every block (no check kernel)
+constexpr int64_t kDestCheckItems = 8192;  // combine: dest entries per block of its check kernel
 constexpr int kCombineChunk = kRowThreads * 8;  // combine: features one block sums
 constexpr int kCombineStage = 64;   // combine: most k whose dest and weights go to shared memory
 constexpr int kCombineBatch = 4;    // combine: rows loaded before any is added
@@ -87,8 +100,10 @@ struct SortParams {
   char *dropped;      // [1] int64 or null
   int64_t T, R, C;    // C < 0: dropless
   int32_t k, E, padded, foreign;
-  int32_t *ws;  // capacity: [S] assignments by expert (dropless order), [S] kept flags;
-                // multi-block: [blocks x E] counts, then first places, per (block, expert)
+  int32_t *ws;  // one block, capacity: [S] assignments by expert (dropless order), [S] kept flags;
+                // multi-block: see counts (and CapWs with a capacity)
+  int32_t *counts;  // multi-block: [blocks x E] counts, then first places, per (block, expert):
+                    // ws (dropless), ws + S (capacity: CapWs)
   int64_t tile;    // multi-block: assignments per block (a multiple of kSortThreads)
   int32_t blocks;  // multi-block: blocks of the count and place kernels (<= kMultiSortBlocks)
   uint32_t token;
@@ -159,6 +174,32 @@ __device__ uint64_t select_threshold(const SortParams &p, const int32_t *list, i
   return s_prefix;
 }
 
+// Assignment i's local expert, or -1 for a foreign id (every id checked
+// before this is read).
+__device__ __forceinline__ int local_expert(const SortParams &p, int64_t i) {
+  const int64_t e = mat_index(p.ids, i / p.k, i % p.k);
+  return e < p.E ? (int)e : -1;
+}
+
+// Counts assignments [lo, hi) per local expert into cnt (shared, zeroed);
+// whether this thread met a bad id (< 0, or >= E without `foreign`).
+__device__ __forceinline__ bool count_ids(const SortParams &p, int64_t lo, int64_t hi, int *cnt) {
+  bool bad = false;
+  for (int64_t i = lo + threadIdx.x; i < hi; i += blockDim.x) {
+    const int64_t e = mat_index(p.ids, i / p.k, i % p.k);
+    if (e < 0 || (e >= p.E && !p.foreign)) bad = true;
+    else if (e < p.E) atomicAdd(&cnt[e], 1);
+  }
+  return bad;
+}
+
+// What the sort's last stable pass writes for assignment i at `row` (e < 0:
+// dropped or foreign, row -1): its dest, and the row's token.
+__device__ __forceinline__ void store_place(const SortParams &p, int64_t i, int e, int row) {
+  mat_store_index(p.dest, i / p.k, i % p.k, row);
+  if (e >= 0) store_index(p.src.data + (int64_t)row * p.src.n_stride, p.src.dtype, p.src.aligned != 0, i / p.k);
+}
+
 __global__ void __launch_bounds__(kSortThreads) k_moe_sort(const __grid_constant__ SortParams p) {
   griddep_launch_dependents();  // the gather may start; it waits for this grid
   extern __shared__ __align__(16) unsigned char dsm[];
@@ -173,22 +214,13 @@ __global__ void __launch_bounds__(kSortThreads) k_moe_sort(const __grid_constant
   for (int e = threadIdx.x; e < E; e += blockDim.x) cnt[e] = 0;
   if (threadIdx.x == 0) s_dropped = 0;
   __syncthreads();
-  bool bad = false;
-  for (int64_t i = threadIdx.x; i < S; i += blockDim.x) {
-    const int64_t e = mat_index(p.ids, i / k, i % k);
-    if (e < 0 || (e >= E && !p.foreign)) bad = true;
-    else if (e < E) atomicAdd(&cnt[e], 1);
-  }
-  bad = __syncthreads_or(bad) != 0;
+  const bool bad = __syncthreads_or(count_ids(p, 0, S, cnt)) != 0;
   if (threadIdx.x == 0) {
     if (bad) record_status(p.words, IMOE_ERR_INDEX_RANGE);
     write_verdict(p.words, p.token, bad);
   }
   if (bad) return;
-  auto expert = [&](int64_t i) -> int {
-    const int64_t e = mat_index(p.ids, i / k, i % k);
-    return e < E ? (int)e : -1;
-  };
+  auto expert = [&](int64_t i) { return local_expert(p, i); };
   const bool capacity = p.C >= 0;
   int32_t *order = p.ws, *keep = p.ws + S;
   if (capacity) {  // each overloaded expert keeps its C best
@@ -254,21 +286,46 @@ __global__ void __launch_bounds__(kSortThreads) k_moe_sort(const __grid_constant
     const int e = expert(i);
     return e >= 0 && (!capacity || keep[i]) ? e : -1;
   };
-  stable_places(S, E, base, wc, kept_expert, [&](int64_t i, int e, int row) {
-    mat_store_index(p.dest, i / k, i % k, row);
-    if (e >= 0) store_index(p.src.data + (int64_t)row * p.src.n_stride, p.src.dtype, p.src.aligned != 0, i / k);
-  });
+  stable_places(S, E, base, wc, kept_expert, [&](int64_t i, int e, int row) { store_place(p, i, e, row); });
   if (threadIdx.x == 0 && p.dropped) *reinterpret_cast<long long *>(p.dropped) = (long long)s_dropped;
 }
 
 // ------------------------------------------------------------ the multi-block sort
-// Dropless and grouped: every assignment is kept, so the rows are the
-// stable counting sort alone, which splits over blocks. Block b of the count
-// and place kernels owns assignments [b x tile, (b + 1) x tile) (clipped to
-// S); its first place for expert e is start[e] plus the counts of e in the
-// blocks before it, so the places are those of the one-block sort. The scan
-// and place kernels follow with programmatic dependent launch (sm_90): they
-// wait for the kernel before (and its memory) before reading anything.
+// From kMultiSortMin assignments with a workspace: dropless and grouped, or
+// with a capacity (either layout). Block b of the count and place kernels
+// owns assignments [b x tile, (b + 1) x tile) (clipped to S); its first
+// place for expert e is first(e) plus the counts of e in the blocks before
+// it, so a stable pass over each block's range from those places gives the
+// places of the one-block sort. The kernels after the count follow with
+// programmatic dependent launch (sm_90): each waits for the kernel before
+// (and its memory) before reading anything, and reads every count block's
+// verdict before writing anything.
+//
+// Dropless, every assignment is kept, so the rows are the stable counting
+// sort alone: k_moe_sort_count, k_moe_sort_scan, k_moe_sort_place.
+//
+// With a capacity C, the kept assignments are chosen first, as k_moe_sort
+// chooses them, in the workspace (CapWs), then sorted as dropless:
+//   k_moe_sort_count  (as dropless) each block's counts per expert;
+//   k_moe_cap_scan    one block: each expert's count and start in the
+//                     dropless order, each block's first places in it;
+//   k_moe_cap_order   B blocks: the dropless order, order[place] = i;
+//   k_moe_cap_select  one block per expert: its threshold, the C-th largest
+//                     of its keys by k_moe_sort's radix select over its part
+//                     of the order; 0 (every key) when it has at most C,
+//                     kKeepNone when C = 0;
+//   k_moe_cap_count   B blocks: each block's kept counts per expert;
+//   k_moe_cap_rows    one block: offsets, dropped, src -1 for every row no
+//                     kept assignment fills, each block's first rows;
+//   k_moe_cap_place   B blocks: the kept assignments placed (dest, src),
+//                     the others dest -1.
+// The keys are distinct (place_key: the assignment in the low word), so an
+// overloaded expert's C best are exactly its keys >= its C-th largest: the
+// set k_moe_sort keeps, by pairwise ranking (at most kRankDirect) or by the
+// same radix select.
+
+constexpr uint64_t kKeepNone = ~0ull;  // threshold with C = 0 (no key reaches it either:
+                                       // a key's high word is at most +inf's, 0xFF800000)
 
 // The assignments block b owns.
 __device__ __forceinline__ void block_range(const SortParams &p, int64_t *lo, int64_t *hi) {
@@ -277,96 +334,267 @@ __device__ __forceinline__ void block_range(const SortParams &p, int64_t *lo, in
   *hi = first + p.tile < S ? first + p.tile : S;
 }
 
-// Checks the block's ids (as k_moe_sort does) and writes its count per
-// expert to ws[b x E + e]; its verdict word says whether it found a bad id.
-// Nothing but the workspace is written, so a bad id leaves every output as it was.
-__global__ void __launch_bounds__(kSortThreads) k_moe_sort_count(const __grid_constant__ SortParams p) {
-  griddep_launch_dependents();  // the scan may start; it waits for this grid
-  __shared__ int cnt[IMOE_MOE_MAX_EXPERTS];
-  const int E = p.E, k = p.k;
-  int64_t lo, hi;
-  block_range(p, &lo, &hi);
-  for (int e = threadIdx.x; e < E; e += blockDim.x) cnt[e] = 0;
-  __syncthreads();
-  bool bad = false;
-  for (int64_t i = lo + threadIdx.x; i < hi; i += blockDim.x) {
-    const int64_t e = mat_index(p.ids, i / k, i % k);
-    if (e < 0 || (e >= E && !p.foreign)) bad = true;
-    else if (e < E) atomicAdd(&cnt[e], 1);
-  }
-  __syncthreads();
-  int32_t *mine = p.ws + (int64_t)blockIdx.x * E;
-  for (int e = threadIdx.x; e < E; e += blockDim.x) mine[e] = cnt[e];
-  block_verdict(p.words, p.token, bad, IMOE_ERR_INDEX_RANGE);
+// The capacity's workspace (2 x S int32, imoe_moe_workspace_elems):
+// order [S], then counts [B x E] (p.counts), cnt [E], start [E] and
+// threshold [E x 2] (high word, low word: no 8-byte alignment needed);
+// S + B x E + 4 x E <= S + (S / 4 + 1024) + 4096 <= 2 x S for S >=
+// kMultiSortMin (the host checks cap_ws_elems against the workspace).
+struct CapWs {
+  int32_t *order, *cnt, *start, *thr;
+};
+__host__ __device__ __forceinline__ int64_t cap_ws_elems(int64_t S, int64_t blocks, int64_t E) {
+  return S + blocks * E + 4 * E;
+}
+__device__ __forceinline__ CapWs cap_ws(const SortParams &p) {
+  CapWs w;
+  w.order = p.ws;
+  w.cnt = p.counts + (int64_t)p.blocks * p.E;
+  w.start = w.cnt + p.E;
+  w.thr = w.start + p.E;
+  return w;
+}
+__device__ __forceinline__ uint64_t load_threshold(const CapWs &w, int e) {
+  return ((uint64_t)(uint32_t)w.thr[2 * e] << 32) | (uint32_t)w.thr[2 * e + 1];
+}
+// Whether assignment i, of an expert of threshold thr, is kept.
+__device__ __forceinline__ bool kept_by(const SortParams &p, int64_t i, uint64_t thr) {
+  return thr == 0 || (thr != kKeepNone && place_key(p, i) >= thr);
 }
 
 // One block, one thread per expert (chunks of blockDim.x experts, with a
-// carry): the expert's total over the blocks, start[e] by an exclusive scan
-// over the experts, offsets[e] = start[e] + total, and ws[b x E + e]
-// rewritten as start[e] + the counts of e in blocks before b. Rows past the
-// last assignment (only with foreign ids) hold none: src -1. Dropless drops
-// nothing. Rows below are all written by k_moe_sort_place.
-__global__ void __launch_bounds__(kSortThreads) k_moe_sort_scan(const __grid_constant__ SortParams p) {
-  griddep_launch_dependents();  // the place kernel may start; it waits for this grid
-  griddep_wait();
-  __shared__ int s_warp[33];
-  if (call_aborted(p.words, p.token, p.blocks)) return;
+// carry): total, the sum of counts[b x E + e] over the blocks, and start,
+// the exclusive scan of the totals in expert order; the counts rewritten as
+// each block's first place per expert from first(e, start) on; then
+// done(e, start, total). Returns the sum of the totals (uniform).
+template <class First, class Done>
+__device__ __forceinline__ int scan_counts(const SortParams &p, int *s_warp, First first, Done done) {
   const int E = p.E;
-  int carry = 0;  // uniform: the rows of the chunks before
+  int carry = 0;  // uniform: the totals of the chunks before
   for (int e0 = 0; e0 < E; e0 += blockDim.x) {
     const int e = e0 + threadIdx.x;
     int total = 0;
     if (e < E)
-      for (int b = 0; b < p.blocks; ++b) total += p.ws[(int64_t)b * E + e];
+      for (int b = 0; b < p.blocks; ++b) total += p.counts[(int64_t)b * E + e];
     int chunk;
     const int excl = perm_block_scan(total, &chunk, s_warp);
     if (e < E) {
       const int start = carry + excl;
-      store_index(p.offs.data + (int64_t)e * p.offs.n_stride, p.offs.dtype, p.offs.aligned != 0,
-                  (int64_t)start + total);
-      int place = start;
+      int place = first(e, start);
       for (int b = 0; b < p.blocks; ++b) {
-        int32_t *w = p.ws + (int64_t)b * E + e;
+        int32_t *w = p.counts + (int64_t)b * E + e;
         const int c = *w;
         *w = place;
         place += c;
       }
+      done(e, start, total);
     }
     carry += chunk;
   }
-  for (int64_t r = carry + threadIdx.x; r < p.R; r += blockDim.x)
+  return carry;
+}
+
+// The dynamic shared memory of the placing kernels: base [E] (the running
+// place), wc [E x 33] (stable_places' per-warp counts), then what the
+// kernel adds (8-byte aligned: 136 x E bytes in).
+constexpr int kPlaceSmemInts = 34;  // per expert
+
+// Every multi-block kernel after the count begins here: it lets the next
+// kernel launch (that one waits for this grid), waits for the kernel before
+// and its memory, and says whether the count found a bad id, in which case
+// it writes nothing. Every thread calls it (one barrier).
+__device__ __forceinline__ bool stage_aborted(const SortParams &p) {
+  griddep_launch_dependents();
+  griddep_wait();
+  return call_aborted(p.words, p.token, p.blocks);
+}
+
+// Block b's stable pass (k_moe_sort's) over its range from its first places
+// (counts[b x E + e]): emit(i, e, place) for every assignment i of the
+// range, e = key(i) (-1: no place, place -1). smem: the kernel's dynamic
+// shared memory (base and wc; kPlaceSmemInts x E ints).
+template <class Key, class Emit>
+__device__ __forceinline__ void place_range(const SortParams &p, unsigned char *smem, Key key, Emit emit) {
+  int *base = reinterpret_cast<int *>(smem);  // [E] running place
+  int *wc = base + p.E;                       // [E x 33]
+  int64_t lo, hi;
+  block_range(p, &lo, &hi);
+  const int32_t *first = p.counts + (int64_t)blockIdx.x * p.E;
+  for (int e = threadIdx.x; e < p.E; e += blockDim.x) base[e] = first[e];
+  __syncthreads();
+  // stable_places counts from 0: item q is assignment lo + q.
+  stable_places(hi - lo, p.E, base, wc, [&](int64_t q) -> int { return key(lo + q); },
+                [&](int64_t q, int e, int place) { emit(lo + q, e, place); });
+}
+
+// Checks the block's ids (as k_moe_sort does) and writes its count per
+// expert to counts[b x E + e]; its verdict word says whether it found a bad
+// id. Nothing but the workspace is written, so a bad id leaves every output
+// as it was.
+__global__ void __launch_bounds__(kSortThreads) k_moe_sort_count(const __grid_constant__ SortParams p) {
+  griddep_launch_dependents();  // the scan may start; it waits for this grid
+  __shared__ int cnt[IMOE_MOE_MAX_EXPERTS];
+  const int E = p.E;
+  int64_t lo, hi;
+  block_range(p, &lo, &hi);
+  for (int e = threadIdx.x; e < E; e += blockDim.x) cnt[e] = 0;
+  __syncthreads();
+  const bool bad = count_ids(p, lo, hi, cnt);
+  __syncthreads();
+  int32_t *mine = p.counts + (int64_t)blockIdx.x * E;
+  for (int e = threadIdx.x; e < E; e += blockDim.x) mine[e] = cnt[e];
+  block_verdict(p.words, p.token, bad, IMOE_ERR_INDEX_RANGE);
+}
+
+// Dropless. One block: each expert's start, offsets[e] = start[e] + its
+// total, and each block's first places. Rows past the last assignment (only
+// with foreign ids) hold none: src -1. Dropless drops nothing. Rows below
+// are all written by k_moe_sort_place.
+__global__ void __launch_bounds__(kSortThreads) k_moe_sort_scan(const __grid_constant__ SortParams p) {
+  __shared__ int s_warp[33];
+  if (stage_aborted(p)) return;
+  const int64_t rows = scan_counts(
+      p, s_warp, [](int, int start) { return start; },
+      [&](int e, int start, int total) {
+        store_index(p.offs.data + (int64_t)e * p.offs.n_stride, p.offs.dtype, p.offs.aligned != 0,
+                    (int64_t)start + total);
+      });
+  for (int64_t r = rows + threadIdx.x; r < p.R; r += blockDim.x)
     store_index(p.src.data + r * p.src.n_stride, p.src.dtype, p.src.aligned != 0, -1);
   if (threadIdx.x == 0 && p.dropped) *reinterpret_cast<long long *>(p.dropped) = 0;
 }
 
-// Block b places its assignments from its first places (ws[b x E + e]) with
-// the stable pass k_moe_sort ends with, and writes what that pass writes:
-// dest for every assignment (-1 for a foreign id), src for every row.
+// Dropless. Block b places its assignments from its first places with the
+// stable pass k_moe_sort ends with, and writes what that pass writes: dest
+// for every assignment (-1 for a foreign id), src for every row.
 // Dynamic shared memory: base [E], wc [E x 33].
 __global__ void __launch_bounds__(kSortThreads) k_moe_sort_place(const __grid_constant__ SortParams p) {
-  griddep_launch_dependents();  // the gather may start; it waits for this grid
-  griddep_wait();
   extern __shared__ __align__(16) unsigned char dsm[];
-  if (call_aborted(p.words, p.token, p.blocks)) return;
-  const int E = p.E, k = p.k;
+  if (stage_aborted(p)) return;
+  place_range(p, dsm, [&](int64_t i) { return local_expert(p, i); },
+              [&](int64_t i, int e, int row) { store_place(p, i, e, row); });
+}
+
+// Capacity. One block: each expert's count cnt[e] and start[e] in the
+// dropless order, and each block's first places in it. No output written.
+__global__ void __launch_bounds__(kSortThreads) k_moe_cap_scan(const __grid_constant__ SortParams p) {
+  __shared__ int s_warp[33];
+  if (stage_aborted(p)) return;
+  const CapWs w = cap_ws(p);
+  scan_counts(
+      p, s_warp, [](int, int start) { return start; },
+      [&](int e, int start, int total) {
+        w.cnt[e] = total;
+        w.start[e] = start;
+      });
+}
+
+// Capacity. Block b places its assignments in the dropless order (the
+// first stable pass of k_moe_sort): order[place] = i. No output written.
+// Dynamic shared memory: base [E], wc [E x 33].
+__global__ void __launch_bounds__(kSortThreads) k_moe_cap_order(const __grid_constant__ SortParams p) {
+  extern __shared__ __align__(16) unsigned char dsm[];
+  if (stage_aborted(p)) return;
+  const CapWs w = cap_ws(p);
+  place_range(p, dsm, [&](int64_t i) { return local_expert(p, i); }, [&](int64_t i, int e, int place) {
+    if (e >= 0) w.order[place] = (int32_t)i;
+  });
+}
+
+// Capacity. Block e: expert e's threshold, the key its kept assignments
+// reach: 0 with at most C assignments (all kept), kKeepNone with C = 0
+// (none), else its C-th largest key, by select_threshold over
+// order[start[e], start[e] + cnt[e]). No output written.
+__global__ void __launch_bounds__(kSortThreads) k_moe_cap_select(const __grid_constant__ SortParams p) {
+  __shared__ int s_warp[33];
+  if (stage_aborted(p)) return;
+  const CapWs w = cap_ws(p);
+  const int e = blockIdx.x, n = w.cnt[e];
+  uint64_t thr = 0;
+  if (n > p.C)  // uniform across the block
+    thr = p.C == 0 ? kKeepNone : select_threshold(p, w.order + w.start[e], n, (int)p.C, s_warp);
+  if (threadIdx.x == 0) {
+    w.thr[2 * e] = (int32_t)(uint32_t)(thr >> 32);
+    w.thr[2 * e + 1] = (int32_t)(uint32_t)thr;
+  }
+}
+
+// Capacity. Block b counts its kept assignments per expert into
+// counts[b x E + e] (its first places of the dropless order, read by
+// k_moe_cap_order, are spent). No output written.
+__global__ void __launch_bounds__(kSortThreads) k_moe_cap_count(const __grid_constant__ SortParams p) {
+  __shared__ int cnt[IMOE_MOE_MAX_EXPERTS];
+  __shared__ unsigned long long thr[IMOE_MOE_MAX_EXPERTS];
+  if (stage_aborted(p)) return;
+  const CapWs w = cap_ws(p);
+  const int E = p.E;
+  for (int e = threadIdx.x; e < E; e += blockDim.x) {
+    cnt[e] = 0;
+    thr[e] = load_threshold(w, e);
+  }
+  __syncthreads();
   int64_t lo, hi;
   block_range(p, &lo, &hi);
-  int *base = reinterpret_cast<int *>(dsm);  // [E] running place
-  int *wc = base + E;                        // [E x 33]
-  const int32_t *first = p.ws + (int64_t)blockIdx.x * E;
-  for (int e = threadIdx.x; e < E; e += blockDim.x) base[e] = first[e];
+  for (int64_t i = lo + threadIdx.x; i < hi; i += blockDim.x) {
+    const int e = local_expert(p, i);
+    if (e >= 0 && kept_by(p, i, thr[e])) atomicAdd(&cnt[e], 1);
+  }
   __syncthreads();
-  // stable_places counts from 0: item q is assignment lo + q.
-  auto expert = [&](int64_t q) -> int {
-    const int64_t i = lo + q;
-    const int64_t e = mat_index(p.ids, i / k, i % k);
-    return e < E ? (int)e : -1;
+  int32_t *mine = p.counts + (int64_t)blockIdx.x * E;
+  for (int e = threadIdx.x; e < E; e += blockDim.x) mine[e] = cnt[e];
+}
+
+// Capacity. One block, as the rows of k_moe_sort: expert e's first row
+// (grouped: the kept assignments of the experts before; padded: e x C),
+// offsets[e] (its end; padded (e + 1) x C), each block's first rows, and
+// dropped = the sum of cnt[e] - kept. src -1 for every row that holds no
+// kept assignment (grouped: past the last kept one; padded: past each
+// expert's kept ones); k_moe_cap_place writes the others.
+__global__ void __launch_bounds__(kSortThreads) k_moe_cap_rows(const __grid_constant__ SortParams p) {
+  __shared__ int s_warp[33];
+  __shared__ int s_kept[IMOE_MOE_MAX_EXPERTS];
+  __shared__ unsigned long long s_dropped;
+  if (stage_aborted(p)) return;
+  const CapWs w = cap_ws(p);
+  if (threadIdx.x == 0) s_dropped = 0;
+  __syncthreads();
+  const int64_t kept = scan_counts(
+      p, s_warp, [&](int e, int start) { return p.padded ? (int)((int64_t)e * p.C) : start; },
+      [&](int e, int start, int total) {
+        s_kept[e] = total;
+        const int64_t end = p.padded ? ((int64_t)e + 1) * p.C : (int64_t)start + total;
+        store_index(p.offs.data + (int64_t)e * p.offs.n_stride, p.offs.dtype, p.offs.aligned != 0, end);
+        const int c = w.cnt[e];
+        if (c > total) atomicAdd(&s_dropped, (unsigned long long)(c - total));
+      });
+  __syncthreads();
+  if (!p.padded) {
+    for (int64_t r = kept + threadIdx.x; r < p.R; r += blockDim.x)
+      store_index(p.src.data + r * p.src.n_stride, p.src.dtype, p.src.aligned != 0, -1);
+  } else {  // R = E x C (C > 0 where R > 0)
+    for (int64_t r = threadIdx.x; r < p.R; r += blockDim.x)
+      if (r % p.C >= s_kept[r / p.C])
+        store_index(p.src.data + r * p.src.n_stride, p.src.dtype, p.src.aligned != 0, -1);
+  }
+  if (threadIdx.x == 0 && p.dropped) *reinterpret_cast<long long *>(p.dropped) = (long long)s_dropped;
+}
+
+// Capacity. Block b places its kept assignments from its first rows with
+// the stable pass k_moe_sort ends with, and writes what that pass writes:
+// dest for every assignment (-1 for a dropped or foreign one), src for
+// every kept row. Dynamic shared memory: base [E], wc [E x 33], then the
+// thresholds [E] (8-byte aligned: 136 x E bytes in).
+__global__ void __launch_bounds__(kSortThreads) k_moe_cap_place(const __grid_constant__ SortParams p) {
+  extern __shared__ __align__(16) unsigned char dsm[];
+  if (stage_aborted(p)) return;
+  const CapWs w = cap_ws(p);
+  uint64_t *thr = reinterpret_cast<uint64_t *>(reinterpret_cast<int *>(dsm) + (int64_t)p.E * kPlaceSmemInts);
+  for (int e = threadIdx.x; e < p.E; e += blockDim.x) thr[e] = load_threshold(w, e);
+  // (place_range's first barrier publishes thr)
+  auto kept_expert = [&](int64_t i) -> int {
+    const int e = local_expert(p, i);
+    return e >= 0 && kept_by(p, i, thr[e]) ? e : -1;
   };
-  stable_places(hi - lo, E, base, wc, expert, [&](int64_t q, int e, int row) {
-    const int64_t i = lo + q;
-    mat_store_index(p.dest, i / k, i % k, row);
-    if (e >= 0) store_index(p.src.data + (int64_t)row * p.src.n_stride, p.src.dtype, p.src.aligned != 0, i / k);
-  });
+  place_range(p, dsm, kept_expert, [&](int64_t i, int e, int row) { store_place(p, i, e, row); });
 }
 
 // ------------------------------------------------------------ the gather
@@ -421,22 +649,26 @@ struct CombineParams {
   int64_t T, R, H;
   int32_t k, ydt, odt, tdt;  // rows, out and term dtypes
   int32_t inline_check;      // every block checks all of dest (else k_moe_dest_check did)
+  int32_t check_blocks;      // blocks of k_moe_dest_check: its verdict words
   uint32_t token;
   StatusWords words;
 };
 
-__device__ __forceinline__ bool dest_bad(const Mat &dest, int64_t T, int k, int64_t R) {
+// Whether any of dest's entries [lo, hi) (flat, t k + j) lies outside [-1, R).
+__device__ __forceinline__ bool dest_bad(const Mat &dest, int64_t lo, int64_t hi, int k, int64_t R) {
   bool bad = false;
-  for (int64_t i = threadIdx.x; i < T * k; i += blockDim.x) {
+  for (int64_t i = lo + threadIdx.x; i < hi; i += blockDim.x) {
     const int64_t d = mat_index(dest, i / k, i % k);
     bad |= d < -1 || d >= R;
   }
   return __syncthreads_or(bad) != 0;
 }
 
+// check_blocks blocks, each over its share of dest: one verdict word each.
 __global__ void __launch_bounds__(1024) k_moe_dest_check(const __grid_constant__ CombineParams p) {
   griddep_launch_dependents();
-  const bool bad = dest_bad(p.dest, p.T, p.k, p.R);
+  const int64_t n = p.T * p.k, per = (n + gridDim.x - 1) / gridDim.x, lo = blockIdx.x * per;
+  const bool bad = dest_bad(p.dest, lo < n ? lo : n, lo + per < n ? lo + per : n, p.k, p.R);
   if (threadIdx.x == 0) {
     if (bad) record_status(p.words, IMOE_ERR_INDEX_RANGE);
     write_verdict(p.words, p.token, bad);
@@ -476,13 +708,13 @@ __global__ void __launch_bounds__(kRowThreads) k_moe_combine(const __grid_consta
   __shared__ int64_t s_dest[kCombineStage];
   __shared__ float s_weight[kCombineStage];
   if (p.inline_check) {
-    if (dest_bad(p.dest, p.T, p.k, p.R)) {
+    if (dest_bad(p.dest, 0, p.T * p.k, p.k, p.R)) {
       if (threadIdx.x == 0 && blockIdx.x == 0) record_status(p.words, IMOE_ERR_INDEX_RANGE);
       return;
     }
   } else {
     griddep_wait();
-    if (call_aborted(p.words, p.token, 1)) return;
+    if (call_aborted(p.words, p.token, p.check_blocks)) return;
   }
   constexpr int ysize = YDT == IMOE_DTYPE_F32 ? 4 : 2;
   const int osize = p.odt == IMOE_DTYPE_F32 ? 4 : 2;
@@ -656,11 +888,12 @@ cudaError_t allow_smem(void (*kernel)(SortParams), size_t smem) {
   return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
 }
 
-// The multi-block sort's blocks and tile for S assignments (dropless,
-// grouped, S >= kMultiSortMin): B = min(kMultiSortBlocks, ceil(S / kMultiSortItems)),
+// The multi-block sort's blocks and tile for S assignments (S >=
+// kMultiSortMin): B = min(kMultiSortBlocks, ceil(S / kMultiSortItems)),
 // the tile ceil(S / B) rounded up to a multiple of kSortThreads, then B =
 // ceil(S / tile) (the rounding may leave fewer blocks work: none is
-// empty). B x E <= S: see imoe_moe_workspace_elems.
+// empty). B x E <= S / 4 + 1024 <= S: see imoe_moe_workspace_elems (and
+// CapWs with a capacity).
 void multi_sort_shape(int64_t S, int32_t *blocks, int64_t *tile) {
   int64_t b = (S + kMultiSortItems - 1) / kMultiSortItems;
   if (b > kMultiSortBlocks) b = kMultiSortBlocks;
@@ -668,6 +901,15 @@ void multi_sort_shape(int64_t S, int32_t *blocks, int64_t *tile) {
   t = (t + kSortThreads - 1) / kSortThreads * kSortThreads;
   *tile = t;
   *blocks = (int32_t)((S + t - 1) / t);
+}
+
+// Blocks of the combine's dest check: one per kDestCheckItems entries, at
+// most kRowThreads (each combine block reads every verdict word, one per
+// thread) and kVerdicts.
+int32_t dest_check_blocks(int64_t entries) {
+  const int64_t most = kRowThreads < kVerdicts ? kRowThreads : kVerdicts;
+  const int64_t b = (entries + kDestCheckItems - 1) / kDestCheckItems;
+  return (int32_t)(b < 1 ? 1 : b < most ? b : most);
 }
 
 template <int YDT>
@@ -721,18 +963,22 @@ imoe_status imoe_cuda_moe_dispatch(const imoe_moe_routing *routing, const imoe_v
   const size_t smem = (size_t)sp.E * 36 * sizeof(int);
   if (smem > (size_t)di->smem_optin)
     return fail(err, IMOE_ERR_UNSUPPORTED, "%s: %d experts need %zu bytes of shared memory", fn, (int)sp.E, smem);
-  // Dropless and grouped from kMultiSortMin assignments, the sort runs in
-  // blocks where the workspace holds their counts (B x E); else, and always
-  // with a capacity, in one block. Both give the same bytes.
+  // From kMultiSortMin assignments (dropless, grouped; or with a capacity,
+  // either layout: padded always has one) the sort runs in blocks where the
+  // workspace holds what they share (dropless: the counts, B x E; capacity:
+  // CapWs); else in one block. Both give the same bytes.
   const int64_t S = sp.T * sp.k;
-  if (sp.C < 0 && !sp.padded && S >= kMultiSortMin) {
+  const bool capacity = sp.C >= 0;
+  if (S >= kMultiSortMin && workspace != nullptr) {
     multi_sort_shape(S, &sp.blocks, &sp.tile);
-    if (workspace == nullptr || workspace_elems < (int64_t)sp.blocks * sp.E) sp.blocks = 0;
+    const int64_t need = capacity ? cap_ws_elems(S, sp.blocks, sp.E) : (int64_t)sp.blocks * sp.E;
+    sp.counts = capacity ? workspace + S : workspace;
+    if (workspace_elems < need) sp.blocks = 0;
   }
   cudaError_t e;
-  if (sp.blocks > 0) {
-    const size_t place_smem = (size_t)sp.E * 34 * sizeof(int);  // base [E], wc [E x 33]
-    const bool pdl = di->cc_major >= 9;
+  const bool pdl = di->cc_major >= 9;
+  const size_t place_smem = (size_t)sp.E * kPlaceSmemInts * sizeof(int);  // base [E], wc [E x 33]
+  if (sp.blocks > 0 && !capacity) {
     if ((e = allow_smem(k_moe_sort_place, place_smem)) != cudaSuccess)
       return cuda_fail(err, fn, "cudaFuncSetAttribute", e);
     if ((e = launch(k_moe_sort_count, shape((unsigned)sp.blocks, kSortThreads), st, sp)) != cudaSuccess)
@@ -742,6 +988,26 @@ imoe_status imoe_cuda_moe_dispatch(const imoe_moe_routing *routing, const imoe_v
     if ((e = launch(k_moe_sort_place, shape((unsigned)sp.blocks, kSortThreads, place_smem, pdl), st, sp)) !=
         cudaSuccess)
       return cuda_fail(err, fn, "launch of k_moe_sort_place", e);
+  } else if (sp.blocks > 0) {
+    const size_t cap_smem = place_smem + (size_t)sp.E * sizeof(uint64_t);  // and the thresholds [E]
+    const unsigned B = (unsigned)sp.blocks;
+    if ((e = allow_smem(k_moe_cap_order, place_smem)) != cudaSuccess ||
+        (e = allow_smem(k_moe_cap_place, cap_smem)) != cudaSuccess)
+      return cuda_fail(err, fn, "cudaFuncSetAttribute", e);
+    if ((e = launch(k_moe_sort_count, shape(B, kSortThreads), st, sp)) != cudaSuccess)
+      return cuda_fail(err, fn, "launch of k_moe_sort_count", e);
+    if ((e = launch(k_moe_cap_scan, shape(1, kSortThreads, 0, pdl), st, sp)) != cudaSuccess)
+      return cuda_fail(err, fn, "launch of k_moe_cap_scan", e);
+    if ((e = launch(k_moe_cap_order, shape(B, kSortThreads, place_smem, pdl), st, sp)) != cudaSuccess)
+      return cuda_fail(err, fn, "launch of k_moe_cap_order", e);
+    if ((e = launch(k_moe_cap_select, shape((unsigned)sp.E, kSortThreads, 0, pdl), st, sp)) != cudaSuccess)
+      return cuda_fail(err, fn, "launch of k_moe_cap_select", e);
+    if ((e = launch(k_moe_cap_count, shape(B, kSortThreads, 0, pdl), st, sp)) != cudaSuccess)
+      return cuda_fail(err, fn, "launch of k_moe_cap_count", e);
+    if ((e = launch(k_moe_cap_rows, shape(1, kSortThreads, 0, pdl), st, sp)) != cudaSuccess)
+      return cuda_fail(err, fn, "launch of k_moe_cap_rows", e);
+    if ((e = launch(k_moe_cap_place, shape(B, kSortThreads, cap_smem, pdl), st, sp)) != cudaSuccess)
+      return cuda_fail(err, fn, "launch of k_moe_cap_place", e);
   } else {
     if ((e = allow_smem(k_moe_sort, smem)) != cudaSuccess) return cuda_fail(err, fn, "cudaFuncSetAttribute", e);
     if ((e = launch(k_moe_sort, shape(1, kSortThreads, smem), st, sp)) != cudaSuccess)
@@ -802,7 +1068,8 @@ imoe_status imoe_cuda_moe_combine(const imoe_view *rows, const imoe_view *dest, 
   cudaError_t e;
   if (!cp.inline_check) {
     cp.token = next_token();
-    e = launch(k_moe_dest_check, shape(1, 1024), st, cp);
+    cp.check_blocks = dest_check_blocks(cp.T * cp.k);
+    e = launch(k_moe_dest_check, shape((unsigned)cp.check_blocks, 1024), st, cp);
     if (e != cudaSuccess) return cuda_fail(err, fn, "launch of k_moe_dest_check", e);
   }
   const bool vec = cp.H % 8 == 0 && vector_width({(int64_t)(uintptr_t)cp.rows, cp.rows_row}) >= 16;

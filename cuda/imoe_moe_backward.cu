@@ -3,7 +3,8 @@
 // contract in idempotent_moe.h, "MoE backward", CPU core in
 // csrc/moe_backward.c). Every launch is on the caller's stream; no host
 // synchronisation.
-//   k_bwd_dest_check  one block: dest checked against [-1, R); a bad entry is
+//   k_bwd_dest_check  a block per 8,192 entries (at most 256): dest checked
+//                     against [-1, R); a bad entry is
 //                     a recorded IMOE_ERR_INDEX_RANGE and the call's verdict,
 //                     which the kernels after it read (nothing is written);
 //                     the kept entries counted;
@@ -72,40 +73,57 @@ struct BwdParams {
   int64_t T, R, H;
   int32_t k, adt, bdt, wdt, odt, a_by_row;
   int32_t out_vec, gather_vec;  // 16-byte chunks: out's rows (zeroing); src's and out's rows (gather)
+  int32_t check_blocks;         // blocks of k_bwd_dest_check: its verdict words
   uint32_t token;
   StatusWords words;
 };
 
-// The dest check is one block: its verdict is word 0 of the call's slot, and
-// word kEveryRowWord says whether the call's kept entries number R (token)
-// or not (0). Kept entries are distinct (the contract), so R of them name
-// every row: the gather then writes every row and needs no zeroing pass.
-constexpr int kEveryRowWord = 1;
+// The call's kept dest entries, counted by the dest check's blocks: per
+// verdict slot, the call's token (high 32 bits) and its count so far (low
+// 32). A block finding another token in the slot (an earlier call's) starts
+// the count afresh. Kept entries are distinct (the contract), so R of them
+// name every row: the gather then writes every row and needs no zeroing pass.
+__device__ unsigned long long g_kept[kSlots];
 
+__device__ __forceinline__ void add_kept(uint32_t token, unsigned long long n) {
+  unsigned long long *w = &g_kept[token % kSlots], old = *w, seen;
+  do {
+    seen = old;
+    const unsigned long long ours = seen >> 32 == token ? seen + n : ((unsigned long long)token << 32) | n;
+    old = atomicCAS(w, seen, ours);
+  } while (old != seen);
+}
+
+// check_blocks blocks of 1024, each over its share of dest: a verdict word
+// each, and its kept entries added to the call's count.
 __global__ void __launch_bounds__(1024) k_bwd_dest_check(const __grid_constant__ BwdParams p) {
   __shared__ unsigned long long kept;
   if (threadIdx.x == 0) kept = 0;
   __syncthreads();
+  const int64_t n = p.T * p.k, per = (n + gridDim.x - 1) / gridDim.x;
+  const int64_t lo = blockIdx.x * per < n ? blockIdx.x * per : n, hi = lo + per < n ? lo + per : n;
   bool bad = false;
   unsigned long long mine = 0;
-  for (int64_t i = threadIdx.x; i < p.T * p.k; i += blockDim.x) {
+  for (int64_t i = lo + threadIdx.x; i < hi; i += blockDim.x) {
     const int64_t d = idx_at(p.dest, i / p.k, i % p.k);
     bad |= d < -1 || d >= p.R;
     mine += d >= 0;
   }
   atomicAdd(&kept, mine);
   block_verdict(p.words, p.token, bad, IMOE_ERR_INDEX_RANGE);  // its barrier orders the sum
-  if (threadIdx.x == 0 && p.token)
-    p.words.verdict[p.token % kSlots][kEveryRowWord] = kept == (unsigned long long)p.R ? p.token : 0u;
+  if (threadIdx.x == 0 && p.token) add_kept(p.token, kept);
 }
 
-// Whether the dest check found R kept entries (read past L1, as verdicts are).
+// Whether the dest check counted R kept entries for this call (read past L1,
+// as verdicts are; the check's grid has completed).
 __device__ __forceinline__ bool every_row_named(const BwdParams &p) {
-  return p.token && __ldcg(&p.words.verdict[p.token % kSlots][kEveryRowWord]) == p.token;
+  if (!p.token) return false;
+  const unsigned long long w = __ldcg(&g_kept[p.token % kSlots]);
+  return w >> 32 == p.token && (w & 0xFFFFFFFFull) == (unsigned long long)p.R;
 }
 
 __global__ void __launch_bounds__(kThreads) k_bwd_zero_rows(const __grid_constant__ BwdParams p) {
-  if (call_aborted(p.words, p.token, 1) || every_row_named(p)) return;
+  if (call_aborted(p.words, p.token, p.check_blocks) || every_row_named(p)) return;
   if (p.out_vec) {  // 16-byte stores: rows of whole 16-byte chunks, 16-byte aligned
     const int64_t per_row = p.H * esize(p.odt) / 16;
     for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < p.R * per_row;
@@ -134,7 +152,7 @@ __device__ __forceinline__ uint4 scale_chunk(uint4 v, int dt, float w) {
 }
 
 __global__ void __launch_bounds__(kThreads) k_bwd_gather(const __grid_constant__ BwdParams p) {
-  if (call_aborted(p.words, p.token, 1)) return;
+  if (call_aborted(p.words, p.token, p.check_blocks)) return;
   const int asize = esize(p.adt), osize = esize(p.odt);
   for (int64_t item = blockIdx.x; item < p.T * p.k; item += gridDim.x) {
     const int64_t t = item / p.k, j = item - t * p.k;
@@ -159,7 +177,7 @@ __global__ void __launch_bounds__(kThreads) k_bwd_gather(const __grid_constant__
 }
 
 __global__ void __launch_bounds__(kThreads) k_bwd_weight_grad(const __grid_constant__ BwdParams p) {
-  if (call_aborted(p.words, p.token, 1)) return;
+  if (call_aborted(p.words, p.token, p.check_blocks)) return;
   const int lane = threadIdx.x & 31, warps = blockDim.x / 32;
   const int asize = esize(p.adt), bsize = esize(p.bdt);
   for (int64_t item = (int64_t)blockIdx.x * warps + threadIdx.x / 32; item < p.T * p.k;
@@ -352,6 +370,14 @@ cudaError_t launch_act_bwd(bool bf16, int act, unsigned grid, cudaStream_t s, co
 // The params every dest-reading call shares, and its check kernel launched.
 bool aligned16(const void *ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15u) == 0; }
 
+// Blocks of the dest check: one per 8,192 entries, at most kThreads (each
+// block after it reads every verdict word, one per thread) and kVerdicts.
+int32_t check_blocks(int64_t entries) {
+  const int64_t most = kThreads < kVerdicts ? kThreads : kVerdicts;
+  const int64_t b = (entries + 8191) / 8192;
+  return (int32_t)(b < 1 ? 1 : b < most ? b : most);
+}
+
 cudaError_t begin(const imoe_view *dest, int64_t rows, DevInfo *di, cudaStream_t s, BwdParams *p) {
   memset(p, 0, sizeof *p);
   p->dest = idx_of(dest);
@@ -360,7 +386,8 @@ cudaError_t begin(const imoe_view *dest, int64_t rows, DevInfo *di, cudaStream_t
   p->R = rows;
   p->words = di->words;
   p->token = next_token();
-  return launch(k_bwd_dest_check, shape(1, 1024), s, *p);
+  p->check_blocks = check_blocks(p->T * p->k);
+  return launch(k_bwd_dest_check, shape((unsigned)p->check_blocks, 1024), s, *p);
 }
 
 }  // namespace

@@ -248,7 +248,11 @@ def gated_act_backward_rows(gate_up, g, act, limit, w_row, need_act, need_dot, o
 
 
 def per_assignment(row_values: torch.Tensor, dest: torch.Tensor, dtype) -> torch.Tensor:
-    """[T, k]: row_values[dest[t, j]] ([R, 1]), 0 where dest is -1."""
+    """[T, k]: row_values[dest[t, j]] ([R, 1]), 0 where dest is -1. On the
+    library's kernels one call, moe_weight_grad's <row_values[d], 1> (a sum
+    of one product: the value itself, rounded once into dtype)."""
+    if on_core(row_values) and dtype in CORE_DTYPES:
+        return weight_grad_direct(row_values, row_values.new_ones(row_values.shape), dest, True, dtype)
     flat = row_values.reshape(-1)
     kept = dest >= 0
     return torch.where(kept, flat[dest.clamp(min=0).long()], 0).to(dtype)
@@ -287,7 +291,12 @@ def grouped_gemm_direct(a, w, offsets):
 # ---- the fused experts layer ---------------------------------------------------------
 
 def row_weights(dest: torch.Tensor, weights: torch.Tensor, num_rows: int, dtype) -> torch.Tensor:
-    """[R, 1]: each row's routing weight (0 for a row without an assignment)."""
+    """[R, 1]: each row's routing weight (0 for a row without an assignment).
+    On the library's kernels one call, moe_gather_rows of a column of ones
+    scaled by the weights (each product exact in float32)."""
+    if on_core(weights) and dtype in CORE_DTYPES:
+        ones = weights.new_ones((dest.shape[0], 1), dtype=dtype)
+        return gather_rows_direct(ones, dest, weights, num_rows, dtype)
     flat = dest.reshape(-1).long()
     w = weights.new_zeros(num_rows + 1, dtype=dtype)
     w.index_copy_(0, torch.where(flat < 0, num_rows, flat), weights.reshape(-1).to(dtype))

@@ -62,7 +62,8 @@ def separate_outputs(hidden: Any, num_experts: int, num_tokens: int, top_k: int,
 def dispatch_workspace(hidden: Any, assignments: int, capacity: int | None, cuda: bool) -> Any:
     """moe_dispatch's int32 workspace beside `hidden` on CUDA, or None where
     the call needs none: a capacity's (required), or a large dropless call's
-    (from IMOE_MOE_MULTI_SORT_MIN assignments: the sort then runs in blocks)."""
+    (from IMOE_MOE_MULTI_SORT_MIN assignments the sort runs in blocks, with a
+    capacity too)."""
     elems = native().moe_workspace_elems(assignments, capacity, cuda) if cuda else 0
     return empty(hidden, (elems,), "int32") if elems else None
 

@@ -124,7 +124,8 @@ def moe_dispatch(hidden: Any, top_k_index: Any, num_experts: int, *, top_k_weigh
                    shapes and dtypes above; `torch_outputs` makes one for
                    torch tensors), returned; nothing is allocated but the
                    workspace on CUDA (a capacity's, or a dropless call's of
-                   32,768 assignments or more, which sorts in several blocks).
+                   32,768 assignments or more; from 32,768 assignments the
+                   sort runs in several blocks).
 
     Every argument is judged before anything is allocated or written: a call
     that raises leaves `out` as it was.

@@ -410,6 +410,29 @@ def test_gpu_combine_into_a_view_of_out_equals_the_cpu(shift, tokens, top_k):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("where", ["first", "last"])
+def test_gpu_combine_checks_a_long_dest_in_blocks_and_writes_nothing_on_a_bad_entry(where):
+    """Past 2,048 entries a check kernel of a block per 8,192 (at most 128)
+    judges dest before the combine reads it: the sum as the CPU's, and an
+    entry out of range in any block (here 150,000 tokens x 8: the most blocks,
+    128) records the error and leaves out untouched."""
+    tokens, top_k = 150_000, 8
+    index, weights = routing(tokens, top_k, 64, seed=3)
+    d = moe_dispatch(torch.zeros(tokens, 1), index, 64)
+    y = torch.randn(tokens * top_k, 16).to(torch.bfloat16)
+    got = moe_combine(y.cuda(), d.dest.cuda(), weights.cuda())
+    check_errors(got)
+    assert torch.equal(got.cpu(), moe_combine(y, d.dest, weights))
+    dest = d.dest.clone()
+    dest.view(-1)[0 if where == "first" else -1] = tokens * top_k
+    out = torch.full((tokens, 16), 2.0, dtype=torch.bfloat16, device="cuda")
+    moe_combine(y.cuda(), dest.cuda(), weights.cuda(), out=out)
+    with pytest.raises(ValueError, match="found bad data and changed nothing"):
+        check_errors(out)
+    assert bool((out == 2.0).all())
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("tokens", [8, 4096])
 def test_gpu_bad_data_is_recorded_and_nothing_is_written(tokens):
     index, weights = routing(tokens, 2, 8, seed=2)
@@ -503,6 +526,117 @@ def test_gpu_multi_block_sort_bad_id_is_recorded_and_nothing_is_written(where, b
     for t in d:
         t.fill_(3)
     moe_dispatch(hidden, ids.cuda(), experts, skip_foreign=foreign, out=d)
+    with pytest.raises(ValueError, match="found bad data and changed nothing"):
+        check_errors(hidden)
+    assert all(bool((t == 3).all()) for t in d)
+
+
+# The multi-block sort with a capacity (from IMOE_MOE_MULTI_SORT_MIN
+# assignments, either layout): the kept set chosen per expert in the
+# workspace, then the kept assignments sorted in blocks; the one-block
+# sort's bytes, which are the CPU core's. S at the threshold, a training
+# step and an odd S; C = 0 (none kept), 1 and 5 (radix select over every
+# overloaded expert; at S = 32,768 with 1,000 experts the one block ranks
+# them pairwise: the same set), about S / E (some experts over, some under)
+# and S (none over).
+def _capacity_weights(tokens, top_k, seed, dtype):
+    """[T, k] weights with exact ties (half of them rounded to eighths, and
+    bf16's own), negatives, -0.0 beside +0.0, and some NaN."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.rand(tokens, top_k, generator=g) * 2 - 0.5
+    w = torch.where(torch.rand(tokens, top_k, generator=g) < 0.5, (w * 8).round() / 8, w)
+    flat = w.view(-1)
+    flat[7::997] = -0.0
+    flat[11::1009] = 0.0
+    flat[[5, tokens * top_k // 2, tokens * top_k - 2]] = float("nan")
+    flat[13::4099] = float("nan")  # NaN beside NaN: ties to the lower assignment
+    return w.to(dtype)
+
+
+def _capacity_of(kind, s, experts):
+    return {"balanced": max(1, s // experts), "loose": s}.get(kind, kind)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens,top_k", [(4096, 8), (16384, 8), (5699, 23)])
+@pytest.mark.parametrize("experts", [8, 128, 1000])
+@pytest.mark.parametrize("capacity", [0, 1, 5, "balanced", "loose"])
+def test_gpu_capacity_multi_block_sort_equals_the_cpu(tokens, top_k, experts, capacity):
+    """Offsets, dest, src, dropped and rows: the CPU core's bytes, for
+    uniform ids with F32 weights (outputs allocated, int32), and for skewed
+    ids (nine in ten to one expert) with foreign ones and BF16 weights
+    (outputs given through out=, int64)."""
+    from idempotent_moe.moe import MoEDispatch
+
+    s = tokens * top_k
+    cap = _capacity_of(capacity, s, experts)
+    for skew, dtype in ((False, torch.float32), (True, torch.bfloat16)):
+        seed = tokens + experts + skew
+        ids = _multi_sort_ids(tokens, top_k, experts, seed, skew, skew, torch.int32 if skew else torch.int64)
+        weights = _capacity_weights(tokens, top_k, seed, dtype)
+        hidden = torch.randn(tokens, 8).to(torch.bfloat16)
+        kw = dict(top_k_weights=weights, capacity=cap, skip_foreign=skew)
+        cpu = moe_dispatch(hidden, ids, experts, **kw)
+        assert int(cpu.dropped) > 0 or cap == s
+        hidden_gpu = hidden.cuda()
+        kw["top_k_weights"] = weights.cuda()
+        if skew:
+            out = MoEDispatch(torch.full((s, 8), 7.0, dtype=torch.bfloat16, device="cuda"),
+                              *(torch.full(shape, -7, dtype=torch.int64, device="cuda")
+                                for shape in ((experts,), (tokens, top_k), (s,), (1,))))
+            gpu = moe_dispatch(hidden_gpu, ids.cuda(), experts, out=out, **kw)
+        else:
+            gpu = moe_dispatch(hidden_gpu, ids.cuda(), experts, **kw)
+        check_errors(hidden_gpu)
+        assert torch.equal(gpu.rows.cpu().view(torch.uint8), cpu.rows.view(torch.uint8)), skew
+        for name in ("offsets", "dest", "src", "dropped"):
+            assert torch.equal(getattr(gpu, name).cpu().long(), getattr(cpu, name).long()), (name, skew)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens,top_k,experts,capacity", [(16384, 8, 128, 5), (16384, 8, 128, "balanced"),
+                                                           (5699, 23, 1000, 1), (4096, 8, 8, 0),
+                                                           (4096, 8, 1000, "balanced")])
+def test_gpu_padded_capacity_multi_block_sort_equals_the_cpu(tokens, top_k, experts, capacity):
+    """The padded layout: each expert's rows past its kept ones src -1 (and
+    zero rows), offsets (e + 1) x C."""
+    s = tokens * top_k
+    cap = _capacity_of(capacity, s, experts)
+    ids = _multi_sort_ids(tokens, top_k, experts, tokens, True, True, torch.int64)
+    weights = _capacity_weights(tokens, top_k, tokens, torch.float16)
+    hidden = torch.randn(tokens, 8)
+    kw = dict(top_k_weights=weights, capacity=cap, skip_foreign=True, layout="padded")
+    cpu = moe_dispatch(hidden, ids, experts, **kw)
+    hidden_gpu = hidden.cuda()
+    gpu = moe_dispatch(hidden_gpu, ids.cuda(), experts, **{**kw, "top_k_weights": weights.cuda()})
+    check_errors(hidden_gpu)
+    assert torch.equal(gpu.rows.cpu().view(torch.uint8), cpu.rows.view(torch.uint8))
+    for name in ("offsets", "dest", "src", "dropped"):
+        assert torch.equal(getattr(gpu, name).cpu().long(), getattr(cpu, name).long()), name
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("where,bad,foreign,tokens,layout", [("first", -1, True, 16384, "grouped"),
+                                                             ("middle", -5, False, 16384, "grouped"),
+                                                             ("last", 128, False, 16384, "grouped"),
+                                                             ("middle", 128, False, 16384, "padded"),
+                                                             ("last", 128, False, 80000, "grouped")])
+def test_gpu_capacity_multi_block_sort_bad_id_is_recorded_and_nothing_is_written(where, bad, foreign,
+                                                                                 tokens, layout):
+    """An id out of range in one block of the count kernel, with a capacity:
+    recorded, and no output of any kernel written (each kernel after the
+    count and the gather read every block's verdict). 80,000 x 8 > 128 x
+    4,096: the most blocks, 128."""
+    top_k, experts = 8, 128
+    ids = _multi_sort_ids(tokens, top_k, experts, 5, False, foreign, torch.int64)
+    ids.view(-1)[{"first": 3, "last": tokens * top_k - 1, "middle": tokens * top_k // 2 + 17}[where]] = bad
+    weights = _capacity_weights(tokens, top_k, 5, torch.float32).cuda()
+    hidden = torch.randn(tokens, 16, device="cuda")
+    kw = dict(top_k_weights=weights, capacity=tokens * top_k // experts // 2, layout=layout)
+    d = moe_dispatch(hidden, ids.cuda() % experts, experts, **kw)  # outputs of the right shapes: fill, re-run
+    for t in d:
+        t.fill_(3)
+    moe_dispatch(hidden, ids.cuda(), experts, skip_foreign=foreign, out=d, **kw)
     with pytest.raises(ValueError, match="found bad data and changed nothing"):
         check_errors(hidden)
     assert all(bool((t == 3).all()) for t in d)

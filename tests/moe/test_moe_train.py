@@ -395,6 +395,26 @@ def test_the_backward_is_handed_no_zeros_for_the_outputs_without_a_gradient(rout
     assert torch.equal(hidden.grad, torch.ones_like(hidden))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_row_weights_and_per_assignment_on_the_kernels_equal_the_torch_gathers(dtype):
+    """The layer's two small gathers run as one library call each (a gather
+    of weighted ones; a weight gradient of one column) where the dtypes are
+    the kernels': the values of the torch indexing they replace, bit for bit."""
+    w, idx = routing(num_tokens=16, skew=True)
+    w = w.to(dtype)
+    d = moe.moe_dispatch(torch.zeros(16, 1), idx, E, top_k_weights=w, capacity=3)
+    rows = int(d.offsets[-1]) + 2  # two rows no assignment names
+    got = ag.row_weights(d.dest, w, rows, torch.float32)
+    flat = d.dest.reshape(-1).long()
+    want = torch.zeros(rows + 1).index_copy_(0, torch.where(flat < 0, rows, flat), w.reshape(-1).float())
+    assert torch.equal(got, want[:rows].unsqueeze(-1))
+    values = torch.randn(rows, 1)
+    kept = d.dest >= 0
+    want = torch.where(kept, values.reshape(-1)[d.dest.clamp(min=0).long()], 0).to(dtype)
+    assert torch.equal(ag.per_assignment(values, d.dest, dtype), want)
+    assert (~kept).any() and bool((ag.per_assignment(values, d.dest, dtype)[~kept] == 0).all())
+
+
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_d_gate_up_takes_the_saved_gate_up_unless_the_graph_is_kept(dtype):
     """The eager backward is the saved gate_up's last reader: d(gate_up) is
@@ -698,6 +718,31 @@ def test_cuda_gather_rows_writes_every_row_whether_or_not_each_is_named(rows):
         got = torch.full((rows, 64), fill, dtype=torch.bfloat16, device="cuda")
         moe.moe_gather_rows(src.cuda(), dest.cuda(), rows, out=got)
         assert torch.equal(got.cpu(), ag.ref_gather_rows(src, dest, rows, None, torch.bfloat16))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("named", [True, False])  # every row named: no zeroing pass; one row left
+def test_cuda_gather_rows_of_a_long_dest_checked_in_blocks(named):
+    """Past 8,192 entries the dest check runs in blocks (here 300,000 x 8:
+    the most, 256) that count the kept entries together: R of them skip the
+    zeroing pass, fewer do not; an entry out of range in the last block
+    records the error and writes nothing."""
+    tokens, k = 300_000, 8
+    g = torch.Generator().manual_seed(13)
+    dest = torch.randperm(tokens * k, generator=g).to(torch.int32).view(tokens, k)
+    rows = tokens * k if named else tokens * k + 1
+    src = torch.randn(tokens, 8, generator=g).to(torch.bfloat16)
+    got = torch.full((rows, 8), float("nan"), dtype=torch.bfloat16, device="cuda")
+    moe.moe_gather_rows(src.cuda(), dest.cuda(), rows, out=got)
+    assert torch.equal(got.cpu(), ag.ref_gather_rows(src, dest, rows, None, torch.bfloat16))
+    import idempotent_moe as imoe
+
+    dest.view(-1)[-1] = rows
+    out = torch.full((rows, 8), 7.0, dtype=torch.bfloat16, device="cuda")
+    moe.moe_gather_rows(src.cuda(), dest.cuda(), rows, out=out)
+    with pytest.raises(ValueError, match="outside|range"):
+        imoe.check_errors(out)
+    assert bool((out == 7).all())
 
 
 @pytest.mark.gpu
