@@ -59,8 +59,10 @@ _CAPACITY = re.compile(r"idempotent-cap(\d+(?:\.\d+)?)")
 
 # Options of ours, appended to an "idempotent" name: "+gemm" runs the decode
 # GEMMs with the library's grouped_gemm (config.idempotent_small_m_gemm),
-# "+router" fuses the routers (integrations.fuse_routers).
-OPTIONS = ("gemm", "router")
+# "+xg" runs both GEMMs on the library's experts_gemm at every size
+# (config.idempotent_experts_gemm), "+router" fuses the routers
+# (integrations.fuse_routers).
+OPTIONS = ("gemm", "xg", "router")
 
 
 @dataclass(frozen=True)
@@ -69,6 +71,7 @@ class Impl:
     experts_implementation: str     # transformers' name
     capacity_factor: float | None   # capacity mode of "idempotent"
     small_m_gemm: bool = False      # "+gemm"
+    experts_gemm: bool = False      # "+xg"
     fused_router: bool = False      # "+router"
 
 
@@ -86,7 +89,8 @@ def parse_impl(name: str) -> Impl:
     if (base == "idempotent" or (match and float(match[1]) > 0)) and set(options) <= set(OPTIONS) \
             and len(set(options)) == len(options):
         return Impl(name, "idempotent", float(match[1]) if match else None,
-                    small_m_gemm="gemm" in options, fused_router="router" in options)
+                    small_m_gemm="gemm" in options, experts_gemm="xg" in options,
+                    fused_router="router" in options)
     raise ValueError(f"unknown experts implementation {name!r}: eager, grouped_mm, batched_mm, idempotent or "
                      "idempotent-cap<factor> (e.g. idempotent-cap1.25), the last two with options "
                      f"{', '.join('+' + o for o in OPTIONS)} (e.g. idempotent+gemm+router)")
@@ -105,7 +109,7 @@ def use_impl(model, impl: Impl) -> None:
         unfuse_routers(model)
     if impl.experts_implementation == "idempotent":
         use_idempotent_experts(model, impl.capacity_factor, fuse_routers=impl.fused_router,
-                               small_m_gemm=impl.small_m_gemm)
+                               small_m_gemm=impl.small_m_gemm, experts_gemm=impl.experts_gemm)
     else:  # the small-M switch is read by "idempotent" alone
         set_capacity_factor(model, None)
         model.set_experts_implementation(impl.experts_implementation)

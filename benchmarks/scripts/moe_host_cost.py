@@ -8,7 +8,7 @@
 2. CUDA kernels per forward (torch profiler) at 1 and 8 tokens.
 3. The ceiling of replacing the experts: decode tokens/s of M1's models
    (Mixtral-like, Qwen3-MoE-like) at batch 1, 8 and 32 with grouped_mm, with
-   "idempotent" (alone and with its options, "+gemm+router"), and with
+   "idempotent" (alone and with its options, "+gemm+router"; --impls picks), and with
    experts that cost nothing (a forward that returns zeros), with
    transformers' routers and with the fused ones: the speed the rest of the
    model allows. --cache static measures the compiled decode instead.
@@ -138,7 +138,7 @@ def switch(model, name):
         hf.fuse_routers(model)
 
 
-def decode_ceiling(family, batch, cache="dynamic", rounds=3, new_tokens=48):
+def decode_ceiling(family, batch, cache="dynamic", rounds=3, new_tokens=48, names=CEILING_IMPLS):
     """Decode tokens/s (all sequences) of one M1 model at one batch size per
     experts implementation, interleaved rounds, medians."""
     from imoe_bench.model_families import MOE_FAMILIES, build_model
@@ -159,7 +159,6 @@ def decode_ceiling(family, batch, cache="dynamic", rounds=3, new_tokens=48):
         torch.cuda.synchronize()
         return time.perf_counter() - t0
 
-    names = CEILING_IMPLS
     samples = {n: [] for n in names}
     for r in range(rounds + 1):
         for name in (names if r % 2 else names[::-1]):
@@ -176,6 +175,8 @@ def main():
     ap.add_argument("--skip-ceiling", action="store_true")
     ap.add_argument("--families", default="mixtral,qwen3moe")
     ap.add_argument("--batches", default="1,8,32")
+    ap.add_argument("--impls", default=",".join(CEILING_IMPLS),
+                    help="M1 names (idempotent+xg), zero-cost, zero-cost+router")
     ap.add_argument("--cache", choices=("dynamic", "static"), default="dynamic",
                     help="the ceiling's cache (static: transformers compiles the decode)")
     opts = ap.parse_args()
@@ -193,7 +194,8 @@ def main():
     del b
     if not opts.skip_ceiling:
         result["decode_tokens_per_s"] = {
-            f"{family}, batch {batch}": decode_ceiling(family, int(batch), opts.cache)
+            f"{family}, batch {batch}": decode_ceiling(family, int(batch), opts.cache,
+                                                              names=tuple(opts.impls.split(",")))
             for family in opts.families.split(",") for batch in opts.batches.split(",")}
     text = json.dumps(result, indent=1)
     print(text)

@@ -448,7 +448,9 @@ def test_impl_names_take_the_options_of_ours():
     assert (impl.experts_implementation, impl.capacity_factor, impl.small_m_gemm, impl.fused_router) == \
         ("idempotent", 1.25, True, True)
     assert not parse_impl("idempotent").small_m_gemm and parse_impl("idempotent+gemm").small_m_gemm
-    for bad in ("grouped_mm+gemm", "idempotent+gemm+gemm", "idempotent+fast", "idempotent-cap0+gemm"):
+    assert not parse_impl("idempotent+gemm").experts_gemm and parse_impl("idempotent+xg").experts_gemm
+    for bad in ("grouped_mm+gemm", "idempotent+gemm+gemm", "grouped_mm+xg", "idempotent+fast",
+                "idempotent-cap0+gemm"):
         with pytest.raises(ValueError, match="unknown experts implementation"):
             parse_impl(bad)
 
