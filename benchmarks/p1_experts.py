@@ -360,11 +360,10 @@ def environment(device: str) -> dict:
         env["triton"] = triton.__version__
     except ImportError:
         env["triton"] = None
-    try:
-        env["commit"] = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                                       timeout=10).stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        env["commit"] = None
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # imoe_bench beside this file
+    from imoe_bench import runner
+
+    env["commit"] = runner.git_commit()
     if device.startswith("cuda"):
         env["gpu_name"] = torch.cuda.get_device_name()
         try:

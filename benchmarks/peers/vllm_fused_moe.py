@@ -132,7 +132,9 @@ def extract_plain_functions(source: str, names: tuple) -> dict:
 
 def checkout_commit(vllm_path: str) -> str | None:
     """The checkout's commit: `git rev-parse HEAD` where it is a git work
-    tree, else the 40-hex commit a COMMIT file or fused_moe.py's head names."""
+    tree, else the 40-hex commit a COMMIT file or fused_moe.py's head names,
+    else "VERSION (COMMIT)" from a wheel's vllm/_version.py (its commit
+    abbreviated)."""
     try:  # only where the checkout is its own work tree's top (not a folder inside another repository)
         out = subprocess.run(["git", "-C", vllm_path, "rev-parse", "--show-toplevel", "HEAD"],
                              capture_output=True, text=True, timeout=10)
@@ -148,6 +150,14 @@ def checkout_commit(vllm_path: str) -> str | None:
                 m = re.search(r"\b([0-9a-f]{40})\b", f.read(4096))
             if m:
                 return m.group(1)
+    version_py = os.path.join(vllm_path, "vllm", "_version.py")
+    if os.path.exists(version_py):
+        with open(version_py) as f:
+            text = f.read(8192)
+        version = re.search(r"__version__ = version = '([^']+)'", text)
+        commit = re.search(r"__commit_id__ = commit_id = 'g?([0-9a-f]{7,40})'", text)
+        if version and commit:
+            return f"{version.group(1)} ({commit.group(1)})"
     return None
 
 

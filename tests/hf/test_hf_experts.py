@@ -444,3 +444,43 @@ def test_capacity_gradients_match_the_reference():
     reference = (out, h.grad, w.grad, experts.gate_up_proj.grad, experts.down_proj.grad)
     for a, b in zip(ours, reference):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("xg_attr", [None, True, False])
+@pytest.mark.parametrize("small_m_attr", [None, True, False])
+def test_the_gemm_is_chosen_in_one_place_by_rows_per_expert_and_the_switches(xg_attr, small_m_attr):
+    """_fused._gemm: where the plan allows experts_gemm (eager, CUDA,
+    fp16/bf16, the fused gate) and a switch is unset, the default takes
+    grouped_gemm at one row per expert, experts_gemm up to
+    XG_ROWS_PER_EXPERT, grouped_mm above; a switch set True or False decides
+    for its GEMM; a plan without experts_gemm (traced, float32) keeps
+    grouped_mm unless small_m_gemm is True."""
+    import types
+
+    from idempotent_moe.integrations import _fused
+
+    experts = types.SimpleNamespace(num_experts=8, config=types.SimpleNamespace())
+    for attr, value in ((hf.EXPERTS_GEMM_ATTR, xg_attr), (hf.SMALL_M_GEMM_ATTR, small_m_attr)):
+        if value is not None:
+            setattr(experts.config, attr, value)
+    limit = _fused.XG_ROWS_PER_EXPERT
+    for xg_plan in (True, False):
+        plan = _fused._Plan(None, None, None, True, "silu", 16, True, True, xg_plan)
+        for rows in (1, 2, 8, 9, 16, 32, 8 * limit, 8 * limit + 1, 4096):
+            per_expert = -(-rows // min(8, rows))
+            if xg_plan and xg_attr is True:
+                want = "xg"
+            elif small_m_attr is True and rows <= _fused.SMALL_M_ROWS_PER_EXPERT * 8:
+                want = "small_m"
+            elif xg_plan and small_m_attr is None and per_expert == 1:
+                want = "small_m"
+            elif xg_plan and xg_attr is None and per_expert <= limit:
+                want = "xg"
+            else:
+                want = "grouped_mm"
+            assert _fused._gemm(experts, plan, rows) == want, (xg_plan, rows)
+    # the default itself, spelled out
+    if xg_attr is None and small_m_attr is None:
+        plan = _fused._Plan(None, None, None, True, "silu", 16, True, True, True)
+        assert [_fused._gemm(experts, plan, r) for r in (2, 8, 16, 512, 513)] == \
+            ["small_m", "small_m", "xg", "xg", "grouped_mm"]

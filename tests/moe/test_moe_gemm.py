@@ -266,7 +266,7 @@ def test_gpu_small_m_experts_forward_is_no_worse_than_grouped_mm(tokens):
             block(x)
             torch.cuda.synchronize()
     finally:
-        setattr(block.experts.config, hf.SMALL_M_GEMM_ATTR, False)
+        delattr(block.experts.config, hf.SMALL_M_GEMM_ATTR)
     assert any("k_grouped_gemm" in e.name for e in prof.events())
     with torch.no_grad():
         exact = w4.fp32_reference(block, x)
@@ -289,7 +289,8 @@ def test_gpu_small_m_compiled_is_the_eager_path_and_large_batches_keep_grouped_m
     """Under torch.compile (the static cache's decode) the switch runs the
     same kernels as the eager decode path, bit for bit (the experts on the
     same routing); above SMALL_M_ROWS_PER_EXPERT rows per expert both paths
-    keep torch's grouped_mm."""
+    keep torch's grouped_mm (eager: with experts_gemm switched off, which
+    the eager default would take there)."""
     import idempotent_moe.integrations as hf
     from _helpers.hf_models import cuda_block
     from idempotent_moe.integrations import _fused
@@ -301,6 +302,7 @@ def test_gpu_small_m_compiled_is_the_eager_path_and_large_batches_keep_grouped_m
     w4._use(block, "idempotent", None)
     experts = block.experts
     setattr(experts.config, hf.SMALL_M_GEMM_ATTR, True)
+    setattr(experts.config, hf.EXPERTS_GEMM_ATTR, False)
     try:
         for tokens in (8, _fused.SMALL_M_ROWS_PER_EXPERT * 8 // 2 + 1):
             x = torch.randn(tokens, 1024, device="cuda", dtype=torch.bfloat16)
@@ -314,10 +316,11 @@ def test_gpu_small_m_compiled_is_the_eager_path_and_large_batches_keep_grouped_m
             assert torch.equal(out, eager), tokens
             torch._dynamo.reset()
     finally:
-        setattr(experts.config, hf.SMALL_M_GEMM_ATTR, False)
+        delattr(experts.config, hf.SMALL_M_GEMM_ATTR)
+        delattr(experts.config, hf.EXPERTS_GEMM_ATTR)
 
 
-def test_the_switch_is_off_by_default():
+def test_the_switch_is_the_config_attribute_idempotent_small_m_gemm():
     from idempotent_moe.integrations import hf_experts
 
     assert hf_experts.SMALL_M_GEMM_ATTR == "idempotent_small_m_gemm"

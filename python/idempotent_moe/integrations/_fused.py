@@ -20,10 +20,15 @@ the core, over intermediates kept on the module between forwards (`_Scratch`:
 the gathered rows, the routing ints and the activations, at most
 SCRATCH_BYTES; the output is always a new tensor). Reusing them is safe in
 stream order: every reader of one forward's intermediates is queued before
-the next forward writes them, on the same stream (the key holds it). With
-the config attribute `idempotent_small_m_gemm` True and weights whose K axis
-is contiguous, its two GEMMs are the library's grouped_gemm (its own
-rounding: no longer bit-identical to grouped_mm) instead of grouped_mm.
+the next forward writes them, on the same stream (the key holds it).
+
+Which GEMMs a forward runs is decided in one place (`_gemm`): in bf16/fp16,
+eager, by default the fastest by rows per expert (the library's grouped_gemm
+at one, its experts_gemm up to XG_ROWS_PER_EXPERT, which reads the tokens
+where they lie and applies the activation in its epilogue, torch's
+grouped_mm above: their sums are fp32 in different orders, so below
+XG_ROWS_PER_EXPERT the bits are not grouped_mm's); the config attributes
+`idempotent_experts_gemm` and `idempotent_small_m_gemm` override it.
 """
 
 from __future__ import annotations
@@ -57,7 +62,7 @@ _RAW_MM = getattr(torch, "_grouped_mm", None)  # F.grouped_mm's op, less one Pyt
 _RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 # True: the fused path's two GEMMs run the library's grouped_gemm instead of
 # torch's grouped_mm at decode sizes (at most SMALL_M_ROWS_PER_EXPERT rows per
-# expert; eager and compiled). Off by default: its rounding differs (docs/moe.md).
+# expert; eager and compiled); False: never; unset: the default's choice (_gemm).
 SMALL_M_GEMM_ATTR = "idempotent_small_m_gemm"
 SCRATCH_BYTES = 8 << 20  # per module: decode sizes only (prefill allocates per forward)
 
@@ -114,31 +119,50 @@ def _plan(experts, hidden_states: torch.Tensor) -> _Plan:
 
 
 SMALL_M_ROWS_PER_EXPERT = 4  # grouped_gemm beats grouped_mm up to about this many rows per expert (H200)
+# The default's thresholds (workload P1, H100, bf16, four MoE shapes at 1 to
+# 4,096 tokens): at one row per expert grouped_gemm is 4-11% faster than
+# experts_gemm; from two to XG_ROWS_PER_EXPERT rows per expert experts_gemm is
+# the fastest (3-17% ahead of grouped_mm on the gathered rows); above it, at
+# 128 rows per expert and more, grouped_mm is (10-45% ahead of experts_gemm).
+XG_ROWS_PER_EXPERT = 64
+
+# The config attribute that picks the experts' GEMM: True, the library's
+# experts_gemm wherever its kernel takes the weights (eager, CUDA, fp16/bf16,
+# the fused gate); False, never; unset, the default's choice (_gemm).
+EXPERTS_GEMM_ATTR = "idempotent_experts_gemm"  # hf_experts.EXPERTS_GEMM_ATTR
 
 
-def _small_m_on(experts, plan: _Plan, rows: int) -> bool:
-    """Whether this forward's GEMMs (`rows` dispatched rows) are grouped_gemm:
-    the weights fit, at most SMALL_M_ROWS_PER_EXPERT rows per expert on
-    average, and the module's config asks for it (read every forward: it may
-    be switched)."""
+def _gemm(experts, plan: _Plan, rows: int) -> str:
+    """This forward's GEMMs (`rows` dispatched rows): "xg" (experts_gemm:
+    the tokens read through src, the activation in its epilogue), "small_m"
+    (grouped_gemm) or "grouped_mm". The two config attributes decide where
+    set (read every forward: they may be switched): experts_gemm True, "xg"
+    wherever the plan allows it; small_m_gemm True, "small_m" at most
+    SMALL_M_ROWS_PER_EXPERT rows per expert; False, never that one. Where the
+    plan allows experts_gemm (eager, CUDA, fp16/bf16, the fused gate) and an
+    attribute is unset, the default takes the fastest by rows per expert
+    (rows over min(E, rows) experts): grouped_gemm at one, experts_gemm up to
+    XG_ROWS_PER_EXPERT, grouped_mm above. Traced, or in float32, the default
+    is grouped_mm."""
     # experts.config read as an attribute (every experts module of transformers'
     # interface has one): under torch.compile the config is then guarded where
     # the model's own reads guard it, and the module stays one whose guards a
     # compiled step skips while its __dict__ is unchanged (test_hf_experts_compile).
-    return (plan.small_m and rows <= SMALL_M_ROWS_PER_EXPERT * experts.num_experts
-            and getattr(experts.config, SMALL_M_GEMM_ATTR, False) is True)
-
-
-# The config attribute that picks the experts' GEMM: True, the library's
-# experts_gemm wherever its kernel takes the weights (eager, CUDA, fp16/bf16,
-# the fused gate); anything else (the default), grouped_mm.
-EXPERTS_GEMM_ATTR = "idempotent_experts_gemm"  # hf_experts.EXPERTS_GEMM_ATTR
-
-
-def _xg_on(experts, plan: _Plan) -> bool:
-    """Whether this forward's GEMMs are experts_gemm: the plan allows it and
-    the module's config asks for it (read every forward: it may be switched)."""
-    return plan.xg and getattr(experts.config, EXPERTS_GEMM_ATTR, False) is True
+    config = experts.config
+    xg = getattr(config, EXPERTS_GEMM_ATTR, None)
+    small_m = getattr(config, SMALL_M_GEMM_ATTR, None)
+    if plan.xg and xg is True:
+        return "xg"
+    num_experts = experts.num_experts
+    if plan.small_m and small_m is True and rows <= SMALL_M_ROWS_PER_EXPERT * num_experts:
+        return "small_m"
+    if plan.xg:
+        per_expert = -(-rows // max(1, min(num_experts, rows)))
+        if small_m is None and per_expert <= 1:
+            return "small_m"
+        if xg is None and per_expert <= XG_ROWS_PER_EXPERT:
+            return "xg"
+    return "grouped_mm"
 
 
 def _grouped(lib, a: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, stream: int, small_m: bool):
@@ -259,7 +283,8 @@ def _lean_forward(experts, plan: _Plan, hidden: torch.Tensor, top_k_index: torch
         return None
     lib, d = native(), sc.d
     dropped = d.dropped if capacity is None else torch.empty(1, dtype=torch.int64, device=hidden.device)
-    xg = _xg_on(experts, plan)
+    gemm = _gemm(experts, plan, num_tokens * top_k)
+    xg = gemm == "xg"
     # experts_gemm reads the tokens through src: the dispatch sorts and
     # gathers one column only (the rows it would copy are never read).
     lib.moe_dispatch(hidden=hidden[:, :1] if xg else hidden, top_k_index=top_k_index,
@@ -274,7 +299,7 @@ def _lean_forward(experts, plan: _Plan, hidden: torch.Tensor, top_k_index: torch
         y = hidden.new_empty((num_tokens * top_k, hidden.shape[1]))
         lib.experts_gemm(x=sc.act, w=plan.down, offsets=d.offsets, out=y, num_threads=0, stream=stream)
     else:
-        small_m = _small_m_on(experts, plan, num_tokens * top_k)
+        small_m = gemm == "small_m"
         h = _grouped(lib, d.rows, plan.up, d.offsets, stream, small_m)
         lib.gated_act(gate_up=h, out=sc.act, act=plan.act, limit=d.offsets, num_threads=0, stream=stream)
         y = _grouped(lib, sc.act, plan.down, d.offsets, stream, small_m)
@@ -331,7 +356,8 @@ def forward(experts, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
         if result is not None:
             return result
     if (hidden_states.device.type == "cuda" and hidden_states.dtype is plan.up.dtype
-            and hidden_states.dim() == 2 and _xg_on(experts, plan)):
+            and hidden_states.dim() == 2 and top_k_index.dim() == 2
+            and _gemm(experts, plan, top_k_index.numel()) == "xg"):
         return _xg_forward(experts, plan, hidden_states, top_k_index, top_k_weights, capacity)
     num_experts = experts.num_experts
     grouped = capacity is None or plan.grouped_mm
@@ -349,7 +375,7 @@ def forward(experts, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
     # layout [E, in, out] (offs: the rows' expert ends): on CUDA grouped_mm
     # directly where it takes the weights; elsewhere grouped_linear, which
     # also checks each operand's alignment. linear(a, w): over all rows.
-    if grouped and plan.act is not None and whole and _small_m_on(experts, plan, rows):
+    if grouped and plan.act is not None and whole and _gemm(experts, plan, rows) == "small_m":
         def gemm(a, w, offs):  # the fused gate's two GEMMs only (plan.up, plan.down)
             return grouped_gemm(a, w, offs)
     elif grouped and plan.grouped_mm and hidden_states.device.type == "cuda":
@@ -417,7 +443,7 @@ def experts_forward(experts, hidden_states: torch.Tensor, top_k_index: torch.Ten
         # Stored only where it is not None already: a compiled decode step
         # then replays no module attribute write per layer. Read as an
         # attribute, not through __dict__, which would keep torch.compile from
-        # skipping the module's guards (see _small_m_on).
+        # skipping the module's guards (see _gemm).
         if getattr(experts, "idempotent_stats", False) is not None:
             experts.idempotent_stats = None
         return out

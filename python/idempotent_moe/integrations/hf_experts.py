@@ -192,14 +192,17 @@ def use_idempotent_experts(model, capacity_factor: float | None = None, *, fuse_
                   Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE; TypeError for others,
                   with nothing changed).
     small_m_gemm  True/False sets `idempotent_small_m_gemm` on the experts'
-                  configs (the library's grouped GEMM at decode sizes; its
-                  rounding is not grouped_mm's); None leaves it as it is.
+                  configs: the library's grouped GEMM up to 4 rows per
+                  expert / never; None leaves it as it is.
     experts_gemm  True/False sets `idempotent_experts_gemm` on the experts'
                   configs: the library's tensor-core experts GEMM (reads the
                   tokens where they lie, the gated activation in its
                   epilogue) always / never where its kernel takes the
                   weights (CUDA, float16/bfloat16, eager); None leaves it
-                  as it is (unset: off)."""
+                  as it is.
+    Unset, the fused path picks the GEMMs by rows per expert (docs/moe.md,
+    "Which GEMMs run"); their rounding is not grouped_mm's below 64 rows
+    per expert."""
     for name, value in (("small_m_gemm", small_m_gemm), ("experts_gemm", experts_gemm)):
         if value is not None and type(value) is not bool:
             raise TypeError(f"{name} must be True, False or None, not {value!r}")
