@@ -7,11 +7,14 @@ top_k_index [T, k], top_k_weights [T, k]) -> [T, H]`, for four shapes
 routing:
 
 - `grouped_mm`: transformers' grouped_mm experts implementation;
-- `idempotent`: the library's experts implementation, default options;
-- `idempotent_small_m`: the same with `small_m_gemm=True`
-  (`idempotent_small_m_gemm` on the experts' config);
+- `idempotent`: the library's experts implementation, default options (its
+  GEMMs picked by rows per expert: docs/moe.md, "Which GEMMs run");
+- `idempotent_grouped_mm`: the same with torch's grouped_mm at every size
+  (`small_m_gemm=False, experts_gemm=False`);
+- `idempotent_small_m`: the same with `small_m_gemm=True, experts_gemm=False`
+  (the library's grouped_gemm up to 4 rows per expert, grouped_mm above);
 - `idempotent_experts_gemm`: the same with `experts_gemm=True` (the
-  library's tensor-core experts GEMM, `idempotent_experts_gemm`);
+  library's tensor-core experts GEMM at every size);
 - `vllm_fused_moe` (with `--vllm-path`): vLLM's Triton fused_moe with vLLM's
   tuned configs, loaded from that checkout by benchmarks/peers/vllm_fused_moe.py
   (its moe_align_block_size, silu_and_mul and moe_sum CUDA ops in torch); also
@@ -111,10 +114,11 @@ def build_experts(shape: tuple, device: str, dtype: torch.dtype, seed: int, std:
             value[e].copy_(torch.randn(p.shape[1:], generator=gen) * std)
         setattr(base, name, torch.nn.Parameter(value, requires_grad=False))
     modules = {}
-    for impl, attrs in (("grouped_mm", {}), ("idempotent", {imoe_hf.SMALL_M_GEMM_ATTR: False}),
-                        ("idempotent_small_m", {imoe_hf.SMALL_M_GEMM_ATTR: True}),
-                        ("idempotent_experts_gemm", {imoe_hf.SMALL_M_GEMM_ATTR: False,
-                                                     imoe_hf.EXPERTS_GEMM_ATTR: True})):
+    small_m, xg = imoe_hf.SMALL_M_GEMM_ATTR, imoe_hf.EXPERTS_GEMM_ATTR
+    for impl, attrs in (("grouped_mm", {}), ("idempotent", {}),
+                        ("idempotent_grouped_mm", {small_m: False, xg: False}),
+                        ("idempotent_small_m", {small_m: True, xg: False}),
+                        ("idempotent_experts_gemm", {small_m: False, xg: True})):
         cfg = copy.deepcopy(config)
         cfg._experts_implementation = "grouped_mm" if impl == "grouped_mm" else imoe_hf.EXPERTS_IMPLEMENTATION
         for k, v in attrs.items():

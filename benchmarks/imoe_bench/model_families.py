@@ -58,10 +58,11 @@ _CAPACITY = re.compile(r"idempotent-cap(\d+(?:\.\d+)?)")
 
 
 # Options of ours, appended to an "idempotent" name: "+gemm" runs the decode
-# GEMMs with the library's grouped_gemm (config.idempotent_small_m_gemm),
+# GEMMs with the library's grouped_gemm (config.idempotent_small_m_gemm True),
 # "+xg" runs both GEMMs on the library's experts_gemm at every size
-# (config.idempotent_experts_gemm), "+router" fuses the routers
-# (integrations.fuse_routers).
+# (config.idempotent_experts_gemm True), "+router" fuses the routers
+# (integrations.fuse_routers). Without them the GEMMs are the default's
+# choice (both attributes unset).
 OPTIONS = ("gemm", "xg", "router")
 
 
@@ -109,10 +110,25 @@ def use_impl(model, impl: Impl) -> None:
         unfuse_routers(model)
     if impl.experts_implementation == "idempotent":
         use_idempotent_experts(model, impl.capacity_factor, fuse_routers=impl.fused_router,
-                               small_m_gemm=impl.small_m_gemm, experts_gemm=impl.experts_gemm)
+                               small_m_gemm=True if impl.small_m_gemm else None,
+                               experts_gemm=True if impl.experts_gemm else None)
+        _unset_unnamed_options(model, impl)
     else:  # the small-M switch is read by "idempotent" alone
         set_capacity_factor(model, None)
         model.set_experts_implementation(impl.experts_implementation)
+
+
+def _unset_unnamed_options(model, impl: Impl) -> None:
+    """An option the name leaves out is the default's choice: its config
+    attribute None (unset) on every config of the model's modules, whatever
+    an earlier implementation of the same model set."""
+    from idempotent_moe.integrations import EXPERTS_GEMM_ATTR, SMALL_M_GEMM_ATTR
+
+    configs = {id(c): c for c in (getattr(m, "config", None) for m in model.modules()) if c is not None}
+    for config in configs.values():
+        for attr, named in ((SMALL_M_GEMM_ATTR, impl.small_m_gemm), (EXPERTS_GEMM_ATTR, impl.experts_gemm)):
+            if not named:
+                setattr(config, attr, None)
 
 
 def build_model(family: Family, device: str, seed: int = 0):

@@ -172,7 +172,8 @@ def test_gpu_dropless_peak_memory_is_at_most_half_of_grouped_mm():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tokens", [1, 40, 300])  # the default's three GEMMs: grouped_gemm, experts_gemm, grouped_mm
+# tokens: the default's three GEMMs (grouped_gemm, experts_gemm, grouped_mm)
+@pytest.mark.parametrize("tokens", [1, 40, 300])
 @pytest.mark.parametrize("factor", [None, 1.0])
 def test_gpu_forward_never_synchronises_the_host(factor, tokens):
     hf.register()

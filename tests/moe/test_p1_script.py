@@ -21,7 +21,7 @@ from _helpers import ROOT, package_env  # noqa: E402
 
 SCRIPT = os.path.join(ROOT, "benchmarks", "p1_experts.py")
 LOADER = os.path.join(ROOT, "benchmarks", "peers", "vllm_fused_moe.py")
-IMPLS = {"grouped_mm", "idempotent", "idempotent_small_m", "idempotent_experts_gemm"}
+IMPLS = {"grouped_mm", "idempotent", "idempotent_grouped_mm", "idempotent_small_m", "idempotent_experts_gemm"}
 
 
 def _module(path: str, name: str):
