@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 import time
 from pathlib import Path
 
@@ -129,8 +130,11 @@ def main(argv=None) -> int:
         policies = args.kvpress_presses.split(",")
     else:
         policies = args.policies.split(",")
+    def checkpoint(rows):  # the rows so far, marked partial, replacing --out whole
+        write_atomically(out, dumps({**result, "rows": rows, "partial": True}))
+
     result["rows"] = run_rounds(lib, prefill, decode, model, ids_t, budgets, policies, settings, args.rounds,
-                                prompt, context, steps, log)
+                                prompt, context, steps, log, checkpoint)
     if "memory" in settings:
         pol = MEMORY_POLICY[lib] if not args.quick or lib == "kvpress" else "snapkv"
         result["memory"] = [memory_run(model, ids_t[:, :prompt], lib, "full", None)]
@@ -138,6 +142,14 @@ def main(argv=None) -> int:
         log(f"memory: {result['memory']}")
     TIMERS.unwrap()
     result["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
-    out.write_text(dumps(result))
+    write_atomically(out, dumps(result))
     return 0
+
+
+def write_atomically(path: Path, text: str) -> None:
+    """`text` into `path` through a file beside it and a rename: a reader (or
+    a run stopped mid-write) sees the old file or the new one, never half."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
 

@@ -122,11 +122,13 @@ def timed(run) -> dict:
 
 
 def run_rounds(lib: str, prefill, decode, model, ids, budgets, policies, settings, rounds, prompt, context,
-               steps, log) -> list:
+               steps, log, checkpoint=None) -> list:
     """Every configuration of `lib` (its `prefill` and `decode` measures,
     cost_library's or cost_kvpress's), each setting's rounds interleaved,
     the order rotated each round: a row per configuration, its medians (or
-    the error it raised)."""
+    the error it raised). `checkpoint(rows)`, where given, receives the rows
+    measured so far after every round (a run stopped by a time limit keeps
+    them)."""
     configs = [("full", None)] + [(p, b) for b in budgets for p in policies]
     runs = {}
     with torch.no_grad():  # warm-up: every configuration once on a short prompt, untimed
@@ -159,6 +161,13 @@ def run_rounds(lib: str, prefill, decode, model, ids, budgets, policies, setting
                     continue
                 runs.setdefault(key, []).append(res)
             log(f"{lib} {setting} round {r + 1}/{rounds} done")
+            if checkpoint is not None:
+                checkpoint(_rows(lib, runs, configs))
+    return _rows(lib, runs, configs)
+
+
+def _rows(lib: str, runs: dict, configs: list) -> list:
+    """run_rounds' rows from its runs so far: medians, or the error."""
     rows = []
     for key, got in runs.items():
         if len(key) == 4:

@@ -99,3 +99,32 @@ def test_q1_kv_cost_random_config_is_smollm2():
             assert abs(want - value) < 1e-9, key
         else:
             assert want == value, key
+
+
+def test_q1_kv_cost_writes_its_rows_after_every_round(tmp_path, monkeypatch):
+    """A run stopped by a time limit keeps what it measured: after each round
+    --out holds the rows so far, marked partial; the finished file is not."""
+    out = tmp_path / "cost.json"
+    seen = []
+    real = cli_cost.run_rounds
+
+    def spy(*args):
+        checkpoint = args[-1]
+
+        def record(rows):
+            checkpoint(rows)
+            seen.append(json.loads(out.read_text()))
+        return real(*args[:-1], record)
+
+    monkeypatch.setattr(cli_cost, "run_rounds", spy)
+    assert cli_cost.main(["--quick", "--out", str(out), "--rounds", "2", "--settings", "prefill,decode",
+                          "--policies", "knorm"]) == 0
+    assert len(seen) == 4  # two settings x two rounds
+    assert all(s["partial"] is True for s in seen)
+    first = {(r["setting"], r["policy"], r["budget"]): r for r in seen[0]["rows"]}
+    assert set(first) == {("prefill", "full", None)} | {("prefill", "knorm", b) for b in seen[0]["budgets"]}
+    assert all(r["rounds"] == 1 for r in first.values())
+    assert all(r["rounds"] == 2 for r in seen[-1]["rows"])
+    final = json.loads(out.read_text())
+    assert "partial" not in final and final["rows"] == seen[-1]["rows"]
+    assert not list(tmp_path.glob("*.tmp"))
