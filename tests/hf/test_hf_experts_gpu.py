@@ -228,3 +228,28 @@ def test_gpu_capacity_mode_matches_the_cpu():
     cpu_stats, gpu_stats = cpu_experts.idempotent_stats, gpu_experts.idempotent_stats
     assert gpu_stats[:2] == cpu_stats[:2] and int(gpu_stats[2]) == int(cpu_stats[2]) > 0
     torch.testing.assert_close(gpu.cpu(), cpu, rtol=1e-3, atol=1e-3)  # GEMM shapes differ by device
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 8])
+def test_gpu_hidden_states_in_another_dtype_keep_grouped_mm(tokens):
+    """fp32 hidden states into bf16 experts: the library's GEMMs take one
+    dtype, so the default keeps grouped_mm (which casts them) at every
+    size, one row per expert included: its fp32 output, rounded to bf16, is
+    what bf16 hidden states give through grouped_mm (the combine sums in
+    fp32 and rounds once either way)."""
+    from idempotent_moe.integrations import _fused
+
+    hf.register()
+    experts = standalone_experts(hidden=64, intermediate=96).to("cuda", torch.bfloat16)
+    hidden = torch.randn(tokens, 64, device="cuda")
+    index, weights = skewed_routing(tokens, 8, 2, seed=3)
+    index, weights = index.cuda(), weights.cuda().to(torch.bfloat16)
+    with torch.no_grad():
+        plan = _fused._plan(experts, hidden)
+        assert not plan.xg and _fused._gemm(experts, plan, tokens * 2) == "grouped_mm"
+        mixed = run_experts(experts, hidden, index, weights, "idempotent")
+        setattr(experts.config, hf.SMALL_M_GEMM_ATTR, False)
+        setattr(experts.config, hf.EXPERTS_GEMM_ATTR, False)
+        alike = run_experts(experts, hidden.to(torch.bfloat16), index, weights, "idempotent")
+    assert mixed.dtype == torch.float32 and torch.equal(mixed.to(torch.bfloat16), alike)

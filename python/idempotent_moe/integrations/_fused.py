@@ -79,7 +79,7 @@ class _Plan(NamedTuple):
     inter: int           # intermediate features I
     lean: bool           # _lean_forward applies (CUDA, grouped_mm, fused gate, no bias or norm, no EP)
     small_m: bool        # CUDA, fused gate, no bias or norm, grouped_gemm's kernel reads both weights
-    xg: bool             # small_m's conditions in float16/bfloat16: experts_gemm's kernel reads both weights
+    xg: bool             # small_m's, float16/bfloat16 hidden states and weights alike, eager: experts_gemm's
 
 
 def _plan(experts, hidden_states: torch.Tensor) -> _Plan:
@@ -111,7 +111,10 @@ def _plan(experts, hidden_states: torch.Tensor) -> _Plan:
                and not getattr(experts, "has_post_expert_norm", False)
                and _dispatch.grouped_gemm_takes(w_up, tracing)
                and _dispatch.grouped_gemm_takes(w_down, tracing))
-    xg = small_m and w_up.dtype in (torch.float16, torch.bfloat16) and not tracing
+    # and the hidden states in the weights' dtype: the library's kernels take
+    # one dtype (the plan is made per hidden dtype), grouped_mm's path casts
+    xg = (small_m and w_up.dtype in (torch.float16, torch.bfloat16) and hidden_states.dtype is w_up.dtype
+          and not tracing)
     plan = _Plan(key, w_up, w_down, usable, act, w_down.shape[-2], lean, small_m, xg)
     if not tracing:
         experts.__dict__["_idempotent_plan"] = plan
