@@ -33,6 +33,7 @@ relative Frobenius). JSON to --out and a plot beside it (.png).
 
     python benchmarks/p1_experts.py --out "$OUT/p1-cuda.json" --vllm-path .peers/vllm
     python benchmarks/p1_experts.py --quick --out /tmp/p1-cpu.json      # CPU, tiny shapes, seconds
+    python benchmarks/p1_experts.py --doc docs/moe.md --from-json benchmarks/results/p1-cuda.json
 """
 
 from __future__ import annotations
@@ -420,7 +421,9 @@ def plot(result: dict, path: str) -> str | None:
 
 def parse_args(argv):
     p = argparse.ArgumentParser(description="Workload P1: the experts forward alone, routing given.")
-    p.add_argument("--out", required=True, help="JSON path (the plot goes beside it, .png)")
+    p.add_argument("--out", default=None, help="JSON path (the plot goes beside it, .png)")
+    p.add_argument("--doc", default=None, help="a document whose <!-- bench:p1 --> section gets the table")
+    p.add_argument("--from-json", default=None, help="with --doc: render this JSON instead of measuring")
     p.add_argument("--quick", action="store_true", help="CPU, tiny shapes, no vLLM: a smoke test in seconds")
     p.add_argument("--vllm-path", default=None, help="a vLLM checkout: adds vLLM's Triton fused_moe")
     p.add_argument("--shapes", default=None, help="comma-separated subset of the shapes")
@@ -432,7 +435,19 @@ def parse_args(argv):
     args = p.parse_args(argv)
     if args.rounds < 1 or args.calls < 1 or args.warmup < 1:
         p.error("--rounds, --calls and --warmup must be at least 1")
+    if args.from_json and not args.doc:
+        p.error("--from-json renders a table: name the document with --doc")
+    if not args.out and not args.from_json:
+        p.error("--out names the JSON to write")
     return args
+
+
+def update_doc(path: str, result: dict) -> None:
+    """The table of `result` into `path`'s bench:p1 section (imoe_bench.p1_report)."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # imoe_bench beside this file
+    from imoe_bench import p1_report
+
+    p1_report.update_doc(path, result)
 
 
 def write_json(result: dict, path: str) -> None:
@@ -454,6 +469,11 @@ def row_line(row: dict) -> str:
 
 def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    if args.from_json:
+        with open(args.from_json) as f:
+            update_doc(args.doc, json.load(f))
+        print(f"updated {args.doc} from {args.from_json}")
+        return 0
     shapes = QUICK_SHAPES if args.quick else SHAPES
     if args.shapes:
         unknown = [s for s in args.shapes.split(",") if s not in shapes]
@@ -515,6 +535,9 @@ def main(argv=None) -> int:
     result["plot"] = plot(result, os.path.splitext(args.out)[0] + ".png")
     write_json(result, args.out)
     print(f"wrote {args.out} ({result['wall_s']:.1f} s)")
+    if args.doc:
+        update_doc(args.doc, result)
+        print(f"updated {args.doc}")
     return 0
 
 

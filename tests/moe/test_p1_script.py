@@ -76,6 +76,34 @@ def test_quick_mode_writes_every_figure(tmp_path):
         assert r["plot"] == str(out.with_suffix(".png")) and out.with_suffix(".png").stat().st_size > 0
 
 
+def test_the_table_goes_into_a_document_and_is_its_json(tmp_path):
+    """--doc writes P1's table into the document's bench:p1 section after a
+    run; --doc with --from-json renders the same table from the JSON alone
+    (what the committed docs are checked against); the text around the
+    section is kept."""
+    doc = tmp_path / "doc.md"
+    doc.write_text("before\n<!-- bench:p1 -->\nold\n<!-- /bench:p1 -->\nafter\n")
+    out = tmp_path / "p1.json"
+    proc = _run(["--quick", "--out", str(out), "--tokens", "1,8", "--rounds", "1", "--doc", str(doc)],
+                cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    text = doc.read_text()
+    assert text.startswith("before\n<!-- bench:p1 -->\n| shape | T |")
+    assert text.endswith("<!-- /bench:p1 -->\nafter\n")
+    assert "old" not in text
+    result = json.loads(out.read_text())
+    table = text.split("<!-- bench:p1 -->\n")[1].split("\n<!-- /bench:p1 -->")[0]
+    body = [line for line in table.splitlines() if line.startswith("| tiny")]
+    assert len(body) == len(result["rows"]) == 4
+    first = result["rows"][0]["impls"]["idempotent"]
+    assert f"| {first['device_ms'] * 1e3:,.1f} |" in body[0]
+    assert "no vLLM" in table and str(result["env"]["commit"]) in table
+    doc.write_text("before\n<!-- bench:p1 -->\nstale\n<!-- /bench:p1 -->\nafter\n")
+    script = _module(SCRIPT, "p1_experts_doc")
+    assert script.main(["--doc", str(doc), "--from-json", str(out)]) == 0
+    assert doc.read_text() == text
+
+
 def test_a_run_cut_short_keeps_its_rows(tmp_path):
     """The JSON is rewritten after every row: a run stopped in its second
     row (a time limit) leaves the first on disk, whole."""
@@ -108,6 +136,12 @@ def test_bad_arguments_are_refused(tmp_path, capsys):
         script.main(["--quick", "--out", out, "--shapes", "nope"])
     with pytest.raises(SystemExit, match="--vllm-path"):
         script.main(["--quick", "--out", out, "--vllm-path", str(tmp_path)])
+    with pytest.raises(SystemExit) as exc:
+        script.main(["--from-json", out])
+    assert exc.value.code == 2 and "--doc" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:
+        script.main(["--quick"])
+    assert exc.value.code == 2 and "--out" in capsys.readouterr().err
     assert not (tmp_path / "x.json").exists()
 
 
