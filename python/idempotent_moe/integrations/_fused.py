@@ -123,10 +123,9 @@ def _plan(experts, hidden_states: torch.Tensor) -> _Plan:
 
 SMALL_M_ROWS_PER_EXPERT = 4  # grouped_gemm beats grouped_mm up to about this many rows per expert (H200)
 # The default's thresholds (workload P1, H100, bf16, four MoE shapes at 1 to
-# 4,096 tokens): at one row per expert grouped_gemm is 4-11% faster than
-# experts_gemm; from two to XG_ROWS_PER_EXPERT rows per expert experts_gemm is
-# the fastest (3-17% ahead of grouped_mm on the gathered rows); above it, at
-# 128 rows per expert and more, grouped_mm is (10-45% ahead of experts_gemm).
+# 4,096 tokens; the figures: docs/moe.md, "Which GEMMs run"): grouped_gemm is
+# the fastest at one row per expert, experts_gemm from two to
+# XG_ROWS_PER_EXPERT, grouped_mm on the gathered rows from 128 on.
 XG_ROWS_PER_EXPERT = 64
 
 # The config attribute that picks the experts' GEMM: True, the library's
