@@ -175,11 +175,15 @@ def main():
     ap.add_argument("--skip-ceiling", action="store_true")
     ap.add_argument("--families", default="mixtral,qwen3moe")
     ap.add_argument("--batches", default="1,8,32")
+    ap.add_argument("--rounds", type=int, default=3, help="the ceiling's interleaved rounds (medians)")
+    ap.add_argument("--new-tokens", type=int, default=48, help="the ceiling's decoded tokens per generate()")
     ap.add_argument("--impls", default=",".join(CEILING_IMPLS),
                     help="M1 names (idempotent+xg), zero-cost, zero-cost+router")
     ap.add_argument("--cache", choices=("dynamic", "static"), default="dynamic",
                     help="the ceiling's cache (static: transformers compiles the decode)")
     opts = ap.parse_args()
+    if opts.rounds < 1 or opts.new_tokens < 2:
+        ap.error("--rounds must be at least 1 and --new-tokens at least 2")
     if opts.cache == "static":
         raise_recompile_limit()
     hf.register()
@@ -193,9 +197,11 @@ def main():
         result[f"kernel_names_{tokens}_tokens"] = counts
     del b
     if not opts.skip_ceiling:
+        names = tuple(opts.impls.split(","))
+        result["ceiling_rounds"], result["ceiling_new_tokens"] = opts.rounds, opts.new_tokens
         result["decode_tokens_per_s"] = {
-            f"{family}, batch {batch}": decode_ceiling(family, int(batch), opts.cache,
-                                                              names=tuple(opts.impls.split(",")))
+            f"{family}, batch {batch}": decode_ceiling(family, int(batch), opts.cache, opts.rounds,
+                                                       opts.new_tokens, names)
             for family in opts.families.split(",") for batch in opts.batches.split(",")}
     text = json.dumps(result, indent=1)
     print(text)
