@@ -51,6 +51,11 @@ import time
 
 import torch
 
+HERE = os.path.dirname(os.path.abspath(__file__))  # benchmarks/: the lab (imoe_bench) and the peers
+if HERE not in sys.path:
+    sys.path.insert(0, HERE)
+from imoe_bench import p1_report, runner  # noqa: E402
+
 # name: (hidden, intermediate per expert, experts, top-k, transformers family)
 SHAPES = {
     "mixtral-8x7b": (4096, 14336, 8, 2, "mixtral"),
@@ -365,9 +370,6 @@ def environment(device: str) -> dict:
         env["triton"] = triton.__version__
     except ImportError:
         env["triton"] = None
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # imoe_bench beside this file
-    from imoe_bench import runner
-
     env["commit"] = runner.git_commit()
     if device.startswith("cuda"):
         env["gpu_name"] = torch.cuda.get_device_name()
@@ -444,9 +446,6 @@ def parse_args(argv):
 
 def update_doc(path: str, result: dict) -> None:
     """The table of `result` into `path`'s bench:p1 section (imoe_bench.p1_report)."""
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # imoe_bench beside this file
-    from imoe_bench import p1_report
-
     p1_report.update_doc(path, result)
 
 
@@ -496,7 +495,6 @@ def main(argv=None) -> int:
     std = QUICK_WEIGHT_STD if args.quick else WEIGHT_STD
     peer = None
     if args.vllm_path:
-        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
         from peers.vllm_fused_moe import VllmFusedMoe
 
         peer = VllmFusedMoe(args.vllm_path)

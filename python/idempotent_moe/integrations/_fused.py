@@ -17,8 +17,8 @@ and kept on the module (`_Plan`): decode is bound by the host, and every microse
 At decode sizes on CUDA (`_lean_forward`) the forward is five calls: the
 dispatch, grouped_mm, gated_act, grouped_mm and the combine, straight into
 the core, over intermediates kept on the module between forwards (`_Scratch`:
-the gathered rows, the routing ints and the activations, at most
-SCRATCH_BYTES; the output is always a new tensor). Reusing them is safe in
+the gathered rows, the routing ints, the activations and the dispatch's
+workspace, at most SCRATCH_BYTES; the output is always a new tensor). Reusing them is safe in
 stream order: every reader of one forward's intermediates is queued before
 the next forward writes them, on the same stream (the key holds it).
 
@@ -249,6 +249,7 @@ class _Scratch(NamedTuple):
     key: tuple
     d: MoEDispatch       # the dispatch's outputs (dropped: used dropless only)
     act: torch.Tensor    # [S, I] act(gate) * up
+    ws: torch.Tensor | None  # the dispatch's workspace (a capacity's), made once with the rest
 
 
 def _scratch(experts, plan: _Plan, hidden: torch.Tensor, num_tokens: int, top_k: int, capacity, stream: int):
@@ -263,7 +264,7 @@ def _scratch(experts, plan: _Plan, hidden: torch.Tensor, num_tokens: int, top_k:
     if s * (hidden.shape[1] + plan.inter) * hidden.element_size() > SCRATCH_BYTES:
         return None
     held = _Scratch(key, torch_outputs(hidden, experts.num_experts, num_tokens, top_k, s),
-                    hidden.new_empty((s, plan.inter)))
+                    hidden.new_empty((s, plan.inter)), dispatch_workspace(hidden, s, capacity, True))
     experts.__dict__["_idempotent_scratch"] = held
     return held
 
@@ -293,7 +294,7 @@ def _lean_forward(experts, plan: _Plan, hidden: torch.Tensor, top_k_index: torch
                      top_k_weights=top_k_weights, num_experts=experts.num_experts, capacity=capacity,
                      out_rows=d.rows[:, :1] if xg else d.rows, out_offsets=d.offsets, out_dest=d.dest,
                      out_src=d.src, out_dropped=dropped,
-                     workspace=dispatch_workspace(hidden, num_tokens * top_k, capacity, True),
+                     workspace=sc.ws,
                      num_threads=0, stream=stream)
     if xg:
         lib.experts_gemm(x=hidden, w=plan.up, offsets=d.offsets, src=d.src, act=plan.act, out=sc.act,
