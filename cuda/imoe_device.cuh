@@ -26,6 +26,16 @@ constexpr int kApplyThreads = 256;      // apply kernel block
 constexpr int kCheckThreads = 512;      // validation kernels
 constexpr unsigned kSlots = 64;         // per-call verdict slots
 constexpr int kVerdicts = 256;          // most blocks of a validation kernel (one verdict word each)
+constexpr int64_t kDestCheckItems = 8192;  // dest entries per block of a multi-block dest check
+
+// Blocks of a multi-block dest check over `entries` dest entries: one per
+// kDestCheckItems, at least one, at most kVerdicts (a verdict word each) and
+// `readers` (the threads of each block after it, which read every word).
+inline int32_t dest_check_blocks(int64_t entries, int readers) {
+  const int64_t most = readers < kVerdicts ? readers : kVerdicts;
+  const int64_t b = (entries + kDestCheckItems - 1) / kDestCheckItems;
+  return (int32_t)(b < 1 ? 1 : b < most ? b : most);
+}
 // Rows of at most this many slots select with k_select_small: every key in
 // registers, NT x IPT slots per block (NT = kSelThreads with IPT 4, 8 or 16;
 // for many rows NT = 256 or 512 with IPT 16, several blocks per SM).

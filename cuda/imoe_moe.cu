@@ -63,7 +63,6 @@ constexpr int kMultiSortBlocks = kRowThreads < kVerdicts ? kRowThreads : kVerdic
 constexpr int kRankDirect = 64;      // k_moe_sort: most assignments an expert ranks pairwise
 constexpr int kInlineDestCheck = 2048;  // combine: at most this many dest entries are
                                         // checked by every block (no check kernel)
-constexpr int64_t kDestCheckItems = 8192;  // combine: dest entries per block of its check kernel
 constexpr int kCombineChunk = kRowThreads * 8;  // combine: features one block sums
 constexpr int kCombineStage = 64;   // combine: most k whose dest and weights go to shared memory
 constexpr int kCombineBatch = 4;    // combine: rows loaded before any is added
@@ -903,15 +902,6 @@ void multi_sort_shape(int64_t S, int32_t *blocks, int64_t *tile) {
   *blocks = (int32_t)((S + t - 1) / t);
 }
 
-// Blocks of the combine's dest check: one per kDestCheckItems entries, at
-// most kRowThreads (each combine block reads every verdict word, one per
-// thread) and kVerdicts.
-int32_t dest_check_blocks(int64_t entries) {
-  const int64_t most = kRowThreads < kVerdicts ? kRowThreads : kVerdicts;
-  const int64_t b = (entries + kDestCheckItems - 1) / kDestCheckItems;
-  return (int32_t)(b < 1 ? 1 : b < most ? b : most);
-}
-
 template <int YDT>
 cudaError_t launch_combine(bool vec, unsigned grid, bool pdl, cudaStream_t st, const CombineParams &cp) {
   return vec ? launch(k_moe_combine<YDT, true>, shape(grid, kRowThreads, 0, pdl), st, cp)
@@ -1068,7 +1058,7 @@ imoe_status imoe_cuda_moe_combine(const imoe_view *rows, const imoe_view *dest, 
   cudaError_t e;
   if (!cp.inline_check) {
     cp.token = next_token();
-    cp.check_blocks = dest_check_blocks(cp.T * cp.k);
+    cp.check_blocks = dest_check_blocks(cp.T * cp.k, kRowThreads);  // the combine's blocks read them
     e = launch(k_moe_dest_check, shape((unsigned)cp.check_blocks, 1024), st, cp);
     if (e != cudaSuccess) return cuda_fail(err, fn, "launch of k_moe_dest_check", e);
   }

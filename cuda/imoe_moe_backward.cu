@@ -370,14 +370,6 @@ cudaError_t launch_act_bwd(bool bf16, int act, unsigned grid, cudaStream_t s, co
 // The params every dest-reading call shares, and its check kernel launched.
 bool aligned16(const void *ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15u) == 0; }
 
-// Blocks of the dest check: one per 8,192 entries, at most kThreads (each
-// block after it reads every verdict word, one per thread) and kVerdicts.
-int32_t check_blocks(int64_t entries) {
-  const int64_t most = kThreads < kVerdicts ? kThreads : kVerdicts;
-  const int64_t b = (entries + 8191) / 8192;
-  return (int32_t)(b < 1 ? 1 : b < most ? b : most);
-}
-
 cudaError_t begin(const imoe_view *dest, int64_t rows, DevInfo *di, cudaStream_t s, BwdParams *p) {
   memset(p, 0, sizeof *p);
   p->dest = idx_of(dest);
@@ -386,7 +378,7 @@ cudaError_t begin(const imoe_view *dest, int64_t rows, DevInfo *di, cudaStream_t
   p->R = rows;
   p->words = di->words;
   p->token = next_token();
-  p->check_blocks = check_blocks(p->T * p->k);
+  p->check_blocks = dest_check_blocks(p->T * p->k, kThreads);  // the backward's blocks read them
   return launch(k_bwd_dest_check, shape((unsigned)p->check_blocks, 1024), s, *p);
 }
 
